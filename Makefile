@@ -1,0 +1,35 @@
+# Aftershock: `make demo` and `make test` are the whole quick start.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+# The CPU wheel of torch that this project is tested with. GPU users: see README
+# ("Installing on a GPU machine") and override TORCH_SPEC, e.g. TORCH_SPEC=torch.
+TORCH_SPEC ?= torch==2.13.0
+STAMP  := $(VENV)/.installed
+
+.PHONY: venv demo test test-fast lint typecheck bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)" numpy
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+demo: venv
+	$(VENV)/bin/aftershock run scenarios/training/
+
+test: venv
+	$(PY) -m pytest
+
+test-fast: venv
+	$(PY) -m pytest -m "not slow"
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
+clean:
+	rm -rf .aftershock .pytest_cache .mypy_cache .ruff_cache *.egg-info

@@ -1,0 +1,117 @@
+"""pytest plugin: scenario YAML files are test items.
+
+Kept outside the ``harness`` package and importing only the standard library and
+pytest at import time, so that installing Aftershock costs every pytest run
+nothing; the harness is imported when a scenario item actually runs.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+_SCENARIO_HINT = re.compile(r"^system\s*:", re.MULTILINE)
+_NAME = re.compile(r"^name\s*:\s*['\"]?([^'\"\n#]+)", re.MULTILINE)
+
+
+class AftershockHooks:
+    """Hooks other plugins may implement."""
+
+    def pytest_aftershock_result(self, item: pytest.Item, result: Any) -> None:
+        """Called with each scenario's RunResult (harness.records) after it ran."""
+
+
+def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
+    pluginmanager.add_hookspecs(AftershockHooks)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("aftershock", "Aftershock scenarios")
+    group.addoption("--aftershock-seed", type=int, default=None,
+                    help="override every scenario's seed")
+    group.addoption("--aftershock-run-dir", default=None,
+                    help="keep each scenario's run folder under this folder")
+    group.addoption("--aftershock-no-cache", action="store_true", default=False,
+                    help="re-run fault-free baselines instead of reusing cached ones")
+    parser.addini("aftershock_collect", type="bool", default=True,
+                  help="collect scenario YAML files (files with a top-level `system:` key)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "aftershock: an Aftershock scenario run as a test")
+
+
+def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Collector | None:
+    if file_path.suffix not in (".yaml", ".yml"):
+        return None
+    if not parent.config.getini("aftershock_collect"):
+        return None
+    explicit = any(Path(str(a).split("::")[0]).resolve() == file_path.resolve()
+                   for a in parent.config.args)
+    try:
+        text = file_path.read_text(encoding="utf-8")
+    except OSError:
+        return None
+    if explicit or _SCENARIO_HINT.search(text):
+        return ScenarioFile.from_parent(parent, path=file_path)
+    return None
+
+
+class ScenarioFile(pytest.File):
+    def collect(self) -> list[pytest.Item]:
+        text = self.path.read_text(encoding="utf-8")
+        match = _NAME.search(text)
+        name = match.group(1).strip() if match else self.path.stem
+        item = ScenarioItem.from_parent(self, name=name)
+        item.add_marker("aftershock")
+        return [item]
+
+
+class ScenarioFailed(Exception):
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.text = text
+
+
+class ScenarioItem(pytest.Item):
+    def runtest(self) -> None:
+        __tracebackhide__ = True
+        from harness.errors import AftershockError, SpecError
+        from harness.report import check_table_text
+        from harness.runner import run_scenario
+        from harness.spec import load_scenario
+
+        config = self.config
+        try:
+            loaded = load_scenario(self.path)
+        except SpecError as exc:
+            raise ScenarioFailed("invalid scenario:\n" + "\n".join(exc.problems)) from None
+        run_root = config.getoption("--aftershock-run-dir")
+        run_dir = Path(run_root) / loaded.spec.name if run_root else None
+        try:
+            result = run_scenario(
+                loaded,
+                run_dir=run_dir,
+                seed=config.getoption("--aftershock-seed"),
+                use_cache=not config.getoption("--aftershock-no-cache"),
+            )
+        except AftershockError as exc:
+            raise ScenarioFailed(f"harness error: {exc}") from None
+        self.user_properties.append(("run_dir", result.run_dir))
+        for key, value in result.metrics.items():
+            self.user_properties.append((key, value))
+        config.hook.pytest_aftershock_result(item=self, result=result)
+        if not result.passed:
+            failed = ", ".join(c.name for c in result.failed_checks())
+            raise ScenarioFailed(f"checks failed: {failed}\n{check_table_text(result)}")
+
+    def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None) -> str:
+        if isinstance(excinfo.value, ScenarioFailed):
+            return excinfo.value.text
+        return str(super().repr_failure(excinfo))
+
+    def reportinfo(self) -> tuple[Path, int, str]:
+        return self.path, 0, f"scenario: {self.name}"

@@ -1,0 +1,121 @@
+"""Process identity and discovery through /proc, without pid-reuse mistakes.
+
+A pid alone can be reused by an unrelated process after the original dies, so
+every process the engine touches is named by (pid, start time), and a signal
+is only sent while both still match.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+
+def _read_stat(pid: int) -> list[str] | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            raw = handle.read().decode(errors="replace")
+    except OSError:
+        return None
+    # The command name (field 2) may contain spaces and parentheses: split after it.
+    tail = raw[raw.rfind(")") + 2 :].split()
+    return tail
+
+
+def start_time(pid: int) -> int | None:
+    """Field 22 of /proc/PID/stat: start time in clock ticks since boot."""
+    tail = _read_stat(pid)
+    return int(tail[19]) if tail and len(tail) > 19 else None
+
+
+def state(pid: int) -> str | None:
+    """One-letter scheduler state: R, S, D, T (stopped), t, Z (zombie), ..."""
+    tail = _read_stat(pid)
+    return tail[0] if tail else None
+
+
+def environ(pid: int) -> dict[str, str]:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as handle:
+            raw = handle.read()
+    except OSError:
+        return {}
+    env: dict[str, str] = {}
+    for item in raw.split(b"\0"):
+        key, sep, value = item.partition(b"=")
+        if sep:
+            env[key.decode(errors="replace")] = value.decode(errors="replace")
+    return env
+
+
+def all_pids() -> Iterator[int]:
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            yield int(name)
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessRef:
+    """A process named by pid and start time, so a reused pid is never hit."""
+
+    pid: int
+    start: int
+
+    @classmethod
+    def of(cls, pid: int) -> ProcessRef | None:
+        started = start_time(pid)
+        return cls(pid, started) if started is not None else None
+
+    def alive(self) -> bool:
+        return start_time(self.pid) == self.start and state(self.pid) not in (None, "Z", "X")
+
+    def stopped(self) -> bool:
+        return self.alive() and state(self.pid) in ("T", "t")
+
+    def signal(self, sig: int | signal.Signals) -> bool:
+        """Send ``sig`` if this is still the same process. True if it was sent."""
+        if start_time(self.pid) != self.start:
+            return False
+        try:
+            os.kill(self.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
+
+    def to_json(self) -> dict[str, int]:
+        return {"pid": self.pid, "start": self.start}
+
+    @classmethod
+    def from_json(cls, data: dict[str, int]) -> ProcessRef:
+        return cls(int(data["pid"]), int(data["start"]))
+
+
+def processes_with_env(name: str, value: str) -> list[ProcessRef]:
+    """Every live process whose initial environment has ``name=value``.
+
+    The harness marks everything it launches with a run id in the environment;
+    children inherit it, including ones that start their own session (torchrun
+    workers do), so this finds a run's whole tree even after its parent died.
+    """
+    found: list[ProcessRef] = []
+    me = os.getpid()
+    for pid in all_pids():
+        if pid == me:
+            continue
+        if environ(pid).get(name) == value:
+            ref = ProcessRef.of(pid)
+            if ref is not None and state(pid) not in ("Z", "X"):
+                found.append(ref)
+    return found
+
+
+def kill_all(refs: list[ProcessRef]) -> None:
+    """SIGKILL each process; SIGKILL also ends stopped processes, no SIGCONT needed."""
+    for ref in refs:
+        ref.signal(signal.SIGKILL)
+    for ref in refs:
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitpid(ref.pid, os.WNOHANG)

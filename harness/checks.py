@@ -1,0 +1,116 @@
+"""Checks: each `expect:` entry of a scenario, evaluated over the run's timeline.
+
+A check never raises for a bad run; it returns a failed CheckResult that says
+what was observed against what was expected.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from harness._duration import format_duration
+from harness.records import CheckResult, FaultRecord
+from harness.spec import Expect
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """How the system under test ended, as the harness saw it."""
+
+    exit_code: int | None
+    timed_out: bool
+    duration_s: float
+
+
+def _budget(name: str, observed: float | None, limit_s: float, what: str) -> CheckResult:
+    expected = f"<= {format_duration(limit_s)}"
+    if observed is None:
+        return CheckResult(name, False, None, expected, f"{what} was never observed")
+    ok = observed <= limit_s
+    shown = format_duration(observed)
+    verdict = "within" if ok else "over"
+    return CheckResult(
+        name, ok, round(observed, 4), expected, f"{what} took {shown}, {verdict} {expected}"
+    )
+
+
+def evaluate(
+    expect: Expect,
+    *,
+    outcome: Outcome,
+    metrics: Mapping[str, float | int | None],
+    faults: Sequence[FaultRecord],
+    digests: Mapping[int, str],
+    baseline: Mapping[int, str] | None,
+) -> list[CheckResult]:
+    results: list[CheckResult] = []
+    if expect.completes:
+        if outcome.timed_out:
+            results.append(
+                CheckResult("completes", False, "timed out", "exit 0",
+                            f"still running after {outcome.duration_s:.1f}s; it was stopped")
+            )
+        else:
+            ok = outcome.exit_code == 0
+            results.append(
+                CheckResult("completes", ok, f"exit {outcome.exit_code}", "exit 0",
+                            "exited 0" if ok else f"exited with code {outcome.exit_code}")
+            )
+    if faults:
+        missed = [f for f in faults if f.injected_at_s is None]
+        results.append(
+            CheckResult(
+                "faults_injected",
+                not missed,
+                f"{len(faults) - len(missed)}/{len(faults)}",
+                f"{len(faults)}/{len(faults)}",
+                "every fault was injected" if not missed else
+                "never injected: " + "; ".join(f"{f.kind} at {f.target}" for f in missed)
+                + " (the trigger was not reached or the target never appeared)",
+            )
+        )
+    if expect.params_match:
+        results.append(_params_match(digests, baseline))
+    if expect.time_to_detect:
+        results.append(_budget("time_to_detect", _f(metrics.get("time_to_detect_s")),
+                               expect.time_to_detect.max.total_seconds(), "detection"))
+    if expect.time_to_recover:
+        results.append(_budget("time_to_recover", _f(metrics.get("time_to_recover_s")),
+                               expect.time_to_recover.max.total_seconds(), "recovery"))
+    if expect.lost_steps:
+        lost = metrics.get("lost_steps")
+        limit = expect.lost_steps.max
+        ok = isinstance(lost, int) and lost <= limit
+        results.append(CheckResult("lost_steps", ok, lost, f"<= {limit}",
+                                   f"{lost} committed steps were recomputed (at most {limit})"))
+    return results
+
+
+def _f(value: float | int | None) -> float | None:
+    return None if value is None else float(value)
+
+
+def _params_match(digests: Mapping[int, str], baseline: Mapping[int, str] | None) -> CheckResult:
+    expected = "bitwise equal to the fault-free run"
+    if baseline is None or not baseline:
+        return CheckResult("params_match", False, None, expected,
+                           "the fault-free run reported no parameters to compare with")
+    if not digests:
+        return CheckResult("params_match", False, None, expected,
+                           "the run reported no final parameters")
+    ranks = sorted(set(baseline) | set(digests))
+    differ = [r for r in ranks if digests.get(r) != baseline.get(r)]
+    observed = f"{len(ranks) - len(differ)}/{len(ranks)} ranks equal"
+    if differ:
+        detail = ", ".join(
+            f"rank {r}: {_short(digests.get(r))} != {_short(baseline.get(r))}" for r in differ
+        )
+        return CheckResult("params_match", False, observed, expected,
+                           f"parameters differ: {detail}")
+    return CheckResult("params_match", True, observed, expected,
+                       f"all {len(ranks)} ranks bitwise equal to the fault-free run")
+
+
+def _short(digest: str | None) -> str:
+    return digest[:12] if digest else "missing"

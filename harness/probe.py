@@ -1,0 +1,105 @@
+"""In-process probe: how a system under test reports to Aftershock's timeline.
+
+Standard library only, so any process can import it without pulling in torch,
+pydantic or the rest of the harness. Every call is a no-op unless the harness
+launched the process (``AFTERSHOCK_EVENTS`` is set), so a trainer can keep its
+probe calls in production code.
+
+Events are appended as JSON lines to one file shared by the harness and every
+process of the run. Each line is written with a single ``write`` on an
+``O_APPEND`` descriptor, which keeps lines whole with many writers. Times come
+from ``time.monotonic()``: CLOCK_MONOTONIC is one clock for every process on a
+Linux host, so the harness can order events from all ranks on one timeline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from typing import Any
+
+EVENTS_ENV = "AFTERSHOCK_EVENTS"
+OUTPUT_ENV = "AFTERSHOCK_OUTPUT_DIR"
+RUN_ID_ENV = "AFTERSHOCK_RUN_ID"
+
+_lock = threading.Lock()
+_fd: int | None = None
+_fd_path: str | None = None
+
+
+def enabled() -> bool:
+    """True when the process was launched by the harness and events are recorded."""
+    return bool(os.environ.get(EVENTS_ENV))
+
+
+def output_dir() -> str | None:
+    """Folder where the system under test may leave artifacts (final params, ...)."""
+    return os.environ.get(OUTPUT_ENV) or None
+
+
+def _rank() -> int | None:
+    value = os.environ.get("RANK")
+    return int(value) if value is not None and value.lstrip("-").isdigit() else None
+
+
+def emit(event: str, **fields: Any) -> None:
+    """Append one event to the run's timeline. Never raises: a probe must not
+    break the system it observes."""
+    global _fd, _fd_path
+    path = os.environ.get(EVENTS_ENV)
+    if not path:
+        return
+    record: dict[str, Any] = {"t": time.monotonic(), "event": event, "pid": os.getpid()}
+    rank = _rank()
+    if rank is not None and "rank" not in fields:
+        record["rank"] = rank
+    record["source"] = f"rank{rank}" if rank is not None else "process"
+    record.update(fields)
+    line = (json.dumps(record, separators=(",", ":"), default=str) + "\n").encode()
+    try:
+        with _lock:
+            if _fd is None or _fd_path != path:
+                _fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                _fd_path = path
+            os.write(_fd, line)
+    except OSError:
+        pass
+
+
+def hello(*, world: int, generation: int = 0, **fields: Any) -> None:
+    """A rank is up: its pid, rank, world size and restart generation."""
+    emit("hello", world=world, generation=generation, **fields)
+
+
+def step(n: int, *, world: int, **fields: Any) -> None:
+    """Step ``n`` was committed by this rank (its parameters now include it)."""
+    emit("step", step=n, world=world, **fields)
+
+
+def detected(cause: str, **fields: Any) -> None:
+    """The system noticed a failure (a peer died, a collective timed out, ...)."""
+    emit("failure_detected", cause=cause, **fields)
+
+
+def recovered(**fields: Any) -> None:
+    """The system believes it is whole again (it may still need steps to prove it)."""
+    emit("recovery_done", **fields)
+
+
+def checkpoint_saved(step: int, path: str, **fields: Any) -> None:
+    emit("checkpoint_saved", step=step, path=path, **fields)
+
+
+def checkpoint_loaded(step: int, path: str, **fields: Any) -> None:
+    emit("checkpoint_loaded", step=step, path=path, **fields)
+
+
+def checkpoint_skipped(path: str, reason: str, **fields: Any) -> None:
+    emit("checkpoint_skipped", path=path, reason=reason, **fields)
+
+
+def params(digest: str, **fields: Any) -> None:
+    """The final parameters of this rank, as a hex digest of their exact bytes."""
+    emit("params", digest=digest, **fields)

@@ -1,0 +1,264 @@
+"""Reports: the live view, plain progress lines, the check table, JSON and JUnit XML."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+from xml.etree import ElementTree as ET
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from harness.records import Event, RunResult
+
+#: Events worth a line of their own in the plain and live views.
+NOTABLE = {
+    "launch", "fault_injected", "fault_healed", "failure_detected", "recovery_done",
+    "checkpoint_loaded", "checkpoint_skipped", "timeout", "run_end",
+}
+
+
+def describe(event: Event) -> str:
+    f = event.fields
+    who = f"rank {event.rank}" if event.rank is not None else event.source
+    match event.event:
+        case "launch":
+            return f"launched ({f.get('phase', 'run')}, seed {f.get('seed')})"
+        case "fault_injected":
+            return f"FAULT {f.get('kind')} -> rank {f.get('rank')}: {f.get('detail', '')}"
+        case "fault_healed":
+            return f"healed {f.get('kind')}"
+        case "failure_detected":
+            return f"{who} detected failure: {f.get('cause', '?')}"
+        case "recovery_done":
+            return f"{who} recovered"
+        case "checkpoint_loaded":
+            return f"{who} resumed from checkpoint at step {f.get('step')}"
+        case "checkpoint_skipped":
+            return f"{who} skipped checkpoint {f.get('path')}: {f.get('reason')}"
+        case "checkpoint_saved":
+            return f"checkpoint saved at step {f.get('step')}"
+        case "timeout":
+            return f"TIMEOUT after {f.get('after_s')}s"
+        case "run_end":
+            return f"run ended (exit {f.get('exit_code')})"
+        case "step":
+            return f"{who} step {f.get('step')}"
+    return f"{who} {event.event}"
+
+
+class PlainObserver:
+    """One line per notable event, for logs and CI (no TTY)."""
+
+    def __init__(self, console: Console, step_every: int = 50) -> None:
+        self.console = console
+        self.step_every = step_every
+        self._scenario = ""
+        self._t0: float | None = None
+        self._last_step = 0
+
+    def phase(self, scenario: str, phase: str, detail: str = "") -> None:
+        self._scenario = scenario
+        self._t0 = None
+        self._last_step = 0
+        self.console.print(f"[{scenario}] {phase}: {detail}", markup=False, highlight=False)
+
+    def event(self, event: Event) -> None:
+        if self._t0 is None:
+            self._t0 = event.t
+        step = event.fields.get("step")
+        if event.event == "step" and isinstance(step, int):
+            if step >= self._last_step + self.step_every:
+                self._last_step = step
+            else:
+                return
+        elif event.event not in NOTABLE:
+            return
+        elapsed = event.t - self._t0
+        line = f"[{self._scenario}] +{elapsed:7.3f}s {describe(event)}"
+        self.console.print(line, markup=False, highlight=False)
+
+    def finished(self, result: RunResult) -> None:
+        render_result(result, self.console)
+
+
+@dataclass
+class _RankState:
+    pid: int | None = None
+    step: int = 0
+    generation: int = 0
+    status: str = "starting"
+
+
+@dataclass
+class _LiveState:
+    scenario: str = ""
+    phase: str = ""
+    total_steps: int | None = None
+    ranks: dict[int, _RankState] = field(default_factory=dict)
+    log: deque[str] = field(default_factory=lambda: deque(maxlen=8))
+    t0: float | None = None
+
+
+class LiveObserver:
+    """A rich live view: ranks, step progress, faults and recovery as they happen."""
+
+    def __init__(self, console: Console, total_steps: int | None = None) -> None:
+        self.console = console
+        self.state = _LiveState(total_steps=total_steps)
+        self.live = Live(self._render(), console=console, refresh_per_second=8, transient=True)
+        self._started = False
+
+    def __enter__(self) -> LiveObserver:
+        self.live.start()
+        self._started = True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.live.stop()
+
+    def set_total_steps(self, total: int | None) -> None:
+        self.state.total_steps = total
+
+    def phase(self, scenario: str, phase: str, detail: str = "") -> None:
+        self.state = _LiveState(scenario=scenario, phase=phase,
+                                total_steps=self.state.total_steps)
+        self._refresh()
+
+    def event(self, event: Event) -> None:
+        s = self.state
+        if s.t0 is None:
+            s.t0 = event.t
+        rank = event.rank
+        if (rank is not None and event.source != "harness") or event.event == "fault_injected":
+            r = s.ranks.setdefault(rank if rank is not None else 0, _RankState())
+            if event.event == "hello":
+                r.pid = event.fields.get("pid")
+                r.generation = int(event.fields.get("generation", 0) or 0)
+                r.status = "running"
+            elif event.event == "step" and isinstance(event.fields.get("step"), int):
+                r.step = event.fields["step"]
+                r.status = "running"
+            elif event.event == "fault_injected":
+                r.status = f"[red]{event.fields.get('kind')}[/]"
+            elif event.event == "failure_detected":
+                r.status = "[yellow]detected failure[/]"
+            elif event.event == "checkpoint_loaded":
+                r.status = f"[cyan]resumed @ {event.fields.get('step')}[/]"
+            elif event.event == "exit":
+                r.status = "[green]done[/]"
+        if event.event in NOTABLE:
+            s.log.append(f"+{event.t - s.t0:7.3f}s {describe(event)}")
+        self._refresh()
+
+    def finished(self, result: RunResult) -> None:
+        if self._started:
+            self.live.stop()
+            self._started = False
+        render_result(result, self.console)
+
+    def _refresh(self) -> None:
+        if self._started:
+            self.live.update(self._render())
+
+    def _render(self) -> Panel:
+        s = self.state
+        table = Table(expand=True, box=None)
+        table.add_column("rank", justify="right")
+        table.add_column("pid", justify="right")
+        table.add_column("gen", justify="right")
+        table.add_column("step", justify="right")
+        table.add_column("progress", ratio=1)
+        table.add_column("status")
+        for rank in sorted(s.ranks):
+            r = s.ranks[rank]
+            bar = ""
+            if s.total_steps:
+                width = 30
+                done = int(width * min(r.step, s.total_steps) / s.total_steps)
+                bar = "█" * done + "·" * (width - done)
+            table.add_row(str(rank), str(r.pid or ""), str(r.generation), str(r.step), bar,
+                          Text.from_markup(r.status))
+        log = Text("\n".join(s.log) or "waiting for events...", style="dim")
+        return Panel(Group(table, log), title=f"{s.scenario} · {s.phase}", border_style="blue")
+
+
+def render_result(result: RunResult, console: Console) -> None:
+    table = Table(title=f"{result.name}  ({result.file})", title_justify="left")
+    table.add_column("check")
+    table.add_column("result")
+    table.add_column("observed", justify="right")
+    table.add_column("expected", justify="right")
+    table.add_column("message")
+    for check in result.checks:
+        verdict = "[green]PASS[/]" if check.passed else "[red bold]FAIL[/]"
+        table.add_row(check.name, verdict, _show(check.observed), _show(check.expected),
+                      check.message)
+    console.print(table)
+    shown = ", ".join(f"{k}={_show(v)}" for k, v in result.metrics.items())
+    console.print(f"metrics: {shown}", markup=False, highlight=False)
+    verdict = "[green]PASSED[/]" if result.passed else "[red bold]FAILED[/]"
+    console.print(f"{verdict} {result.name} in {result.duration_s:.1f}s, seed {result.seed}; "
+                  f"run dir {result.run_dir}")
+
+
+def _show(value: object) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3f}"
+    return str(value)
+
+
+def check_table_text(result: RunResult) -> str:
+    """The check table as plain text (for pytest failure messages)."""
+    rows = [("check", "result", "observed", "expected", "message")]
+    rows += [
+        (c.name, "PASS" if c.passed else "FAIL", _show(c.observed), _show(c.expected), c.message)
+        for c in result.checks
+    ]
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    lines = ["  ".join(r[i].ljust(widths[i]) for i in range(4)) + "  " + r[4] for r in rows]
+    return "\n".join(lines) + f"\nrun dir: {result.run_dir}"
+
+
+def write_json(results: Sequence[RunResult], out: IO[str]) -> None:
+    json.dump([r.to_json() for r in results], out, indent=2)
+    out.write("\n")
+
+
+def junit_xml(results: Sequence[RunResult]) -> str:
+    """One <testcase> per scenario run; a failed check is a <failure>."""
+    suite = ET.Element(
+        "testsuite",
+        name="aftershock",
+        tests=str(len(results)),
+        failures=str(sum(1 for r in results if not r.passed)),
+        time=f"{sum(r.duration_s for r in results):.3f}",
+        timestamp=time.strftime("%Y-%m-%dT%H:%M:%S"),
+    )
+    for r in results:
+        case = ET.SubElement(suite, "testcase", classname=Path(r.file).stem, name=r.name,
+                             time=f"{r.duration_s:.3f}", file=r.file)
+        failed = r.failed_checks()
+        if failed:
+            failure = ET.SubElement(
+                case, "failure",
+                message="; ".join(f"{c.name}: {c.message}" for c in failed),
+                type="CheckFailed",
+            )
+            failure.text = check_table_text(r)
+        props = ET.SubElement(case, "properties")
+        for key, value in r.metrics.items():
+            ET.SubElement(props, "property", name=key, value=_show(value))
+        ET.SubElement(props, "property", name="seed", value=str(r.seed))
+    ET.indent(suite)
+    return ET.tostring(suite, encoding="unicode", xml_declaration=True) + "\n"

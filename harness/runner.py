@@ -1,0 +1,387 @@
+"""Run a scenario: launch, inject on schedule, heal, record, check.
+
+The order of teardown is the point of this module: whatever happens (the
+system crashes, a check fails, the user presses Ctrl-C, the harness gets
+SIGTERM), every applied fault is reverted and every launched process is ended
+in ``finally``; a reaper process covers the case where the harness itself is
+killed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import json
+import os
+import random
+import signal
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any, Protocol
+
+import faults
+from faults.heal import heal_orphans, start_reaper
+from faults.journal import Journal
+from harness import metrics as _metrics
+from harness.checks import Outcome, evaluate
+from harness.errors import HarnessError
+from harness.records import CheckResult, Event, FaultRecord, RunResult
+from harness.spec import CommandSystem, LoadedScenario, Scenario, TrainerSystem
+from harness.target import LocalTarget, plan_launch
+from harness.timeline import Timeline
+
+POLL_S = 0.01
+CACHE_ENV = "AFTERSHOCK_CACHE_DIR"
+
+
+class Observer(Protocol):
+    """What a live view gets told while a scenario runs."""
+
+    def phase(self, scenario: str, phase: str, detail: str = "") -> None: ...
+
+    def event(self, event: Event) -> None: ...
+
+    def finished(self, result: RunResult) -> None: ...
+
+
+class NullObserver:
+    def phase(self, scenario: str, phase: str, detail: str = "") -> None:
+        pass
+
+    def event(self, event: Event) -> None:
+        pass
+
+    def finished(self, result: RunResult) -> None:
+        pass
+
+
+class Interrupted(BaseException):
+    """SIGTERM reached the harness; unwinds like KeyboardInterrupt so `finally` heals."""
+
+
+@contextlib.contextmanager
+def _sigterm_unwinds() -> Iterator[None]:
+    def handler(signum: int, frame: object) -> None:
+        raise Interrupted()
+
+    try:
+        previous = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread: the caller owns signal handling
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@dataclass
+class _ScheduledFault:
+    index: int
+    spec: Any
+    records: list[FaultRecord] = field(default_factory=list)
+    fired: bool = False
+
+
+@dataclass
+class _Active:
+    applied: faults.Applied
+    record_index: int
+    heal_at: float | None
+
+
+@dataclass
+class Execution:
+    events: list[Event]
+    outcome: Outcome
+    faults: list[FaultRecord]
+    run_dir: Path
+
+
+def _params(spec: Any) -> dict[str, Any]:
+    data = spec.model_dump(exclude={"kind", "target", "at"})
+    return {k: (v.total_seconds() if hasattr(v, "total_seconds") else v) for k, v in data.items()}
+
+
+def execute(
+    spec: Scenario,
+    *,
+    scenario_dir: Path,
+    run_dir: Path,
+    seed: int,
+    observer: Observer,
+    phase: str = "run",
+) -> Execution:
+    """Launch the system, drive the fault schedule, tear everything down."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    run_id = uuid.uuid4().hex
+    timeline = Timeline(run_dir / "events.jsonl")
+    launch = plan_launch(spec.system, run_dir=run_dir, scenario_dir=scenario_dir, seed=seed)
+    journal = Journal.create(run_id)
+    reaper = start_reaper(journal.path)
+    launch_entry = journal.intend(
+        "launch", {"env": "AFTERSHOCK_RUN_ID", "value": run_id}, op="launch"
+    )
+    target = LocalTarget(launch, run_dir=run_dir, run_id=run_id, timeline=timeline)
+    schedule = [_ScheduledFault(i, f) for i, f in enumerate(spec.faults)]
+    active: list[_Active] = []
+    records: list[FaultRecord] = []
+    max_step = -1
+    exit_code: int | None = None
+    timed_out = False
+    timeout_s = spec.system.timeout.total_seconds()
+    rng = random.Random(seed)
+
+    def heal(item: _Active) -> None:
+        kind = faults.get(item.applied.kind)
+        try:
+            kind.revert(item.applied.undo)
+        finally:
+            if item.applied.journal_id:
+                journal.done(item.applied.journal_id)
+            ev = timeline.emit("fault_healed", kind=item.applied.kind)
+            old = records[item.record_index]
+            records[item.record_index] = FaultRecord(
+                old.kind, old.target, old.injected_at_s, round(ev.t - t0, 4), old.detail
+            )
+
+    def fire(item: _ScheduledFault, now: float) -> bool:
+        ranks = target.rank_processes()
+        if not ranks:
+            return False
+        target_spec = item.spec.target
+        if target_spec.rank is not None:
+            if target_spec.rank not in ranks:
+                return False
+            chosen = [target_spec.rank]
+        elif target_spec.pick == "all":
+            chosen = sorted(ranks)
+        else:
+            chosen = [rng.choice(sorted(ranks))]
+        kind = faults.get(item.spec.kind)
+        for rank in chosen:
+            applied = kind.inject(ranks[rank], _params(item.spec), journal)
+            ev = timeline.emit(
+                "fault_injected", kind=item.spec.kind, rank=rank, pid=ranks[rank].pid,
+                detail=applied.detail, fault=item.index,
+            )
+            observer.event(ev)
+            records.append(
+                FaultRecord(item.spec.kind, f"rank {rank}", round(ev.t - t0, 4), None,
+                            applied.detail)
+            )
+            duration = getattr(item.spec, "duration", None)
+            if applied.journal_id is not None:
+                heal_at = now + duration.total_seconds() if duration is not None else None
+                active.append(_Active(applied, len(records) - 1, heal_at))
+        return True
+
+    t0 = time.monotonic()
+    try:
+        with _sigterm_unwinds():
+            observer.phase(spec.name, phase, " ".join(launch.argv[:6]))
+            target.start()
+            observer.event(timeline.emit("launch", argv=launch.argv, phase=phase, seed=seed))
+            while True:
+                now = time.monotonic()
+                for ev in timeline.poll():
+                    if ev.event == "step" and isinstance(ev.fields.get("step"), int):
+                        max_step = max(max_step, ev.fields["step"])
+                    if ev.source != "harness":
+                        observer.event(ev)
+                for item in schedule:
+                    if item.fired:
+                        continue
+                    at = item.spec.at
+                    due = (at.step is not None and max_step >= at.step) or (
+                        at.time is not None and now - t0 >= at.time.total_seconds()
+                    )
+                    if due:
+                        item.fired = fire(item, now)
+                for done in [a for a in active if a.heal_at is not None and now >= a.heal_at]:
+                    active.remove(done)
+                    heal(done)
+                exit_code = target.poll()
+                if exit_code is not None:
+                    break
+                if now - t0 > timeout_s:
+                    timed_out = True
+                    observer.event(timeline.emit("timeout", after_s=round(now - t0, 3)))
+                    break
+                time.sleep(POLL_S)
+    finally:
+        errors: list[str] = []
+        for leftover in list(active):
+            try:
+                heal(leftover)
+            except Exception as exc:  # keep healing the rest
+                errors.append(f"{leftover.applied.kind}: {exc}")
+        target.stop()
+        journal.done(launch_entry)
+        journal.close()
+        with contextlib.suppress(Exception):
+            reaper.kill()
+            reaper.wait(timeout=2)
+        # Events written while the target was being stopped still belong to the run.
+        for ev in timeline.poll():
+            observer.event(ev)
+        timeline.emit("run_end", exit_code=exit_code, timed_out=timed_out)
+        timeline.close()
+        if errors:
+            raise HarnessError("could not revert: " + "; ".join(errors))
+    for item in schedule:
+        if not item.fired:
+            records.append(FaultRecord(item.spec.kind, item.spec.target.describe(), None, None,
+                                       f"trigger {item.spec.at.describe()} never fired"))
+    events = sorted(
+        (Event.from_json(e) for e in _read_json_lines(run_dir / "events.jsonl")),
+        key=lambda e: e.t,
+    )
+    outcome = Outcome(exit_code, timed_out, round(time.monotonic() - t0, 3))
+    return Execution(events, outcome, records, run_dir)
+
+
+def _read_json_lines(path: Path) -> Iterator[dict[str, Any]]:
+    with open(path, "rb") as handle:
+        for line in handle:
+            with contextlib.suppress(ValueError):
+                data = json.loads(line)
+                if isinstance(data, dict) and "t" in data and "event" in data:
+                    yield data
+
+
+# ----------------------------------------------------------------- fault-free baseline
+
+
+def cache_dir() -> Path:
+    explicit = os.environ.get(CACHE_ENV)
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "aftershock"
+
+
+def _code_fingerprint(spec: Scenario) -> str:
+    """For the reference systems, the source of reference_impl is part of the key, so
+    editing the trainer invalidates its golden run. Found without importing it."""
+    if not isinstance(spec.system, TrainerSystem):
+        return ""
+    found = importlib.util.find_spec("reference_impl")
+    digest = hashlib.sha256()
+    for folder in found.submodule_search_locations or [] if found else []:
+        for path in sorted(Path(folder).glob("*.py")):
+            digest.update(path.name.encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def baseline_key(spec: Scenario, seed: int) -> str:
+    system = spec.system.model_dump(mode="json")
+    if isinstance(spec.system, TrainerSystem):
+        # Pacing changes timing, never the math: one golden run serves every pace.
+        system.pop("step_sleep", None)
+        system.pop("timeout", None)
+    material = json.dumps({"system": system, "seed": seed, "code": _code_fingerprint(spec)},
+                          sort_keys=True)
+    return hashlib.sha256(material.encode()).hexdigest()[:24]
+
+
+def fault_free_digests(
+    loaded: LoadedScenario, *, seed: int, run_dir: Path, observer: Observer, use_cache: bool
+) -> tuple[dict[int, str] | None, str]:
+    """Final parameter digests of the fault-free twin, from cache or by running it."""
+    spec = loaded.spec
+    key = baseline_key(spec, seed)
+    cached = cache_dir() / "fault_free" / f"{key}.json"
+    if use_cache and cached.exists():
+        with contextlib.suppress(ValueError, OSError):
+            data = json.loads(cached.read_text())
+            return {int(k): v for k, v in data["digests"].items()}, f"cached ({cached})"
+    twin = spec.without_faults()
+    if isinstance(twin.system, TrainerSystem):
+        # Pacing never changes the math; the golden run goes at full speed.
+        fast = twin.system.model_copy(update={"step_sleep": timedelta(0)})
+        twin = twin.model_copy(update={"system": fast})
+    execution = execute(
+        twin, scenario_dir=loaded.path.parent, run_dir=run_dir, seed=seed,
+        observer=observer, phase="fault-free baseline",
+    )
+    digests = _metrics.final_digests(execution.events)
+    if execution.outcome.exit_code != 0 or not digests:
+        return None, f"fault-free run failed (exit {execution.outcome.exit_code}); see {run_dir}"
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cached.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"digests": digests, "seed": seed, "scenario": spec.name}))
+    os.replace(tmp, cached)
+    return digests, f"ran ({run_dir})"
+
+
+# ------------------------------------------------------------------------ scenario run
+
+
+def default_run_dir(name: str) -> Path:
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    return Path(".aftershock") / "runs" / f"{stamp}-{name}-{uuid.uuid4().hex[:6]}"
+
+
+def run_scenario(
+    loaded: LoadedScenario,
+    *,
+    run_dir: Path | None = None,
+    seed: int | None = None,
+    observer: Observer | None = None,
+    use_cache: bool = True,
+) -> RunResult:
+    spec = loaded.spec
+    seed = spec.seed if seed is None else seed
+    observer = observer or NullObserver()
+    run_dir = (run_dir or default_run_dir(spec.name)).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "scenario.yaml").write_text(loaded.text)
+    started = time.monotonic()
+    heal_orphans()  # what a crashed earlier run left behind goes first
+
+    baseline: dict[int, str] | None = None
+    baseline_note = ""
+    if spec.expect.params_match:
+        baseline, baseline_note = fault_free_digests(
+            loaded, seed=seed, run_dir=run_dir / "fault_free", observer=observer,
+            use_cache=use_cache,
+        )
+
+    execution = execute(spec, scenario_dir=loaded.path.parent, run_dir=run_dir, seed=seed,
+                        observer=observer)
+    world = (
+        spec.system.world.size if isinstance(spec.system, TrainerSystem)
+        else spec.system.world if isinstance(spec.system, CommandSystem) else None
+    )
+    metrics = _metrics.compute(execution.events, world)
+    checks = evaluate(
+        spec.expect, outcome=execution.outcome, metrics=metrics, faults=execution.faults,
+        digests=_metrics.final_digests(execution.events), baseline=baseline,
+    )
+    if spec.expect.params_match and baseline is None:
+        checks = [
+            CheckResult(c.name, False, c.observed, c.expected, f"{c.message} ({baseline_note})")
+            if c.name == "params_match" else c
+            for c in checks
+        ]
+    result = RunResult(
+        name=spec.name,
+        file=str(loaded.path),
+        passed=all(c.passed for c in checks),
+        seed=seed,
+        duration_s=round(time.monotonic() - started, 3),
+        checks=tuple(checks),
+        metrics=metrics,
+        faults=tuple(execution.faults),
+        run_dir=str(run_dir),
+    )
+    (run_dir / "result.json").write_text(json.dumps(result.to_json(), indent=2) + "\n")
+    observer.finished(result)
+    return result

@@ -1,0 +1,494 @@
+"""Scenario files: the typed, strict, frozen schema and the YAML loader.
+
+The pydantic models below are the truth about what a scenario may say
+(``aftershock schema`` publishes them as JSON Schema). The loader keeps every
+key's line and column, so each problem is reported as
+``path:line:column: where: what is wrong (what is allowed)``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import signal as _signal
+import types
+import typing
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from harness._duration import Duration
+from harness.errors import SpecError
+
+SCENARIO_SUFFIXES = (".yaml", ".yml")
+
+#: Event kinds a log probe may produce (see docs/events.md).
+LogEventKind = Literal[
+    "step",
+    "failure_detected",
+    "recovery_done",
+    "checkpoint_saved",
+    "checkpoint_loaded",
+    "params",
+]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class World(_Strict):
+    """Shape of the reference trainer: data-parallel replicas × sharded ranks."""
+
+    replicas: int = Field(2, ge=1, le=64, description="data-parallel replica groups")
+    shards: int = Field(2, ge=1, le=64, description="tensor-parallel ranks per replica")
+
+    @property
+    def size(self) -> int:
+        return self.replicas * self.shards
+
+
+class TrainerSystem(_Strict):
+    """The reference fault-tolerant trainer (``reference_impl.trainer``) under torchrun."""
+
+    reference: Literal["trainer"]
+    world: World = World()
+    backend: Literal["gloo", "nccl"] = "gloo"
+    recovery: Literal["restart"] = Field(
+        "restart", description="recovery strategy under test"
+    )
+    steps: int = Field(200, ge=1, description="optimizer steps to train")
+    checkpoint_every: int = Field(20, ge=1, description="durable checkpoint interval, in steps")
+    max_restarts: int = Field(3, ge=0, description="torchrun --max-restarts")
+    collective_timeout: Duration = Field(
+        timedelta(seconds=3), description="how long a collective may wait before it aborts"
+    )
+    step_sleep: Duration = Field(
+        timedelta(0), description="extra time per step, to make a short run long enough to hit"
+    )
+    timeout: Duration = Field(timedelta(minutes=5), description="limit for the whole run")
+    env: dict[str, str] = Field(default_factory=dict, description="extra environment")
+
+
+class LogProbe(_Strict):
+    """Turns matching output lines of a system that has no probe into timeline events.
+
+    Named groups become event fields: ``step`` (int), ``rank`` (int), ``digest``,
+    ``cause``. Lines are matched after torchrun's ``[rank]:`` prefixes are kept,
+    so a pattern can capture the rank from them.
+    """
+
+    pattern: str
+    event: LogEventKind
+    stream: Literal["stdout", "stderr", "both"] = "both"
+
+    @field_validator("pattern")
+    @classmethod
+    def _compiles(cls, value: str) -> str:
+        try:
+            re.compile(value)
+        except re.error as exc:
+            raise ValueError(f"not a valid regular expression: {exc}") from None
+        return value
+
+
+class CommandSystem(_Strict):
+    """Any command line (a torchrun job, a user's server), observed through logs.
+
+    ``${run_dir}`` and ``${scenario_dir}`` in ``command`` and ``env`` values are
+    replaced by the run's own folder and the scenario file's folder.
+    """
+
+    command: list[str] = Field(min_length=1)
+    probes: list[LogProbe] = Field(default_factory=list)
+    world: int | None = Field(
+        None, ge=1, description="ranks at full strength; default: ranks seen before the fault"
+    )
+    cwd: str | None = Field(None, description="working directory, relative to the scenario file")
+    env: dict[str, str] = Field(default_factory=dict)
+    timeout: Duration = Field(timedelta(minutes=5), description="limit for the whole run")
+
+
+def _system_tag(value: Any) -> str | None:
+    if isinstance(value, dict):
+        if "reference" in value:
+            return "reference"
+        if "command" in value:
+            return "command"
+        return None
+    if isinstance(value, TrainerSystem):
+        return "reference"
+    if isinstance(value, CommandSystem):
+        return "command"
+    return None
+
+
+System = Annotated[
+    Annotated[TrainerSystem, Tag("reference")] | Annotated[CommandSystem, Tag("command")],
+    Discriminator(
+        _system_tag,
+        custom_error_type="system_kind",
+        custom_error_message="system needs `reference: trainer` or `command: [...]`",
+    ),
+]
+
+
+class Target(_Strict):
+    """Which process a fault hits: one rank, or a seeded pick among the ranks."""
+
+    rank: int | None = Field(None, ge=0)
+    pick: Literal["random", "all"] | None = Field(
+        None, description="random: one rank chosen with the run's seed; all: every rank"
+    )
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> Target:
+        if (self.rank is None) == (self.pick is None):
+            raise ValueError("give exactly one of `rank: N` or `pick: random|all`")
+        return self
+
+    def describe(self) -> str:
+        return f"rank {self.rank}" if self.rank is not None else f"pick {self.pick}"
+
+
+class At(_Strict):
+    """When a fault fires: once step N is committed, or at a time after launch."""
+
+    step: int | None = Field(None, ge=0)
+    time: Duration | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> At:
+        if (self.step is None) == (self.time is None):
+            raise ValueError("give exactly one of `step: N` or `time: DURATION`")
+        return self
+
+    def describe(self) -> str:
+        if self.step is not None:
+            return f"step {self.step}"
+        assert self.time is not None
+        return f"t+{self.time.total_seconds():g}s"
+
+
+_SIGNALS = sorted(s.name for s in _signal.Signals if not s.name.startswith("SIG_"))
+
+
+class _FaultBase(_Strict):
+    target: Target
+    at: At
+
+
+class ProcessKill(_FaultBase):
+    """Send a signal (SIGKILL by default) to the target process."""
+
+    kind: Literal["process.kill"]
+    signal: str = "SIGKILL"
+
+    @field_validator("signal")
+    @classmethod
+    def _known_signal(cls, value: str) -> str:
+        name = value.upper()
+        if not name.startswith("SIG"):
+            name = "SIG" + name
+        if name not in _SIGNALS:
+            raise ValueError(f"unknown signal {value!r} (allowed: {', '.join(_SIGNALS)})")
+        return name
+
+
+class ProcessTerm(_FaultBase):
+    """SIGTERM, then SIGKILL if the process is still alive after the grace period."""
+
+    kind: Literal["process.term"]
+    grace: Duration = timedelta(seconds=5)
+
+
+class ProcessFreeze(_FaultBase):
+    """SIGSTOP; SIGCONT after `duration`, or when the run ends if no duration is given."""
+
+    kind: Literal["process.freeze"]
+    duration: Duration | None = None
+
+
+Fault = Annotated[ProcessKill | ProcessTerm | ProcessFreeze, Field(discriminator="kind")]
+FAULT_MODELS: dict[str, type[_FaultBase]] = {
+    "process.kill": ProcessKill,
+    "process.term": ProcessTerm,
+    "process.freeze": ProcessFreeze,
+}
+
+
+class Budget(_Strict):
+    max: Duration
+
+
+class CountBudget(_Strict):
+    max: int = Field(ge=0)
+
+
+class Expect(_Strict):
+    """What must hold after the run. Each field is one named check in the report."""
+
+    completes: bool = Field(True, description="the system exits 0 within its timeout")
+    params_match: Literal["fault_free"] | None = Field(
+        None, description="final parameters bitwise equal to a fault-free run (same seed)"
+    )
+    time_to_detect: Budget | None = None
+    time_to_recover: Budget | None = None
+    lost_steps: CountBudget | None = None
+
+
+class Scenario(_Strict):
+    """One scenario: what to launch, which faults to inject when, what must hold."""
+
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9._-]*$", max_length=100)
+    description: str = ""
+    seed: int = Field(0, ge=0)
+    system: System
+    faults: list[Fault] = Field(default_factory=list)
+    expect: Expect = Expect()
+
+    @model_validator(mode="after")
+    def _checks_are_possible(self) -> Scenario:
+        if not self.faults:
+            for name in ("time_to_detect", "time_to_recover"):
+                if getattr(self.expect, name) is not None:
+                    raise ValueError(f"expect.{name} needs at least one fault")
+        if (
+            self.expect.params_match
+            and isinstance(self.system, CommandSystem)
+            and not any(p.event == "params" for p in self.system.probes)
+        ):
+                raise ValueError(
+                    "expect.params_match on a command needs a log probe with `event: params` "
+                    "and a `(?P<digest>...)` group"
+                )
+        return self
+
+    def without_faults(self) -> Scenario:
+        """The fault-free twin of this scenario, used as the golden reference."""
+        return self.model_copy(update={"faults": [], "expect": Expect()})
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedScenario:
+    spec: Scenario
+    path: Path
+    text: str
+
+
+# --------------------------------------------------------------------------- loading
+
+
+@dataclass(slots=True)
+class _Marks:
+    keys: dict[tuple[Any, ...], tuple[int, int]]
+    values: dict[tuple[Any, ...], tuple[int, int]]
+
+
+def _collect_marks(
+    node: yaml.Node, path: tuple[Any, ...], marks: _Marks, problems: list[str], file: str
+) -> None:
+    marks.values[path] = (node.start_mark.line + 1, node.start_mark.column + 1)
+    if isinstance(node, yaml.MappingNode):
+        seen: set[str] = set()
+        for key_node, value_node in node.value:
+            key = key_node.value
+            where = (key_node.start_mark.line + 1, key_node.start_mark.column + 1)
+            if key in seen:
+                problems.append(f"{file}:{where[0]}:{where[1]}: duplicate key {key!r}")
+            seen.add(key)
+            marks.keys[(*path, key)] = where
+            _collect_marks(value_node, (*path, key), marks, problems, file)
+    elif isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            _collect_marks(item, (*path, index), marks, problems, file)
+
+
+def _data_path(loc: tuple[Any, ...], data: Any) -> tuple[Any, ...]:
+    """Pydantic's error location without union tags: the path into the YAML data.
+
+    A tag such as ``reference`` can also be a key, so both readings are tried
+    and the one that follows the data furthest wins.
+    """
+
+    def walk(index: int, current: Any, path: tuple[Any, ...]) -> tuple[Any, ...]:
+        if index == len(loc):
+            return path
+        part = loc[index]
+        options: list[tuple[Any, ...]] = []
+        in_dict = isinstance(current, dict) and part in current
+        in_list = isinstance(current, list) and isinstance(part, int) and 0 <= part < len(current)
+        if in_dict or in_list:
+            options.append(walk(index + 1, current[part], (*path, part)))
+        if isinstance(part, str) and path_is_tag(part):
+            options.append(walk(index + 1, current, path))
+        if not options:
+            # A missing or unknown key is the subject of the error: keep it.
+            return (*path, part) if isinstance(current, dict) and isinstance(part, str) else path
+        return max(options, key=len)
+
+    return walk(0, data, ())
+
+
+def path_is_tag(part: str) -> bool:
+    return part in FAULT_MODELS or part in ("reference", "command") or "[" in part
+
+
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    origin = typing.get_origin(annotation)
+    if origin is Annotated:
+        return _models_in(typing.get_args(annotation)[0])
+    if origin in (Union, types.UnionType, list, dict):
+        found: list[type[BaseModel]] = []
+        for arg in typing.get_args(annotation):
+            found.extend(_models_in(arg))
+        return found
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return []
+
+
+def _model_at(path: tuple[Any, ...], data: Any) -> type[BaseModel] | None:
+    """The model that owns the mapping at ``path`` (to list its allowed keys)."""
+    model: type[BaseModel] | None = Scenario
+    current = data
+    for part in path:
+        if isinstance(part, int):
+            current = current[part] if isinstance(current, list) else None
+            continue
+        if model is None or part not in model.model_fields:
+            return None
+        candidates = _models_in(model.model_fields[part].annotation)
+        current = current.get(part) if isinstance(current, dict) else None
+        if isinstance(current, list):
+            pass
+        model = _pick(candidates, current)
+    if isinstance(current, list):
+        return None
+    return model
+
+
+def _pick(candidates: list[type[BaseModel]], value: Any) -> type[BaseModel] | None:
+    if len(candidates) <= 1:
+        return candidates[0] if candidates else None
+    sample = value[0] if isinstance(value, list) and value else value
+    if isinstance(sample, dict):
+        if "kind" in sample and sample["kind"] in FAULT_MODELS:
+            return FAULT_MODELS[sample["kind"]]
+        tag = _system_tag(sample)
+        if tag == "reference":
+            return TrainerSystem
+        if tag == "command":
+            return CommandSystem
+    return None
+
+
+def _describe(error: Any, path: tuple[Any, ...], data: Any) -> str:
+    where = ".".join(str(p) for p in path) or "scenario"
+    kind = error["type"]
+    if kind == "extra_forbidden":
+        key = path[-1] if path else "?"
+        owner = _model_at(path[:-1], data)
+        allowed = sorted(owner.model_fields) if owner else []
+        hint = ""
+        close = difflib.get_close_matches(str(key), allowed, n=1)
+        if close:
+            hint = f"; did you mean {close[0]!r}?"
+        listing = f" (allowed: {', '.join(allowed)})" if allowed else ""
+        return f"{where}: unknown key {key!r}{listing}{hint}"
+    if kind == "missing":
+        return f"{where}: required key is missing"
+    message = str(error["msg"])
+    if message.startswith("Value error, "):
+        message = message[len("Value error, ") :]
+    if kind == "union_tag_invalid":
+        ctx = error.get("ctx", {})
+        message = (
+            f"unknown kind {ctx.get('tag')!r} (allowed: {ctx.get('expected_tags')})"
+        )
+    return f"{where}: {message}"
+
+
+def parse_scenario(text: str, file: str = "<string>") -> Scenario:
+    """Parse and validate scenario YAML; raise SpecError with every problem found."""
+    problems: list[str] = []
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        line, col = (mark.line + 1, mark.column + 1) if mark else (1, 1)
+        raise SpecError([f"{file}:{line}:{col}: invalid YAML: {exc.problem}"]) from None
+    if node is None or not isinstance(data, dict):
+        raise SpecError(
+            [f"{file}:1:1: a scenario must be a mapping with `name`, `system`, `faults`, `expect`"]
+        )
+    marks = _Marks(keys={}, values={})
+    _collect_marks(node, (), marks, problems, file)
+    if problems:
+        raise SpecError(problems)
+    try:
+        return Scenario.model_validate(data)
+    except ValidationError as exc:
+        for error in exc.errors():
+            path = _data_path(tuple(error["loc"]), data)
+            lookup = marks.keys if error["type"] == "extra_forbidden" else marks.values
+            position = None
+            probe = path
+            while position is None:
+                position = lookup.get(probe) or marks.keys.get(probe)
+                if position is None:
+                    if not probe:
+                        position = (1, 1)
+                    probe = probe[:-1]
+            problems.append(f"{file}:{position[0]}:{position[1]}: {_describe(error, path, data)}")
+        raise SpecError(problems) from None
+
+
+def load_scenario(path: str | Path) -> LoadedScenario:
+    file = Path(path)
+    try:
+        text = file.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise SpecError([f"{file}:1:1: cannot read scenario: {exc.strerror}"]) from None
+    return LoadedScenario(spec=parse_scenario(text, str(file)), path=file, text=text)
+
+
+def discover(paths: list[str | Path]) -> list[Path]:
+    """Scenario files under the given files and folders, sorted, each once."""
+    found: list[Path] = []
+    for raw in paths:
+        path = Path(raw)
+        if path.is_dir():
+            found.extend(
+                sorted(p for p in path.rglob("*") if p.suffix in SCENARIO_SUFFIXES and p.is_file())
+            )
+        elif path.exists():
+            found.append(path)
+        else:
+            raise SpecError([f"{path}:1:1: no such file or folder"])
+    unique: list[Path] = []
+    for p in found:
+        if p not in unique:
+            unique.append(p)
+    return unique
+
+
+def json_schema() -> dict[str, Any]:
+    schema = Scenario.model_json_schema()
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["title"] = "Aftershock scenario"
+    return schema

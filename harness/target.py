@@ -1,0 +1,233 @@
+"""Local target: launch the system under test as real processes, find its ranks, end it.
+
+Everything launched carries ``AFTERSHOCK_RUN_ID`` in its environment. That is
+how the harness finds every process of the run, including torchrun's workers,
+which start their own sessions and so escape process-group signals, and how a
+later ``aftershock heal`` finds them after a crashed harness.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+from faults._proc import ProcessRef, environ, kill_all, processes_with_env
+from harness import probe
+from harness.errors import TargetError
+from harness.spec import CommandSystem, LogProbe, TrainerSystem
+from harness.timeline import Timeline
+
+_RANK_PREFIX = re.compile(r"^\[(?:default)?(\d+)\]:")
+
+
+@dataclass(frozen=True, slots=True)
+class Launch:
+    argv: list[str]
+    cwd: Path
+    env: dict[str, str]
+    world: int | None
+    probes: tuple[LogProbe, ...]
+
+
+def trainer_argv(system: TrainerSystem, run_dir: Path, seed: int) -> list[str]:
+    """torchrun running the reference trainer: the harness reaches it only by command line."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={system.world.size}",
+        f"--max-restarts={system.max_restarts}",
+        # Short monitor interval: the agent's reaction to a dead worker is part of
+        # what `restart` recovery costs; the 0.1 s default is already fine, be explicit.
+        "--monitor-interval=0.1",
+        f"--log-dir={run_dir / 'logs' / 'torchrun'}",
+        "--tee=3",
+        "-m",
+        "reference_impl.trainer",
+        f"--replicas={system.world.replicas}",
+        f"--shards={system.world.shards}",
+        f"--steps={system.steps}",
+        f"--seed={seed}",
+        f"--checkpoint-every={system.checkpoint_every}",
+        f"--checkpoint-dir={run_dir / 'checkpoints'}",
+        f"--collective-timeout={system.collective_timeout.total_seconds():g}",
+        f"--recovery={system.recovery}",
+        f"--backend={system.backend}",
+        f"--step-sleep={system.step_sleep.total_seconds():g}",
+        f"--device={'cuda' if system.backend == 'nccl' else 'cpu'}",
+    ]
+
+
+def plan_launch(
+    system: TrainerSystem | CommandSystem, *, run_dir: Path, scenario_dir: Path, seed: int
+) -> Launch:
+    if isinstance(system, TrainerSystem):
+        env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **system.env}
+        return Launch(trainer_argv(system, run_dir, seed), Path.cwd(), env, system.world.size, ())
+    cwd = (scenario_dir / system.cwd).resolve() if system.cwd else scenario_dir.resolve()
+    variables = {"run_dir": str(run_dir), "scenario_dir": str(scenario_dir.resolve())}
+
+    def expand(text: str) -> str:
+        # Only ${run_dir} and ${scenario_dir}: a fresh folder per run keeps a job's
+        # checkpoints from leaking from the fault-free baseline into the faulted run.
+        return re.sub(r"\$\{(run_dir|scenario_dir)\}", lambda m: variables[m.group(1)], text)
+
+    return Launch(
+        [expand(arg) for arg in system.command],
+        cwd,
+        {key: expand(value) for key, value in system.env.items()},
+        system.world,
+        tuple(system.probes),
+    )
+
+
+class LocalTarget:
+    """The system under test as a local process tree."""
+
+    def __init__(self, launch: Launch, *, run_dir: Path, run_id: str, timeline: Timeline) -> None:
+        self.launch = launch
+        self.run_dir = run_dir
+        self.run_id = run_id
+        self.timeline = timeline
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._threads: list[threading.Thread] = []
+        self._logs = run_dir / "logs"
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(self.launch.env)
+        env[probe.EVENTS_ENV] = str(self.timeline.path)
+        env[probe.OUTPUT_ENV] = str(self.run_dir / "output")
+        env[probe.RUN_ID_ENV] = self.run_id
+        env["PYTHONUNBUFFERED"] = "1"
+        return env
+
+    def start(self) -> None:
+        self._logs.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "output").mkdir(parents=True, exist_ok=True)
+        try:
+            self.proc = subprocess.Popen(
+                self.launch.argv,
+                cwd=self.launch.cwd,
+                env=self.env(),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                # Own session: Ctrl-C in the harness's terminal reaches the harness,
+                # which then tears the target down in order, not the target directly.
+                start_new_session=True,
+            )
+        except OSError as exc:
+            raise TargetError(f"cannot launch {self.launch.argv[0]!r}: {exc.strerror}") from exc
+        assert self.proc.stdout is not None
+        assert self.proc.stderr is not None
+        for name, stream in (("stdout", self.proc.stdout), ("stderr", self.proc.stderr)):
+            thread = threading.Thread(
+                target=self._pump, args=(name, stream), name=f"log-{name}", daemon=True
+            )
+            thread.start()
+            self._threads.append(thread)
+
+    def _pump(self, name: str, stream: IO[bytes]) -> None:
+        probes = [p for p in self.launch.probes if p.stream in (name, "both")]
+        compiled = [(p, re.compile(p.pattern)) for p in probes]
+        with open(self._logs / f"launcher.{name}.log", "wb") as log:
+            for raw in iter(stream.readline, b""):
+                log.write(raw)
+                log.flush()
+                if not compiled:
+                    continue
+                line = raw.decode(errors="replace").rstrip("\n")
+                for spec, pattern in compiled:
+                    match = pattern.search(line)
+                    if match:
+                        self._emit_from_log(spec, match, line)
+
+    def _emit_from_log(self, spec: LogProbe, match: re.Match[str], line: str) -> None:
+        fields: dict[str, object] = {"line": line[:300]}
+        for key, value in match.groupdict().items():
+            if value is None:
+                continue
+            fields[key] = int(value) if key in ("step", "rank") and value.isdigit() else value
+        if "rank" not in fields:
+            prefix = _RANK_PREFIX.match(line)
+            if prefix:
+                fields["rank"] = int(prefix.group(1))
+        self.timeline.emit(spec.event, source="log", **fields)
+
+    def poll(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    def processes(self) -> list[ProcessRef]:
+        return processes_with_env(probe.RUN_ID_ENV, self.run_id)
+
+    def rank_processes(self) -> dict[int, ProcessRef]:
+        """Rank -> the topmost live process whose environment says ``RANK=rank``.
+
+        A rank's own children (data loader workers) inherit ``RANK`` too; the
+        topmost one is the rank. A target without ``RANK`` anywhere is one
+        process: its root is rank 0.
+        """
+        by_rank: dict[int, list[ProcessRef]] = {}
+        for ref in self.processes():
+            value = environ(ref.pid).get("RANK")
+            if value is not None and value.isdigit():
+                by_rank.setdefault(int(value), []).append(ref)
+        result: dict[int, ProcessRef] = {}
+        for rank, refs in by_rank.items():
+            pids = {r.pid for r in refs}
+            top = [r for r in refs if _parent(r.pid) not in pids]
+            result[rank] = top[0] if top else refs[0]
+        if not result and self.proc is not None and self.proc.poll() is None:
+            root = ProcessRef.of(self.proc.pid)
+            if root is not None:
+                result[0] = root
+        return result
+
+    def stop(self, grace: float = 3.0) -> None:
+        """End every process of the run: SIGTERM to the launcher, then SIGKILL to all.
+
+        Stopped processes are thawed first so none is left behind in state T.
+        """
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            deadline = time.monotonic() + grace
+            while self.proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+        for _ in range(3):
+            refs = self.processes()
+            if not refs:
+                break
+            for ref in refs:
+                ref.signal(signal.SIGCONT)
+            kill_all(refs)
+            time.sleep(0.05)
+        if self.proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=grace)
+        for thread in self._threads:
+            thread.join(timeout=2.0)
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            raw = handle.read().decode(errors="replace")
+    except OSError:
+        return None
+    return int(raw[raw.rfind(")") + 2 :].split()[1])

@@ -1,0 +1,86 @@
+"""End to end: a plain torchrun job that knows nothing about Aftershock, attacked
+through a command-kind scenario and measured from its log lines alone."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+JOB = ROOT / "tests" / "fixtures" / "plain_ddp_job.py"
+AFTERSHOCK = [sys.executable, "-m", "harness"]
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def scenario(tmp_path: Path, *, broken: bool = False, recover_max: str = "60s") -> Path:
+    text = f"""\
+name: plain-torchrun-kill{"-broken" if broken else ""}
+system:
+  command: [{sys.executable}, -m, torch.distributed.run, --nproc-per-node=2,
+            --max-restarts=2, --monitor-interval=0.1, {JOB}]
+  world: 2
+  env:
+    JOB_CKPT: ${{run_dir}}/ckpt
+    JOB_STEPS: "60"
+    JOB_BROKEN_RESUME: "{1 if broken else 0}"
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE: "1"
+  probes:
+    - {{pattern: '\\[rank (?P<rank>\\d+)\\] step (?P<step>\\d+)', event: step}}
+    - {{pattern: 'failed \\(exitcode: (?P<cause>-?\\d+)\\)', event: failure_detected}}
+    - {{pattern: '\\[rank (?P<rank>\\d+)\\] params sha256=(?P<digest>[0-9a-f]+)', event: params}}
+  timeout: 4m
+faults:
+  - kind: process.kill
+    target: {{rank: 1}}
+    at: {{step: 25}}
+expect:
+  completes: true
+  params_match: fault_free
+  time_to_detect: {{max: 5s}}
+  time_to_recover: {{max: {recover_max}}}
+  lost_steps: {{max: 10}}
+"""
+    path = tmp_path / ("broken.yaml" if broken else "plain.yaml")
+    path.write_text(text)
+    return path
+
+
+def run(path: Path, tmp_path: Path, cache: Path) -> tuple[int, list[dict], str]:
+    out = tmp_path / f"{path.stem}.json"
+    proc = subprocess.run(
+        [*AFTERSHOCK, "run", str(path), "--json", str(out), "--run-dir", str(tmp_path / "runs")],
+        capture_output=True, text=True, timeout=280,
+        env={**os.environ, "AFTERSHOCK_CACHE_DIR": str(cache)},
+    )
+    return proc.returncode, json.loads(out.read_text()), proc.stdout + proc.stderr
+
+
+def test_plain_torchrun_job_is_measured_from_its_logs(tmp_path: Path, shared_cache: Path) -> None:
+    code, record, output = run(scenario(tmp_path), tmp_path, shared_cache)
+    assert code == 0, output
+    (result,) = record
+    checks = {c["name"]: c for c in result["checks"]}
+    assert checks["params_match"]["passed"], checks["params_match"]
+    metrics = result["metrics"]
+    assert 0 < metrics["time_to_detect_s"] < 5
+    assert metrics["time_to_recover_s"] > metrics["time_to_detect_s"]
+    # Killed after step 25 with checkpoints every 10 steps: steps 21.. were redone.
+    assert 1 <= metrics["lost_steps"] <= 10
+    assert (Path(result["run_dir"]) / "logs" / "launcher.stdout.log").stat().st_size > 0
+
+
+def test_params_match_catches_a_job_that_resumes_wrongly(
+    tmp_path: Path, shared_cache: Path
+) -> None:
+    code, record, output = run(scenario(tmp_path, broken=True), tmp_path, shared_cache)
+    assert code == 1, output
+    checks = {c["name"]: c for c in record[0]["checks"]}
+    assert not checks["params_match"]["passed"]
+    assert checks["params_match"]["observed"] == "0/2 ranks equal"
+    assert checks["completes"]["passed"]  # it "works"; only the check sees it is wrong

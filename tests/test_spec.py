@@ -1,0 +1,173 @@
+"""Scenario parsing: exact positions, allowed values, strictness, durations."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from harness._duration import parse_duration
+from harness.errors import SpecError
+from harness.spec import (
+    CommandSystem,
+    ProcessFreeze,
+    TrainerSystem,
+    discover,
+    json_schema,
+    load_scenario,
+    parse_scenario,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+GOOD = """\
+name: kill-one
+system:
+  reference: trainer
+  world: {replicas: 2, shards: 2}
+faults:
+  - kind: process.freeze
+    target: {rank: 1}
+    at: {time: 1.5s}
+    duration: 500ms
+expect:
+  params_match: fault_free
+  time_to_recover: {max: 5s}
+"""
+
+
+def problems(text: str) -> list[str]:
+    with pytest.raises(SpecError) as info:
+        parse_scenario(text, "s.yaml")
+    return info.value.problems
+
+
+def test_good_scenario_parses_into_typed_models() -> None:
+    spec = parse_scenario(GOOD)
+    assert isinstance(spec.system, TrainerSystem)
+    assert spec.system.world.size == 4
+    fault = spec.faults[0]
+    assert isinstance(fault, ProcessFreeze)
+    assert fault.at.time == timedelta(seconds=1.5)
+    assert fault.duration == timedelta(milliseconds=500)
+    assert spec.expect.time_to_recover is not None
+    assert spec.expect.time_to_recover.max == timedelta(seconds=5)
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("500ms", 0.5), ("2s", 2.0), ("1m", 60.0), ("1.5m", 90.0), ("1h", 3600.0), (3, 3.0)],
+)
+def test_durations(text: str | int, seconds: float) -> None:
+    assert parse_duration(text).total_seconds() == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("bad", ["5q", "-1s", "s", True, "1 2s"])
+def test_bad_durations_say_what_is_allowed(bad: object) -> None:
+    with pytest.raises(ValueError, match="duration like 500ms"):
+        parse_duration(bad)
+
+
+def test_misspelt_key_names_line_column_and_suggests() -> None:
+    text = GOOD.replace("    duration: 500ms", "    duraton: 500ms")
+    (problem,) = problems(text)
+    assert problem.startswith("s.yaml:9:5: faults.0.duraton: unknown key 'duraton'")
+    assert "did you mean 'duration'?" in problem
+    assert "allowed: at, duration, kind, target" in problem
+
+
+def test_unknown_fault_kind_lists_kinds() -> None:
+    (problem,) = problems(GOOD.replace("process.freeze", "process.explode"))
+    assert problem.startswith("s.yaml:6:5: faults.0: unknown kind 'process.explode'")
+    assert "'process.kill'" in problem
+
+
+def test_wrong_value_points_at_the_value() -> None:
+    (problem,) = problems(GOOD.replace("replicas: 2", "replicas: 0"))
+    assert problem.startswith("s.yaml:4:21: system.world.replicas:")
+    assert "greater than or equal to 1" in problem
+
+
+def test_every_problem_is_reported_at_once() -> None:
+    text = GOOD.replace("replicas: 2", "replicas: x").replace("max: 5s", "max: soon")
+    found = problems(text)
+    assert len(found) == 2
+    assert any("system.world.replicas" in p for p in found)
+    assert any("expect.time_to_recover.max" in p and "got 'soon'" in p for p in found)
+
+
+def test_system_needs_reference_or_command() -> None:
+    (problem,) = problems("name: x\nsystem: {steps: 3}\n")
+    assert problem == "s.yaml:2:9: system: system needs `reference: trainer` or `command: [...]`"
+
+
+def test_duplicate_keys_are_errors() -> None:
+    (problem,) = problems("name: x\nname: y\nsystem: {reference: trainer}\n")
+    assert problem == "s.yaml:2:1: duplicate key 'name'"
+
+
+def test_yaml_syntax_error_has_position() -> None:
+    (problem,) = problems("name: x\nsystem: [\n")
+    assert problem.startswith("s.yaml:3:1: invalid YAML:")
+
+
+def test_target_needs_exactly_one_selector() -> None:
+    (problem,) = problems(GOOD.replace("{rank: 1}", "{rank: 1, pick: random}"))
+    assert "s.yaml:7:13: faults.0.target: give exactly one of" in problem
+
+
+def test_budgets_without_faults_are_rejected() -> None:
+    text = "name: x\nsystem: {reference: trainer}\nexpect: {time_to_detect: {max: 1s}}\n"
+    (problem,) = problems(text)
+    assert "expect.time_to_detect needs at least one fault" in problem
+
+
+def test_params_match_on_a_command_needs_a_params_probe() -> None:
+    text = "name: x\nsystem: {command: [/bin/true]}\nexpect: {params_match: fault_free}\n"
+    (problem,) = problems(text)
+    assert "event: params" in problem
+
+
+def test_command_system_with_log_probes() -> None:
+    spec = parse_scenario(
+        "name: x\nsystem:\n  command: [python, job.py]\n  probes:\n"
+        "    - {pattern: 'step (?P<step>\\d+)', event: step}\n"
+    )
+    assert isinstance(spec.system, CommandSystem)
+    assert spec.system.probes[0].event == "step"
+
+
+def test_bad_regex_in_probe() -> None:
+    text = "name: x\nsystem:\n  command: [x]\n  probes: [{pattern: '(', event: step}]\n"
+    (problem,) = problems(text)
+    assert "s.yaml:4:22: system.probes.0.pattern: not a valid regular expression" in problem
+
+
+def test_signal_names_are_checked() -> None:
+    text = GOOD.replace("kind: process.freeze", "kind: process.kill\n    signal: SIGFOO").replace(
+        "    duration: 500ms\n", ""
+    )
+    (problem,) = problems(text)
+    assert "unknown signal 'SIGFOO'" in problem
+    assert "SIGKILL" in problem
+
+
+def test_shipped_scenarios_are_valid() -> None:
+    files = discover([ROOT / "scenarios"])
+    assert len(files) >= 3
+    for file in files:
+        load_scenario(file)
+
+
+def test_json_schema_lists_fault_kinds() -> None:
+    schema = json_schema()
+    text = str(schema)
+    for kind in ("process.kill", "process.term", "process.freeze"):
+        assert kind in text
+    assert schema["title"] == "Aftershock scenario"
+
+
+def test_missing_file_is_a_spec_error(tmp_path: Path) -> None:
+    with pytest.raises(SpecError, match="no such file"):
+        discover([tmp_path / "nope.yaml"])
