@@ -80,7 +80,7 @@ def run(
     """Run scenarios: launch, inject faults, check recovery, report."""
     from harness.errors import AftershockError, HarnessError, SpecError
     from harness.report import LiveObserver, PlainObserver
-    from harness.runner import Observer, run_scenario
+    from harness.runner import Interrupted, Observer, run_scenario
     from harness.spec import TrainerSystem, discover, load_scenario
 
     try:
@@ -122,9 +122,10 @@ def run(
                     result = run_scenario(scenario, run_dir=this_dir, seed=this_seed,
                                           observer=observer, use_cache=not no_cache)
                 results.append(result)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         err.print("interrupted: every fault was healed and every process of the run ended")
-        raise typer.Exit(130) from None
+        # The shell's convention: 128 + the signal number (SIGINT 2, SIGTERM 15).
+        raise typer.Exit(143 if isinstance(exc, Interrupted) else 130) from None
     except HarnessError as exc:
         err.print(f"aftershock: harness error: {exc}", markup=False)
         raise typer.Exit(EXIT_HARNESS) from None

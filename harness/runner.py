@@ -60,8 +60,8 @@ class NullObserver:
         pass
 
 
-class Interrupted(BaseException):
-    """SIGTERM reached the harness; unwinds like KeyboardInterrupt so `finally` heals."""
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM reached the harness; unwinds like Ctrl-C so every `finally` heals."""
 
 
 @contextlib.contextmanager

@@ -324,11 +324,12 @@ def _data_path(loc: tuple[Any, ...], data: Any) -> tuple[Any, ...]:
     and the one that follows the data furthest wins.
     """
 
-    def walk(index: int, current: Any, path: tuple[Any, ...]) -> tuple[Any, ...]:
+    def walk(index: int, current: Any, path: tuple[Any, ...]) -> tuple[int, tuple[Any, ...]]:
+        """(how many parts of ``loc`` this reading explains, the data path)."""
         if index == len(loc):
-            return path
+            return index, path
         part = loc[index]
-        options: list[tuple[Any, ...]] = []
+        options: list[tuple[int, tuple[Any, ...]]] = []
         in_dict = isinstance(current, dict) and part in current
         in_list = isinstance(current, list) and isinstance(part, int) and 0 <= part < len(current)
         if in_dict or in_list:
@@ -337,10 +338,12 @@ def _data_path(loc: tuple[Any, ...], data: Any) -> tuple[Any, ...]:
             options.append(walk(index + 1, current, path))
         if not options:
             # A missing or unknown key is the subject of the error: keep it.
-            return (*path, part) if isinstance(current, dict) and isinstance(part, str) else path
-        return max(options, key=len)
+            if isinstance(current, dict) and isinstance(part, str):
+                return index + 1, (*path, part)
+            return index, path
+        return max(options, key=lambda option: option[0])
 
-    return walk(0, data, ())
+    return walk(0, data, ())[1]
 
 
 def path_is_tag(part: str) -> bool:

@@ -8,6 +8,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
+pytest_plugins = ["pytester"]
+
 
 @pytest.fixture(autouse=True)
 def _isolated_state(

@@ -1,0 +1,123 @@
+"""Nothing survives a run: not on Ctrl-C, not on SIGTERM, not when the harness is SIGKILLed.
+
+The target is a torch-free job whose ranks are ordinary processes, one of them
+frozen (SIGSTOP) when the harness is interrupted.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from faults._proc import all_pids, environ, state
+
+ROOT = Path(__file__).resolve().parent.parent
+JOB = ROOT / "tests" / "fixtures" / "ranks_job.py"
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+
+def write_scenario(tmp_path: Path) -> Path:
+    path = tmp_path / "freeze.yaml"
+    path.write_text(f"""\
+name: freeze-then-interrupt
+system:
+  command: [{sys.executable}, {JOB}]
+  env: {{JOB_RANKS: "3", JOB_DURATION: "60"}}
+  probes:
+    - {{pattern: 'rank (?P<rank>\\d+) step (?P<step>\\d+)', event: step}}
+faults:
+  - kind: process.freeze
+    target: {{rank: 1}}
+    at: {{step: 5}}
+""")
+    return path
+
+
+def run_processes(run_root: Path) -> list[tuple[int, str | None]]:
+    """(pid, state) of every process whose timeline lives under ``run_root``."""
+    found = []
+    for pid in all_pids():
+        if environ(pid).get("AFTERSHOCK_EVENTS", "").startswith(str(run_root)):
+            found.append((pid, state(pid)))
+    return [(p, s) for p, s in found if s not in (None, "Z", "X")]
+
+
+def start(tmp_path: Path) -> tuple[subprocess.Popen[str], Path]:
+    runs = tmp_path / "runs"
+    harness = subprocess.Popen(
+        [sys.executable, "-m", "harness", "run", str(write_scenario(tmp_path)),
+         "--run-dir", str(runs), "--plain"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "AFTERSHOCK_STATE_DIR": str(tmp_path / "state")},
+    )
+    # Wait until the fault is in place: a rank of the run is stopped.
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if any(s == "T" for _, s in run_processes(runs)):
+            return harness, runs
+        time.sleep(0.05)
+    harness.kill()
+    out, _ = harness.communicate()
+    pytest.fail(f"the freeze never happened:\n{out}")
+
+
+def wait_gone(runs: Path, timeout: float = 20.0) -> list[tuple[int, str | None]]:
+    deadline = time.monotonic() + timeout
+    left = run_processes(runs)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = run_processes(runs)
+    return left
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_interrupt_heals_and_ends_everything(tmp_path: Path, sig: int, code: int) -> None:
+    harness, runs = start(tmp_path)
+    harness.send_signal(sig)
+    out, _ = harness.communicate(timeout=60)
+    assert harness.returncode == code, out
+    assert "every fault was healed" in out
+    # The harness waits for its teardown before exiting: nothing is left, at once.
+    assert run_processes(runs) == []
+    assert not list((tmp_path / "state" / "journal").glob("*.jsonl"))
+
+
+def test_sigkilled_harness_is_cleaned_up_by_its_reaper(tmp_path: Path) -> None:
+    harness, runs = start(tmp_path)
+    harness.kill()
+    harness.communicate(timeout=30)
+    assert wait_gone(runs) == []
+    deadline = time.monotonic() + 10
+    while list((tmp_path / "state" / "journal").glob("*.jsonl")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not list((tmp_path / "state" / "journal").glob("*.jsonl"))
+
+
+def test_heal_command_cleans_up_when_no_reaper_ran(tmp_path: Path) -> None:
+    harness, runs = start(tmp_path)
+    # Kill the reaper first (as a `kill -9` of the whole session might), then the harness.
+    for pid in all_pids():
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"faults.heal" in cmdline and str(harness.pid).encode() in cmdline:
+            os.kill(pid, signal.SIGKILL)
+    harness.kill()
+    harness.communicate(timeout=30)
+    time.sleep(0.5)
+    assert any(s == "T" for _, s in run_processes(runs))  # left behind, still frozen
+    healed = subprocess.run(
+        [sys.executable, "-m", "harness", "heal"], capture_output=True, text=True, timeout=60,
+        env={**os.environ, "AFTERSHOCK_STATE_DIR": str(tmp_path / "state")},
+    )
+    assert healed.returncode == 0, healed.stderr
+    assert "process.freeze" in healed.stdout and "launch" in healed.stdout
+    assert wait_gone(runs) == []
