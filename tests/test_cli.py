@@ -117,7 +117,8 @@ expect:
     for name in ("events.jsonl", "scenario.yaml", "result.json", "logs/launcher.stdout.log"):
         assert (run_dir / name).exists(), name
     junit = (tmp_path / "out.xml").read_text()
-    assert 'name="quick-pass"' in junit and "<failure" not in junit
+    assert 'name="quick-pass"' in junit
+    assert "<failure" not in junit
     again = cli("report", str(run_dir))
     assert again.returncode == 0
     assert "time_to_recover" in again.stdout
@@ -141,14 +142,16 @@ expect:
     failed = [c for c in record["checks"] if not c["passed"]]
     assert [c["name"] for c in failed] == ["time_to_recover"]
     assert failed[0]["expected"] == "<= 1ms"
-    assert "time_to_recover" in proc.stderr and "FAIL" in proc.stderr
+    assert "time_to_recover" in proc.stderr
+    assert "FAIL" in proc.stderr
     assert "<failure" in (tmp_path / "out.xml").read_text()
 
 
 @pytest.mark.slow
 def test_a_crashing_system_fails_completes(tmp_path: Path) -> None:
     path = tmp_path / "crash.yaml"
-    path.write_text(f"name: crash\nsystem: {{command: [{sys.executable}, -c, 'raise SystemExit(3)']}}\n")
+    command = f"[{sys.executable}, -c, 'raise SystemExit(3)']"
+    path.write_text(f"name: crash\nsystem: {{command: {command}}}\n")
     proc = cli("run", str(path), "--json", "-", "--run-dir", str(tmp_path / "runs"))
     assert proc.returncode == 1
     (record,) = json.loads(proc.stdout)

@@ -119,5 +119,6 @@ def test_heal_command_cleans_up_when_no_reaper_ran(tmp_path: Path) -> None:
         env={**os.environ, "AFTERSHOCK_STATE_DIR": str(tmp_path / "state")},
     )
     assert healed.returncode == 0, healed.stderr
-    assert "process.freeze" in healed.stdout and "launch" in healed.stdout
+    assert "process.freeze" in healed.stdout
+    assert "launch" in healed.stdout
     assert wait_gone(runs) == []
