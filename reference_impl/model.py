@@ -1,0 +1,196 @@
+"""A small tensor-parallel MLP and the process groups of a replicas × shards world.
+
+Layout: ``rank = replica * shards + shard``. The ``shards`` consecutive ranks of one replica
+form its tensor-parallel (TP) group and hold one slice each of every block; the ranks with the
+same shard index across replicas form a data-parallel (DP) group and hold identical slices.
+
+Each block is Megatron-style: a column-parallel Linear (each shard owns ``hidden / shards``
+output features), GELU, then a row-parallel Linear whose partial outputs are summed over the
+TP group, plus a residual. Weights are cut from one full-size tensor drawn from a seeded
+generator, so the model a 2-shard world trains is exactly the slicing of a 1-shard one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    d_model: int = 64  # width of the residual stream and of the synthetic inputs
+    hidden: int = 256  # MLP width of the full (unsharded) block; split evenly over shards
+    blocks: int = 2  # number of residual MLP blocks
+    d_out: int = 8  # regression targets per example
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Where this rank sits in the replicas × shards grid, and its groups."""
+
+    replicas: int
+    shards: int
+    rank: int
+    tp_group: Any  # dist.ProcessGroup of this rank's replica (its `shards` ranks)
+    dp_group: Any  # dist.ProcessGroup of this rank's shard index across replicas
+    world_group: Any  # the whole world, with the short collective timeout
+
+    @property
+    def replica(self) -> int:
+        return self.rank // self.shards
+
+    @property
+    def shard(self) -> int:
+        return self.rank % self.shards
+
+
+def build_layout(replicas: int, shards: int, timeout: Any) -> Layout:
+    """Create the TP, DP and world groups and return this rank's layout.
+
+    ``new_group`` is a collective over the default group: every rank must create every
+    group, in the same order, even the groups it is not a member of.
+    """
+    rank = dist.get_rank()
+    tp_group = dp_group = None
+    for replica in range(replicas):
+        ranks = [replica * shards + s for s in range(shards)]
+        group = dist.new_group(ranks, timeout=timeout)
+        if rank in ranks:
+            tp_group = group
+    for shard in range(shards):
+        ranks = [shard + k * shards for k in range(replicas)]
+        group = dist.new_group(ranks, timeout=timeout)
+        if rank in ranks:
+            dp_group = group
+    # The default group was created with a generous timeout so that slow process start-up
+    # (4 torch imports on 2 cores) does not fail rendezvous; all steady-state collectives
+    # use this copy of the world, which carries the short failure-detection timeout.
+    world_group = dist.new_group(list(range(replicas * shards)), timeout=timeout)
+    return Layout(replicas, shards, rank, tp_group, dp_group, world_group)
+
+
+class _CopyToTP(torch.autograd.Function):
+    """Input of a column-parallel layer: identity forward, all_reduce of the gradient backward.
+
+    Every shard sees the full input, but each contributes only its slice's share of the
+    input's gradient, so the shares are summed over the TP group.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """Output of a row-parallel layer: all_reduce forward, identity backward.
+
+    Each shard computes a partial product over its slice of the hidden features; the sum is
+    the full output, and its gradient is already the same on every shard.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+def _full_init(seed: int, index: int, shape: tuple[int, ...], fan_in: int) -> torch.Tensor:
+    """Draw a full-size tensor from a generator keyed by (seed, parameter index).
+
+    One generator per parameter keeps each tensor independent of how many others exist
+    and of the shard count; the caller slices it.
+    """
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + index)
+    return torch.randn(shape, generator=generator) * (fan_in**-0.5)
+
+
+class ParallelBlock(nn.Module):
+    """x + RowParallel(GELU(ColumnParallel(x))), for one shard of the TP group."""
+
+    def __init__(self, cfg: ModelConfig, layout: Layout, seed: int, index: int) -> None:
+        super().__init__()
+        if cfg.hidden % layout.shards:
+            raise ValueError(f"hidden={cfg.hidden} is not divisible by shards={layout.shards}")
+        self.tp_group = layout.tp_group
+        part = cfg.hidden // layout.shards
+        cols = slice(layout.shard * part, (layout.shard + 1) * part)
+        # nn.Linear stores weight as (out, in): the column-parallel layer owns rows of the
+        # full (hidden, d_model) weight, the row-parallel layer owns columns of (d_model, hidden).
+        w_in = _full_init(seed, 4 * index, (cfg.hidden, cfg.d_model), cfg.d_model)
+        w_out = _full_init(seed, 4 * index + 1, (cfg.d_model, cfg.hidden), cfg.hidden)
+        self.w_in = nn.Parameter(w_in[cols].clone())
+        self.b_in = nn.Parameter(torch.zeros(cfg.hidden)[cols].clone())
+        self.w_out = nn.Parameter(w_out[:, cols].clone())
+        # Replicated on every shard and added once, after the TP sum.
+        self.b_out = nn.Parameter(torch.zeros(cfg.d_model))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(F.linear(_CopyToTP.apply(x, self.tp_group), self.w_in, self.b_in))
+        partial = F.linear(h, self.w_out)
+        return x + _ReduceFromTP.apply(partial, self.tp_group) + self.b_out
+
+
+class ParallelMLP(nn.Module):
+    """Residual TP blocks and a small replicated regression head."""
+
+    def __init__(self, cfg: ModelConfig, layout: Layout, seed: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            ParallelBlock(cfg, layout, seed, index) for index in range(cfg.blocks)
+        )
+        # The head is replicated across the TP group: its input (the residual stream after a
+        # TP sum) is bitwise equal on every shard, so its gradients are too.
+        head = _full_init(seed, 4 * cfg.blocks, (cfg.d_out, cfg.d_model), cfg.d_model)
+        self.head = nn.Parameter(head)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return F.linear(x, self.head)
+
+
+def _mix(*values: int) -> int:
+    """A stable 63-bit seed from integers (``hash()`` of a tuple may change across Pythons)."""
+    text = ":".join(str(v) for v in values).encode()
+    return int.from_bytes(hashlib.sha256(text).digest()[:8], "big") >> 1
+
+
+def synthetic_batch(
+    cfg: ModelConfig, seed: int, step: int, replica: int, batch_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch that replica ``replica`` trains on at 0-based ``step``.
+
+    A pure function of (seed, step, replica): a resumed run sees exactly the data the lost
+    run would have, and the shards of one replica all draw the same batch.
+    """
+    teacher = torch.Generator().manual_seed(seed * 1_000_003 + 999_983)
+    target_map = torch.randn((cfg.d_model, cfg.d_out), generator=teacher) * cfg.d_model**-0.5
+    generator = torch.Generator().manual_seed(_mix(seed, step, replica))
+    x = torch.randn((batch_size, cfg.d_model), generator=generator)
+    return x, torch.sin(3.0 * x @ target_map)
+
+
+def param_digest(state_dict: dict[str, torch.Tensor]) -> str:
+    """sha256 over the exact bytes of every tensor, in sorted key order."""
+    digest = hashlib.sha256()
+    for key in sorted(state_dict):
+        digest.update(state_dict[key].detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
