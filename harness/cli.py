@@ -158,9 +158,15 @@ def faults(
     kind: Annotated[str | None, typer.Argument(help="a kind, or 'xid' for the Xid table")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable")] = False,
 ) -> None:
-    """The fault catalogue: every kind, its parameters, how it is really caused."""
+    """The fault catalogue: every kind, its parameters, how it is really caused.
+
+    `aftershock faults xid` prints NVIDIA's Xid table as the simulation uses it.
+    """
     import faults as catalogue
 
+    if kind == "xid":
+        _xid_table(as_json)
+        return
     kinds = catalogue.kinds()
     if kind is not None:
         kinds = [k for k in kinds if k.info.kind == kind or k.info.kind.startswith(kind + ".")]
@@ -184,6 +190,25 @@ def faults(
     for k in kinds:
         params = "\n".join(f"{n}: {m}" for n, m in k.info.params.items())
         table.add_row(k.info.kind, k.info.summary, params, k.info.caused_by, k.info.reverted_by)
+    out.print(table)
+
+
+def _xid_table(as_json: bool) -> None:
+    from dataclasses import asdict
+
+    from faults.xid import CATALOG, CATALOG_URL
+
+    if as_json:
+        print(json.dumps([asdict(x) for x in CATALOG.values()], indent=2, default=str))
+        return
+    from rich.table import Table
+
+    table = Table(title="NVIDIA Xid errors", caption=f"source: {CATALOG_URL}")
+    for column in ("Xid", "name", "meaning", "NVIDIA action", "effect", "expected reaction"):
+        table.add_column(column)
+    for x in CATALOG.values():
+        table.add_row(str(x.code), x.name, x.meaning, x.nvidia_action, str(x.effect),
+                      str(x.action))
     out.print(table)
 
 

@@ -1,0 +1,349 @@
+"""Memory faults: bit flips, NaN, Inf and zeros, from outside a process or inside it on a tensor.
+
+From outside (``memory.bitflip``, ``memory.nan``, ``memory.inf``, ``memory.zero``)
+the engine writes the target's memory through /proc/PID/mem: no cooperation,
+no probe, CPU memory only. Give an ``address`` (a tensor's ``data_ptr()``
+published by a probe) to hit a known value, or ``region: heap`` to flip seeded
+random bits in the process's anonymous writable memory, the way a cosmic ray
+or a bad DIMM would. Corruption is the point, so nothing is put back unless
+``restore: true``.
+
+Inside a process (the probe's fault points), :func:`poison_tensor` corrupts a
+tensor in place on any device, CUDA included. torch is imported there only:
+this module must stay importable without torch.
+"""
+
+from __future__ import annotations
+
+import random
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from faults import _procmem
+from faults._errors import FaultUnavailable
+from faults._proc import ProcessRef
+from faults.journal import Journal
+from faults.registry import Applied, KindInfo, register
+
+# Bit patterns of the special values, little-endian as on every Linux target we run on.
+_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+_NAN = {"float16": 0x7E00, "bfloat16": 0x7FC0, "float32": 0x7FC00000, "float64": 0x7FF8 << 48}
+_INF = {"float16": 0x7C00, "bfloat16": 0x7F80, "float32": 0x7F800000, "float64": 0x7FF0 << 48}
+
+
+def _pattern(dtype: str, value: str) -> bytes:
+    if dtype not in _ITEMSIZE:
+        raise ValueError(f"dtype {dtype!r} is not one of {', '.join(_ITEMSIZE)}")
+    size = _ITEMSIZE[dtype]
+    if value == "zero":
+        return bytes(size)
+    word = (_NAN if value == "nan" else _INF)[dtype]
+    return word.to_bytes(size, "little")
+
+
+def _write_all(pid: int, writes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Apply ``{"address", "new"}`` writes; returns those that landed."""
+    done: list[dict[str, Any]] = []
+    for item in writes:
+        try:
+            _procmem.write(pid, int(item["address"]), bytes.fromhex(item["new"]))
+        except OSError:
+            continue  # unmapped since we read the maps: nothing was changed there
+        done.append(item)
+    return done
+
+
+def _bitflip_writes(pid: int, targets: list[tuple[int, int]]) -> list[dict[str, Any]]:
+    writes: list[dict[str, Any]] = []
+    for address, bit in targets:
+        try:
+            old = _procmem.read(pid, address, 1)[0]
+        except PermissionError as exc:
+            raise _refused(pid, exc) from exc
+        except OSError:
+            continue  # not mapped (any more): nothing to flip there
+        new = old ^ (1 << bit)
+        writes.append({"address": address, "bit": bit, "old": f"{old:02x}", "new": f"{new:02x}"})
+    return writes
+
+
+def _refused(pid: int, exc: OSError) -> FaultUnavailable:
+    return FaultUnavailable(
+        f"cannot access /proc/{pid}/mem ({exc.strerror}): run as root, or with ptrace rights "
+        "over the target (same user and kernel.yama.ptrace_scope=0)"
+    )
+
+
+def flip_heap_bits(
+    target: ProcessRef, *, count: int, seed: int, min_region: int = 1 << 20
+) -> list[dict[str, Any]]:
+    """Flip ``count`` seeded random bits in the target's anonymous writable memory.
+
+    Returns what was written (address, bit, old and new byte, in hex).
+    """
+    chosen = _procmem.choose_bits(_procmem.maps(target.pid), count, seed, min_region=min_region)
+    return _write_all(target.pid, _bitflip_writes(target.pid, chosen))
+
+
+def _restore(undo: Mapping[str, Any]) -> None:
+    if not undo.get("restore") or "target" not in undo:
+        return
+    target = ProcessRef.from_json(dict(undo["target"]))
+    if not target.alive():
+        return
+    for item in reversed(list(undo.get("writes", []))):
+        try:
+            _procmem.write(target.pid, int(item["address"]), bytes.fromhex(item["old"]))
+        except OSError:
+            continue
+
+
+def _describe(writes: list[dict[str, Any]], limit: int = 4) -> str:
+    shown = ", ".join(f"{w['address']:#x}: {w['old']}->{w['new']}" for w in writes[:limit])
+    more = f" (+{len(writes) - limit} more)" if len(writes) > limit else ""
+    return shown + more
+
+
+class BitFlip:
+    info = KindInfo(
+        kind="memory.bitflip",
+        summary="Flip bits in the target's memory through /proc/PID/mem: at an address, or "
+        "seeded random bits in its anonymous writable memory (heap, tensor storage).",
+        caused_by="DRAM bit flips from radiation, weak cells or row hammer that ECC does not "
+        "catch (or that land in non-ECC memory); silent data corruption. Made here with "
+        "pwrite(2) on /proc/PID/mem (root, or ptrace rights over the target).",
+        params={
+            "address": "flip one bit at this address (e.g. a tensor's data_ptr()); "
+            "with `bit`, counted from the byte at `address`, little-endian (default 30: the top "
+            "exponent bit of a float32)",
+            "region": "heap (default when no address): seeded random bits in rw-p anonymous "
+            "mappings, preferring ones of at least `min_region` bytes",
+            "count": "bits to flip in region mode, default 1",
+            "seed": "seed for the choice of bits, default 0",
+            "min_region": "bytes; mappings at least this large are preferred, default 1 MiB",
+            "restore": "write the old bytes back when healed, default false",
+        },
+        reverted_by="nothing by default (corruption is the point); with restore: true the old "
+        "bytes are written back if the process still lives.",
+    )
+
+    def inject(self, target: ProcessRef, params: Mapping[str, Any], journal: Journal) -> Applied:
+        restore = bool(params.get("restore", False))
+        if "address" in params:
+            bit = int(params.get("bit", 30))
+            if bit < 0:
+                raise ValueError(f"bit must be >= 0, got {bit}")
+            chosen = [(int(params["address"]) + bit // 8, bit % 8)]
+        else:
+            region = str(params.get("region", "heap"))
+            if region != "heap":
+                raise ValueError(f"region {region!r} is not supported (allowed: heap)")
+            chosen = _procmem.choose_bits(
+                _procmem.maps(target.pid),
+                int(params.get("count", 1)),
+                int(params.get("seed", 0)),
+                min_region=int(params.get("min_region", 1 << 20)),
+            )
+        writes = _bitflip_writes(target.pid, chosen)
+        return _apply(self.info.kind, target, writes, restore, journal)
+
+    def revert(self, undo: Mapping[str, Any]) -> None:
+        _restore(undo)
+
+
+def _apply(
+    kind: str, target: ProcessRef, writes: list[dict[str, Any]], restore: bool, journal: Journal
+) -> Applied:
+    if not target.alive():
+        return Applied(kind, None, {}, f"pid {target.pid} is gone: nothing written")
+    undo: dict[str, Any] = {"target": target.to_json(), "restore": restore, "writes": writes}
+    # Only a restorable write needs healing; the journal gets it before the bytes change.
+    entry = journal.intend(kind, undo) if restore and writes else None
+    done = _write_all(target.pid, writes)
+    undo["writes"] = done
+    detail = f"pid {target.pid}: {len(done)} write(s) {_describe(done)}"
+    return Applied(kind, entry, undo, detail)
+
+
+class _Fill:
+    value = "zero"
+    info: KindInfo
+
+    def inject(self, target: ProcessRef, params: Mapping[str, Any], journal: Journal) -> Applied:
+        if "address" not in params:
+            raise ValueError(f"{self.info.kind} needs `address`")
+        dtype = str(params.get("dtype", "float32"))
+        pattern = _pattern(dtype, self.value)
+        nbytes = int(params.get("nbytes", len(pattern)))
+        if nbytes <= 0 or nbytes % len(pattern):
+            raise ValueError(f"nbytes must be a positive multiple of {len(pattern)} for {dtype}")
+        address = int(params["address"])
+        try:
+            old = _procmem.read(target.pid, address, nbytes)
+        except PermissionError as exc:
+            raise _refused(target.pid, exc) from exc
+        except OSError as exc:
+            raise ValueError(f"cannot read {nbytes} bytes at {address:#x}: {exc}") from exc
+        new = pattern * (nbytes // len(pattern))
+        writes = [{"address": address, "old": old.hex(), "new": new.hex()}]
+        return _apply(self.info.kind, target, writes, bool(params.get("restore", False)), journal)
+
+    def revert(self, undo: Mapping[str, Any]) -> None:
+        _restore(undo)
+
+
+def _fill_info(kind: str, what: str, cause: str) -> KindInfo:
+    return KindInfo(
+        kind=kind,
+        summary=f"Write {what} over `nbytes` at `address` in the target through /proc/PID/mem.",
+        caused_by=cause,
+        params={
+            "address": "where to write (required), e.g. a tensor's data_ptr() plus an offset",
+            "nbytes": "bytes to overwrite, a multiple of the dtype's size; default one element",
+            "dtype": "float32 (default), float16, bfloat16, float64",
+            "restore": "write the old bytes back when healed, default false",
+        },
+        reverted_by="nothing by default; with restore: true the old bytes are written back.",
+    )
+
+
+class Nan(_Fill):
+    value = "nan"
+    info = _fill_info(
+        "memory.nan",
+        "quiet NaNs",
+        "A NaN in weights, gradients or activations: an overflow, a bad kernel, or corruption; "
+        "it spreads through every reduction it enters.",
+    )
+
+
+class Inf(_Fill):
+    value = "inf"
+    info = _fill_info(
+        "memory.inf",
+        "+Inf",
+        "An overflow (fp16 without loss scaling) or an exponent-bit flip; Inf becomes NaN at "
+        "the next Inf - Inf or 0 * Inf.",
+    )
+
+
+class Zero(_Fill):
+    value = "zero"
+    info = _fill_info(
+        "memory.zero",
+        "zeros",
+        "A lost write, a page the kernel or a buggy allocator handed back zeroed, or a "
+        "truncated transfer: plausible-looking values that are simply not there.",
+    )
+
+
+# --- in-process: poison a tensor in place --------------------------------------------------
+
+MODES = ("bitflip", "nan", "inf", "zero")
+
+
+@dataclass(frozen=True, slots=True)
+class Poisoned:
+    """What :func:`poison_tensor` changed (values as Python numbers, read back after)."""
+
+    mode: str
+    indices: tuple[tuple[int, ...], ...]
+    before: tuple[Any, ...]
+    after: tuple[Any, ...]
+    bit: int | None = None
+
+
+def _unravel(flat: int, shape: Sequence[int]) -> tuple[int, ...]:
+    position: list[int] = []
+    for size in reversed(shape):
+        flat, rest = divmod(flat, size)
+        position.append(rest)
+    return tuple(reversed(position))
+
+
+def poison_tensor(
+    tensor: Any,
+    mode: str,
+    *,
+    index: int | Sequence[int] | None = None,
+    bit: int | None = None,
+    seed: int = 0,
+    count: int = 1,
+) -> Poisoned:
+    """Corrupt ``tensor`` in place (CPU or CUDA) and say what changed.
+
+    ``index``: a flat index, or one index per dimension; None picks ``count``
+    distinct elements with ``seed``. ``bit`` (bitflip only) counts from the least
+    significant bit of the element; the default is the element's second-highest
+    bit, which for every IEEE format is the top exponent bit (30 for float32,
+    14 for float16/bfloat16, 62 for float64): 1.0 becomes Inf.
+    """
+    import torch
+
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r} is not one of {', '.join(MODES)}")
+    if tensor.dtype == torch.bool:
+        raise ValueError("cannot poison a bool tensor")
+    numel = int(tensor.numel())
+    if numel == 0:
+        raise ValueError("cannot poison an empty tensor")
+    shape = tuple(int(s) for s in tensor.shape)
+    if index is None:
+        flats = sorted(random.Random(seed).sample(range(numel), min(max(count, 1), numel)))
+        positions = [_unravel(f, shape) for f in flats]
+    elif isinstance(index, int):
+        if not -numel <= index < numel:
+            raise IndexError(f"index {index} is out of range for {numel} elements")
+        positions = [_unravel(index % numel, shape)]
+    else:
+        positions = [tuple(int(i) for i in index)]
+
+    floating = tensor.dtype.is_floating_point or tensor.dtype.is_complex
+    if mode in ("nan", "inf") and not floating:
+        raise ValueError(f"{mode} needs a floating-point tensor, got {tensor.dtype}")
+    nbits = tensor.element_size() * 8
+    used_bit: int | None = None
+    ints = None
+    mask = 0
+    if mode == "bitflip":
+        used_bit = nbits - 2 if bit is None else int(bit)
+        if not 0 <= used_bit < nbits:
+            raise ValueError(f"bit {used_bit} is outside a {nbits}-bit {tensor.dtype} element")
+        int_dtype = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[
+            tensor.element_size()
+        ]
+        # A same-size dtype view works for any strides: the xor lands in the tensor's storage.
+        ints = tensor.view(int_dtype)
+        mask = 1 << used_bit
+        if used_bit == nbits - 1:
+            mask -= 1 << nbits  # the sign bit, as a signed value of the int dtype
+
+    before: list[Any] = []
+    after: list[Any] = []
+    for position in positions:
+        element = tensor[position]
+        before.append(element.item())
+        if mode == "bitflip":
+            assert ints is not None
+            ints[position].bitwise_xor_(mask)
+        elif mode == "nan":
+            element.fill_(float("nan"))
+        elif mode == "inf":
+            element.fill_(float("inf"))
+        else:
+            element.zero_()
+        after.append(tensor[position].item())
+    return Poisoned(mode, tuple(positions), tuple(before), tuple(after), used_bit)
+
+
+def float32_bits(value: float) -> int:
+    """The IEEE-754 bits of a float32, for checks and reports."""
+    return int.from_bytes(struct.pack("<f", value), "little")
+
+
+BITFLIP = register(BitFlip())
+NAN = register(Nan())
+INF = register(Inf())
+ZERO = register(Zero())
