@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import faults
+from faults._proc import ProcessRef
 from faults.heal import heal_orphans, start_reaper
 from faults.journal import Journal
 from harness import metrics as _metrics
@@ -151,10 +152,17 @@ def execute(
             )
 
     def fire(item: _ScheduledFault, now: float) -> bool:
+        target_spec = item.spec.target
+        if target_spec.role is not None:
+            found = target.role_processes(target_spec.role)
+            if not found:
+                return False
+            ranks = {index: ref for index, ref in enumerate(found)}
+            chosen = [0]
+            return _inject(item, ranks, chosen, f"role {target_spec.role}", now)
         ranks = target.rank_processes()
         if not ranks:
             return False
-        target_spec = item.spec.target
         if target_spec.rank is not None:
             if target_spec.rank not in ranks:
                 return False
@@ -163,16 +171,23 @@ def execute(
             chosen = sorted(ranks)
         else:
             chosen = [rng.choice(sorted(ranks))]
+        return _inject(item, ranks, chosen, None, now)
+
+    def _inject(
+        item: _ScheduledFault, ranks: dict[int, ProcessRef], chosen: list[int],
+        label: str | None, now: float,
+    ) -> bool:
         kind = faults.get(item.spec.kind)
         for rank in chosen:
             applied = kind.inject(ranks[rank], _params(item.spec), journal)
+            fields: dict[str, Any] = {"rank": rank} if label is None else {"role": label}
             ev = timeline.emit(
-                "fault_injected", kind=item.spec.kind, rank=rank, pid=ranks[rank].pid,
-                detail=applied.detail, fault=item.index,
+                "fault_injected", kind=item.spec.kind, pid=ranks[rank].pid,
+                detail=applied.detail, fault=item.index, **fields,
             )
             observer.event(ev)
             records.append(
-                FaultRecord(item.spec.kind, f"rank {rank}", round(ev.t - t0, 4), None,
+                FaultRecord(item.spec.kind, label or f"rank {rank}", round(ev.t - t0, 4), None,
                             applied.detail)
             )
             duration = getattr(item.spec, "duration", None)
@@ -192,6 +207,10 @@ def execute(
                 for ev in timeline.poll():
                     if ev.event == "step" and isinstance(ev.fields.get("step"), int):
                         max_step = max(max_step, ev.fields["step"])
+                    elif ev.event == "hello" and isinstance(ev.fields.get("pid"), int):
+                        role = ev.fields.get("role")
+                        target.note_hello(ev.fields["pid"], ev.rank,
+                                          role if isinstance(role, str) else None)
                     if ev.source != "harness":
                         observer.event(ev)
                 for item in schedule:

@@ -67,8 +67,15 @@ class TrainerSystem(_Strict):
     reference: Literal["trainer"]
     world: World = World()
     backend: Literal["gloo", "nccl"] = "gloo"
-    recovery: Literal["restart"] = Field(
-        "restart", description="recovery strategy under test"
+    recovery: Literal["restart", "hot_spare", "elastic"] = Field(
+        "restart",
+        description="restart: torchrun relaunches the world from a checkpoint; hot_spare: warm "
+        "standby ranks take over from in-memory peer snapshots; elastic: survivors go on with "
+        "fewer replicas and a returning replica heals from a live peer",
+    )
+    spares: int = Field(1, ge=0, le=16, description="warm standby processes (hot_spare)")
+    snapshot_every: int = Field(
+        1, ge=1, description="in-memory peer snapshot interval, in steps (hot_spare)"
     )
     steps: int = Field(200, ge=1, description="optimizer steps to train")
     checkpoint_every: int = Field(20, ge=1, description="durable checkpoint interval, in steps")
@@ -147,21 +154,34 @@ System = Annotated[
 
 
 class Target(_Strict):
-    """Which process a fault hits: one rank, or a seeded pick among the ranks."""
+    """Which process a fault hits: a rank, a role, or a seeded pick among the ranks.
+
+    Ranks are the ranks the system reports through the probe's ``hello`` (a warm
+    spare that took over rank 1 *is* rank 1), else the ``RANK`` environment
+    variable of each process.
+    """
 
     rank: int | None = Field(None, ge=0)
+    role: Literal["launcher", "spare"] | None = Field(
+        None, description="launcher: the launched command itself (e.g. torchrun's agent); "
+        "spare: a warm standby process"
+    )
     pick: Literal["random", "all"] | None = Field(
         None, description="random: one rank chosen with the run's seed; all: every rank"
     )
 
     @model_validator(mode="after")
     def _exactly_one(self) -> Target:
-        if (self.rank is None) == (self.pick is None):
-            raise ValueError("give exactly one of `rank: N` or `pick: random|all`")
+        given = [x for x in (self.rank, self.role, self.pick) if x is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of `rank: N`, `role: launcher|spare` or "
+                             "`pick: random|all`")
         return self
 
     def describe(self) -> str:
-        return f"rank {self.rank}" if self.rank is not None else f"pick {self.pick}"
+        if self.rank is not None:
+            return f"rank {self.rank}"
+        return f"role {self.role}" if self.role is not None else f"pick {self.pick}"
 
 
 class At(_Strict):

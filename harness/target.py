@@ -40,12 +40,14 @@ class Launch:
 
 def trainer_argv(system: TrainerSystem, run_dir: Path, seed: int) -> list[str]:
     """torchrun running the reference trainer: the harness reaches it only by command line."""
+    spares = system.spares if system.recovery == "hot_spare" else 0
+    extra = [f"--spares={spares}", f"--snapshot-every={system.snapshot_every}"] if spares else []
     return [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
-        f"--nproc-per-node={system.world.size}",
+        f"--nproc-per-node={system.world.size + spares}",
         f"--max-restarts={system.max_restarts}",
         # Short monitor interval: the agent's reaction to a dead worker is part of
         # what `restart` recovery costs; the 0.1 s default is already fine, be explicit.
@@ -65,6 +67,7 @@ def trainer_argv(system: TrainerSystem, run_dir: Path, seed: int) -> list[str]:
         f"--backend={system.backend}",
         f"--step-sleep={system.step_sleep.total_seconds():g}",
         f"--device={'cuda' if system.backend == 'nccl' else 'cpu'}",
+        *extra,
     ]
 
 
@@ -102,6 +105,7 @@ class LocalTarget:
         self.proc: subprocess.Popen[bytes] | None = None
         self._threads: list[threading.Thread] = []
         self._logs = run_dir / "logs"
+        self._reported: dict[int, tuple[int | None, str | None]] = {}
 
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -175,7 +179,34 @@ class LocalTarget:
     def processes(self) -> list[ProcessRef]:
         return processes_with_env(probe.RUN_ID_ENV, self.run_id)
 
+    def note_hello(self, pid: int, rank: int | None, role: str | None) -> None:
+        """What a process said about itself through the probe outranks its environment."""
+        self._reported[pid] = (rank, role)
+
+    def role_processes(self, role: str) -> list[ProcessRef]:
+        if role == "launcher":
+            root = ProcessRef.of(self.proc.pid) if self.proc is not None else None
+            return [root] if root is not None and root.alive() else []
+        return [
+            ref for ref in self.processes()
+            if self._reported.get(ref.pid, (None, None))[1] == role
+        ]
+
     def rank_processes(self) -> dict[int, ProcessRef]:
+        """Rank -> process, from the probe's ``hello`` where a process sent one."""
+        ranks = self._env_rank_processes()
+        live = {ref.pid: ref for ref in self.processes()}
+        for pid, (rank, role) in self._reported.items():
+            if pid not in live:
+                continue
+            # A process that reported itself overrides whatever its RANK variable says.
+            for key in [k for k, ref in ranks.items() if ref.pid == pid]:
+                del ranks[key]
+            if rank is not None and role in (None, "trainer"):
+                ranks[rank] = live[pid]
+        return ranks
+
+    def _env_rank_processes(self) -> dict[int, ProcessRef]:
         """Rank -> the topmost live process whose environment says ``RANK=rank``.
 
         A rank's own children (data loader workers) inherit ``RANK`` too; the

@@ -171,3 +171,15 @@ def test_json_schema_lists_fault_kinds() -> None:
 def test_missing_file_is_a_spec_error(tmp_path: Path) -> None:
     with pytest.raises(SpecError, match="no such file"):
         discover([tmp_path / "nope.yaml"])
+
+
+def test_role_targets_and_recovery_strategies() -> None:
+    spec = parse_scenario(
+        "name: x\nsystem: {reference: trainer, recovery: hot_spare, spares: 2}\n"
+        "faults: [{kind: process.kill, target: {role: spare}, at: {step: 3}}]\n"
+    )
+    assert isinstance(spec.system, TrainerSystem)
+    assert spec.system.spares == 2
+    assert spec.faults[0].target.describe() == "role spare"
+    (problem,) = problems("name: x\nsystem: {reference: trainer, recovery: magic}\n")
+    assert "'restart', 'hot_spare' or 'elastic'" in problem
