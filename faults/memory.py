@@ -124,12 +124,17 @@ class BitFlip:
             "seed": "seed for the choice of bits, default 0",
             "min_region": "bytes; mappings at least this large are preferred, default 1 MiB",
             "restore": "write the old bytes back when healed, default false",
+            "tensor": "instead of an address: a named tensor in a process that called "
+            "harness.probe.install(): param:NAME, grad:NAME, optim:NAME.STATE (globs allowed); "
+            "poisoned in process at `at: {step, phase}`",
         },
         reverted_by="nothing by default (corruption is the point); with restore: true the old "
         "bytes are written back if the process still lives.",
     )
 
     def inject(self, target: ProcessRef, params: Mapping[str, Any], journal: Journal) -> Applied:
+        if params.get("tensor"):
+            return _in_process(self.info.kind, target, params, journal)
         restore = bool(params.get("restore", False))
         if "address" in params:
             bit = int(params.get("bit", 30))
@@ -153,6 +158,16 @@ class BitFlip:
         _restore(undo)
 
 
+def _in_process(
+    kind: str, target: ProcessRef, params: Mapping[str, Any], journal: Journal
+) -> Applied:
+    """A named tensor (``param:NAME``, ``grad:NAME``, ``optim:NAME.STATE``, globs allowed)
+    is poisoned by the probe inside the target, at the scenario's step and phase."""
+    from faults import inproc
+
+    return inproc.arm(kind, target, params, journal)
+
+
 def _apply(
     kind: str, target: ProcessRef, writes: list[dict[str, Any]], restore: bool, journal: Journal
 ) -> Applied:
@@ -172,8 +187,10 @@ class _Fill:
     info: KindInfo
 
     def inject(self, target: ProcessRef, params: Mapping[str, Any], journal: Journal) -> Applied:
+        if params.get("tensor"):
+            return _in_process(self.info.kind, target, params, journal)
         if "address" not in params:
-            raise ValueError(f"{self.info.kind} needs `address`")
+            raise ValueError(f"{self.info.kind} needs `address` (from outside) or `tensor`")
         dtype = str(params.get("dtype", "float32"))
         pattern = _pattern(dtype, self.value)
         nbytes = int(params.get("nbytes", len(pattern)))
@@ -204,6 +221,9 @@ def _fill_info(kind: str, what: str, cause: str) -> KindInfo:
             "nbytes": "bytes to overwrite, a multiple of the dtype's size; default one element",
             "dtype": "float32 (default), float16, bfloat16, float64",
             "restore": "write the old bytes back when healed, default false",
+            "tensor": "instead of an address: a named tensor in a process that called "
+            "harness.probe.install(): param:NAME, grad:NAME, optim:NAME.STATE (globs allowed); "
+            "poisoned in process at `at: {step, phase}`",
         },
         reverted_by="nothing by default; with restore: true the old bytes are written back.",
     )

@@ -12,7 +12,7 @@ from faults._proc import ProcessRef
 from faults.journal import Journal
 
 ENTRY_POINT_GROUP = "aftershock.faults"
-_BUILTIN_MODULES = ("faults.process", "faults.xid", "faults.memory")
+_BUILTIN_MODULES = ("faults.process", "faults.xid", "faults.memory", "faults.inproc")
 
 
 @dataclass(frozen=True, slots=True)

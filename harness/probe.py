@@ -21,12 +21,15 @@ import time
 from typing import Any
 
 EVENTS_ENV = "AFTERSHOCK_EVENTS"
+COMMANDS_ENV = "AFTERSHOCK_COMMANDS"  # in-process faults armed by the harness (faults.inproc)
 OUTPUT_ENV = "AFTERSHOCK_OUTPUT_DIR"
 RUN_ID_ENV = "AFTERSHOCK_RUN_ID"
 
 _lock = threading.Lock()
 _fd: int | None = None
 _fd_path: str | None = None
+_logical_rank: int | None = None
+_engine: Any = None  # faults.inproc.Engine once install() ran
 
 
 def enabled() -> bool:
@@ -40,6 +43,8 @@ def output_dir() -> str | None:
 
 
 def _rank() -> int | None:
+    if _logical_rank is not None:
+        return _logical_rank
     value = os.environ.get("RANK")
     return int(value) if value is not None and value.lstrip("-").isdigit() else None
 
@@ -103,3 +108,36 @@ def checkpoint_skipped(path: str, reason: str, **fields: Any) -> None:
 def params(digest: str, **fields: Any) -> None:
     """The final parameters of this rank, as a hex digest of their exact bytes."""
     emit("params", digest=digest, **fields)
+
+
+def set_rank(rank: int | None) -> None:
+    """The training rank this process now plays (a warm spare taking over rank 1 says 1);
+    every later event, and in-process faults aimed at a rank, use it."""
+    global _logical_rank
+    _logical_rank = rank
+
+
+def install(*, model: Any = None, optimizer: Any = None,
+            tensors: dict[str, Any] | None = None) -> bool:
+    """Opt in to in-process faults: wrap torch.distributed's collectives and name the
+    tensors memory faults may hit (parameters, gradients, optimizer state, extras given
+    as name -> zero-argument getter). A no-op, returning False, unless the harness
+    launched this process. Call again to add tensors (e.g. after rebuilding a model)."""
+    global _engine
+    path = os.environ.get(COMMANDS_ENV)
+    if not enabled() or not path:
+        return False
+    from faults import inproc  # torch and the engine only where faults are wanted
+
+    if _engine is None:
+        _engine = inproc.Engine(inproc.Inbox(path), rank=_rank, emit=emit)
+        inproc.install_collectives(_engine)
+    _engine.watch(model, optimizer, tensors)
+    return True
+
+
+def fault_point(phase: str, step: int) -> None:
+    """The process is at ``phase`` (forward, backward, optimizer, ...) of ``step``:
+    in-process memory faults aimed at this moment are applied here."""
+    if _engine is not None:
+        _engine.at_point(step, phase)

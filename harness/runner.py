@@ -32,7 +32,7 @@ from harness import metrics as _metrics
 from harness.checks import Outcome, evaluate
 from harness.errors import HarnessError
 from harness.records import CheckResult, Event, FaultRecord, RunResult
-from harness.spec import CommandSystem, LoadedScenario, Scenario, TrainerSystem
+from harness.spec import CommandSystem, LoadedScenario, Scenario, TrainerSystem, in_process
 from harness.target import LocalTarget, plan_launch
 from harness.timeline import Timeline
 
@@ -94,6 +94,8 @@ class _Active:
     applied: faults.Applied
     record_index: int
     heal_at: float | None
+    duration: timedelta | None = None  # for in-process faults: counted from the probe's report
+    fault: int | None = None
 
 
 @dataclass
@@ -105,7 +107,7 @@ class Execution:
 
 
 def _params(spec: Any) -> dict[str, Any]:
-    data = spec.model_dump(exclude={"kind", "target", "at"})
+    data = spec.model_dump(exclude={"kind", "target", "at"}, exclude_none=True)
     return {k: (v.total_seconds() if hasattr(v, "total_seconds") else v) for k, v in data.items()}
 
 
@@ -132,6 +134,8 @@ def execute(
     schedule = [_ScheduledFault(i, f) for i, f in enumerate(spec.faults)]
     active: list[_Active] = []
     records: list[FaultRecord] = []
+    armed: dict[int, int] = {}  # fault index -> record index, for in-process faults
+    seen: dict[str, int] = {}  # event name -> occurrences, for `at: {event}` triggers
     max_step = -1
     exit_code: int | None = None
     timed_out = False
@@ -178,6 +182,22 @@ def execute(
         label: str | None, now: float,
     ) -> bool:
         kind = faults.get(item.spec.kind)
+        duration = getattr(item.spec, "duration", None)
+        if in_process(item.spec):
+            # The probe applies it at the exact step/phase/call and reports the moment;
+            # the rank filter travels in the command (a spare may take the rank over).
+            params = {**_params(item.spec), "at_step": item.spec.at.step,
+                      "phase": item.spec.at.phase, "fault": item.index,
+                      "rank": chosen[0] if len(chosen) == 1 and label is None else None}
+            applied = kind.inject(ranks[chosen[0]], params, journal)
+            observer.event(timeline.emit("fault_armed", kind=item.spec.kind, fault=item.index,
+                                         detail=applied.detail, rank=params["rank"]))
+            where = label or (f"rank {params['rank']}" if params["rank"] is not None else "all")
+            records.append(FaultRecord(item.spec.kind, where, None, None, applied.detail))
+            if applied.journal_id is not None:
+                active.append(_Active(applied, len(records) - 1, None, duration, item.index))
+            armed[item.index] = len(records) - 1
+            return True
         for rank in chosen:
             applied = kind.inject(ranks[rank], _params(item.spec), journal)
             fields: dict[str, Any] = {"rank": rank} if label is None else {"role": label}
@@ -190,11 +210,26 @@ def execute(
                 FaultRecord(item.spec.kind, label or f"rank {rank}", round(ev.t - t0, 4), None,
                             applied.detail)
             )
-            duration = getattr(item.spec, "duration", None)
             if applied.journal_id is not None:
                 heal_at = now + duration.total_seconds() if duration is not None else None
                 active.append(_Active(applied, len(records) - 1, heal_at))
         return True
+
+    def on_probe_injection(ev: Event) -> None:
+        """The probe applied an armed fault: that is the fault's moment on the timeline."""
+        index = ev.fields.get("fault")
+        if not isinstance(index, int) or index not in armed:
+            return
+        record_index = armed[index]
+        old = records[record_index]
+        if old.injected_at_s is None:
+            detail = str(ev.fields.get("detail") or ev.fields.get("tensor") or old.detail)
+            where = f"rank {ev.rank}" if ev.rank is not None else old.target
+            records[record_index] = FaultRecord(old.kind, where, round(ev.t - t0, 4), None,
+                                                detail)
+        for item in active:
+            if item.fault == index and item.heal_at is None and item.duration is not None:
+                item.heal_at = time.monotonic() + item.duration.total_seconds()
 
     t0 = time.monotonic()
     try:
@@ -205,6 +240,10 @@ def execute(
             while True:
                 now = time.monotonic()
                 for ev in timeline.poll():
+                    if ev.source != "harness":
+                        seen[ev.event] = seen.get(ev.event, 0) + 1
+                        if ev.event == "fault_injected":
+                            on_probe_injection(ev)
                     if ev.event == "step" and isinstance(ev.fields.get("step"), int):
                         max_step = max(max_step, ev.fields["step"])
                     elif ev.event == "hello" and isinstance(ev.fields.get("pid"), int):
@@ -217,8 +256,10 @@ def execute(
                     if item.fired:
                         continue
                     at = item.spec.at
-                    due = (at.step is not None and max_step >= at.step) or (
-                        at.time is not None and now - t0 >= at.time.total_seconds()
+                    due = (
+                        (at.step is not None and (in_process(item.spec) or max_step >= at.step))
+                        or (at.time is not None and now - t0 >= at.time.total_seconds())
+                        or (at.event is not None and seen.get(at.event, 0) >= at.count)
                     )
                     if due:
                         item.fired = fire(item, now)

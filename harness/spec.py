@@ -184,21 +184,37 @@ class Target(_Strict):
         return f"role {self.role}" if self.role is not None else f"pick {self.pick}"
 
 
+Phase = Literal["forward", "backward", "optimizer"]
+
+
 class At(_Strict):
-    """When a fault fires: once step N is committed, or at a time after launch."""
+    """When a fault fires: once step N is committed (optionally at a phase of that step,
+    for in-process faults), at a time after launch, or on the k-th timeline event of a kind."""
 
     step: int | None = Field(None, ge=0)
+    phase: Phase | None = Field(
+        None, description="with `step`: the phase of the step (in-process faults only)"
+    )
     time: Duration | None = None
+    event: str | None = Field(
+        None, pattern=r"^[a-z_]+$", description="a timeline event, e.g. checkpoint_started"
+    )
+    count: int = Field(1, ge=1, description="with `event`: fire on its k-th occurrence")
 
     @model_validator(mode="after")
     def _exactly_one(self) -> At:
-        if (self.step is None) == (self.time is None):
-            raise ValueError("give exactly one of `step: N` or `time: DURATION`")
+        given = [x for x in (self.step, self.time, self.event) if x is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of `step: N`, `time: DURATION` or `event: NAME`")
+        if self.phase is not None and self.step is None:
+            raise ValueError("`phase` needs `step`")
         return self
 
     def describe(self) -> str:
         if self.step is not None:
-            return f"step {self.step}"
+            return f"step {self.step}" + (f" {self.phase}" if self.phase else "")
+        if self.event is not None:
+            return f"event {self.event}" + (f" #{self.count}" if self.count > 1 else "")
         assert self.time is not None
         return f"t+{self.time.total_seconds():g}s"
 
@@ -242,12 +258,141 @@ class ProcessFreeze(_FaultBase):
     duration: Duration | None = None
 
 
-Fault = Annotated[ProcessKill | ProcessTerm | ProcessFreeze, Field(discriminator="kind")]
+class GpuXid(_FaultBase):
+    """A simulated NVIDIA Xid error with its real effect (``aftershock faults xid``)."""
+
+    kind: Literal["gpu.xid"]
+    code: int
+    gpu: int | None = Field(None, ge=0, description="GPU index; default the rank's LOCAL_RANK")
+    bitflips: int | None = Field(None, ge=1, description="memory Xids: bits flipped in the heap")
+    seed: int = 0
+
+    @field_validator("code")
+    @classmethod
+    def _known_xid(cls, value: int) -> int:
+        from faults.xid import CATALOG
+
+        if value not in CATALOG:
+            raise ValueError(f"unknown Xid {value} (allowed: {', '.join(map(str, CATALOG))})")
+        return value
+
+
+MemoryTensor = Annotated[
+    str,
+    Field(
+        pattern=r"^(param|grad|optim|[a-z_]+):.+$",
+        description="param:NAME, grad:NAME, optim:NAME.STATE (globs allowed), in a process "
+        "that called harness.probe.install()",
+    ),
+]
+
+
+class _MemoryBase(_FaultBase):
+    tensor: MemoryTensor | None = None
+    address: int | None = Field(None, ge=0, description="from outside: a virtual address")
+    index: int | None = Field(None, ge=0, description="with tensor: flat element index")
+    seed: int = 0
+    restore: bool = False
+
+    @model_validator(mode="after")
+    def _where(self) -> _MemoryBase:
+        region = getattr(self, "region", None)
+        given = [x for x in (self.tensor, self.address, region) if x is not None]
+        if len(given) != 1:
+            allowed = "`tensor`, `address` or `region: heap`" if hasattr(self, "region") else (
+                "`tensor` or `address`")
+            raise ValueError(f"give exactly one of {allowed}")
+        if self.at.phase is not None and self.tensor is None:
+            raise ValueError("`at.phase` needs `tensor` (an in-process fault)")
+        return self
+
+
+class MemoryBitflip(_MemoryBase):
+    """Flip bits: in a named tensor (in process), at an address or in the heap (from outside)."""
+
+    kind: Literal["memory.bitflip"]
+    region: Literal["heap"] | None = None
+    bit: int | None = Field(None, ge=0, description="default: the top exponent bit")
+    count: int = Field(1, ge=1)
+
+
+class MemoryFill(_MemoryBase):
+    """Write NaN, Inf or zeros into a named tensor (in process) or at an address."""
+
+    kind: Literal["memory.nan", "memory.inf", "memory.zero"]
+    nbytes: int | None = Field(None, ge=1, description="with address: bytes to overwrite")
+    dtype: Literal["float16", "bfloat16", "float32", "float64"] = "float32"
+
+
+Collective = Literal[
+    "all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce",
+    "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier",
+    "send", "recv", "gather", "scatter", "any",
+]
+
+
+class _CollectiveBase(_FaultBase):
+    op: Collective = "all_reduce"
+    call: int = Field(1, ge=1, description="the k-th matching call at or after the trigger")
+
+
+class CollectiveError(_CollectiveBase):
+    """The chosen collective call raises, as a backend error would."""
+
+    kind: Literal["collective.error"]
+
+
+class CollectiveHang(_CollectiveBase):
+    """The chosen collective call never returns until healed."""
+
+    kind: Literal["collective.hang"]
+    duration: Duration | None = None
+
+
+class CollectiveDelay(_CollectiveBase):
+    """The chosen collective call starts `delay` late."""
+
+    kind: Literal["collective.delay"]
+    delay: Duration = timedelta(seconds=1)
+
+
+class CollectiveCorrupt(_CollectiveBase):
+    """The chosen collective completes, then its result is poisoned on the target rank."""
+
+    kind: Literal["collective.corrupt"]
+    mode: Literal["nan", "inf", "zero", "bitflip"] = "nan"
+    index: int | None = Field(None, ge=0)
+    bit: int | None = Field(None, ge=0)
+    seed: int = 0
+
+
+Fault = Annotated[
+    ProcessKill | ProcessTerm | ProcessFreeze | GpuXid | MemoryBitflip | MemoryFill
+    | CollectiveError | CollectiveHang | CollectiveDelay | CollectiveCorrupt,
+    Field(discriminator="kind"),
+]
 FAULT_MODELS: dict[str, type[_FaultBase]] = {
     "process.kill": ProcessKill,
     "process.term": ProcessTerm,
     "process.freeze": ProcessFreeze,
+    "gpu.xid": GpuXid,
+    "memory.bitflip": MemoryBitflip,
+    "memory.nan": MemoryFill,
+    "memory.inf": MemoryFill,
+    "memory.zero": MemoryFill,
+    "collective.error": CollectiveError,
+    "collective.hang": CollectiveHang,
+    "collective.delay": CollectiveDelay,
+    "collective.corrupt": CollectiveCorrupt,
 }
+
+
+def in_process(fault: _FaultBase) -> bool:
+    """Faults the probe applies inside the target, at an exact step and phase."""
+    kind = str(getattr(fault, "kind", ""))
+    return kind.startswith("collective.") or (
+        kind.startswith("memory.") and getattr(fault, "tensor", None) is not None
+    )
 
 
 class Budget(_Strict):

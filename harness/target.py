@@ -113,6 +113,7 @@ class LocalTarget:
         env[probe.EVENTS_ENV] = str(self.timeline.path)
         env[probe.OUTPUT_ENV] = str(self.run_dir / "output")
         env[probe.RUN_ID_ENV] = self.run_id
+        env[probe.COMMANDS_ENV] = str(self.run_dir / "commands.jsonl")
         env["PYTHONUNBUFFERED"] = "1"
         return env
 
