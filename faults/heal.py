@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import os
 import select
 import signal
@@ -44,7 +45,23 @@ def revert_entry(entry: Pending) -> None:
 
 
 def heal_journal(path: Path) -> list[Healed]:
-    """Revert every pending entry of one journal (faults first, then launches)."""
+    """Revert every pending entry of one journal (faults first, then launches).
+
+    An exclusive lock on the journal keeps the reaper, `aftershock heal` and a new
+    run's start from healing the same journal at the same moment.
+    """
+    try:
+        lock = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return []
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _heal_locked(path)
+    finally:
+        os.close(lock)
+
+
+def _heal_locked(path: Path) -> list[Healed]:
     results: list[Healed] = []
     entries = sorted(pending(path), key=lambda e: e.op == "launch")
     journal = Journal(path=path)

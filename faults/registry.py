@@ -12,7 +12,10 @@ from faults._proc import ProcessRef
 from faults.journal import Journal
 
 ENTRY_POINT_GROUP = "aftershock.faults"
-_BUILTIN_MODULES = ("faults.process", "faults.xid", "faults.memory", "faults.inproc")
+_BUILTIN_MODULES = (
+    "faults.process", "faults.xid", "faults.memory", "faults.inproc",
+    "faults.net", "faults.storage", "faults.straggle",
+)
 
 
 @dataclass(frozen=True, slots=True)

@@ -66,8 +66,8 @@ def evaluate(
                 f"{len(faults) - len(missed)}/{len(faults)}",
                 f"{len(faults)}/{len(faults)}",
                 "every fault was injected" if not missed else
-                "never injected: " + "; ".join(f"{f.kind} at {f.target}" for f in missed)
-                + " (the trigger was not reached or the target never appeared)",
+                "never injected: " + "; ".join(f"{f.kind} at {f.target} ({f.detail})"
+                                               for f in missed),
             )
         )
     if expect.params_match:

@@ -22,7 +22,8 @@ from harness.records import Event, RunResult
 #: Events worth a line of their own in the plain and live views.
 NOTABLE = {
     "launch", "fault_injected", "fault_healed", "failure_detected", "recovery_done",
-    "checkpoint_loaded", "checkpoint_skipped", "timeout", "run_end",
+    "checkpoint_loaded", "checkpoint_skipped", "timeout", "run_end", "fault_armed",
+    "fault_failed",
 }
 
 
@@ -34,10 +35,14 @@ def describe(event: Event) -> str:
             return f"launched ({f.get('phase', 'run')}, seed {f.get('seed')})"
         case "fault_injected":
             return f"FAULT {f.get('kind')} -> rank {f.get('rank')}: {f.get('detail', '')}"
+        case "fault_armed":
+            return f"armed {f.get('kind')}: {f.get('detail', '')}"
+        case "fault_failed":
+            return f"FAULT {f.get('kind')} could not be applied: {f.get('error')}"
         case "fault_healed":
             return f"healed {f.get('kind')}"
         case "failure_detected":
-            return f"{who} detected failure: {f.get('cause', '?')}"
+            return f"{who} detected failure: {str(f.get('cause', '?'))[:120]}"
         case "recovery_done":
             return f"{who} recovered"
         case "checkpoint_loaded":

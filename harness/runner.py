@@ -87,6 +87,9 @@ class _ScheduledFault:
     spec: Any
     records: list[FaultRecord] = field(default_factory=list)
     fired: bool = False
+    times: int = 0  # how often it fired (for `every`)
+    next_step: int | None = None  # repeat due at this committed step
+    next_time: float | None = None  # repeat due at this monotonic time
 
 
 @dataclass
@@ -171,6 +174,14 @@ def execute(
             if target_spec.rank not in ranks:
                 return False
             chosen = [target_spec.rank]
+        elif target_spec.replica is not None or target_spec.shard is not None:
+            chosen = sorted(
+                r for r, (replica, shard) in target.coordinates.items()
+                if r in ranks
+                and target_spec.replica in (None, replica) and target_spec.shard in (None, shard)
+            )
+            if not chosen:
+                return False
         elif target_spec.pick == "all":
             chosen = sorted(ranks)
         else:
@@ -198,8 +209,11 @@ def execute(
                 active.append(_Active(applied, len(records) - 1, None, duration, item.index))
             armed[item.index] = len(records) - 1
             return True
+        params = _params(item.spec)
+        if str(item.spec.kind).startswith("storage."):
+            params["root"] = storage_root(params.get("root"))
         for rank in chosen:
-            applied = kind.inject(ranks[rank], _params(item.spec), journal)
+            applied = kind.inject(ranks[rank], params, journal)
             fields: dict[str, Any] = {"rank": rank} if label is None else {"role": label}
             ev = timeline.emit(
                 "fault_injected", kind=item.spec.kind, pid=ranks[rank].pid,
@@ -214,6 +228,39 @@ def execute(
                 heal_at = now + duration.total_seconds() if duration is not None else None
                 active.append(_Active(applied, len(records) - 1, heal_at))
         return True
+
+    def fire_safely(item: _ScheduledFault, now: float) -> bool:
+        """A fault that cannot be applied is a record on the timeline, not a crash:
+        the run goes on and `faults_injected` fails with the reason."""
+        try:
+            return fire(item, now)
+        except Exception as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+            observer.event(timeline.emit("fault_failed", kind=item.spec.kind,
+                                         fault=item.index, error=reason))
+            records.append(FaultRecord(item.spec.kind, item.spec.target.describe(), None, None,
+                                       f"could not be applied: {reason}"))
+            item.fired = True
+            item.times = max(item.times, 1)
+            return False
+
+    def storage_root(given: str | None) -> str:
+        if given:
+            return given.replace("${run_dir}", str(run_dir))
+        if isinstance(spec.system, TrainerSystem):
+            return str(run_dir / "checkpoints")
+        return str(run_dir)
+
+    def reschedule(item: _ScheduledFault, now: float) -> None:
+        item.times += 1
+        every = item.spec.every
+        if every is None or item.times >= every.times:
+            item.fired = True
+            return
+        if every.steps is not None:
+            item.next_step = max(max_step, 0) + every.steps
+        else:
+            item.next_time = now + every.time.total_seconds()
 
     def on_probe_injection(ev: Event) -> None:
         """The probe applied an armed fault: that is the fault's moment on the timeline."""
@@ -248,21 +295,31 @@ def execute(
                         max_step = max(max_step, ev.fields["step"])
                     elif ev.event == "hello" and isinstance(ev.fields.get("pid"), int):
                         role = ev.fields.get("role")
-                        target.note_hello(ev.fields["pid"], ev.rank,
-                                          role if isinstance(role, str) else None)
+                        replica, shard = ev.fields.get("replica"), ev.fields.get("shard")
+                        target.note_hello(
+                            ev.fields["pid"], ev.rank, role if isinstance(role, str) else None,
+                            replica if isinstance(replica, int) else None,
+                            shard if isinstance(shard, int) else None,
+                        )
                     if ev.source != "harness":
                         observer.event(ev)
                 for item in schedule:
                     if item.fired:
                         continue
                     at = item.spec.at
+                    if item.times:  # a repeat of an `every` fault
+                        due = (item.next_step is not None and max_step >= item.next_step) or (
+                            item.next_time is not None and now >= item.next_time)
+                        if due and fire_safely(item, now):
+                            reschedule(item, now)
+                        continue
                     due = (
                         (at.step is not None and (in_process(item.spec) or max_step >= at.step))
                         or (at.time is not None and now - t0 >= at.time.total_seconds())
                         or (at.event is not None and seen.get(at.event, 0) >= at.count)
                     )
-                    if due:
-                        item.fired = fire(item, now)
+                    if due and fire_safely(item, now):
+                        reschedule(item, now)
                 for done in [a for a in active if a.heal_at is not None and now >= a.heal_at]:
                     active.remove(done)
                     heal(done)
@@ -295,9 +352,10 @@ def execute(
         if errors:
             raise HarnessError("could not revert: " + "; ".join(errors))
     for item in schedule:
-        if not item.fired:
+        if not item.fired and not item.times:
             records.append(FaultRecord(item.spec.kind, item.spec.target.describe(), None, None,
-                                       f"trigger {item.spec.at.describe()} never fired"))
+                                       f"trigger {item.spec.at.describe()} not reached, or "
+                                       "the target never appeared"))
     events = sorted(
         (Event.from_json(e) for e in _read_json_lines(run_dir / "events.jsonl")),
         key=lambda e: e.t,

@@ -162,6 +162,9 @@ class Target(_Strict):
     """
 
     rank: int | None = Field(None, ge=0)
+    replica: int | None = Field(None, ge=0, description="every rank of this replica")
+    shard: int | None = Field(None, ge=0, description="every rank holding this shard "
+                              "(with `replica`: the one rank at both)")
     role: Literal["launcher", "spare"] | None = Field(
         None, description="launcher: the launched command itself (e.g. torchrun's agent); "
         "spare: a warm standby process"
@@ -172,15 +175,20 @@ class Target(_Strict):
 
     @model_validator(mode="after")
     def _exactly_one(self) -> Target:
+        coordinates = self.replica is not None or self.shard is not None
         given = [x for x in (self.rank, self.role, self.pick) if x is not None]
-        if len(given) != 1:
-            raise ValueError("give exactly one of `rank: N`, `role: launcher|spare` or "
-                             "`pick: random|all`")
+        if len(given) + coordinates != 1:
+            raise ValueError("give exactly one of `rank: N`, `replica`/`shard`, "
+                             "`role: launcher|spare` or `pick: random|all`")
         return self
 
     def describe(self) -> str:
         if self.rank is not None:
             return f"rank {self.rank}"
+        if self.replica is not None or self.shard is not None:
+            parts = [f"replica {self.replica}" if self.replica is not None else "",
+                     f"shard {self.shard}" if self.shard is not None else ""]
+            return " ".join(p for p in parts if p)
         return f"role {self.role}" if self.role is not None else f"pick {self.pick}"
 
 
@@ -222,9 +230,31 @@ class At(_Strict):
 _SIGNALS = sorted(s.name for s in _signal.Signals if not s.name.startswith("SIG_"))
 
 
+class Every(_Strict):
+    """Repeat a fault: every N committed steps or every DURATION after it first fired."""
+
+    steps: int | None = Field(None, ge=1)
+    time: Duration | None = None
+    times: int = Field(2, ge=2, le=1000, description="how many times in all, the first included")
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> Every:
+        if (self.steps is None) == (self.time is None):
+            raise ValueError("give exactly one of `steps: N` or `time: DURATION`")
+        return self
+
+
 class _FaultBase(_Strict):
     target: Target
     at: At
+    every: Every | None = Field(None, description="repeat the fault")
+
+    @model_validator(mode="after")
+    def _repeatable(self) -> _FaultBase:
+        if self.every is not None and self.every.steps is not None and self.at.step is None \
+                and self.at.event is None and self.at.time is None:
+            raise ValueError("`every` needs `at`")
+        return self
 
 
 class ProcessKill(_FaultBase):
@@ -366,15 +396,81 @@ class CollectiveCorrupt(_CollectiveBase):
     seed: int = 0
 
 
+class NetReset(_FaultBase):
+    """Reset the target's TCP connections for real (`ss -K`)."""
+
+    kind: Literal["net.reset"]
+    port: int | None = Field(None, ge=1, le=65535, description="only connections on this port")
+
+
+class NetPartition(_FaultBase):
+    """Cut the target off from every peer, both ways, with nftables rules on loopback."""
+
+    kind: Literal["net.partition"]
+    duration: Duration | None = Field(None, description="heal after this long; default: end")
+    new_connections: bool = Field(True, description="also block sockets it opens later")
+
+
+_LAUNCHER = Target(role="launcher")
+
+
+class _StorageBase(_FaultBase):
+    target: Target = Field(_LAUNCHER, description="storage faults act on files, not a rank")
+    root: str | None = Field(
+        None, description="folder the path is relative to; default the trainer's checkpoint "
+        "folder (reference trainer) or the run folder; ${run_dir} is expanded"
+    )
+    restore: bool = False
+
+
+class StorageDamage(_StorageBase):
+    """Corrupt, truncate or delete the newest file (or folder) matching a glob."""
+
+    kind: Literal["storage.corrupt", "storage.truncate", "storage.delete"]
+    path: str = Field(description="glob under root; the newest match is hit")
+    offset: int | None = Field(None, ge=0, description="corrupt: first byte (default seeded)")
+    bytes: int = Field(16, ge=1, description="corrupt: how many bytes")
+    size: int | None = Field(None, ge=0, description="truncate: new size (default half)")
+    seed: int = 0
+
+
+class StorageFull(_StorageBase):
+    """A real ENOSPC: a size-limited tmpfs over a folder, removed when healed."""
+
+    kind: Literal["storage.full"]
+    dir: str = Field(".", description="folder under root to fill")
+    free: int = Field(0, ge=0, description="bytes left free")
+    write_back: bool = Field(True, description="copy what was written meanwhile back at heal")
+    duration: Duration | None = None
+
+
+class ProcessStraggle(_FaultBase):
+    """Slow one process by a factor (cgroup CPU quota, or duty-cycled SIGSTOP/SIGCONT)."""
+
+    kind: Literal["process.straggle"]
+    factor: float = Field(4.0, gt=1.0)
+    cpus: float = Field(1.0, gt=0)
+    method: Literal["auto", "cgroup", "signal"] = "auto"
+    duration: Duration | None = None
+
+
 Fault = Annotated[
-    ProcessKill | ProcessTerm | ProcessFreeze | GpuXid | MemoryBitflip | MemoryFill
-    | CollectiveError | CollectiveHang | CollectiveDelay | CollectiveCorrupt,
+    ProcessKill | ProcessTerm | ProcessFreeze | ProcessStraggle | GpuXid | MemoryBitflip
+    | MemoryFill | CollectiveError | CollectiveHang | CollectiveDelay | CollectiveCorrupt
+    | NetReset | NetPartition | StorageDamage | StorageFull,
     Field(discriminator="kind"),
 ]
 FAULT_MODELS: dict[str, type[_FaultBase]] = {
     "process.kill": ProcessKill,
     "process.term": ProcessTerm,
     "process.freeze": ProcessFreeze,
+    "process.straggle": ProcessStraggle,
+    "net.reset": NetReset,
+    "net.partition": NetPartition,
+    "storage.corrupt": StorageDamage,
+    "storage.truncate": StorageDamage,
+    "storage.delete": StorageDamage,
+    "storage.full": StorageFull,
     "gpu.xid": GpuXid,
     "memory.bitflip": MemoryBitflip,
     "memory.nan": MemoryFill,

@@ -106,6 +106,7 @@ class LocalTarget:
         self._threads: list[threading.Thread] = []
         self._logs = run_dir / "logs"
         self._reported: dict[int, tuple[int | None, str | None]] = {}
+        self.coordinates: dict[int, tuple[int, int]] = {}  # rank -> (replica, shard)
 
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -180,9 +181,12 @@ class LocalTarget:
     def processes(self) -> list[ProcessRef]:
         return processes_with_env(probe.RUN_ID_ENV, self.run_id)
 
-    def note_hello(self, pid: int, rank: int | None, role: str | None) -> None:
+    def note_hello(self, pid: int, rank: int | None, role: str | None,
+                   replica: int | None = None, shard: int | None = None) -> None:
         """What a process said about itself through the probe outranks its environment."""
         self._reported[pid] = (rank, role)
+        if rank is not None and replica is not None and shard is not None:
+            self.coordinates[rank] = (replica, shard)
 
     def role_processes(self, role: str) -> list[ProcessRef]:
         if role == "launcher":

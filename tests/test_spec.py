@@ -74,7 +74,7 @@ def test_misspelt_key_names_line_column_and_suggests() -> None:
     (problem,) = problems(text)
     assert problem.startswith("s.yaml:9:5: faults.0.duraton: unknown key 'duraton'")
     assert "did you mean 'duration'?" in problem
-    assert "allowed: at, duration, kind, target" in problem
+    assert "allowed: at, duration, every, kind, target" in problem
 
 
 def test_unknown_fault_kind_lists_kinds() -> None:

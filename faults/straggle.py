@@ -1,0 +1,146 @@
+"""``process.straggle``: one slow rank, as a thermally throttled or oversubscribed host makes it.
+
+With the cgroup v1 ``cpu`` controller the process is moved into a group of
+its own whose CFS quota lets it run ``cpus / factor`` CPUs' worth of time per
+period. Without it, a thread in the harness stops and continues the process
+(SIGSTOP/SIGCONT) on a duty cycle; the journal records the process, so a heal
+after the harness died sends the final SIGCONT.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from faults import _cgroup
+from faults._errors import FaultUnavailable
+from faults._proc import ProcessRef
+from faults.journal import Journal
+from faults.registry import Applied, KindInfo, register
+
+PERIOD_US = 100_000  # CFS period; 100 ms is the kernel default and keeps stalls short
+MIN_QUOTA_US = 1_000  # the kernel refuses quotas below 1 ms
+
+# Duty-cycle threads of this process, by token, so an in-process revert can stop
+# its thread before the final SIGCONT (a heal from another process finds none).
+_cyclers: dict[str, tuple[threading.Event, threading.Thread]] = {}
+
+
+def _cycle(target: ProcessRef, run_s: float, stop_s: float, quit_: threading.Event) -> None:
+    try:
+        while not quit_.is_set() and target.alive():
+            if quit_.wait(run_s):
+                break
+            target.signal(signal.SIGSTOP)
+            quit_.wait(stop_s)
+            target.signal(signal.SIGCONT)
+    finally:
+        target.signal(signal.SIGCONT)
+
+
+class Straggle:
+    info = KindInfo(
+        kind="process.straggle",
+        summary="Slow the target process down by a factor while it keeps running.",
+        caused_by="cgroup v1 `cpu` controller: the process (all its threads, and children it "
+        "starts later) is moved into /sys/fs/cgroup/cpu/<its group>/aftershock_<id> with "
+        "cpu.cfs_quota_us = cpu.cfs_period_us × cpus / factor. Fallback (method: signal, or "
+        "auto without the controller): SIGSTOP/SIGCONT on a 100 ms duty cycle.",
+        params={
+            "factor": "how many times slower; default 4 (a quarter of the CPU time)",
+            "cpus": "CPUs the process would use unthrottled, for the quota; default 1",
+            "method": "auto | cgroup | signal; default auto (cgroup when available)",
+        },
+        reverted_by="move the process back to its original cpu group and remove the fault's "
+        "group (cgroup); or stop the duty cycle and SIGCONT (signal).",
+    )
+
+    def inject(self, target: ProcessRef, params: Mapping[str, Any], journal: Journal) -> Applied:
+        factor = float(params.get("factor", 4))
+        if factor < 1:
+            raise ValueError(f"factor must be >= 1, got {factor}")
+        method = str(params.get("method", "auto"))
+        if method not in ("auto", "cgroup", "signal"):
+            raise ValueError(f"method must be auto, cgroup or signal, got {method!r}")
+        mount = _cgroup.v1_mount("cpu")
+        usable = mount is not None and _cgroup.writable(mount)
+        if method == "cgroup" and not usable:
+            raise FaultUnavailable("no writable cgroup v1 cpu controller (/sys/fs/cgroup/cpu)")
+        token = uuid.uuid4().hex[:12]
+        if method != "signal" and mount is not None and usable:
+            return self._cgroup(target, factor, float(params.get("cpus", 1)), mount, token, journal)
+        return self._signal(target, factor, token, journal)
+
+    def _cgroup(
+        self,
+        target: ProcessRef,
+        factor: float,
+        cpus: float,
+        mount: Path,
+        token: str,
+        journal: Journal,
+    ) -> Applied:
+        home = _cgroup.group_of(target.pid, "cpu")
+        if home is None:
+            return Applied(self.info.kind, None, {}, f"pid {target.pid} already gone")
+        group_dir = _cgroup.directory(mount, f"{home.rstrip('/')}/aftershock_{token}")
+        undo = {
+            "method": "cgroup",
+            "cgroup": str(group_dir),
+            "home": str(_cgroup.directory(mount, home)),
+            "root": str(mount),
+        }
+        quota = max(MIN_QUOTA_US, round(PERIOD_US * cpus / factor))
+        entry = journal.intend(self.info.kind, undo)
+        try:
+            group_dir.mkdir()
+            (group_dir / "cpu.cfs_period_us").write_text(f"{PERIOD_US}\n")
+            (group_dir / "cpu.cfs_quota_us").write_text(f"{quota}\n")
+            # cgroup.procs (not tasks) moves every thread of the process at once.
+            if target.alive():
+                _cgroup.move(target.pid, group_dir)
+        except BaseException:
+            try:
+                self.revert(undo)
+            except Exception:  # left pending in the journal: heal will try again
+                pass
+            else:
+                journal.done(entry)
+            raise
+        detail = f"pid {target.pid} limited to {quota}/{PERIOD_US} us of CPU per period"
+        return Applied(self.info.kind, entry, undo, detail)
+
+    def _signal(self, target: ProcessRef, factor: float, token: str, journal: Journal) -> Applied:
+        undo = {"method": "signal", "token": token, **target.to_json()}
+        entry = journal.intend(self.info.kind, undo)
+        run_s = 0.1 / factor
+        quit_ = threading.Event()
+        thread = threading.Thread(
+            target=_cycle,
+            args=(target, run_s, 0.1 - run_s, quit_),
+            name=f"aftershock-straggle-{target.pid}",
+            daemon=True,
+        )
+        _cyclers[token] = (quit_, thread)
+        thread.start()
+        detail = f"pid {target.pid} runs {run_s * 1000:.0f} ms of every 100 ms (SIGSTOP/SIGCONT)"
+        return Applied(self.info.kind, entry, undo, detail)
+
+    def revert(self, undo: Mapping[str, Any]) -> None:
+        if undo.get("method") == "signal":
+            cycler = _cyclers.pop(str(undo["token"]), None)
+            if cycler is not None:
+                cycler[0].set()
+                cycler[1].join()
+            ProcessRef.from_json({"pid": int(undo["pid"]), "start": int(undo["start"])}).signal(
+                signal.SIGCONT
+            )
+            return
+        _cgroup.remove(Path(undo["cgroup"]), Path(undo["home"]), Path(undo["root"]))
+
+
+STRAGGLE = register(Straggle())
