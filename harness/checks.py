@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from harness._duration import format_duration
-from harness.records import CheckResult, FaultRecord
+from harness.records import CheckResult, Event, FaultRecord
 from harness.spec import Expect
 
 
@@ -43,6 +43,7 @@ def evaluate(
     faults: Sequence[FaultRecord],
     digests: Mapping[int, str],
     baseline: Mapping[int, str] | None,
+    events: Sequence[Event] | None = None,
 ) -> list[CheckResult]:
     results: list[CheckResult] = []
     if expect.completes:
@@ -84,7 +85,29 @@ def evaluate(
         ok = isinstance(lost, int) and lost <= limit
         results.append(CheckResult("lost_steps", ok, lost, f"<= {limit}",
                                    f"{lost} committed steps were recomputed (at most {limit})"))
+    if expect.step_rate:
+        rate = _f(metrics.get("min_step_rate"))
+        floor = expect.step_rate.min
+        ok = rate is not None and rate >= floor
+        results.append(CheckResult(
+            "step_rate", ok, None if rate is None else round(rate, 2), f">= {floor:g}/s",
+            "too short to measure (needs 2 s of steps)" if rate is None else
+            f"slowest 2 s window committed {rate:.2f} steps/s ({'at least' if ok else 'below'} "
+            f"{floor:g})"))
+    if expect.straggler_named:
+        results.append(_straggler_named(events or (), faults))
     return results
+
+
+def _straggler_named(events: Sequence[Event], faults: Sequence[FaultRecord]) -> CheckResult:
+    slowed = {f.target for f in faults if f.kind == "process.straggle" and f.injected_at_s}
+    named = {f"rank {e.fields.get('slow_rank')}" for e in events
+             if e.event == "straggler_detected"}
+    ok = bool(slowed) and slowed <= named
+    return CheckResult("straggler_named", ok, ", ".join(sorted(named)) or None,
+                       ", ".join(sorted(slowed)) or "a straggled rank",
+                       "the system named the slowed rank" if ok else
+                       "no straggler_detected event named the slowed rank")
 
 
 def _f(value: float | int | None) -> float | None:

@@ -110,6 +110,32 @@ def restarts(events: Sequence[Event]) -> int:
     return max(len(generations) - 1, 0)
 
 
+def min_step_rate(events: Sequence[Event], window_s: float = 2.0) -> float | None:
+    """The slowest progress of the run: the fewest steps committed (first report of each
+    step number) in any window of ``window_s`` seconds, per second."""
+    first: dict[int, float] = {}
+    for e in events:
+        step = e.fields.get("step")
+        if e.event == "step" and isinstance(step, int) and step not in first:
+            first[step] = e.t
+    times = sorted(first.values())
+    if len(times) < 2 or times[-1] - times[0] < window_s:
+        return None
+    slowest = None
+    lo = 0
+    start = times[0]
+    while start + window_s <= times[-1]:
+        while times[lo] < start:
+            lo += 1
+        hi = lo
+        while hi < len(times) and times[hi] < start + window_s:
+            hi += 1
+        rate = (hi - lo) / window_s
+        slowest = rate if slowest is None else min(slowest, rate)
+        start += window_s / 4
+    return slowest
+
+
 def compute(events: Sequence[Event], world: int | None) -> dict[str, float | int | None]:
     world = full_world(events, world)
     return {
@@ -118,4 +144,5 @@ def compute(events: Sequence[Event], world: int | None) -> dict[str, float | int
         "lost_steps": lost_steps(events),
         "steps_committed": steps_committed(events),
         "restarts": restarts(events),
+        "min_step_rate": min_step_rate(events),
     }

@@ -482,6 +482,7 @@ def run_scenario(
     checks = evaluate(
         spec.expect, outcome=execution.outcome, metrics=metrics, faults=execution.faults,
         digests=_metrics.final_digests(execution.events), baseline=baseline,
+        events=execution.events,
     )
     if spec.expect.params_match and baseline is None:
         checks = [

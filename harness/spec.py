@@ -499,6 +499,10 @@ class CountBudget(_Strict):
     max: int = Field(ge=0)
 
 
+class RateFloor(_Strict):
+    min: float = Field(gt=0, description="steps per second, over any 2 s window")
+
+
 class Expect(_Strict):
     """What must hold after the run. Each field is one named check in the report."""
 
@@ -509,6 +513,13 @@ class Expect(_Strict):
     time_to_detect: Budget | None = None
     time_to_recover: Budget | None = None
     lost_steps: CountBudget | None = None
+    step_rate: RateFloor | None = Field(
+        None, description="the slowest 2 s of the run commits at least this many steps/s"
+    )
+    straggler_named: bool = Field(
+        False, description="the system reports a straggler_detected event naming the rank "
+        "the process.straggle fault slowed"
+    )
 
 
 class Scenario(_Strict):

@@ -115,12 +115,15 @@ class LocalTarget:
         env[probe.OUTPUT_ENV] = str(self.run_dir / "output")
         env[probe.RUN_ID_ENV] = self.run_id
         env[probe.COMMANDS_ENV] = str(self.run_dir / "commands.jsonl")
+        # The simulated NVML (faults/nvml_sim.py) a rank opts into when it has no real GPU.
+        env.setdefault("AFTERSHOCK_NVML_DIR", str(self.run_dir / "nvml"))
         env["PYTHONUNBUFFERED"] = "1"
         return env
 
     def start(self) -> None:
         self._logs.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "output").mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "nvml").mkdir(parents=True, exist_ok=True)
         try:
             self.proc = subprocess.Popen(
                 self.launch.argv,

@@ -132,3 +132,34 @@ def test_a_fault_that_never_fired_fails_the_run() -> None:
     by_name = {c.name: c for c in checks}
     assert not by_name["faults_injected"].passed
     assert by_name["faults_injected"].observed == "0/1"
+
+
+def test_min_step_rate_sees_the_slow_stretch() -> None:
+    fast = steps(0.0, 1, 40, ranks=1, dt=0.1)  # 10 steps/s for 4 s
+    slow = steps(4.0, 41, 44, ranks=1, dt=1.0)  # then 1 step/s for 4 s
+    rate = metrics.min_step_rate([*fast, *slow])
+    assert rate is not None
+    assert rate <= 1.0
+    assert metrics.min_step_rate(fast) == pytest.approx(10.0, abs=0.6)
+    assert metrics.min_step_rate(steps(0.0, 1, 5, ranks=1)) is None  # under 2 s: unmeasured
+
+
+def test_step_rate_and_straggler_checks() -> None:
+    from harness.spec import RateFloor
+
+    events = [*steps(0.0, 1, 40, ranks=1, dt=0.1), ev(2.0, "straggler_detected", slow_rank=1)]
+    slowed = [FaultRecord("process.straggle", "rank 1", 1.0, None)]
+    expect = Expect(step_rate=RateFloor(min=5), straggler_named=True)
+    checks = {c.name: c for c in evaluate(
+        expect, outcome=Outcome(0, False, 4.0), metrics=metrics.compute(events, 1),
+        faults=slowed, digests={}, baseline=None, events=events)}
+    assert checks["step_rate"].passed
+    assert checks["straggler_named"].passed
+    wrong = [*steps(0.0, 1, 40, ranks=1, dt=0.1), ev(2.0, "straggler_detected", slow_rank=0)]
+    checks = {c.name: c for c in evaluate(
+        Expect(step_rate=RateFloor(min=20), straggler_named=True),
+        outcome=Outcome(0, False, 4.0), metrics=metrics.compute(wrong, 1),
+        faults=slowed, digests={}, baseline=None, events=wrong)}
+    assert not checks["step_rate"].passed
+    assert not checks["straggler_named"].passed
+    assert checks["straggler_named"].observed == "rank 0"
