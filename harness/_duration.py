@@ -41,7 +41,7 @@ def format_duration(value: timedelta | float) -> str:
 Duration = Annotated[
     timedelta,
     BeforeValidator(parse_duration),
-    PlainSerializer(format_duration, return_type=str),
+    PlainSerializer(format_duration, return_type=str, when_used="json"),
     WithJsonSchema(
         {
             "anyOf": [

@@ -213,11 +213,14 @@ def execute(
         if str(item.spec.kind).startswith("storage."):
             params["root"] = storage_root(params.get("root"))
         for rank in chosen:
+            # The fault's moment is when applying it began: `ss -K` or a tmpfs copy take
+            # long enough that the system can notice before inject() returns.
+            began = time.monotonic()
             applied = kind.inject(ranks[rank], params, journal)
             fields: dict[str, Any] = {"rank": rank} if label is None else {"role": label}
             ev = timeline.emit(
                 "fault_injected", kind=item.spec.kind, pid=ranks[rank].pid,
-                detail=applied.detail, fault=item.index, **fields,
+                detail=applied.detail, fault=item.index, at=began, **fields,
             )
             observer.event(ev)
             records.append(

@@ -18,11 +18,12 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from faults._proc import ProcessRef, environ, kill_all, processes_with_env
 from harness import probe
 from harness.errors import TargetError
+from harness.records import Event
 from harness.spec import CommandSystem, LogProbe, TrainerSystem
 from harness.timeline import Timeline
 
@@ -163,7 +164,7 @@ class LocalTarget:
                         self._emit_from_log(spec, match, line)
 
     def _emit_from_log(self, spec: LogProbe, match: re.Match[str], line: str) -> None:
-        fields: dict[str, object] = {"line": line[:300]}
+        fields: dict[str, Any] = {"line": line[:300]}
         for key, value in match.groupdict().items():
             if value is None:
                 continue
@@ -172,7 +173,8 @@ class LocalTarget:
             prefix = _RANK_PREFIX.match(line)
             if prefix:
                 fields["rank"] = int(prefix.group(1))
-        self.timeline.emit(spec.event, source="log", **fields)
+        self.timeline.write(Event(t=time.monotonic(), event=spec.event, source="log",
+                                  fields=fields))
 
     def poll(self) -> int | None:
         return None if self.proc is None else self.proc.poll()

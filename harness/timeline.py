@@ -23,8 +23,13 @@ class Timeline:
         self._offset = 0
         self._partial = b""
 
-    def emit(self, event: str, source: str = "harness", **fields: Any) -> Event:
-        record = Event(t=time.monotonic(), event=event, source=source, fields=fields)
+    def emit(self, event: str, source: str = "harness", *, at: float | None = None,
+             **fields: Any) -> Event:
+        """Append an event; ``at`` backdates it to when the action really began."""
+        t = time.monotonic() if at is None else at
+        return self.write(Event(t=t, event=event, source=source, fields=fields))
+
+    def write(self, record: Event) -> Event:
         line = json.dumps(record.to_json(), separators=(",", ":"), default=str) + "\n"
         os.write(self._fd, line.encode())
         return record
