@@ -96,7 +96,40 @@ def evaluate(
             f"{floor:g})"))
     if expect.straggler_named:
         results.append(_straggler_named(events or (), faults))
+    if expect.xid_action:
+        results.append(_xid_action(events or ()))
     return results
+
+
+def _xid_action(events: Sequence[Event]) -> CheckResult:
+    """Each injected Xid must be answered with NVIDIA's recommended action."""
+    from faults.xid import CATALOG
+
+    injected = [e for e in events if e.event == "fault_injected" and e.fields.get("kind")
+                == "gpu.xid"]
+    answers = [e for e in events if e.event == "xid_action"]
+    expected, observed, wrong = [], [], []
+    for fault in injected:
+        code = _xid_code(fault)
+        want = str(CATALOG[code].action) if code is not None and code in CATALOG else "?"
+        expected.append(f"{code}:{want}")
+        reply = next((a for a in answers if a.t >= fault.t and a.fields.get("code") == code),
+                     None)
+        got = str(reply.fields.get("action")) if reply else "none reported"
+        observed.append(f"{code}:{got}")
+        if got != want:
+            wrong.append(f"Xid {code}: expected {want}, got {got}")
+    ok = bool(injected) and not wrong
+    message = ("every Xid got NVIDIA's recommended action" if ok else
+               "; ".join(wrong) or "no gpu.xid fault was injected")
+    return CheckResult("xid_action", ok, ", ".join(observed) or None,
+                       ", ".join(expected) or "an Xid", message)
+
+
+def _xid_code(event: Event) -> int | None:
+    params = event.fields.get("params")
+    code = params.get("code") if isinstance(params, dict) else None
+    return code if isinstance(code, int) else None
 
 
 def _straggler_named(events: Sequence[Event], faults: Sequence[FaultRecord]) -> CheckResult:

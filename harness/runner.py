@@ -220,7 +220,7 @@ def execute(
             fields: dict[str, Any] = {"rank": rank} if label is None else {"role": label}
             ev = timeline.emit(
                 "fault_injected", kind=item.spec.kind, pid=ranks[rank].pid,
-                detail=applied.detail, fault=item.index, at=began, **fields,
+                detail=applied.detail, fault=item.index, at=began, params=params, **fields,
             )
             observer.event(ev)
             records.append(

@@ -516,6 +516,10 @@ class Expect(_Strict):
     step_rate: RateFloor | None = Field(
         None, description="the slowest 2 s of the run commits at least this many steps/s"
     )
+    xid_action: bool = Field(
+        False, description="for every gpu.xid fault, the system reports an xid_action event "
+        "with the action NVIDIA recommends for that Xid (aftershock faults xid)"
+    )
     straggler_named: bool = Field(
         False, description="the system reports a straggler_detected event naming the rank "
         "the process.straggle fault slowed"

@@ -163,3 +163,19 @@ def test_step_rate_and_straggler_checks() -> None:
     assert not checks["step_rate"].passed
     assert not checks["straggler_named"].passed
     assert checks["straggler_named"].observed == "rank 0"
+
+
+def test_xid_action_check_wants_nvidias_action() -> None:
+    injected = ev(1.0, "fault_injected", kind="gpu.xid", rank=0, params={"code": 48})
+
+    def check(*answers: Event):  # type: ignore[no-untyped-def]
+        (result,) = evaluate(Expect(completes=False, xid_action=True),
+                             outcome=Outcome(0, False, 1.0), metrics={}, faults=[],
+                             digests={}, baseline=None, events=[injected, *answers])
+        return result
+
+    assert check(ev(1.1, "xid_action", code=48, action="reset_gpu")).passed
+    wrong = check(ev(1.1, "xid_action", code=48, action="restart_app"))
+    assert not wrong.passed
+    assert "expected reset_gpu, got restart_app" in wrong.message
+    assert not check().passed  # a system that ignores the Xid fails
