@@ -1,0 +1,4 @@
+"""Aftershock's recovery benchmark: our strategies against plain DDP, torchrun and torchft.
+
+Run it with ``python -m bench`` (or ``make bench``); see ``bench/README.md``.
+"""

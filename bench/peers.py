@@ -1,0 +1,167 @@
+"""The rows of the benchmark: how to launch each system, and what it is.
+
+Every row trains the same model (the reference trainer's ``ParallelMLP``, 2 data-parallel
+replicas × 2 tensor-parallel shards = 4 ranks, Gloo on CPU) on the same data. A row is a list
+of commands started together; to add a strategy, add a ``Peer``.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPLICAS, SHARDS = 2, 2
+WORLD = REPLICAS * SHARDS
+CHECKPOINT_EVERY = 20  # steps between durable checkpoints for the restart-based rows
+MAX_RESTARTS = 3
+
+
+@dataclass(frozen=True, slots=True)
+class Model:
+    """The reference trainer's model flags, shared by every row."""
+
+    d_model: int = 128
+    hidden: int = 1024
+    blocks: int = 2
+    batch_size: int = 32
+
+    def args(self) -> list[str]:
+        return [
+            f"--replicas={REPLICAS}",
+            f"--shards={SHARDS}",
+            f"--d-model={self.d_model}",
+            f"--hidden={self.hidden}",
+            f"--blocks={self.blocks}",
+            f"--batch-size={self.batch_size}",
+        ]
+
+    def parameters(self) -> int:
+        per_block = 2 * self.d_model * self.hidden + self.hidden + self.d_model
+        return self.blocks * per_block + 8 * self.d_model
+
+
+@dataclass(frozen=True, slots=True)
+class Context:
+    """What a row's commands need to know about one job."""
+
+    model: Model
+    steps: int  # steps to run (a faulted job is stopped by the bench once it has recovered)
+    workdir: Path  # fresh per job: checkpoints, logs
+    lighthouse_port: int  # a free port, for rows that run a torchft lighthouse
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    name: str = "main"
+
+
+@dataclass(frozen=True, slots=True)
+class Peer:
+    name: str
+    group: str  # "baseline" (no fault tolerance), "ours", "peer"
+    what: str  # one line for the table
+    commands: Callable[[Context], list[Command]]
+    fault: bool = True  # run the SIGKILL part (a system without fault tolerance cannot)
+    requires: str | None = None  # a strategy the reference trainer must accept, else skipped
+    default: bool = True  # part of a plain `make bench`; others run only when named in --only
+
+
+def torchrun(nproc: int, max_restarts: int, module: str, args: list[str]) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        f"--max-restarts={max_restarts}",
+        "--monitor-interval=0.1",  # torchrun's reaction to a dead worker is part of the cost
+        "-m",
+        module,
+        *args,
+    ]
+
+
+def trainer(recovery: str, *, checkpoint_every: int, nproc: int = WORLD,
+            extra: tuple[str, ...] = ()) -> Callable[[Context], list[Command]]:
+    def commands(ctx: Context) -> list[Command]:
+        args = [
+            *ctx.model.args(),
+            f"--steps={ctx.steps}",
+            f"--recovery={recovery}",
+            f"--checkpoint-every={checkpoint_every}",
+            f"--checkpoint-dir={ctx.workdir / 'checkpoints'}",
+            *extra,
+        ]
+        return [Command(torchrun(nproc, MAX_RESTARTS, "reference_impl.trainer", args))]
+
+    return commands
+
+
+def ddp(*, checkpoint_every: int) -> Callable[[Context], list[Command]]:
+    def commands(ctx: Context) -> list[Command]:
+        args = [*ctx.model.args(), f"--steps={ctx.steps}"]
+        if checkpoint_every:
+            args += [
+                f"--checkpoint-every={checkpoint_every}",
+                f"--checkpoint-dir={ctx.workdir / 'checkpoints'}",
+            ]
+        restarts = MAX_RESTARTS if checkpoint_every else 0
+        return [Command(torchrun(WORLD, restarts, "bench.ddp_train", args))]
+
+    return commands
+
+
+def torchft(*, heartbeat_timeout_ms: int | None, timeout_s: float | None
+            ) -> Callable[[Context], list[Command]]:
+    def commands(ctx: Context) -> list[Command]:
+        port = ctx.lighthouse_port
+        lighthouse = [
+            str(Path(sys.executable).with_name("torchft_lighthouse")),
+            "--min_replicas=1",
+            f"--bind=127.0.0.1:{port}",
+        ]
+        if heartbeat_timeout_ms is not None:
+            lighthouse.append(f"--heartbeat_timeout_ms={heartbeat_timeout_ms}")
+        args = [*ctx.model.args(), f"--steps={ctx.steps}"]
+        if timeout_s is not None:
+            args.append(f"--timeout={timeout_s:g}")
+        env = {"TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{port}"}
+        groups = [
+            Command(
+                torchrun(SHARDS, MAX_RESTARTS, "bench.torchft_train", args),
+                {**env, "REPLICA_GROUP_ID": str(g)},
+                f"group{g}",
+            )
+            for g in range(REPLICAS)
+        ]
+        return [Command(lighthouse, {}, "lighthouse"), *groups]
+
+    return commands
+
+
+PEERS: tuple[Peer, ...] = (
+    Peer("ddp", "baseline", "torch DDP, no checkpoints, no restarts", ddp(checkpoint_every=0),
+         fault=False),
+    Peer("trainer_no_ckpt", "baseline",
+         "reference trainer, checkpoints off (its loop without fault-tolerance work)",
+         trainer("restart", checkpoint_every=0), fault=False, default=False),
+    Peer("restart", "ours",
+         f"reference trainer `restart`: torchrun --max-restarts, checkpoint every "
+         f"{CHECKPOINT_EVERY}", trainer("restart", checkpoint_every=CHECKPOINT_EVERY)),
+    Peer("hot_spare", "ours", "reference trainer `hot_spare`: 1 warm spare, snapshot every step",
+         trainer("hot_spare", checkpoint_every=0, nproc=WORLD + 1,
+                 extra=("--spares=1", "--snapshot-every=1")), requires="hot_spare"),
+    Peer("elastic", "ours", "reference trainer `elastic`: per-step membership",
+         trainer("elastic", checkpoint_every=0), requires="elastic"),
+    Peer("torchrun_ddp", "peer",
+         f"torch DDP + torch.save every {CHECKPOINT_EVERY} steps, torchrun --max-restarts",
+         ddp(checkpoint_every=CHECKPOINT_EVERY)),
+    Peer("torchft", "peer", "torchft 0.2.0 defaults (5 s heartbeat timeout, 60 s timeout)",
+         torchft(heartbeat_timeout_ms=None, timeout_s=None)),
+    Peer("torchft_1s", "peer", "torchft 0.2.0, 1 s heartbeat timeout, 1 s timeout",
+         torchft(heartbeat_timeout_ms=1000, timeout_s=1.0)),
+)
