@@ -228,7 +228,10 @@ def execute(
                             applied.detail)
             )
             if applied.journal_id is not None:
-                heal_at = now + duration.total_seconds() if duration is not None else None
+                # Counted from the injection, not from the loop's tick: finding the target
+                # can take a while on a loaded machine.
+                heal_at = (time.monotonic() + duration.total_seconds()
+                           if duration is not None else None)
                 active.append(_Active(applied, len(records) - 1, heal_at))
         return True
 

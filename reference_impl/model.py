@@ -75,6 +75,20 @@ def build_layout(replicas: int, shards: int, timeout: Any) -> Layout:
     return Layout(replicas, shards, rank, tp_group, dp_group, world_group)
 
 
+def all_reduce(tensor: torch.Tensor, group: Any) -> None:
+    """Sum ``tensor`` in place over ``group``.
+
+    ``group`` is either a group registered with torch.distributed (``dist.new_group``, the
+    restart strategy) or a bare ``ProcessGroupGloo`` built per membership generation by
+    ``reference_impl.resilient``, which torch.distributed's functions do not know about.
+    Both run the same Gloo algorithm, so the bits do not depend on which one is used.
+    """
+    if group in dist.distributed_c10d._world.pg_group_ranks:
+        dist.all_reduce(tensor, group=group)
+    else:
+        group.allreduce([tensor]).wait()
+
+
 class _CopyToTP(torch.autograd.Function):
     """Input of a column-parallel layer: identity forward, all_reduce of the gradient backward.
 
@@ -90,7 +104,7 @@ class _CopyToTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
+        all_reduce(grad, ctx.group)
         return grad, None
 
 
@@ -104,7 +118,7 @@ class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
         x = x.contiguous().clone()
-        dist.all_reduce(x, group=group)
+        all_reduce(x, group)
         return x
 
     @staticmethod

@@ -41,7 +41,7 @@ from reference_impl import checkpoint
 from reference_impl.model import Layout, ModelConfig, ParallelMLP, build_layout, param_digest
 from reference_impl.model import synthetic_batch as make_batch
 
-RECOVERY_STRATEGIES = ("restart",)
+RECOVERY_STRATEGIES = ("restart", "hot_spare", "elastic")
 
 
 @dataclass
@@ -65,7 +65,13 @@ class TrainConfig:
     keep_checkpoints: int = 3  # committed checkpoints to keep; older ones are deleted
     # failure handling
     collective_timeout: float = 10.0  # seconds before a stuck collective counts as a failure
-    recovery: str = "restart"  # recovery strategy; v0 knows only "restart"
+    recovery: str = "restart"  # restart | hot_spare | elastic (see reference_impl.resilient)
+    spares: int = 0  # hot_spare: warm standby processes; WORLD_SIZE = replicas × shards + spares
+    snapshot_every: int = 1  # hot_spare/elastic: peer-memory snapshot interval; 0 disables
+    fingerprint_every: int = 10  # cross-replica parameter fingerprint interval; 0 disables
+    heartbeat_timeout: float = 0.0  # a silent member is fenced after this; 0: collective_timeout
+    replay: str = ""  # elastic: membership.jsonl of an earlier run to replay deterministically
+    debug_stale_snapshot: bool = False  # test hook: a replacement loads a one-step-old state
     # runtime
     backend: str = "gloo"  # torch.distributed backend: gloo (CPU) or nccl (CUDA)
     device: str = "cpu"  # cpu, or cuda (each rank uses cuda:LOCAL_RANK)
@@ -94,10 +100,14 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
             parser.add_argument(flag, default=default, choices=("gloo", "nccl"))
         elif name == "device":
             parser.add_argument(flag, default=default, choices=("cpu", "cuda"))
+        elif isinstance(default, bool):
+            parser.add_argument(flag, action="store_true")
         else:
             parser.add_argument(flag, default=default, type=type(default))
     cfg = TrainConfig(**vars(parser.parse_args(argv)))
-    for name in ("steps", "checkpoint_every", "step_sleep", "keep_checkpoints"):
+    numbers = ("steps", "checkpoint_every", "step_sleep", "keep_checkpoints", "spares",
+               "snapshot_every", "fingerprint_every", "heartbeat_timeout")
+    for name in numbers:
         if getattr(cfg, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(cfg, name)}")
     if cfg.collective_timeout <= 0 or cfg.shards < 1 or cfg.replicas < 0:
@@ -253,6 +263,11 @@ def train(cfg: TrainConfig, layout: Layout, world: int, device: torch.device) ->
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
+    if cfg.recovery != "restart":
+        # Warm processes, in-memory state and in-place regrouping: a different runtime.
+        from reference_impl import resilient
+
+        return resilient.main(cfg)
     # Until the groups are up, keep Python's default SIGTERM action: it kills the process at
     # once, even inside a blocking C++ rendezvous that may wait for a long time.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
