@@ -1,0 +1,63 @@
+"""The key-value protocol between the controller, the supervisors and the training processes.
+
+One TCPStore, hosted by the controller process (never by a training rank, so it survives any
+rank's death), carries everything the members of a run say to each other outside Gloo:
+
+=====================  ==============================================================
+``ev/n``, ``ev/{i}``   an append-only log of reports to the controller (JSON objects)
+``plan/{g}``           the membership of generation ``g`` (JSON), written once
+``latest``             the newest published generation
+``arrive/{g}``         how many members of generation ``g`` reached its start line
+``resume/{g}``         the step generation ``g`` resumed from (set after its sync)
+``hb/{slot}/{inc}``    heartbeat counter of one incarnation of one slot
+``snap/{shard}/{k}``   peer-memory snapshot of one shard (two alternating slots)
+``job/end``            set by the controller when training is over
+``exited``             processes that saw ``job/end`` and left
+=====================  ==============================================================
+
+A *slot* is a torchrun worker (its ``RANK``); an *incarnation* is one process that ran in the
+slot (a killed worker is re-forked by its supervisor). A logical training rank is assigned to
+a (slot, incarnation) by a plan.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+# Connecting is generous (start-up on a busy host); single operations are local and fast.
+CONNECT_TIMEOUT = timedelta(seconds=120)
+
+
+def connect(
+    host: str, port: int, *, host_it: bool = False, timeout: timedelta = CONNECT_TIMEOUT
+) -> dist.Store:
+    """This run's view of the store: keys are prefixed by torchrun's restart count, so a
+    relaunched group never reads what the previous one left (the agent's store outlives it)."""
+    store = dist.TCPStore(
+        host, port, is_master=host_it, wait_for_workers=False, timeout=timeout
+    )
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"aftershock/{restart}/", store)
+
+
+def report(store: dist.Store, **fields: Any) -> None:
+    """Append one report to the controller's log."""
+    index = store.add("ev/n", 1) - 1
+    store.set(f"ev/{index}", json.dumps(fields))
+
+
+def get_json(store: dist.Store, key: str) -> Any:
+    return json.loads(store.get(key))
+
+
+def has(store: dist.Store, key: str) -> bool:
+    return bool(store.check([key]))
+
+
+def latest(store: dist.Store) -> int:
+    return int(store.get("latest")) if has(store, "latest") else -1

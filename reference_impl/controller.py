@@ -1,0 +1,304 @@
+"""The one place that decides membership: hosts the store, watches members, publishes plans.
+
+It runs as its own small process (forked by slot 0's supervisor before any worker exists), so
+neither a training rank's death nor a spare's takes the store or the decisions with it. It
+reads three kinds of evidence and turns each into a ``failure_detected`` event with its cause:
+
+- ``dead``: a supervisor saw its worker die (process exit: milliseconds after a SIGKILL);
+- heartbeats: a member whose counter stops moving for ``heartbeat_timeout`` is frozen or
+  wedged; it is fenced (SIGKILL, the slot's supervisor then reports it dead), so it can never
+  come back with stale state;
+- ``fail``: a member's collective failed. Alone this names no culprit (the dead peer is on the
+  other end of the socket), so the controller waits for one of the two signals above and
+  regroups the same members if none comes within the heartbeat timeout.
+
+A plan for generation ``g`` names which (slot, incarnation) plays which logical rank and which
+data-parallel replicas are live. ``hot_spare`` replaces each dead member by a warm spare;
+``elastic`` drops every replica that lost a member, and adds it back once its slots are alive
+again (its killed worker is re-forked by its supervisor and heals from a live peer).
+``--replay`` publishes the generations of a recorded membership log instead, at the steps
+where they happened.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from harness import probe
+from reference_impl import _store
+
+POLL_S = 0.002
+
+
+@dataclass
+class Proc:
+    slot: int
+    inc: int
+    pid: int
+    alive: bool = True
+    beats: int = -1  # last heartbeat counter seen
+    beat_t: float = 0.0  # when it last changed
+
+
+def read_membership(path: str | Path) -> list[dict[str, Any]]:
+    """A recorded membership log → the generations that committed steps, in order.
+
+    A generation superseded before it committed anything (the next one starts at the same
+    step) and one that repeats its predecessor's replicas change nothing and are dropped.
+    """
+    entries: list[dict[str, Any]] = []
+    for line in Path(path).read_text().splitlines():
+        if not line.strip():
+            continue
+        entry = json.loads(line)
+        while entries and entries[-1]["first_step"] >= entry["first_step"]:
+            entries.pop()
+        if entries and entries[-1]["replicas"] == entry["replicas"]:
+            continue
+        entries.append({"first_step": entry["first_step"], "replicas": entry["replicas"]})
+    return entries
+
+
+class Controller:
+    def __init__(self, cfg: Any, store: Any, slots: int) -> None:
+        self.cfg = cfg
+        self.store = store
+        self.slots = slots
+        self.world = cfg.replicas * cfg.shards
+        self.elastic = cfg.recovery == "elastic"
+        self.hb_timeout = cfg.heartbeat_timeout or cfg.collective_timeout
+        self.procs: dict[int, Proc] = {}  # slot -> its newest incarnation
+        self.plan: dict[str, Any] | None = None
+        self.gen = -1
+        self.fail_t: float | None = None  # first unexplained collective failure in this gen
+        self.done: set[int] = set()
+        self.resumed = -1  # newest generation whose resume step was logged
+        self.replay = read_membership(cfg.replay) if cfg.replay else None
+        out = Path(cfg.out) if cfg.out else None
+        name = "membership.replay.jsonl" if cfg.replay else "membership.jsonl"
+        self.log_path = out / name if out else None
+        if self.log_path:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            self.log_path.write_text("")
+
+    # -- evidence -------------------------------------------------------------------------
+
+    def handle(self, ev: dict[str, Any]) -> None:
+        kind = ev["type"]
+        if kind == "ready":
+            self.procs[ev["slot"]] = Proc(ev["slot"], ev["inc"], ev["pid"], beat_t=time.monotonic())
+            self.maybe_plan()
+        elif kind == "dead":
+            proc = self.procs.get(ev["slot"])
+            if proc is None or proc.inc != ev["inc"] or not proc.alive:
+                return
+            proc.alive = False
+            rank = self.rank_of(proc)
+            probe.detected(cause="process_exit", rank=rank, slot=proc.slot, source="controller",
+                           status=ev.get("status"), generation=self.gen)
+            if rank is not None:
+                self.replan(f"rank {rank} (slot {proc.slot}) exited")
+            else:
+                self.maybe_plan()
+        elif kind == "fail":
+            if ev.get("gen") == self.gen and self.fail_t is None:
+                self.fail_t = time.monotonic()
+        elif kind == "leave" and self.replay is not None:
+            if ev["gen"] == self.gen and self.gen + 1 < len(self.replay):
+                self.publish(self.replay_plan(self.gen + 1), "replay")
+        elif kind == "done":
+            self.done.add(ev["rank"])
+
+    def rank_of(self, proc: Proc) -> int | None:
+        if self.plan is None:
+            return None
+        for rank, (slot, inc) in self.plan["members"].items():
+            if (slot, inc) == (proc.slot, proc.inc):
+                return int(rank)
+        return None
+
+    def members(self) -> list[Proc]:
+        if self.plan is None:
+            return []
+        procs = (self.procs.get(slot) for slot, _ in self.plan["members"].values())
+        incs = {(slot, inc) for slot, inc in self.plan["members"].values()}
+        return [p for p in procs if p is not None and (p.slot, p.inc) in incs]
+
+    def check_heartbeats(self) -> None:
+        now = time.monotonic()
+        for proc in self.members():
+            if not proc.alive:
+                continue
+            beats = self.store.add(f"hb/{proc.slot}/{proc.inc}", 0)
+            if beats != proc.beats:
+                proc.beats, proc.beat_t = beats, now
+            elif now - proc.beat_t > self.hb_timeout:
+                rank = self.rank_of(proc)
+                probe.detected(cause="heartbeat_timeout", rank=rank, slot=proc.slot,
+                               source="controller", silent_s=round(now - proc.beat_t, 3))
+                # Fence: a frozen member must never wake up and act on stale state. Its
+                # supervisor sees the death and reports it (and re-forks the slot).
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGKILL)
+                proc.alive = False
+                self.replan(f"rank {rank} (slot {proc.slot}) silent")
+        if self.fail_t is not None and now - self.fail_t > self.hb_timeout:
+            # Collectives fail but every member is alive and beating: regroup the same ones.
+            self.fail_t = None
+            probe.detected(cause="collective_failure_unexplained", source="controller",
+                           generation=self.gen)
+            self.replan("collective failure with all members alive")
+
+    # -- decisions ------------------------------------------------------------------------
+
+    def replica_slots(self, replica: int) -> list[int]:
+        return [replica * self.cfg.shards + s for s in range(self.cfg.shards)]
+
+    def live(self, slot: int) -> bool:
+        proc = self.procs.get(slot)
+        return proc is not None and proc.alive
+
+    def replay_plan(self, index: int) -> dict[str, Any]:
+        assert self.replay is not None
+        return self.elastic_plan(self.replay[index]["replicas"])
+
+    def elastic_plan(self, replicas: list[int]) -> dict[str, Any]:
+        members = {}
+        for replica in replicas:
+            for slot in self.replica_slots(replica):
+                members[str(slot)] = (slot, self.procs[slot].inc)
+        return {"replicas": sorted(replicas), "members": members, "spares": []}
+
+    def maybe_plan(self) -> None:
+        """Publish the first plan once the initial members are up; later, add capacity."""
+        if self.plan is None:
+            if all(self.live(slot) for slot in range(self.world)):
+                if self.replay is not None:
+                    self.publish(self.replay_plan(0), "start (replay)")
+                elif self.elastic:
+                    self.publish(self.elastic_plan(list(range(self.cfg.replicas))), "start")
+                else:
+                    self.publish(self.spare_plan({}), "start")
+            return
+        if self.plan.get("waiting"):
+            self.replan("capacity came back")
+        elif self.elastic and self.replay is None and self.resumed == self.gen:
+            missing = [r for r in range(self.cfg.replicas) if r not in self.plan["replicas"]]
+            back = [r for r in missing if all(self.live(s) for s in self.replica_slots(r))]
+            if back:
+                plan = self.elastic_plan(sorted(self.plan["replicas"] + back))
+                # Planned: members switch at a step boundary agreed through the vote.
+                self.publish({**plan, "planned": True}, f"replicas {back} rejoin")
+
+    def spare_plan(self, members: dict[str, Any]) -> dict[str, Any]:
+        """hot_spare: keep live members, give every vacant logical rank the lowest spare."""
+        taken = {slot for slot, _ in members.values()}
+        spares = sorted(
+            s for s, p in self.procs.items()
+            if p.alive and s not in taken and (self.plan is not None or s >= self.world)
+        )
+        new = dict(members)
+        for rank in range(self.world):
+            if str(rank) in new:
+                continue
+            if self.plan is None:
+                slot = rank
+            elif spares:
+                slot = spares.pop(0)
+            else:
+                return {"waiting": True}
+            new[str(rank)] = (slot, self.procs[slot].inc)
+        return {"replicas": list(range(self.cfg.replicas)), "members": new, "spares": spares}
+
+    def replan(self, why: str) -> None:
+        assert self.plan is not None
+        self.fail_t = None
+        if self.replay is not None:
+            raise SystemExit(f"replay: unexpected failure ({why}); a replay must be fault-free")
+        alive = {
+            rank: (slot, inc) for rank, (slot, inc) in self.plan.get("members", {}).items()
+            if self.live(slot) and self.procs[slot].inc == inc
+        }
+        if self.elastic:
+            replicas = [
+                r for r in range(self.cfg.replicas)
+                if all(str(s) in alive or (self.plan.get("waiting") and self.live(s))
+                       for s in self.replica_slots(r))
+            ]
+            if not replicas:
+                self.plan = {**self.plan, "waiting": True, "members": alive}
+                return
+            plan = self.elastic_plan(replicas)
+        else:
+            plan = self.spare_plan(alive)
+            if plan.get("waiting"):
+                self.plan = {**self.plan, "waiting": True, "members": alive}
+                return
+        self.publish(plan, why)
+
+    def publish(self, plan: dict[str, Any], why: str) -> None:
+        self.gen += 1
+        plan = {**plan, "gen": self.gen, "world": self.world, "why": why}
+        self.plan = plan
+        self.done.clear()
+        self.store.set(f"plan/{self.gen}", json.dumps(plan))
+        self.store.set("latest", str(self.gen))
+        now = time.monotonic()
+        for proc in self.members():
+            proc.beat_t = now  # a new member gets a full timeout to show its first beat
+        probe.emit("membership", generation=self.gen, replicas=plan["replicas"],
+                   members={r: s for r, (s, _) in plan["members"].items()}, why=why,
+                   source="controller", rank=None)
+
+    def log_resume(self) -> None:
+        if self.plan is None or self.resumed == self.gen:
+            return
+        if not _store.has(self.store, f"resume/{self.gen}"):
+            return
+        self.resumed = self.gen
+        step = int(self.store.get(f"resume/{self.gen}"))
+        if self.log_path:
+            line = {"gen": self.gen, "first_step": step + 1, "replicas": self.plan["replicas"]}
+            with self.log_path.open("a") as log:
+                log.write(json.dumps(line) + "\n")
+        self.maybe_plan()
+
+    # -- loop -------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        seen = 0
+        next_beat_check = 0.0
+        while True:
+            count = self.store.add("ev/n", 0)
+            while seen < count:
+                self.handle(_store.get_json(self.store, f"ev/{seen}"))
+                seen += 1
+            now = time.monotonic()
+            if now >= next_beat_check:
+                self.check_heartbeats()
+                self.log_resume()
+                next_beat_check = now + 0.02
+            if self.plan is not None and not self.plan.get("waiting") and \
+                    len(self.done) == len(self.plan["members"]):
+                break
+            time.sleep(POLL_S)
+        self.store.set("job/end", "0")
+        # Keep hosting the store until everyone still alive has seen the end.
+        deadline = time.monotonic() + 10.0
+        alive = sum(1 for p in self.procs.values() if p.alive)
+        while time.monotonic() < deadline and self.store.add("exited", 0) < alive:
+            time.sleep(0.01)
+        return 0
+
+
+def run(cfg: Any, host: str, port: int, slots: int, host_store: bool) -> int:
+    """Entry point of the controller process."""
+    store = _store.connect(host, port, host_it=host_store)
+    return Controller(cfg, store, slots).run()

@@ -1,0 +1,567 @@
+"""Recovery without restarting survivors: ``hot_spare`` and ``elastic`` for the reference trainer.
+
+Process shape (one torchrun worker per *slot*; torchrun only launches, it never sees a death)::
+
+    torchrun worker (slot k) = supervisor ──fork──► worker process (the training rank or a spare)
+                                         └─(slot 0 only) fork──► controller (hosts the store)
+
+- The **supervisor** imports torch once and forks the worker, so a killed worker is re-forked
+  warm (no 1 s ``import torch``): in ``hot_spare`` the new process becomes a spare, in
+  ``elastic`` it is the returning replica. It reports the death to the controller at once, and
+  its own exit status is what torchrun sees: torchrun's agent would otherwise answer any death
+  by tearing down and restarting the whole group, which is exactly what we avoid.
+- The **controller** (``reference_impl.controller``) hosts the TCPStore (so no rank's death
+  takes the store with it), watches deaths, heartbeats and failed collectives, and publishes
+  numbered membership plans.
+- A **worker** joins a plan by building fresh ``ProcessGroupGloo``s over a ``PrefixStore``
+  named ``gen{g}/...``; on any failure it destroys its groups (which makes its peers' pending
+  collectives fail at once instead of at their timeout) and waits for the next plan.
+
+Commit protocol. Every step ends with a tiny all_reduce over the world (the *vote*) after the
+data-parallel gradient all_reduce: it carries "gradients not finite", "fingerprints differ" and
+"a new plan is waiting". The optimizer step is applied, and the step reported, only after the
+vote completed. A completed vote on any rank proves every rank holds the averaged gradients, so
+after a failure a rank whose vote failed can still apply them (roll forward) and no reported
+step is ever lost. State for a replacement comes from a live data-parallel peer (all replicas of
+a shard are bitwise identical); if every replica of a shard is gone, from the peer-memory
+snapshots that one replica per shard sends off the critical path (a background thread) into
+the controller's memory.
+
+Test hooks (environment, read once per process):
+``AFTERSHOCK_INJECT_NAN_GRAD="rank:step"`` poisons one gradient of logical rank ``rank`` while
+computing step ``step`` (1-based), once; ``AFTERSHOCK_INJECT_BITFLIP="rank:step"`` flips an
+exponent bit of one parameter of ``rank`` right after it commits ``step`` (silent corruption).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import hashlib
+import io
+import json
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from harness import probe
+from reference_impl import _store, checkpoint, controller
+from reference_impl.model import Layout, ParallelMLP, param_digest, synthetic_batch
+
+NAN_HOOK = "AFTERSHOCK_INJECT_NAN_GRAD"
+BITFLIP_HOOK = "AFTERSHOCK_INJECT_BITFLIP"
+
+
+class Superseded(Exception):
+    """A newer plan was published before this one started: skip to it."""
+
+
+class Switch(Exception):
+    """All members agreed (through the vote) to move to the next plan after this step."""
+
+
+def _hook(name: str) -> tuple[int, int] | None:
+    value = os.environ.get(name, "")
+    if ":" not in value:
+        return None
+    rank, step = value.split(":", 1)
+    return int(rank), int(step)
+
+
+@dataclass(frozen=True, slots=True)
+class Groups:
+    gen: int
+    rank: int  # logical training rank
+    members: list[int]  # logical ranks of the plan, sorted
+    replicas: list[int]  # live data-parallel replicas
+    world: Any
+    tp: Any
+    dp: Any
+    dp_ranks: list[int]
+
+
+class Worker:
+    def __init__(self, cfg: Any, slot: int, inc: int, host: str, port: int) -> None:
+        self.cfg = cfg
+        self.slot, self.inc = slot, inc
+        self.host, self.port = host, port
+        self.world_size = cfg.replicas * cfg.shards
+        # A re-forked worker may arrive after the job ended and the store is gone: give up soon.
+        wait = _store.CONNECT_TIMEOUT if inc == 1 else timedelta(seconds=10)
+        self.store = _store.connect(host, port, timeout=wait)
+        self.rank: int | None = None
+        self.model: ParallelMLP | None = None
+        self.opt: torch.optim.Optimizer | None = None
+        self.steps_done = -1  # optimizer steps applied to the state we hold; -1: no state
+        self.state_gen = -1  # generation whose sync made our state valid; -1: fresh init
+        self.pending = False  # gradients of step steps_done+1 are averaged, vote unfinished
+        self.rolled_back_to = -1  # step of the last fingerprint rollback
+        self.mismatch = False  # our DP group's fingerprints differed at the last check
+        # The newest state all fingerprints agreed on, and one checked here awaiting the vote.
+        self.verified: tuple[int, torch.Tensor] | None = None
+        self.candidate: tuple[int, torch.Tensor] | None = None
+        self.gen = -1
+        self.groups: Groups | None = None
+        self.plan_ahead = -1  # newest generation the heartbeat thread saw published
+        self.stopping = False
+        self.nan_hook = _hook(NAN_HOOK)
+        self.flip_hook = _hook(BITFLIP_HOOK)
+        self.snapshots: queue.Queue[tuple[int, int, torch.Tensor] | None] = queue.Queue(1)
+        self.replay = controller.read_membership(cfg.replay) if cfg.replay else None
+        self.hb_interval = min(0.05, (cfg.heartbeat_timeout or cfg.collective_timeout) / 10)
+        for target in (self._heartbeat, self._snapshot_sender):
+            threading.Thread(target=target, daemon=True, name=target.__name__).start()
+
+    # -- background threads: off the step's critical path ---------------------------------
+
+    def _heartbeat(self) -> None:
+        store = _store.connect(self.host, self.port)  # one connection per thread
+        key = f"hb/{self.slot}/{self.inc}"
+        while not self.stopping:
+            with contextlib.suppress(Exception):
+                store.add(key, 1)
+                gen = self.gen
+                if gen >= 0 and self.replay is None and _store.has(store, f"plan/{gen + 1}"):
+                    self.plan_ahead = max(self.plan_ahead, gen + 1)
+            time.sleep(self.hb_interval)
+
+    def _snapshot_sender(self) -> None:
+        store = _store.connect(self.host, self.port)
+        every = max(self.cfg.snapshot_every, 1)
+        while (item := self.snapshots.get()) is not None:
+            step, shard, flat = item
+            header = json.dumps({"step": step, "shard": shard}).encode()
+            with contextlib.suppress(Exception):
+                store.set(f"snap/{shard}/{(step // every) % 2}",
+                          header + b"\n" + flat.numpy().tobytes())
+
+    def read_snapshot(self, shard: int) -> dict[int, torch.Tensor]:
+        found = {}
+        for k in (0, 1):
+            key = f"snap/{shard}/{k}"
+            if _store.has(self.store, key):
+                header, _, data = self.store.get(key).partition(b"\n")
+                step = json.loads(header)["step"]
+                found[step] = torch.frombuffer(bytearray(data), dtype=torch.float32)
+        return found
+
+    # -- state ------------------------------------------------------------------------------
+
+    def build(self, rank: int, groups: Groups) -> None:
+        shard = rank % self.cfg.shards
+        layout = Layout(len(groups.replicas), self.cfg.shards, rank, groups.tp, groups.dp,
+                        groups.world)
+        if self.model is None or self.rank is None or self.rank % self.cfg.shards != shard:
+            self.model = ParallelMLP(self.cfg.model_config(), layout, self.cfg.seed)
+            self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr,
+                                         weight_decay=0.0)
+            # Create AdamW's state now, exactly as its first step would, so the state has a
+            # fixed layout that can be flattened, sent and received before any step.
+            for p in self.model.parameters():
+                self.opt.state[p] = {
+                    "step": torch.tensor(0.0),
+                    "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                    "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+                }
+            self.steps_done, self.state_gen = 0, -1  # the seeded init is the state of step 0
+        for block in self.model.blocks:
+            block.tp_group = groups.tp
+
+    def tensors(self) -> list[torch.Tensor]:
+        assert self.model is not None
+        assert self.opt is not None
+        params = list(self.model.parameters())
+        out = [p.data for p in params]
+        for p in params:
+            state = self.opt.state[p]
+            out += [state["exp_avg"], state["exp_avg_sq"], state["step"].view(1)]
+        return out
+
+    def flat_state(self) -> torch.Tensor:
+        return torch.cat([t.reshape(-1) for t in self.tensors()])
+
+    def load_flat(self, flat: torch.Tensor) -> None:
+        offset = 0
+        for t in self.tensors():
+            n = t.numel()
+            t.copy_(flat[offset : offset + n].view_as(t))
+            offset += n
+
+    def fingerprint(self) -> int:
+        assert self.model is not None
+        data = torch.cat([p.detach().reshape(-1) for p in self.model.parameters()])
+        return int.from_bytes(hashlib.sha256(data.numpy().tobytes()).digest()[:8], "big",
+                              signed=True)
+
+    # -- membership -------------------------------------------------------------------------
+
+    def mine(self, plan: dict[str, Any]) -> int | None:
+        for rank, (slot, inc) in plan["members"].items():
+            if (slot, inc) == (self.slot, self.inc):
+                return int(rank)
+        return None
+
+    def wait_for_plan(self) -> dict[str, Any] | None:
+        """The next plan that includes this process (skipping superseded ones), or None at
+        the end of the job."""
+        want = self.gen + 1
+        while True:
+            if _store.has(self.store, "job/end"):
+                return None
+            newest = _store.latest(self.store)
+            if newest >= want:
+                plan = _store.get_json(self.store, f"plan/{newest}")
+                if self.mine(plan) is not None:
+                    return plan
+                want = newest + 1
+            time.sleep(0.002)
+
+    def join(self, plan: dict[str, Any]) -> Groups:
+        gen, rank = plan["gen"], self.mine(plan)
+        assert rank is not None
+        members = sorted(int(r) for r in plan["members"])
+        # Start line: build no group while a member may still be dead or superseded (a Gloo
+        # group's constructor would wait for a missing member until its timeout).
+        self.store.add(f"arrive/{gen}", 1)
+        while self.store.add(f"arrive/{gen}", 0) < len(members):
+            if _store.latest(self.store) > gen:
+                raise Superseded
+            time.sleep(0.001)
+        timeout = timedelta(seconds=self.cfg.collective_timeout)
+
+        def group(name: str, ranks: list[int]) -> Any:
+            prefixed = dist.PrefixStore(f"gen{gen}/{name}/", self.store)
+            return dist.ProcessGroupGloo(prefixed, ranks.index(rank), len(ranks), timeout)
+
+        shards = self.cfg.shards
+        replica, shard = divmod(rank, shards)
+        dp_ranks = [r * shards + shard for r in plan["replicas"]]
+        world = group("world", members)
+        tp = group(f"tp{replica}", [replica * shards + s for s in range(shards)])
+        dp = group(f"dp{shard}", dp_ranks)
+        return Groups(gen, rank, members, plan["replicas"], world, tp, dp, dp_ranks)
+
+    def sync(self, g: Groups) -> int:
+        """Agree on the step to resume from and give every member that state."""
+        assert self.opt is not None
+        shards = self.cfg.shards
+        mine = torch.tensor([self.state_gen, self.steps_done, int(self.pending), g.rank])
+        rows = [torch.zeros(4, dtype=torch.int64) for _ in g.members]
+        g.world.allgather([rows], [mine]).wait()
+        info = {int(row[3]): [int(v) for v in row[:3]] for row in rows}
+        newest = max(sg for sg, steps, _ in info.values() if steps >= 0)
+        cands = {r: v for r, v in info.items() if v[1] >= 0 and v[0] == newest}
+        top = max(v[1] for v in cands.values())
+        ready = {}
+        for r, (_, steps, pending) in cands.items():
+            # A rank that averaged step `top`'s gradients but lost the vote may apply them:
+            # someone completed that vote, so every rank contributed its gradients to it.
+            if steps == top or (steps == top - 1 and pending):
+                ready[r] = top
+        if self.rank in ready and self.steps_done == top - 1:
+            self.opt.step()
+            self.steps_done = top
+        self.pending = False
+        sources = {}
+        for shard in range(shards):
+            have = sorted(r for r in ready if r % shards == shard)
+            if have:
+                sources[shard] = have[0]
+        shard = g.rank % shards
+        if len(sources) == shards:
+            resume = top
+            if any(r not in ready for r in g.dp_ranks):
+                flat = self.flat_state()
+                opts = dist.BroadcastOptions()
+                opts.rootRank = g.dp_ranks.index(sources[shard])
+                g.dp.broadcast([flat], opts).wait()
+                if g.rank not in ready:
+                    self.load_flat(flat)
+                    if self.cfg.debug_stale_snapshot:  # deliberately broken variant
+                        old = self.read_snapshot(shard).get(resume - 1)
+                        if old is not None:
+                            self.load_flat(old)
+        else:
+            # Every replica of some shard is gone: everyone goes back to the newest step for
+            # which the controller holds a snapshot of every shard.
+            snaps = [self.read_snapshot(s) for s in range(shards)]
+            common = set(snaps[0]).intersection(*snaps[1:])
+            if not common:
+                raise SystemExit("no live replica and no complete snapshot for some shard")
+            resume = max(common)
+            self.load_flat(snaps[shard][resume])
+            probe.checkpoint_loaded(resume, f"peer-memory snapshot of shard {shard}",
+                                    rank=g.rank)
+        self.steps_done, self.state_gen = resume, g.gen
+        self.verified, self.candidate, self.mismatch = (resume, self.flat_state()), None, False
+        if g.rank == g.members[0]:
+            self.store.set(f"resume/{g.gen}", str(resume))
+        if g.gen > 0:
+            probe.recovered(rank=g.rank, generation=g.gen, step=resume,
+                            replicas=g.replicas)
+        return resume
+
+    # -- training -----------------------------------------------------------------------------
+
+    def train(self, g: Groups) -> None:
+        cfg, model, opt = self.cfg, self.model, self.opt
+        assert model is not None
+        assert opt is not None
+        replica, shard = divmod(g.rank, cfg.shards)
+        live = len(g.replicas)
+        snapshotter = cfg.snapshot_every > 0 and replica == g.replicas[0]
+        stop_at = None
+        if self.replay is not None and g.gen + 1 < len(self.replay):
+            stop_at = self.replay[g.gen + 1]["first_step"] - 1
+        params = list(model.parameters())
+        while self.steps_done < cfg.steps:
+            if stop_at is not None and self.steps_done >= stop_at:
+                _store.report(self.store, type="leave", gen=g.gen, rank=g.rank)
+                raise Switch
+            step = self.steps_done + 1  # the step being computed, 1-based
+            x, y = synthetic_batch(cfg.model_config(), cfg.seed, step - 1, replica,
+                                   cfg.batch_size)
+            loss = F.mse_loss(model(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            flat = torch.cat([p.grad.reshape(-1) for p in params] + [loss.detach().reshape(1)])
+            if self.nan_hook == (g.rank, step):
+                self.nan_hook = None
+                flat[0] = float("nan")
+            g.dp.allreduce([flat]).wait()
+            flat /= live
+            nonfinite = not bool(torch.isfinite(flat).all())
+            offset = 0
+            for p in params:
+                n = p.numel()
+                p.grad.copy_(flat[offset : offset + n].view_as(p))
+                offset += n
+            self.pending = True
+            flags = (nonfinite, self.mismatch, self.plan_ahead > g.gen)
+            vote = torch.tensor([float(flag) for flag in flags])
+            g.world.allreduce([vote]).wait()
+            self.pending = False
+            if vote[0] > 0:  # nobody applies it; compute the same step again
+                if nonfinite:
+                    probe.detected(cause="non_finite", rank=g.rank, step=step, replica=replica,
+                                   generation=g.gen)
+                continue
+            if vote[1] > 0:  # silent corruption somewhere: everyone back to the last agreement
+                assert self.verified is not None
+                back, state = self.verified
+                self.load_flat(state)
+                self.steps_done, self.mismatch, self.candidate = back, False, None
+                why = "rolled back to the last matching fingerprints"
+                if self.rolled_back_to == back:
+                    # The same disagreement again from the same state: the saved state itself
+                    # differs between replicas. Make every shard agree with its lowest replica
+                    # (with two replicas there is no majority to prefer), then go on.
+                    flat = self.flat_state()
+                    g.dp.broadcast([flat], dist.BroadcastOptions()).wait()
+                    self.load_flat(flat)
+                    self.verified = (back, flat)
+                    why = f"copied from replica {g.replicas[0]} after a repeated mismatch"
+                self.rolled_back_to = back
+                probe.recovered(rank=g.rank, generation=g.gen, step=back, why=why)
+                continue
+            opt.step()
+            self.steps_done = step
+            probe.step(step, world=self.world_size, rank=g.rank, loss=float(flat[-1]),
+                       generation=g.gen, replicas=live)
+            if self.candidate is not None:
+                self.verified, self.candidate = self.candidate, None
+            if self.flip_hook == (g.rank, step):
+                self.flip_hook = None
+                with torch.no_grad():
+                    params[0].view(-1)[:1].view(torch.int32).bitwise_xor_(1 << 29)
+            if cfg.fingerprint_every and step % cfg.fingerprint_every == 0:
+                self.check_fingerprints(g, step)
+            if snapshotter and step % cfg.snapshot_every == 0:
+                # Lazy: if the sender is still busy with the previous one, skip this one.
+                with contextlib.suppress(queue.Full):
+                    self.snapshots.put_nowait((step, shard, self.flat_state()))
+            if vote[2] > 0:
+                raise Switch
+            if cfg.step_sleep:
+                time.sleep(cfg.step_sleep)
+
+    def check_fingerprints(self, g: Groups, step: int) -> None:
+        mine = torch.tensor([self.fingerprint()])
+        rows = [torch.zeros(1, dtype=torch.int64) for _ in g.dp_ranks]
+        g.dp.allgather([rows], [mine]).wait()
+        values = [int(r) for r in rows]
+        if len(set(values)) == 1:
+            self.candidate = (step, self.flat_state())
+            return
+        self.mismatch = True
+        counts = {v: values.count(v) for v in values}
+        best = max(counts.values())
+        odd = [g.replicas[i] for i, v in enumerate(values) if counts[v] < best or best == 1]
+        if g.rank == g.dp_ranks[0]:
+            probe.detected(cause="fingerprint_mismatch", rank=g.rank, step=step,
+                           shard=g.rank % self.cfg.shards, replicas=odd, generation=g.gen)
+
+    def finish(self, g: Groups) -> None:
+        assert self.model is not None
+        final = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        probe.params(param_digest(final), step=self.steps_done, rank=g.rank)
+        if self.cfg.out:
+            out = Path(self.cfg.out) / "final"
+            out.mkdir(parents=True, exist_ok=True)
+            buffer = io.BytesIO()
+            torch.save(final, buffer)
+            checkpoint.write_atomic(out / f"rank_{g.rank}.pt", buffer.getvalue())
+        _store.report(self.store, type="done", rank=g.rank, slot=self.slot)
+
+    def close_groups(self) -> None:
+        """Destroy this generation's groups: that closes our Gloo sockets, so a peer still
+        blocked on us fails now instead of at its timeout. (``abort()`` and ``shutdown()``
+        do not close them for Gloo in torch 2.13; dropping the last reference does.)"""
+        self.groups = None
+        if self.model is not None:
+            for block in self.model.blocks:
+                block.tp_group = None
+        gc.collect()
+
+    def run(self) -> int:
+        _store.report(self.store, type="ready", slot=self.slot, inc=self.inc, pid=os.getpid())
+        initial = self.inc == 1 and self.slot < self.world_size
+        if self.cfg.recovery == "hot_spare" and not initial:
+            probe.hello(world=self.world_size, generation=max(_store.latest(self.store), 0),
+                        rank=None, role="spare", slot=self.slot)
+        while True:
+            plan = self.wait_for_plan()
+            if plan is None:
+                break
+            self.gen = plan["gen"]
+            failure = None
+            try:
+                g = self.join(plan)
+                self.groups = g
+                if self.rank != g.rank:
+                    self.build(g.rank, g)
+                    self.rank = g.rank
+                    probe.hello(world=self.world_size, generation=g.gen, rank=g.rank,
+                                role="trainer", replica=g.rank // self.cfg.shards,
+                                shard=g.rank % self.cfg.shards, slot=self.slot)
+                else:
+                    self.build(g.rank, g)
+                self.sync(g)
+                self.train(g)
+                self.finish(g)
+                break
+            except (Superseded, Switch):
+                pass
+            except RuntimeError as exc:  # DistBackendError, DistNetworkError, Gloo errors
+                text = str(exc).strip().splitlines()
+                failure = text[0] if text else type(exc).__name__
+            # Out of the handler, so the traceback (and its frames' references) is gone.
+            g = None
+            self.close_groups()
+            if failure is not None:
+                low = failure.lower()
+                cause = "collective_timeout" if "timed out" in low or "timeout" in low \
+                    else "collective_error"
+                probe.detected(cause=cause, error=failure[:200], rank=self.rank,
+                               generation=self.gen)
+                _store.report(self.store, type="fail", slot=self.slot, inc=self.inc,
+                              gen=self.gen, cause=cause)
+        self.close_groups()
+        self.stopping = True
+        self.snapshots.put(None)
+        probe.emit("exit", code=0, rank=self.rank)
+        self.store.add("exited", 1)
+        return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Supervisor
+
+
+def _worker(
+    cfg: Any, slot: int, inc: int, host: str, port: int, died: tuple[int, int] | None
+) -> int:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    worker = Worker(cfg, slot, inc, host, port)
+    if died is not None:  # process-exit detection for the controller, milliseconds after it
+        _store.report(worker.store, type="dead", slot=slot, inc=died[0], status=died[1])
+    return worker.run()
+
+
+def _fork(target: Any, *args: Any) -> int:
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            code = target(*args)
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            # Never run interpreter shutdown: group destructors may block on dead peers.
+            os._exit(code)
+    return pid
+
+
+def main(cfg: Any) -> int:
+    slots = int(os.environ.get("WORLD_SIZE", "1"))
+    slot = int(os.environ.get("RANK", "0"))
+    spares = cfg.spares if cfg.recovery == "hot_spare" else 0
+    if cfg.replicas == 0:
+        cfg.replicas = (slots - spares) // cfg.shards
+    if cfg.replicas < 1 or cfg.replicas * cfg.shards + spares != slots:
+        print(f"error: WORLD_SIZE {slots} must be --replicas × --shards + --spares "
+              f"({cfg.replicas} × {cfg.shards} + {spares})", file=sys.stderr)
+        return 2
+    host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = int(os.environ.get("MASTER_PORT", "29500"))
+    # With the agent's store shared (torchrun's default), MASTER_PORT is that store, hosted by
+    # the agent and so already out of every rank's fate; otherwise the controller hosts it.
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    children: dict[str, int] = {}
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        for pid in children.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    # Once, here: forked workers inherit both settings. One thread per rank fixes CPU kernels'
+    # reduction order (hence the bits); the first use_deterministic_algorithms call of a
+    # process costs seconds (lazy imports), which a re-forked worker must not pay again.
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    if slot == 0:
+        children["controller"] = _fork(controller.run, cfg, host, port, slots, not agent_store)
+    code = 0
+    inc = 0
+    died: tuple[int, int] | None = None
+    while True:
+        inc += 1
+        # The supervisor itself never opens a store connection: a process forked while one
+        # is open cannot connect again. The next incarnation reports its predecessor's death.
+        children["worker"] = _fork(_worker, cfg, slot, inc, host, port, died)
+        _, status = os.waitpid(children["worker"], 0)
+        if os.WIFEXITED(status):
+            code = os.WEXITSTATUS(status)
+            break
+        died = (inc, -os.WTERMSIG(status))  # killed: re-fork at once, warm
+    if "controller" in children:
+        _, status = os.waitpid(children["controller"], 0)
+        if code == 0 and os.WIFEXITED(status):
+            code = os.WEXITSTATUS(status)
+    return code
