@@ -72,7 +72,7 @@ def evaluate(
             )
         )
     if expect.params_match:
-        results.append(_params_match(digests, baseline))
+        results.append(_params_match(digests, baseline, expect.params_match))
     if expect.time_to_detect:
         results.append(_budget("time_to_detect", _f(metrics.get("time_to_detect_s")),
                                expect.time_to_detect.max.total_seconds(), "detection"))
@@ -147,11 +147,14 @@ def _f(value: float | int | None) -> float | None:
     return None if value is None else float(value)
 
 
-def _params_match(digests: Mapping[int, str], baseline: Mapping[int, str] | None) -> CheckResult:
-    expected = "bitwise equal to the fault-free run"
+def _params_match(
+    digests: Mapping[int, str], baseline: Mapping[int, str] | None, against: str = "fault_free"
+) -> CheckResult:
+    reference = "the fault-free run" if against == "fault_free" else "the membership replay"
+    expected = f"bitwise equal to {reference}"
     if baseline is None or not baseline:
         return CheckResult("params_match", False, None, expected,
-                           "the fault-free run reported no parameters to compare with")
+                           f"{reference} reported no parameters to compare with")
     if not digests:
         return CheckResult("params_match", False, None, expected,
                            "the run reported no final parameters")
@@ -165,7 +168,7 @@ def _params_match(digests: Mapping[int, str], baseline: Mapping[int, str] | None
         return CheckResult("params_match", False, observed, expected,
                            f"parameters differ: {detail}")
     return CheckResult("params_match", True, observed, expected,
-                       f"all {len(ranks)} ranks bitwise equal to the fault-free run")
+                       f"all {len(ranks)} ranks bitwise equal to {reference}")
 
 
 def _short(digest: str | None) -> str:

@@ -104,10 +104,12 @@ def final_digests(events: Sequence[Event]) -> dict[int, str]:
     return digests
 
 
-def restarts(events: Sequence[Event]) -> int:
-    generations = {e.fields.get("generation") for e in events if e.event == "hello"}
-    generations.discard(None)
-    return max(len(generations) - 1, 0)
+def generations(events: Sequence[Event]) -> int:
+    """New generations after the first: world restarts under `restart` (torchrun's
+    restart count), membership changes under hot_spare and elastic."""
+    seen = {e.fields.get("generation") for e in events if e.event == "hello"}
+    seen.discard(None)
+    return max(len(seen) - 1, 0)
 
 
 def min_step_rate(events: Sequence[Event], window_s: float = 2.0) -> float | None:
@@ -143,6 +145,6 @@ def compute(events: Sequence[Event], world: int | None) -> dict[str, float | int
         "time_to_recover_s": time_to_recover(events, world),
         "lost_steps": lost_steps(events),
         "steps_committed": steps_committed(events),
-        "restarts": restarts(events),
+        "generations": generations(events),
         "min_step_rate": min_step_rate(events),
     }

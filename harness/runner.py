@@ -122,12 +122,14 @@ def execute(
     seed: int,
     observer: Observer,
     phase: str = "run",
+    extra_args: tuple[str, ...] = (),
 ) -> Execution:
     """Launch the system, drive the fault schedule, tear everything down."""
     run_dir.mkdir(parents=True, exist_ok=True)
     run_id = uuid.uuid4().hex
     timeline = Timeline(run_dir / "events.jsonl")
-    launch = plan_launch(spec.system, run_dir=run_dir, scenario_dir=scenario_dir, seed=seed)
+    launch = plan_launch(spec.system, run_dir=run_dir, scenario_dir=scenario_dir, seed=seed,
+                         extra_args=extra_args)
     journal = Journal.create(run_id)
     reaper = start_reaper(journal.path)
     launch_entry = journal.intend(
@@ -445,6 +447,32 @@ def fault_free_digests(
     return digests, f"ran ({run_dir})"
 
 
+def replay_digests(
+    loaded: LoadedScenario, *, seed: int, run_dir: Path, observer: Observer
+) -> tuple[dict[int, str] | None, str]:
+    """Digests of a deterministic replay of the membership the faulted run recorded.
+
+    The reference trainer writes every generation's first step and live replicas to
+    ``output/membership.jsonl``; ``--replay`` recomputes that trajectory without
+    faults. Equal digests mean the recovery applied exactly the math it claims."""
+    log = run_dir / "output" / "membership.jsonl"
+    if not log.exists():
+        return None, f"the run recorded no membership log ({log})"
+    twin = loaded.spec.without_faults()
+    assert isinstance(twin.system, TrainerSystem)
+    twin = twin.model_copy(
+        update={"system": twin.system.model_copy(update={"step_sleep": timedelta(0)})}
+    )
+    replay_dir = run_dir / "replay"
+    execution = execute(twin, scenario_dir=loaded.path.parent, run_dir=replay_dir, seed=seed,
+                        observer=observer, phase="membership replay",
+                        extra_args=(f"--replay={log}",))
+    digests = _metrics.final_digests(execution.events)
+    if execution.outcome.exit_code != 0 or not digests:
+        return None, f"the replay failed (exit {execution.outcome.exit_code}); see {replay_dir}"
+    return digests, f"replayed ({replay_dir})"
+
+
 # ------------------------------------------------------------------------ scenario run
 
 
@@ -472,7 +500,7 @@ def run_scenario(
 
     baseline: dict[int, str] | None = None
     baseline_note = ""
-    if spec.expect.params_match:
+    if spec.expect.params_match == "fault_free":
         baseline, baseline_note = fault_free_digests(
             loaded, seed=seed, run_dir=run_dir / "fault_free", observer=observer,
             use_cache=use_cache,
@@ -480,6 +508,10 @@ def run_scenario(
 
     execution = execute(spec, scenario_dir=loaded.path.parent, run_dir=run_dir, seed=seed,
                         observer=observer)
+    if spec.expect.params_match == "replay":
+        baseline, baseline_note = replay_digests(
+            loaded, seed=seed, run_dir=run_dir, observer=observer
+        )
     world = (
         spec.system.world.size if isinstance(spec.system, TrainerSystem)
         else spec.system.world if isinstance(spec.system, CommandSystem) else None

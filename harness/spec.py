@@ -507,8 +507,10 @@ class Expect(_Strict):
     """What must hold after the run. Each field is one named check in the report."""
 
     completes: bool = Field(True, description="the system exits 0 within its timeout")
-    params_match: Literal["fault_free"] | None = Field(
-        None, description="final parameters bitwise equal to a fault-free run (same seed)"
+    params_match: Literal["fault_free", "replay"] | None = Field(
+        None, description="fault_free: final parameters bitwise equal to a fault-free run "
+        "(same seed); replay: equal to a deterministic replay of the membership the run "
+        "recorded (elastic recovery changes the math while a replica is missing)"
     )
     time_to_detect: Budget | None = None
     time_to_recover: Budget | None = None
@@ -542,6 +544,11 @@ class Scenario(_Strict):
             for name in ("time_to_detect", "time_to_recover"):
                 if getattr(self.expect, name) is not None:
                     raise ValueError(f"expect.{name} needs at least one fault")
+        if self.expect.params_match == "replay" and not (
+            isinstance(self.system, TrainerSystem) and self.system.recovery == "elastic"
+        ):
+            raise ValueError("expect.params_match: replay needs the reference trainer with "
+                             "`recovery: elastic` (the only system that records membership)")
         if (
             self.expect.params_match
             and isinstance(self.system, CommandSystem)
@@ -554,8 +561,16 @@ class Scenario(_Strict):
         return self
 
     def without_faults(self) -> Scenario:
-        """The fault-free twin of this scenario, used as the golden reference."""
-        return self.model_copy(update={"faults": [], "expect": Expect()})
+        """The fault-free twin of this scenario, used as the golden reference.
+
+        Test hooks that inject faults through the environment (``AFTERSHOCK_INJECT_*``)
+        are faults too, so the twin goes without them.
+        """
+        system = self.system
+        clean = {k: v for k, v in system.env.items() if not k.startswith("AFTERSHOCK_INJECT_")}
+        if clean != system.env:
+            system = system.model_copy(update={"env": clean})
+        return self.model_copy(update={"faults": [], "expect": Expect(), "system": system})
 
 
 @dataclass(frozen=True, slots=True)

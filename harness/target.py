@@ -73,11 +73,13 @@ def trainer_argv(system: TrainerSystem, run_dir: Path, seed: int) -> list[str]:
 
 
 def plan_launch(
-    system: TrainerSystem | CommandSystem, *, run_dir: Path, scenario_dir: Path, seed: int
+    system: TrainerSystem | CommandSystem, *, run_dir: Path, scenario_dir: Path, seed: int,
+    extra_args: tuple[str, ...] = (),
 ) -> Launch:
     if isinstance(system, TrainerSystem):
         env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **system.env}
-        return Launch(trainer_argv(system, run_dir, seed), Path.cwd(), env, system.world.size, ())
+        argv = [*trainer_argv(system, run_dir, seed), *extra_args]
+        return Launch(argv, Path.cwd(), env, system.world.size, ())
     cwd = (scenario_dir / system.cwd).resolve() if system.cwd else scenario_dir.resolve()
     variables = {"run_dir": str(run_dir), "scenario_dir": str(scenario_dir.resolve())}
 
@@ -203,16 +205,15 @@ class LocalTarget:
         ]
 
     def rank_processes(self) -> dict[int, ProcessRef]:
-        """Rank -> process, from the probe's ``hello`` where a process sent one."""
-        ranks = self._env_rank_processes()
+        """Rank -> process. Once any process of the run has said who it is through the
+        probe's ``hello``, only those reports count: a supervisor or a re-forked spare
+        inherits ``RANK`` from torchrun but is not that rank."""
+        if not self._reported:
+            return self._env_rank_processes()
         live = {ref.pid: ref for ref in self.processes()}
+        ranks: dict[int, ProcessRef] = {}
         for pid, (rank, role) in self._reported.items():
-            if pid not in live:
-                continue
-            # A process that reported itself overrides whatever its RANK variable says.
-            for key in [k for k, ref in ranks.items() if ref.pid == pid]:
-                del ranks[key]
-            if rank is not None and role in (None, "trainer"):
+            if pid in live and rank is not None and role in (None, "trainer"):
                 ranks[rank] = live[pid]
         return ranks
 
