@@ -16,7 +16,7 @@ import json
 import os
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -85,6 +85,25 @@ class Journal:
         if not pending(self.path):
             with contextlib.suppress(FileNotFoundError):
                 self.path.unlink()
+
+
+@contextlib.contextmanager
+def undone_on_error(
+    journal: Journal, entry_id: str, revert: Callable[[Mapping[str, Any]], None],
+    undo: Mapping[str, Any],
+) -> Iterator[None]:
+    """Apply a fault in steps inside this block: if a step fails, what was done is
+    reverted at once, and the entry stays pending only if that revert fails too."""
+    try:
+        yield
+    except BaseException:
+        try:
+            revert(undo)
+        except Exception:  # left pending in the journal: heal will try again
+            pass
+        else:
+            journal.done(entry_id)
+        raise
 
 
 def read(path: Path) -> list[dict[str, Any]]:

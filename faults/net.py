@@ -24,7 +24,7 @@ from faults import _cgroup, _nft
 from faults._errors import FaultUnavailable
 from faults._proc import ProcessRef
 from faults._sockets import CONNECTED, LISTEN, TcpSocket, same_netns, tcp_sockets, tcp_table
-from faults.journal import Journal
+from faults.journal import Journal, undone_on_error
 from faults.registry import Applied, KindInfo, register
 
 # nft resolves `socket cgroupv2` paths relative to this folder (hard-coded in nftables).
@@ -196,7 +196,7 @@ class Partition:
                 }
             )
         entry = journal.intend(self.info.kind, undo)
-        try:
+        with undone_on_error(journal, entry, self.revert, undo):
             if group_dir is not None:
                 group_dir.mkdir()
                 # Move first, then read the sockets: a socket made in between is caught
@@ -204,14 +204,6 @@ class Partition:
                 _cgroup.move(target.pid, group_dir)
             socks = tcp_sockets(target.pid)
             _nft.load(_ruleset(table, socks, cgroup))
-        except BaseException:
-            try:
-                self.revert(undo)
-            except Exception:  # left pending in the journal: heal will try again
-                pass
-            else:
-                journal.done(entry)
-            raise
         listening = sorted({s.local_port for s in socks if s.state == LISTEN})
         connected = sum(1 for s in socks if s.state in CONNECTED)
         detail = (

@@ -19,7 +19,7 @@ from typing import Any
 from faults import _cgroup
 from faults._errors import FaultUnavailable
 from faults._proc import ProcessRef
-from faults.journal import Journal
+from faults.journal import Journal, undone_on_error
 from faults.registry import Applied, KindInfo, register
 
 PERIOD_US = 100_000  # CFS period; 100 ms is the kernel default and keeps stalls short
@@ -96,21 +96,13 @@ class Straggle:
         }
         quota = max(MIN_QUOTA_US, round(PERIOD_US * cpus / factor))
         entry = journal.intend(self.info.kind, undo)
-        try:
+        with undone_on_error(journal, entry, self.revert, undo):
             group_dir.mkdir()
             (group_dir / "cpu.cfs_period_us").write_text(f"{PERIOD_US}\n")
             (group_dir / "cpu.cfs_quota_us").write_text(f"{quota}\n")
             # cgroup.procs (not tasks) moves every thread of the process at once.
             if target.alive():
                 _cgroup.move(target.pid, group_dir)
-        except BaseException:
-            try:
-                self.revert(undo)
-            except Exception:  # left pending in the journal: heal will try again
-                pass
-            else:
-                journal.done(entry)
-            raise
         detail = f"pid {target.pid} limited to {quota}/{PERIOD_US} us of CPU per period"
         return Applied(self.info.kind, entry, undo, detail)
 
