@@ -84,3 +84,35 @@ def test_params_match_catches_a_job_that_resumes_wrongly(
     assert not checks["params_match"]["passed"]
     assert checks["params_match"]["observed"] == "0/2 ranks equal"
     assert checks["completes"]["passed"]  # it "works"; only the check sees it is wrong
+
+
+def test_heap_bitflips_land_in_a_job_that_never_imported_the_probe(tmp_path: Path) -> None:
+    path = tmp_path / "flip.yaml"
+    path.write_text(f"""\
+name: plain-torchrun-heap-bitflip
+system:
+  command: [{sys.executable}, -m, torch.distributed.run, --nproc-per-node=2,
+            --max-restarts=0, {JOB}]
+  env: {{JOB_CKPT: "${{run_dir}}/ckpt", JOB_STEPS: "40"}}
+  probes:
+    - {{pattern: '\\[rank (?P<rank>\\d+)\\] step (?P<step>\\d+)', event: step}}
+  timeout: 3m
+faults:
+  - kind: memory.bitflip
+    target: {{rank: 1}}
+    at: {{step: 15}}
+    region: heap
+    count: 64
+    seed: 7
+expect:
+  completes: false   # flipped heap bits may crash the job: here only the injection is checked
+""")
+    out = tmp_path / "flip.json"
+    proc = subprocess.run(
+        [*AFTERSHOCK, "run", str(path), "--json", str(out), "--run-dir", str(tmp_path / "runs")],
+        capture_output=True, text=True, timeout=280, env=dict(os.environ),
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (fault,) = json.loads(out.read_text())[0]["faults"]
+    assert fault["injected_at_s"] is not None
+    assert "64 write(s)" in fault["detail"], fault["detail"]
