@@ -21,6 +21,7 @@ system); with node-local disks rank 0 could not see the other ranks' files to pr
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import io
 import json
@@ -83,41 +84,73 @@ def committed_steps(root: Path) -> list[tuple[int, Path]]:
     return [(step, path) for step, path in _step_dirs(root) if (path / COMMIT).is_file()]
 
 
-def save(root: Path, step: int, state: dict[str, Any], meta: dict[str, Any], group: Any) -> Path:
+def save(
+    root: Path, step: int, state: dict[str, Any], meta: dict[str, Any], group: Any
+) -> Path | None:
     """Save this rank's ``state`` for ``step`` and commit the step once all ranks have.
 
     Collective over ``group`` (the whole world): every rank must call it at the same step.
+    Returns the step folder, or None when some rank could not write its files (a full disk,
+    an I/O error): then nothing is committed, the partial files are removed, and every rank
+    returns None, because they agree on the outcome through an all_reduce before the commit
+    (rank 0 alone returns None when it cannot write the marker itself: the step is then not
+    committed for anyone). A failed save costs a checkpoint, never the run.
     """
     rank = dist.get_rank(group)
     path = step_dir(root, step)
+    error: OSError | None = None
     if rank == 0:
-        path.mkdir(parents=True, exist_ok=True)
-        # A resumed run re-saves steps it already saved before the failure. Drop the old
-        # marker first so the folder is never "committed" while it mixes old and new files.
-        marker = path / COMMIT
-        if marker.exists():
-            marker.unlink()
-            _fsync_dir(path)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            # A resumed run re-saves steps it already saved before the failure. Drop the old
+            # marker first so the folder is never "committed" while it mixes old and new
+            # files.
+            marker = path / COMMIT
+            if marker.exists():
+                marker.unlink()
+                _fsync_dir(path)
+        except OSError as exc:
+            error = exc
     dist.barrier(group=group)
 
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    payload = buffer.getvalue()
-    write_atomic(path / f"rank_{rank}.pt", payload)
-    sidecar = {
-        **meta,
-        "step": step,
-        "rank": rank,
-        "size": len(payload),
-        "sha256": hashlib.sha256(payload).hexdigest(),
-    }
-    write_atomic(path / f"rank_{rank}.json", json.dumps(sidecar, sort_keys=True).encode())
+    if error is None:
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        payload = buffer.getvalue()
+        sidecar = {
+            **meta,
+            "step": step,
+            "rank": rank,
+            "size": len(payload),
+            "sha256": hashlib.sha256(payload).hexdigest(),
+        }
+        try:
+            write_atomic(path / f"rank_{rank}.pt", payload)
+            write_atomic(path / f"rank_{rank}.json", json.dumps(sidecar, sort_keys=True).encode())
+        except OSError as exc:
+            error = exc
+    if error is not None:
+        code = errno.errorcode.get(error.errno or 0, type(error).__name__)
+        probe.emit("checkpoint_failed", step=step, error=f"{code}: {error.strerror or error}")
+        probe.detected(cause=f"checkpoint_failed: {code}", step=step)
 
-    # Commit only when every rank's file is durable: a failure before this barrier leaves an
-    # uncommitted folder that start-up ignores.
-    dist.barrier(group=group)
+    # Commit only when every rank's file is durable: the MIN over all ranks' success flags is
+    # also the barrier that orders every write before the commit.
+    ok = torch.tensor([0 if error is not None else 1], dtype=torch.int32)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+    if ok.item() == 0:
+        if rank == 0:  # every rank is past its writes: nobody adds files behind the rmtree
+            shutil.rmtree(path, ignore_errors=True)
+        return None
     if rank == 0:
-        write_atomic(path / COMMIT, json.dumps({"step": step}).encode())
+        try:
+            write_atomic(path / COMMIT, json.dumps({"step": step}).encode())
+        except OSError as exc:
+            # The files are whole but uncommitted: start-up ignores the folder, prune drops it.
+            code = errno.errorcode.get(exc.errno or 0, type(exc).__name__)
+            probe.emit("checkpoint_failed", step=step, error=f"{code}: {exc.strerror or exc}")
+            probe.detected(cause=f"checkpoint_failed: {code}", step=step)
+            return None
     return path
 
 

@@ -43,6 +43,10 @@ def nvml_module() -> Any | None:
     if os.environ.get("AFTERSHOCK_NVML_DIR"):
         import faults.nvml_sim as sim
 
+        # One simulated GPU per local rank (the simulation defaults to one), so every rank
+        # can watch the GPU its LOCAL_RANK names.
+        os.environ.setdefault(sim.GPU_COUNT_ENV, os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
         return sim
     return None
 

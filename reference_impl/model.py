@@ -13,6 +13,7 @@ generator, so the model a 2-shard world trains is exactly the slicing of a 1-sha
 from __future__ import annotations
 
 import hashlib
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,6 +76,12 @@ def build_layout(replicas: int, shards: int, timeout: Any) -> Layout:
     return Layout(replicas, shards, rank, tp_group, dp_group, world_group)
 
 
+# Seconds this process has spent inside the model's tensor-parallel all_reduces (waiting for
+# peers included). The trainer subtracts it from forward+backward wall time to get its own
+# compute time, which is what tells a straggler from the peers that wait for it.
+comm_seconds = [0.0]
+
+
 def all_reduce(tensor: torch.Tensor, group: Any) -> None:
     """Sum ``tensor`` in place over ``group``.
 
@@ -83,10 +90,12 @@ def all_reduce(tensor: torch.Tensor, group: Any) -> None:
     ``reference_impl.resilient``, which torch.distributed's functions do not know about.
     Both run the same Gloo algorithm, so the bits do not depend on which one is used.
     """
+    started = time.perf_counter()
     if group in dist.distributed_c10d._world.pg_group_ranks:
         dist.all_reduce(tensor, group=group)
     else:
         group.allreduce([tensor]).wait()
+    comm_seconds[0] += time.perf_counter() - started
 
 
 class _CopyToTP(torch.autograd.Function):

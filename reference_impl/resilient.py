@@ -176,6 +176,9 @@ class Worker:
                     "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
                 }
             self.steps_done, self.state_gen = 0, -1  # the seeded init is the state of step 0
+            # Opt in to Aftershock's in-process faults on the new tensors (a no-op outside
+            # the harness).
+            probe.install(model=self.model, optimizer=self.opt)
         for block in self.model.blocks:
             block.tp_group = groups.tp
 
@@ -333,9 +336,11 @@ class Worker:
             step = self.steps_done + 1  # the step being computed, 1-based
             x, y = synthetic_batch(cfg.model_config(), cfg.seed, step - 1, replica,
                                    cfg.batch_size)
+            probe.fault_point("forward", step)
             loss = F.mse_loss(model(x), y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
+            probe.fault_point("backward", step)
             flat = torch.cat([p.grad.reshape(-1) for p in params] + [loss.detach().reshape(1)])
             if self.nan_hook == (g.rank, step):
                 self.nan_hook = None
@@ -376,6 +381,7 @@ class Worker:
                 self.rolled_back_to = back
                 probe.recovered(rank=g.rank, generation=g.gen, step=back, why=why)
                 continue
+            probe.fault_point("optimizer", step)
             opt.step()
             self.steps_done = step
             probe.step(step, world=self.world_size, rank=g.rank, loss=float(flat[-1]),
@@ -451,6 +457,8 @@ class Worker:
                 g = self.join(plan)
                 self.groups = g
                 if self.rank != g.rank:
+                    # Events and in-process faults aimed at a rank follow the logical rank.
+                    probe.set_rank(g.rank)
                     self.build(g.rank, g)
                     self.rank = g.rank
                     probe.hello(world=self.world_size, generation=g.gen, rank=g.rank,

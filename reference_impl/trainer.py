@@ -24,7 +24,9 @@ import io
 import os
 import signal
 import socket
+import statistics
 import sys
+import threading
 import time
 import traceback
 from dataclasses import asdict, dataclass
@@ -37,11 +39,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from harness import probe
-from reference_impl import checkpoint
+from reference_impl import checkpoint, health
+from reference_impl import model as model_lib
 from reference_impl.model import Layout, ModelConfig, ParallelMLP, build_layout, param_digest
 from reference_impl.model import synthetic_batch as make_batch
 
 RECOVERY_STRATEGIES = ("restart", "hot_spare", "elastic")
+STRAGGLER_EVERY = 10  # steps between comparisons of the ranks' compute times
+STRAGGLER_RATIO = 2.0  # a rank whose compute time exceeds this × the median is a straggler
+NON_FINITE_RETRIES = 3  # the same step non-finite this often in a row: restart from a checkpoint
 
 
 @dataclass
@@ -129,10 +135,54 @@ def _start_time(pid: int) -> str | None:
     return stat.rsplit(")", 1)[-1].split()[19]
 
 
+class XidFailure(RuntimeError):
+    """This rank's GPU reported an Xid whose recommended action is more than logging it."""
+
+    def __init__(self, code: int, action: str) -> None:
+        super().__init__(f"Xid {code} on this rank's GPU: recommended action {action}")
+        self.code, self.action = code, action
+
+
+class XidMonitor:
+    """Receives Xids from the watcher thread; the training loop polls it once a step.
+
+    The watcher must not act on the main thread's state itself (it could interrupt a
+    collective half way), so it only records the first fatal Xid; the loop raises it at a
+    step boundary, where a failure is handled like any other (end the world, restart).
+    """
+
+    def __init__(self) -> None:
+        self.fatal: tuple[int, str] | None = None
+        self._lock = threading.Lock()
+
+    def on_xid(self, code: int, action: str) -> None:
+        probe.emit("xid_action", code=code, action=action)
+        print(f"[rank {os.environ.get('RANK')}] Xid {code}: action {action}", file=sys.stderr)
+        if action != "none":
+            with self._lock:
+                if self.fatal is None:
+                    self.fatal = (code, action)
+
+    def check(self) -> None:
+        if self.fatal is not None:
+            raise XidFailure(*self.fatal)
+
+
+def start_xid_watcher() -> XidMonitor:
+    """Watch this rank's GPU (LOCAL_RANK) for Xids, real NVML or simulated."""
+    monitor = XidMonitor()
+    health.XidWatcher(gpu=int(os.environ.get("LOCAL_RANK", "0")), on_xid=monitor.on_xid).start()
+    return monitor
+
+
 def _describe(exc: BaseException) -> tuple[str, str]:
     """(cause, first line of the error) for a failed collective."""
     lines = str(exc).strip().splitlines()
     first = lines[0] if lines else type(exc).__name__
+    if isinstance(exc, XidFailure):
+        return f"xid_{exc.code}", first
+    if isinstance(exc, NonFiniteFailure):
+        return "non_finite", first
     text = str(exc).lower()
     if "timed out" in text or "timeout" in text:
         return "collective_timeout", first
@@ -185,6 +235,10 @@ def _on_sigterm(peers: list[tuple[str, int, str | None]], signum: int, frame: An
     os._exit(128 + signum)
 
 
+class NonFiniteFailure(RuntimeError):
+    """The gradients of one step stayed non-finite after retries: the state itself is bad."""
+
+
 # ---------------------------------------------------------------------------------------------
 # Training
 
@@ -208,10 +262,56 @@ def average_gradients(model: torch.nn.Module, loss: torch.Tensor, layout: Layout
     return float(flat[-1])
 
 
-def train(cfg: TrainConfig, layout: Layout, world: int, device: torch.device) -> None:
+def gradients_finite(model: torch.nn.Module, layout: Layout) -> tuple[bool, bool]:
+    """(this rank's averaged gradients are finite, every rank's are).
+
+    Ranks of one shard share their averaged gradients, but the shards do not, so a NaN in
+    one shard's gradients would make only that shard skip the step. The vote over the
+    whole world makes every rank take the same decision.
+    """
+    mine = all(bool(torch.isfinite(p.grad).all()) for p in model.parameters()
+               if p.grad is not None)
+    bad = torch.tensor([0.0 if mine else 1.0])
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=layout.world_group)
+    return mine, bad.item() == 0
+
+
+def report_stragglers(compute_s: float, layout: Layout, step: int) -> None:
+    """Compare the ranks' compute times of the last window; rank 0 names a slow rank.
+
+    Compute time is forward+backward wall time minus the time spent in the model's
+    collectives: a straggler's peers wait for it inside those collectives, so their wall
+    time grows too, but their compute time does not.
+    """
+    world = dist.get_world_size(layout.world_group)
+    times = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
+    dist.all_gather(times, torch.tensor([compute_s], dtype=torch.float64),
+                    group=layout.world_group)
+    if layout.rank != 0:
+        return
+    values = [float(t) for t in times]
+    for rank, ratio in stragglers(values):
+        probe.emit("straggler_detected", slow_rank=rank, ratio=round(ratio, 2), step=step,
+                   compute_s=round(values[rank], 4),
+                   median_s=round(statistics.median(values), 4))
+
+
+def stragglers(values: list[float]) -> list[tuple[int, float]]:
+    """(rank, times the median) of every rank slower than STRAGGLER_RATIO × the median."""
+    median = statistics.median(values)
+    if median <= 0:
+        return []
+    return [(rank, value / median) for rank, value in enumerate(values)
+            if value > STRAGGLER_RATIO * median]
+
+
+def train(cfg: TrainConfig, layout: Layout, world: int, device: torch.device,
+          xid: XidMonitor | None = None) -> None:
     rank = layout.rank
     model = ParallelMLP(cfg.model_config(), layout, cfg.seed).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    # Opt in to Aftershock's in-process faults (a no-op outside the harness).
+    probe.install(model=model, optimizer=optimizer)
     ckpt_root = Path(cfg.checkpoint_dir)
 
     # Resume: the newest committed step that every rank can verify, else start fresh.
@@ -225,17 +325,43 @@ def train(cfg: TrainConfig, layout: Layout, world: int, device: torch.device) ->
         assert state["data_step"] == step, "data position must match the restored step"
         probe.checkpoint_loaded(step, str(path))
 
+    compute_s = 0.0  # this rank's compute time in the current straggler window
+    non_finite = 0  # consecutive non-finite attempts at the current step
     while step < cfg.steps:
+        if xid is not None:
+            xid.check()
+        current = step + 1  # the step being computed, 1-based, as probe.step will report it
         # Every batch is a function of (seed, step, replica); `step` is the data position.
         x, y = make_batch(cfg.model_config(), cfg.seed, step, layout.replica, cfg.batch_size)
+        started, comm = time.perf_counter(), model_lib.comm_seconds[0]
+        probe.fault_point("forward", current)
         loss = F.mse_loss(model(x.to(device)), y.to(device))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        compute_s += (time.perf_counter() - started) - (model_lib.comm_seconds[0] - comm)
+        probe.fault_point("backward", current)
         global_loss = average_gradients(model, loss, layout)
+        mine, everyone = gradients_finite(model, layout)
+        if not everyone:
+            # Never apply a poisoned update. The step's data is a function of the step, so
+            # computing it again from the same state gives the fault-free update, unless the
+            # state itself is poisoned: then only an older checkpoint helps.
+            non_finite += 1
+            if not mine:
+                probe.detected(cause="non_finite", step=current, attempt=non_finite)
+            if non_finite >= NON_FINITE_RETRIES:
+                raise NonFiniteFailure(
+                    f"gradients of step {current} non-finite {non_finite} times in a row")
+            continue
+        non_finite = 0
+        probe.fault_point("optimizer", current)
         optimizer.step()
         step += 1  # `step` optimizer steps are now applied on this rank
         probe.step(step, world=world, loss=global_loss)
 
+        if step % STRAGGLER_EVERY == 0:
+            report_stragglers(compute_s, layout, step)
+            compute_s = 0.0
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
             state = {
                 "model": model.state_dict(),
@@ -244,9 +370,12 @@ def train(cfg: TrainConfig, layout: Layout, world: int, device: torch.device) ->
                 "data_step": step,
                 "rng": {"torch": torch.get_rng_state()},
             }
-            path = checkpoint.save(ckpt_root, step, state, cfg.fingerprint(), layout.world_group)
             if rank == 0:
-                probe.checkpoint_saved(step, str(path))
+                probe.emit("checkpoint_started", step=step)
+            # A failed save (e.g. ENOSPC) is reported inside and costs only this checkpoint.
+            saved = checkpoint.save(ckpt_root, step, state, cfg.fingerprint(), layout.world_group)
+            if rank == 0 and saved is not None:
+                probe.checkpoint_saved(step, str(saved))
                 checkpoint.prune(ckpt_root, cfg.keep_checkpoints, step)
         if cfg.step_sleep:
             time.sleep(cfg.step_sleep)
@@ -323,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
         dist.all_gather_object(gathered, me, group=layout.world_group)
         peers = [tuple(p) for p in gathered]
         signal.signal(signal.SIGTERM, functools.partial(_on_sigterm, peers))
-        train(cfg, layout, world, device)
+        train(cfg, layout, world, device, start_xid_watcher())
     except RuntimeError as exc:  # DistBackendError, DistNetworkError, Gloo errors
         _fail(exc, peers)
 
