@@ -139,7 +139,7 @@ def execute(
     schedule = [_ScheduledFault(i, f) for i, f in enumerate(spec.faults)]
     active: list[_Active] = []
     records: list[FaultRecord] = []
-    armed: dict[int, int] = {}  # fault index -> record index, for in-process faults
+    armed: dict[int, list[int]] = {}  # fault index -> record indices, in-process faults
     seen: dict[str, int] = {}  # event name -> occurrences, for `at: {event}` triggers
     max_step = -1
     exit_code: int | None = None
@@ -199,7 +199,11 @@ def execute(
         if in_process(item.spec):
             # The probe applies it at the exact step/phase/call and reports the moment;
             # the rank filter travels in the command (a spare may take the rank over).
-            params = {**_params(item.spec), "at_step": item.spec.at.step,
+            at_step = item.spec.at.step
+            every = item.spec.every
+            if at_step is not None and every is not None and every.steps is not None:
+                at_step += item.times * every.steps  # repetition k lands k*N steps later
+            params = {**_params(item.spec), "at_step": at_step,
                       "phase": item.spec.at.phase, "fault": item.index,
                       "rank": chosen[0] if len(chosen) == 1 and label is None else None}
             applied = kind.inject(ranks[chosen[0]], params, journal)
@@ -209,7 +213,7 @@ def execute(
             records.append(FaultRecord(item.spec.kind, where, None, None, applied.detail))
             if applied.journal_id is not None:
                 active.append(_Active(applied, len(records) - 1, None, duration, item.index))
-            armed[item.index] = len(records) - 1
+            armed.setdefault(item.index, []).append(len(records) - 1)
             return True
         params = _params(item.spec)
         if str(item.spec.kind).startswith("storage."):
@@ -265,7 +269,9 @@ def execute(
         if every is None or item.times >= every.times:
             item.fired = True
             return
-        if every.steps is not None:
+        if every.steps is not None and in_process(item.spec) and item.spec.at.step is not None:
+            item.next_step = -1  # armed now with its own later step (see _inject)
+        elif every.steps is not None:
             item.next_step = max(max_step, 0) + every.steps
         else:
             item.next_time = now + every.time.total_seconds()
@@ -275,7 +281,11 @@ def execute(
         index = ev.fields.get("fault")
         if not isinstance(index, int) or index not in armed:
             return
-        record_index = armed[index]
+        # Repetitions of one fault share its index: the earliest still waiting fired.
+        waiting = [i for i in armed[index] if records[i].injected_at_s is None]
+        if not waiting:
+            return
+        record_index = waiting[0]
         old = records[record_index]
         if old.injected_at_s is None:
             detail = str(ev.fields.get("detail") or ev.fields.get("tensor") or old.detail)
