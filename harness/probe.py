@@ -133,7 +133,23 @@ def install(*, model: Any = None, optimizer: Any = None,
         _engine = inproc.Engine(inproc.Inbox(path), rank=_rank, emit=emit)
         inproc.install_collectives(_engine)
     _engine.watch(model, optimizer, tensors)
+    _publish_addresses(model)
     return True
+
+
+def _publish_addresses(model: Any) -> None:
+    """Where each CPU parameter lives, so a fault from outside the process
+    (`memory.bitflip` with `address_of`, through /proc/PID/mem) can hit a named
+    parameter later with no help from inside at fault time."""
+    if model is None:
+        return
+    where = {}
+    for name, param in model.named_parameters():
+        data = param.data
+        if data.device.type == "cpu" and data.is_contiguous():
+            where[f"param:{name}"] = [data.data_ptr(), data.numel(), data.element_size()]
+    if where:
+        emit("tensors", tensors=where)
 
 
 def fault_point(phase: str, step: int) -> None:

@@ -141,6 +141,7 @@ def execute(
     records: list[FaultRecord] = []
     armed: dict[int, list[int]] = {}  # fault index -> record indices, in-process faults
     seen: dict[str, int] = {}  # event name -> occurrences, for `at: {event}` triggers
+    addresses: dict[int, dict[str, list[int]]] = {}  # rank -> published parameter addresses
     max_step = -1
     exit_code: int | None = None
     timed_out = False
@@ -219,6 +220,10 @@ def execute(
         if str(item.spec.kind).startswith("storage."):
             params["root"] = storage_root(params.get("root"))
         for rank in chosen:
+            if "address_of" in params:
+                params = {**params, "address": address_of(rank, params)}
+                params.pop("address_of")
+                params.pop("index", None)
             # The fault's moment is when applying it began: `ss -K` or a tmpfs copy take
             # long enough that the system can notice before inject() returns.
             began = time.monotonic()
@@ -255,6 +260,19 @@ def execute(
             item.fired = True
             item.times = max(item.times, 1)
             return False
+
+    def address_of(rank: int, params: dict[str, Any]) -> int:
+        name = str(params["address_of"])
+        known = addresses.get(rank, {})
+        if name not in known:
+            choices = ", ".join(sorted(known)[:8]) or "none published"
+            raise ValueError(f"rank {rank} published no address for {name!r} ({choices}); "
+                             "the system must call harness.probe.install(model=...)")
+        pointer, numel, size = known[name]
+        index = int(params.get("index") or 0)
+        if not 0 <= index < numel:
+            raise ValueError(f"index {index} is outside {name} ({numel} elements)")
+        return int(pointer) + index * int(size)
 
     def storage_root(given: str | None) -> str:
         if given:
@@ -309,6 +327,10 @@ def execute(
                         seen[ev.event] = seen.get(ev.event, 0) + 1
                         if ev.event == "fault_injected":
                             on_probe_injection(ev)
+                        elif ev.event == "tensors" and ev.rank is not None:
+                            published = ev.fields.get("tensors")
+                            if isinstance(published, dict):
+                                addresses[ev.rank] = published
                     if ev.event == "step" and isinstance(ev.fields.get("step"), int):
                         max_step = max(max_step, ev.fields["step"])
                     elif ev.event == "hello" and isinstance(ev.fields.get("pid"), int):

@@ -327,10 +327,11 @@ class _MemoryBase(_FaultBase):
     @model_validator(mode="after")
     def _where(self) -> _MemoryBase:
         region = getattr(self, "region", None)
-        given = [x for x in (self.tensor, self.address, region) if x is not None]
+        address_of = getattr(self, "address_of", None)
+        given = [x for x in (self.tensor, self.address, region, address_of) if x is not None]
         if len(given) != 1:
-            allowed = "`tensor`, `address` or `region: heap`" if hasattr(self, "region") else (
-                "`tensor` or `address`")
+            allowed = ("`tensor`, `address`, `address_of` or `region: heap`"
+                       if hasattr(self, "region") else "`tensor` or `address`")
             raise ValueError(f"give exactly one of {allowed}")
         if self.at.phase is not None and self.tensor is None:
             raise ValueError("`at.phase` needs `tensor` (an in-process fault)")
@@ -342,6 +343,11 @@ class MemoryBitflip(_MemoryBase):
 
     kind: Literal["memory.bitflip"]
     region: Literal["heap"] | None = None
+    address_of: str | None = Field(
+        None, pattern=r"^param:.+$",
+        description="from outside: the address of this CPU parameter (param:NAME, element "
+        "`index`), as the probe published it at start-up; written through /proc/PID/mem",
+    )
     bit: int | None = Field(None, ge=0, description="default: the top exponent bit")
     count: int = Field(1, ge=1)
 

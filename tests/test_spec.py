@@ -183,3 +183,17 @@ def test_role_targets_and_recovery_strategies() -> None:
     assert spec.faults[0].target.describe() == "role spare"
     (problem,) = problems("name: x\nsystem: {reference: trainer, recovery: magic}\n")
     assert "'restart', 'hot_spare' or 'elastic'" in problem
+
+
+def test_bitflip_by_parameter_name_from_outside() -> None:
+    spec = parse_scenario(
+        "name: x\nsystem: {reference: trainer, recovery: hot_spare}\n"
+        "faults: [{kind: memory.bitflip, target: {rank: 1}, at: {step: 4}, "
+        "address_of: 'param:blocks.0.w_in', index: 3, bit: 12}]\n"
+    )
+    assert spec.faults[0].kind == "memory.bitflip"
+    (problem,) = problems(
+        "name: x\nsystem: {reference: trainer}\nfaults: [{kind: memory.bitflip, "
+        "target: {rank: 1}, at: {step: 4}, address_of: 'param:w', region: heap}]\n"
+    )
+    assert "give exactly one of `tensor`, `address`, `address_of` or `region: heap`" in problem
