@@ -264,6 +264,13 @@ class LocalTarget:
                 self.proc.wait(timeout=grace)
         for thread in self._threads:
             thread.join(timeout=2.0)
+        if self.proc is not None:
+            # Close our ends of the pipes: under pytest's warnings-as-errors an unclosed
+            # pipe is a ResourceWarning that fails the user's scenario item.
+            for stream in (self.proc.stdout, self.proc.stderr):
+                if stream is not None:
+                    with contextlib.suppress(OSError):
+                        stream.close()
 
 
 def _parent(pid: int) -> int | None:
