@@ -44,6 +44,8 @@ def evaluate(
     digests: Mapping[int, str],
     baseline: Mapping[int, str] | None,
     events: Sequence[Event] | None = None,
+    outputs: Mapping[str, Sequence[int]] | None = None,
+    baseline_outputs: Mapping[str, Sequence[int]] | None = None,
 ) -> list[CheckResult]:
     results: list[CheckResult] = []
     if expect.completes:
@@ -98,7 +100,55 @@ def evaluate(
         results.append(_straggler_named(events or (), faults))
     if expect.xid_action:
         results.append(_xid_action(events or ()))
+    if expect.no_lost_requests:
+        lost, total = metrics.get("lost_requests"), metrics.get("requests")
+        tokens = metrics.get("lost_tokens")
+        ok = lost == 0 and bool(total)
+        results.append(CheckResult(
+            "no_lost_requests", ok, lost, 0,
+            f"all {total} requests completed with every token" if ok else
+            "no request was sent" if not total else
+            f"{lost} of {total} requests did not complete ({tokens} tokens never arrived)"))
+    if expect.no_duplicated_tokens:
+        dup = metrics.get("duplicated_tokens")
+        ok = dup == 0 and bool(metrics.get("requests"))
+        results.append(CheckResult(
+            "no_duplicated_tokens", ok, dup, 0,
+            "no client received a token twice" if ok else
+            "no request was sent" if not metrics.get("requests") else
+            f"clients received {dup} tokens they already had"))
+    if expect.outputs_match:
+        results.append(_outputs_match(outputs or {}, baseline_outputs))
+    if expect.latency:
+        for name in ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99"):
+            budget = getattr(expect.latency, name)
+            if budget is not None:
+                what = ("time to first token" if name.startswith("ttft") else
+                        "time between tokens") + f" ({name[-3:]})"
+                results.append(_budget(f"latency.{name}", _f(metrics.get(f"{name}_s")),
+                                       budget.max.total_seconds(), what))
     return results
+
+
+def _outputs_match(outputs: Mapping[str, Sequence[int]],
+                   baseline: Mapping[str, Sequence[int]] | None) -> CheckResult:
+    expected = "token-identical to the fault-free run"
+    if not baseline:
+        return CheckResult("outputs_match", False, None, expected,
+                           "the fault-free run produced no outputs to compare with")
+    ids = sorted(set(baseline) | set(outputs))
+    differ = [i for i in ids if list(outputs.get(i, ())) != list(baseline.get(i, ()))]
+    observed = f"{len(ids) - len(differ)}/{len(ids)} requests identical"
+    if not differ:
+        return CheckResult("outputs_match", True, observed, expected,
+                           f"all {len(ids)} requests token-identical to the fault-free run")
+    first = differ[0]
+    got, want = list(outputs.get(first, ())), list(baseline.get(first, ()))
+    at = next((k for k, (a, b) in enumerate(zip(got, want, strict=False)) if a != b),
+              min(len(got), len(want)))
+    return CheckResult("outputs_match", False, observed, expected,
+                       f"{len(differ)} requests differ; first {first} at token {at} "
+                       f"(got {len(got)} tokens, fault-free {len(want)})")
 
 
 def _xid_action(events: Sequence[Event]) -> CheckResult:

@@ -7,8 +7,11 @@ hand-written timelines.
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from harness.records import Event
 
@@ -138,7 +141,121 @@ def min_step_rate(events: Sequence[Event], window_s: float = 2.0) -> float | Non
     return slowest
 
 
+# ------------------------------------------------------------------------------ serving
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    """One request of the load generator, as its ``request_done``/``request_failed``
+    event recorded it (times on the run's monotonic clock)."""
+
+    id: str
+    done: bool
+    sent: float
+    tokens: tuple[int, ...]
+    times: tuple[float, ...]
+    max_tokens: int
+    duplicates: int
+
+    @classmethod
+    def of(cls, event: Event) -> RequestRecord | None:
+        f = event.fields
+        tokens, times = f.get("tokens"), f.get("times")
+        if not isinstance(tokens, list) or not isinstance(times, list):
+            return None
+        return cls(str(f.get("request")), event.event == "request_done",
+                   float(f.get("sent", event.t)), tuple(int(x) for x in tokens),
+                   tuple(float(x) for x in times), int(f.get("max_tokens") or len(tokens)),
+                   int(f.get("duplicates") or 0))
+
+
+def requests(events: Sequence[Event]) -> list[RequestRecord]:
+    """Every request that ended, plus one empty failed record per request that was sent
+    but never ended (the run stopped under it)."""
+    ended: dict[str, RequestRecord] = {}
+    sent: dict[str, float] = {}
+    for e in events:
+        if e.event == "request_sent" and e.source == "client":
+            sent[str(e.fields.get("request"))] = e.t
+        elif e.event in ("request_done", "request_failed") and e.source == "client":
+            record = RequestRecord.of(e)
+            if record is not None:
+                ended[record.id] = record
+    for rid, t in sent.items():
+        if rid not in ended:
+            ended[rid] = RequestRecord(rid, False, t, (), (), 0, 0)
+    return sorted(ended.values(), key=lambda r: r.sent)
+
+
+def outputs(events: Sequence[Event]) -> dict[str, list[int]]:
+    """Request id -> the tokens its client received (for `outputs_match`)."""
+    return {r.id: list(r.tokens) for r in requests(events)}
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in 0..100): an observed value, never an interpolation."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100 * len(ordered)))
+    return ordered[rank - 1]
+
+
+def serving_time_to_recover(records: Sequence[RequestRecord], t_fault: float | None
+                            ) -> float | None:
+    """Fault injected -> every request that was in flight at the fault has received a
+    token again (the slowest of them). None if one of them never did."""
+    if t_fault is None:
+        return None
+    worst = 0.0
+    for r in records:
+        if r.sent >= t_fault:
+            continue
+        if r.done and r.times and r.times[-1] <= t_fault:
+            continue  # finished before the fault
+        after = next((t for t in r.times if t > t_fault), None)
+        if after is None:
+            return None
+        worst = max(worst, after - t_fault)
+    return worst
+
+
+def serving(events: Sequence[Event]) -> dict[str, float | int | None]:
+    records = requests(events)
+    t_fault = first_fault_time(events)
+    ttft = [r.times[0] - r.sent for r in records if r.times]
+    tpot = [b - a for r in records for a, b in itertools.pairwise(r.times)]
+    stats = next((e.fields for e in reversed(events) if e.event == "serving_stats"), {})
+
+    def stat(name: str) -> float | int | None:
+        value = stats.get(name)
+        return value if isinstance(value, int | float) else None
+
+    lost = [r for r in records if not r.done or len(r.tokens) < r.max_tokens]
+    return {
+        "time_to_detect_s": time_to_detect(events),
+        "time_to_recover_s": serving_time_to_recover(records, t_fault),
+        "requests": len(records),
+        "lost_requests": len(lost),
+        "lost_tokens": sum(max(r.max_tokens - len(r.tokens), 0) for r in lost),
+        "duplicated_tokens": sum(r.duplicates for r in records),
+        "migrated_requests": sum(1 for e in events if e.event == "request_migrated"),
+        "recomputed_tokens": stat("recomputed_tokens"),
+        "prefix_hit_rate": stat("prefix_hit_rate"),
+        "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p99_s": percentile(ttft, 99),
+        "tpot_p50_s": percentile(tpot, 50),
+        "tpot_p99_s": percentile(tpot, 99),
+    }
+
+
+def is_serving(events: Sequence[Event]) -> bool:
+    return any(e.event == "load_started" for e in events)
+
+
 def compute(events: Sequence[Event], world: int | None) -> dict[str, float | int | None]:
+    if is_serving(events):
+        return serving(events)
     world = full_world(events, world)
     return {
         "time_to_detect_s": time_to_detect(events),

@@ -23,7 +23,8 @@ from harness.records import Event, RunResult
 NOTABLE = {
     "launch", "fault_injected", "fault_healed", "failure_detected", "recovery_done",
     "checkpoint_loaded", "checkpoint_skipped", "timeout", "run_end", "fault_armed",
-    "fault_failed",
+    "fault_failed", "serving_ready", "load_started", "load_finished", "request_migrated",
+    "request_failed",
 }
 
 
@@ -57,6 +58,17 @@ def describe(event: Event) -> str:
             return f"run ended (exit {f.get('exit_code')})"
         case "step":
             return f"{who} step {f.get('step')}"
+        case "serving_ready":
+            return f"server ready at {f.get('url')} ({f.get('workers')} workers)"
+        case "load_started":
+            return f"load: {f.get('requests')} requests to {f.get('url')}"
+        case "load_finished":
+            return "load finished"
+        case "request_migrated":
+            return (f"request {f.get('request_id')} moved from worker {f.get('from_worker')} "
+                    f"to worker {f.get('to_worker')} after {f.get('emitted')} tokens")
+        case "request_failed":
+            return f"request {f.get('request')} LOST: {str(f.get('error'))[:120]}"
     return f"{who} {event.event}"
 
 

@@ -31,8 +31,16 @@ from faults.journal import Journal
 from harness import metrics as _metrics
 from harness.checks import Outcome, evaluate
 from harness.errors import HarnessError
+from harness.loadgen import LoadGenerator, fetch_json
 from harness.records import CheckResult, Event, FaultRecord, RunResult
-from harness.spec import CommandSystem, LoadedScenario, Scenario, TrainerSystem, in_process
+from harness.spec import (
+    CommandSystem,
+    LoadedScenario,
+    Scenario,
+    ServerSystem,
+    TrainerSystem,
+    in_process,
+)
 from harness.target import LocalTarget, plan_launch
 from harness.timeline import Timeline
 
@@ -147,6 +155,11 @@ def execute(
     timed_out = False
     timeout_s = spec.system.timeout.total_seconds()
     rng = random.Random(seed)
+    # The reference server runs until its load is served: the load generator starts when
+    # the server says where it listens and the run ends when the last request has.
+    server = spec.system if isinstance(spec.system, ServerSystem) else None
+    loadgen: LoadGenerator | None = None
+    load_served = False
 
     def heal(item: _Active) -> None:
         kind = faults.get(item.applied.kind)
@@ -173,10 +186,10 @@ def execute(
         ranks = target.rank_processes()
         if not ranks:
             return False
-        if target_spec.rank is not None:
-            if target_spec.rank not in ranks:
+        if target_spec.index is not None:
+            if target_spec.index not in ranks:
                 return False
-            chosen = [target_spec.rank]
+            chosen = [target_spec.index]
         elif target_spec.replica is not None or target_spec.shard is not None:
             chosen = sorted(
                 r for r, (replica, shard) in target.coordinates.items()
@@ -333,6 +346,11 @@ def execute(
                                 addresses[ev.rank] = published
                     if ev.event == "step" and isinstance(ev.fields.get("step"), int):
                         max_step = max(max_step, ev.fields["step"])
+                    elif (ev.event == "serving_ready" and server is not None and loadgen is None
+                          and isinstance(ev.fields.get("url"), str)):
+                        loadgen = LoadGenerator(ev.fields["url"], server.load, seed=seed,
+                                                timeline=timeline)
+                        loadgen.start()
                     elif ev.event == "hello" and isinstance(ev.fields.get("pid"), int):
                         role = ev.fields.get("role")
                         replica, shard = ev.fields.get("replica"), ev.fields.get("shard")
@@ -366,6 +384,12 @@ def execute(
                 exit_code = target.poll()
                 if exit_code is not None:
                     break
+                if loadgen is not None and loadgen.done.is_set():
+                    stats = fetch_json(loadgen.url, "/v1/stats")
+                    observer.event(timeline.emit("serving_stats", source="client",
+                                                 **_serving_stats(stats)))
+                    load_served = True
+                    break
                 if now - t0 > timeout_s:
                     timed_out = True
                     observer.event(timeline.emit("timeout", after_s=round(now - t0, 3)))
@@ -378,7 +402,13 @@ def execute(
                 heal(leftover)
             except Exception as exc:  # keep healing the rest
                 errors.append(f"{leftover.applied.kind}: {exc}")
+        if loadgen is not None:
+            loadgen.stop()
         target.stop()
+        if load_served:
+            # The server ran until its load was served; how it then shut down (SIGTERM,
+            # exit 0 expected) is its exit code.
+            exit_code = target.poll()
         journal.done(launch_entry)
         journal.close()
         with contextlib.suppress(Exception):
@@ -404,6 +434,19 @@ def execute(
     return Execution(events, outcome, records, run_dir)
 
 
+def _serving_stats(stats: dict[str, object] | None) -> dict[str, Any]:
+    """The server's own counters (``GET /v1/stats``), flattened for the timeline."""
+    if stats is None:
+        return {"available": False}
+    flat: dict[str, Any] = {"available": True}
+    engine = stats.get("engine")
+    for source in (engine if isinstance(engine, dict) else {}, stats):
+        for key, value in source.items():
+            if isinstance(value, int | float | str | bool) and key not in flat:
+                flat[key] = value
+    return flat
+
+
 def _read_json_lines(path: Path) -> Iterator[dict[str, Any]]:
     with open(path, "rb") as handle:
         for line in handle:
@@ -427,14 +470,16 @@ def cache_dir() -> Path:
 def _code_fingerprint(spec: Scenario) -> str:
     """For the reference systems, the source of reference_impl is part of the key, so
     editing the trainer invalidates its golden run. Found without importing it."""
-    if not isinstance(spec.system, TrainerSystem):
+    if not isinstance(spec.system, TrainerSystem | ServerSystem):
         return ""
+    patterns = ["*.py"] if isinstance(spec.system, TrainerSystem) else ["*.py", "serving/*.py"]
     found = importlib.util.find_spec("reference_impl")
     digest = hashlib.sha256()
     for folder in found.submodule_search_locations or [] if found else []:
-        for path in sorted(Path(folder).glob("*.py")):
-            digest.update(path.name.encode())
-            digest.update(path.read_bytes())
+        for pattern in patterns:
+            for path in sorted(Path(folder).glob(pattern)):
+                digest.update(str(path.relative_to(folder)).encode())
+                digest.update(path.read_bytes())
     return digest.hexdigest()
 
 
@@ -444,24 +489,32 @@ def baseline_key(spec: Scenario, seed: int) -> str:
         # Pacing changes timing, never the math: one golden run serves every pace.
         system.pop("step_sleep", None)
         system.pop("timeout", None)
+    elif isinstance(spec.system, ServerSystem):
+        # Timing, detection and the recovery policy never change a fault-free run's tokens;
+        # the model, the kernels and the load do.
+        for name in ("step_sleep", "timeout", "heartbeat", "dead_after", "wedged_after",
+                     "recovery", "journal", "checksums"):
+            system.pop(name, None)
     material = json.dumps({"system": system, "seed": seed, "code": _code_fingerprint(spec)},
                           sort_keys=True)
     return hashlib.sha256(material.encode()).hexdigest()[:24]
 
 
-def fault_free_digests(
-    loaded: LoadedScenario, *, seed: int, run_dir: Path, observer: Observer, use_cache: bool
-) -> tuple[dict[int, str] | None, str]:
-    """Final parameter digests of the fault-free twin, from cache or by running it."""
+def _fault_free(
+    loaded: LoadedScenario, *, seed: int, run_dir: Path, observer: Observer, use_cache: bool,
+    what: str,
+) -> tuple[dict[str, Any] | None, str]:
+    """What the fault-free twin produced (``what``: its final parameter ``digests`` or its
+    requests' ``outputs``), from the cache or by running it."""
     spec = loaded.spec
     key = baseline_key(spec, seed)
     cached = cache_dir() / "fault_free" / f"{key}.json"
     if use_cache and cached.exists():
-        with contextlib.suppress(ValueError, OSError):
+        with contextlib.suppress(ValueError, OSError, KeyError):
             data = json.loads(cached.read_text())
-            return {int(k): v for k, v in data["digests"].items()}, f"cached ({cached})"
+            return dict(data[what]), f"cached ({cached})"
     twin = spec.without_faults()
-    if isinstance(twin.system, TrainerSystem):
+    if isinstance(twin.system, TrainerSystem | ServerSystem):
         # Pacing never changes the math; the golden run goes at full speed.
         fast = twin.system.model_copy(update={"step_sleep": timedelta(0)})
         twin = twin.model_copy(update={"system": fast})
@@ -469,14 +522,39 @@ def fault_free_digests(
         twin, scenario_dir=loaded.path.parent, run_dir=run_dir, seed=seed,
         observer=observer, phase="fault-free baseline",
     )
-    digests = _metrics.final_digests(execution.events)
-    if execution.outcome.exit_code != 0 or not digests:
-        return None, f"fault-free run failed (exit {execution.outcome.exit_code}); see {run_dir}"
+    found: dict[str, Any]
+    if what == "outputs":
+        found = _metrics.outputs(execution.events)
+        complete = _metrics.serving(execution.events)["lost_requests"] == 0
+    else:
+        found = {str(k): v for k, v in _metrics.final_digests(execution.events).items()}
+        complete = True
+    if execution.outcome.exit_code != 0 or not found or not complete:
+        return None, (f"fault-free run failed (exit {execution.outcome.exit_code}"
+                      f"{'' if complete else ', requests lost'}); see {run_dir}")
     cached.parent.mkdir(parents=True, exist_ok=True)
     tmp = cached.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"digests": digests, "seed": seed, "scenario": spec.name}))
+    tmp.write_text(json.dumps({what: found, "seed": seed, "scenario": spec.name}))
     os.replace(tmp, cached)
-    return digests, f"ran ({run_dir})"
+    return found, f"ran ({run_dir})"
+
+
+def fault_free_digests(
+    loaded: LoadedScenario, *, seed: int, run_dir: Path, observer: Observer, use_cache: bool
+) -> tuple[dict[int, str] | None, str]:
+    """Final parameter digests of the fault-free twin, from cache or by running it."""
+    found, note = _fault_free(loaded, seed=seed, run_dir=run_dir, observer=observer,
+                              use_cache=use_cache, what="digests")
+    return (None if found is None else {int(k): str(v) for k, v in found.items()}), note
+
+
+def fault_free_outputs(
+    loaded: LoadedScenario, *, seed: int, run_dir: Path, observer: Observer, use_cache: bool
+) -> tuple[dict[str, list[int]] | None, str]:
+    """Each request's tokens in the fault-free twin (same load, same seed)."""
+    found, note = _fault_free(loaded, seed=seed, run_dir=run_dir, observer=observer,
+                              use_cache=use_cache, what="outputs")
+    return (None if found is None else {k: list(v) for k, v in found.items()}), note
 
 
 def replay_digests(
@@ -538,6 +616,13 @@ def run_scenario(
             use_cache=use_cache,
         )
 
+    baseline_outputs: dict[str, list[int]] | None = None
+    if spec.expect.outputs_match == "fault_free":
+        baseline_outputs, baseline_note = fault_free_outputs(
+            loaded, seed=seed, run_dir=run_dir / "fault_free", observer=observer,
+            use_cache=use_cache,
+        )
+
     execution = execute(spec, scenario_dir=loaded.path.parent, run_dir=run_dir, seed=seed,
                         observer=observer)
     if spec.expect.params_match == "replay":
@@ -546,20 +631,23 @@ def run_scenario(
         )
     world = (
         spec.system.world.size if isinstance(spec.system, TrainerSystem)
-        else spec.system.world if isinstance(spec.system, CommandSystem) else None
+        else spec.system.world if isinstance(spec.system, CommandSystem)
+        else spec.system.workers
     )
     metrics = _metrics.compute(execution.events, world)
     checks = evaluate(
         spec.expect, outcome=execution.outcome, metrics=metrics, faults=execution.faults,
         digests=_metrics.final_digests(execution.events), baseline=baseline,
-        events=execution.events,
+        events=execution.events, outputs=_metrics.outputs(execution.events),
+        baseline_outputs=baseline_outputs,
     )
-    if spec.expect.params_match and baseline is None:
-        checks = [
-            CheckResult(c.name, False, c.observed, c.expected, f"{c.message} ({baseline_note})")
-            if c.name == "params_match" else c
-            for c in checks
-        ]
+    missing = {"params_match": spec.expect.params_match and baseline is None,
+               "outputs_match": spec.expect.outputs_match and baseline_outputs is None}
+    checks = [
+        CheckResult(c.name, False, c.observed, c.expected, f"{c.message} ({baseline_note})")
+        if missing.get(c.name) else c
+        for c in checks
+    ]
     result = RunResult(
         name=spec.name,
         file=str(loaded.path),

@@ -129,26 +129,102 @@ class CommandSystem(_Strict):
     timeout: Duration = Field(timedelta(minutes=5), description="limit for the whole run")
 
 
+class PromptMix(_Strict):
+    """Prompt lengths, in tokens (bytes), drawn uniformly with the run's seed."""
+
+    min: int = Field(16, ge=1)
+    max: int = Field(64, ge=1)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> PromptMix:
+        if self.max < self.min:
+            raise ValueError(f"max ({self.max}) is below min ({self.min})")
+        return self
+
+
+class Load(_Strict):
+    """The built-in load generator: streaming OpenAI-style completions, as real clients
+    send them (Poisson arrivals, shared system-prompt prefixes, resume on a broken stream).
+    Everything is drawn from the run's seed, so the fault-free twin sends the same load."""
+
+    requests: int = Field(40, ge=1, le=100_000, description="requests in all")
+    rate: float = Field(20.0, gt=0, description="arrivals per second (Poisson)")
+    concurrency: int = Field(16, ge=1, le=1024, description="most requests in flight at once")
+    prompt_tokens: PromptMix = PromptMix()
+    shared_prefixes: int = Field(
+        4, ge=0, description="distinct shared prefixes (system prompts); 0: none"
+    )
+    prefix_tokens: int = Field(32, ge=0, description="length of each shared prefix")
+    max_tokens: int = Field(32, ge=1, le=4096, description="tokens generated per request")
+    retries: int = Field(
+        20, ge=0, description="times a client resumes a broken stream (same request id, "
+        "offset = tokens received) before it gives the request up"
+    )
+    request_timeout: Duration = Field(
+        timedelta(seconds=60), description="a request not finished by then is lost"
+    )
+
+
+class ServerSystem(_Strict):
+    """The reference LLM serving stack (``reference_impl.serving.server``): a router and
+    worker processes, driven by the built-in load generator."""
+
+    reference: Literal["server"]
+    workers: int = Field(3, ge=1, le=32, description="worker processes behind the router")
+    recovery: Literal["migrate", "fail_stop"] = Field(
+        "migrate",
+        description="migrate: a failed worker's in-flight requests move to healthy workers "
+        "with the tokens emitted so far; fail_stop: every in-flight request is aborted and "
+        "the stack restarts cold, clients retry (today's common baseline)",
+    )
+    model_seed: int = Field(0, ge=0, description="seed of the model's weights")
+    journal: bool = Field(True, description="write-ahead journal of requests and tokens")
+    checksums: bool = Field(True, description="KV block checksums")
+    batch_invariant: bool = Field(True, description="batch-invariant kernels")
+    max_batch: int = Field(16, ge=1, description="requests decoded together per worker")
+    heartbeat: Duration = Field(timedelta(milliseconds=100), description="worker heartbeat")
+    dead_after: Duration = Field(
+        timedelta(seconds=1), description="no heartbeat for this long: the worker is dead"
+    )
+    wedged_after: Duration = Field(
+        timedelta(seconds=2), description="busy without progress for this long: wedged"
+    )
+    step_sleep: Duration = Field(
+        timedelta(0), description="extra time per engine step, to make a short run long enough"
+    )
+    args: list[str] = Field(
+        default_factory=list,
+        description="extra server options (python -m reference_impl.serving.server --help)",
+    )
+    load: Load = Load()
+    timeout: Duration = Field(timedelta(minutes=5), description="limit for the whole run")
+    env: dict[str, str] = Field(default_factory=dict, description="extra environment")
+
+
 def _system_tag(value: Any) -> str | None:
     if isinstance(value, dict):
         if "reference" in value:
-            return "reference"
+            return "server" if value["reference"] == "server" else "trainer"
         if "command" in value:
             return "command"
         return None
     if isinstance(value, TrainerSystem):
-        return "reference"
+        return "trainer"
+    if isinstance(value, ServerSystem):
+        return "server"
     if isinstance(value, CommandSystem):
         return "command"
     return None
 
 
 System = Annotated[
-    Annotated[TrainerSystem, Tag("reference")] | Annotated[CommandSystem, Tag("command")],
+    Annotated[TrainerSystem, Tag("trainer")] | Annotated[ServerSystem, Tag("server")]
+    | Annotated[CommandSystem, Tag("command")],
     Discriminator(
         _system_tag,
         custom_error_type="system_kind",
-        custom_error_message="system needs `reference: trainer` or `command: [...]`",
+        custom_error_message="system needs `reference: trainer`, `reference: server` or "
+        "`command: [...]`",
     ),
 ]
 
@@ -162,6 +238,8 @@ class Target(_Strict):
     """
 
     rank: int | None = Field(None, ge=0)
+    worker: int | None = Field(None, ge=0, description="a worker of the reference server "
+                               "(its index, which the worker reports as its rank)")
     replica: int | None = Field(None, ge=0, description="every rank of this replica")
     shard: int | None = Field(None, ge=0, description="every rank holding this shard "
                               "(with `replica`: the one rank at both)")
@@ -176,15 +254,22 @@ class Target(_Strict):
     @model_validator(mode="after")
     def _exactly_one(self) -> Target:
         coordinates = self.replica is not None or self.shard is not None
-        given = [x for x in (self.rank, self.role, self.pick) if x is not None]
+        given = [x for x in (self.rank, self.worker, self.role, self.pick) if x is not None]
         if len(given) + coordinates != 1:
-            raise ValueError("give exactly one of `rank: N`, `replica`/`shard`, "
+            raise ValueError("give exactly one of `rank: N`, `worker: N`, `replica`/`shard`, "
                              "`role: launcher|spare` or `pick: random|all`")
         return self
+
+    @property
+    def index(self) -> int | None:
+        """The rank this target names: `worker: N` is the server's rank N."""
+        return self.rank if self.rank is not None else self.worker
 
     def describe(self) -> str:
         if self.rank is not None:
             return f"rank {self.rank}"
+        if self.worker is not None:
+            return f"worker {self.worker}"
         if self.replica is not None or self.shard is not None:
             parts = [f"replica {self.replica}" if self.replica is not None else "",
                      f"shard {self.shard}" if self.shard is not None else ""]
@@ -192,7 +277,7 @@ class Target(_Strict):
         return f"role {self.role}" if self.role is not None else f"pick {self.pick}"
 
 
-Phase = Literal["forward", "backward", "optimizer"]
+Phase = Literal["forward", "backward", "optimizer", "decode"]
 
 
 class At(_Strict):
@@ -509,6 +594,15 @@ class RateFloor(_Strict):
     min: float = Field(gt=0, description="steps per second, over any 2 s window")
 
 
+class Latency(_Strict):
+    """Latency budgets over every request of the run, the fault included (client-side)."""
+
+    ttft_p50: Budget | None = Field(None, description="time to first token, median")
+    ttft_p99: Budget | None = Field(None, description="time to first token, 99th percentile")
+    tpot_p50: Budget | None = Field(None, description="time between tokens, median")
+    tpot_p99: Budget | None = Field(None, description="time between tokens, 99th percentile")
+
+
 class Expect(_Strict):
     """What must hold after the run. Each field is one named check in the report."""
 
@@ -532,6 +626,25 @@ class Expect(_Strict):
         False, description="the system reports a straggler_detected event naming the rank "
         "the process.straggle fault slowed"
     )
+    no_lost_requests: bool = Field(
+        False, description="server: every request the load generator sent completed with all "
+        "its tokens"
+    )
+    no_duplicated_tokens: bool = Field(
+        False, description="server: no client received a token index twice"
+    )
+    outputs_match: Literal["fault_free"] | None = Field(
+        None, description="server: every request's tokens equal those of a fault-free run "
+        "of the same load"
+    )
+    latency: Latency | None = None
+
+    #: Checks that only mean something for the reference server's load.
+    SERVING: typing.ClassVar[tuple[str, ...]] = (
+        "no_lost_requests", "no_duplicated_tokens", "outputs_match", "latency")
+    #: Checks that read training steps or parameters.
+    TRAINING: typing.ClassVar[tuple[str, ...]] = (
+        "params_match", "lost_steps", "step_rate", "straggler_named")
 
 
 class Scenario(_Strict):
@@ -550,6 +663,12 @@ class Scenario(_Strict):
             for name in ("time_to_detect", "time_to_recover"):
                 if getattr(self.expect, name) is not None:
                     raise ValueError(f"expect.{name} needs at least one fault")
+        serving = isinstance(self.system, ServerSystem)
+        for name in Expect.SERVING if not serving else Expect.TRAINING:
+            if getattr(self.expect, name) not in (None, False):
+                needs = "`reference: server`" if name in Expect.SERVING else \
+                    "a training system (`reference: trainer` or `command:`)"
+                raise ValueError(f"expect.{name} needs {needs}")
         if self.expect.params_match == "replay" and not (
             isinstance(self.system, TrainerSystem) and self.system.recovery == "elastic"
         ):
@@ -644,7 +763,8 @@ def _data_path(loc: tuple[Any, ...], data: Any) -> tuple[Any, ...]:
 
 
 def path_is_tag(part: str) -> bool:
-    return part in FAULT_MODELS or part in ("reference", "command") or "[" in part
+    return (part in FAULT_MODELS or part in ("reference", "trainer", "server", "command")
+            or "[" in part)
 
 
 def _models_in(annotation: Any) -> list[type[BaseModel]]:
@@ -689,8 +809,10 @@ def _pick(candidates: list[type[BaseModel]], value: Any) -> type[BaseModel] | No
         if "kind" in sample and sample["kind"] in FAULT_MODELS:
             return FAULT_MODELS[sample["kind"]]
         tag = _system_tag(sample)
-        if tag == "reference":
+        if tag == "trainer":
             return TrainerSystem
+        if tag == "server":
+            return ServerSystem
         if tag == "command":
             return CommandSystem
     return None

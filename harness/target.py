@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import IO, Any
 
@@ -24,7 +25,7 @@ from faults._proc import ProcessRef, environ, kill_all, processes_with_env
 from harness import probe
 from harness.errors import TargetError
 from harness.records import Event
-from harness.spec import CommandSystem, LogProbe, TrainerSystem
+from harness.spec import CommandSystem, LogProbe, ServerSystem, TrainerSystem
 from harness.timeline import Timeline
 
 _RANK_PREFIX = re.compile(r"^\[(?:default)?(\d+)\]:")
@@ -72,10 +73,36 @@ def trainer_argv(system: TrainerSystem, run_dir: Path, seed: int) -> list[str]:
     ]
 
 
+def server_argv(system: ServerSystem) -> list[str]:
+    """The reference server's launcher (router + workers); it says where it listens
+    through the probe's ``serving_ready`` event."""
+    def seconds(value: timedelta) -> str:
+        return f"{value.total_seconds():g}"
+
+    flags = [("--no-journal", not system.journal), ("--no-checksums", not system.checksums),
+             ("--no-batch-invariant", not system.batch_invariant)]
+    return [
+        sys.executable, "-m", "reference_impl.serving.server",
+        f"--workers={system.workers}",
+        f"--seed={system.model_seed}",
+        f"--max-batch={system.max_batch}",
+        f"--recovery={system.recovery}",
+        f"--heartbeat={seconds(system.heartbeat)}",
+        f"--dead-after={seconds(system.dead_after)}",
+        f"--wedged-after={seconds(system.wedged_after)}",
+        f"--step-sleep={seconds(system.step_sleep)}",
+        *[flag for flag, on in flags if on],
+        *system.args,
+    ]
+
+
 def plan_launch(
-    system: TrainerSystem | CommandSystem, *, run_dir: Path, scenario_dir: Path, seed: int,
-    extra_args: tuple[str, ...] = (),
+    system: TrainerSystem | ServerSystem | CommandSystem, *, run_dir: Path, scenario_dir: Path,
+    seed: int, extra_args: tuple[str, ...] = (),
 ) -> Launch:
+    if isinstance(system, ServerSystem):
+        return Launch([*server_argv(system), *extra_args], Path.cwd(), dict(system.env),
+                      system.workers, ())
     if isinstance(system, TrainerSystem):
         env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **system.env}
         argv = [*trainer_argv(system, run_dir, seed), *extra_args]
@@ -213,7 +240,7 @@ class LocalTarget:
         live = {ref.pid: ref for ref in self.processes()}
         ranks: dict[int, ProcessRef] = {}
         for pid, (rank, role) in self._reported.items():
-            if pid in live and rank is not None and role in (None, "trainer"):
+            if pid in live and rank is not None and role in (None, "trainer", "worker"):
                 ranks[rank] = live[pid]
         return ranks
 

@@ -99,7 +99,8 @@ def test_every_problem_is_reported_at_once() -> None:
 
 def test_system_needs_reference_or_command() -> None:
     (problem,) = problems("name: x\nsystem: {steps: 3}\n")
-    assert problem == "s.yaml:2:9: system: system needs `reference: trainer` or `command: [...]`"
+    assert problem == ("s.yaml:2:9: system: system needs `reference: trainer`, "
+                       "`reference: server` or `command: [...]`")
 
 
 def test_duplicate_keys_are_errors() -> None:

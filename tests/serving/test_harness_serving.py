@@ -1,0 +1,231 @@
+"""The harness's serving side without the reference server: the load generator against
+small real HTTP servers that misbehave on purpose, and the serving metrics and checks
+on hand-written timelines."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from harness import metrics
+from harness.checks import Outcome, evaluate
+from harness.loadgen import LoadGenerator, plan
+from harness.records import Event
+from harness.spec import Load, parse_scenario
+from harness.timeline import Timeline, read_events
+
+# A server's behaviour per request: (request id, offset, attempt) -> token indexes to send,
+# and whether to end the stream with [DONE].
+Behaviour = Callable[[str, int, int], tuple[list[int], bool]]
+
+
+def _token(index: int, request: str) -> int:
+    return (sum(request.encode()) * 31 + index * 7) % 256
+
+
+@pytest.fixture
+def serve() -> Iterator[Callable[[Behaviour], str]]:
+    servers: list[ThreadingHTTPServer] = []
+
+    def start(behaviour: Behaviour) -> str:
+        attempts: dict[str, int] = {}
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                rid, offset = body["request_id"], body["offset"]
+                attempts[rid] = attempts.get(rid, 0) + 1
+                indexes, done = behaviour(rid, offset, attempts[rid])
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+                for i in indexes:
+                    chunk = {"choices": [{"index": 0, "token_index": i,
+                                          "token_ids": [_token(i, rid)], "text": "x",
+                                          "finish_reason": None}]}
+                    self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                if done:
+                    self.wfile.write(b"data: [DONE]\n\n")
+                self.close_connection = True
+
+        server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        servers.append(server)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        return f"http://127.0.0.1:{server.server_address[1]}"
+
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+LOAD = Load(requests=6, rate=200.0, concurrency=3, max_tokens=5, retries=3,
+            request_timeout=timedelta(seconds=10))
+
+
+def _run(url: str, tmp_path: Path, load: Load = LOAD) -> list[Event]:
+    timeline = Timeline(tmp_path / "events.jsonl")
+    generator = LoadGenerator(url, load, seed=3, timeline=timeline)
+    generator.start()
+    assert generator.done.wait(30)
+    generator.stop()
+    timeline.close()
+    return read_events(tmp_path / "events.jsonl")
+
+
+def test_plan_is_seeded_and_shares_prefixes() -> None:
+    load = Load(requests=8, shared_prefixes=2, prefix_tokens=10)
+    first, again, other = plan(load, 1), plan(load, 1), plan(load, 2)
+    assert first == again
+    assert [r.prompt for r in first] != [r.prompt for r in other]
+    assert first[0].prompt[:10] == first[2].prompt[:10] != first[1].prompt[:10]
+    assert all(load.prompt_tokens.min <= len(r.prompt) <= load.prompt_tokens.max
+               for r in first)
+
+
+def test_a_correct_server_loses_and_repeats_nothing(serve, tmp_path) -> None:
+    url = serve(lambda rid, offset, attempt: (list(range(offset, 5)), True))
+    m = metrics.serving(_run(url, tmp_path))
+    assert (m["requests"], m["lost_requests"], m["duplicated_tokens"]) == (6, 0, 0)
+    assert m["ttft_p50_s"] is not None
+    assert m["tpot_p99_s"] is not None
+
+
+def test_client_resumes_a_broken_stream_from_its_offset(serve, tmp_path) -> None:
+    seen: list[tuple[int, int]] = []
+
+    def flaky(rid: str, offset: int, attempt: int) -> tuple[list[int], bool]:
+        seen.append((attempt, offset))
+        if attempt == 1:
+            return [0, 1], False  # the connection drops after two tokens
+        return list(range(offset, 5)), True
+
+    events = _run(serve(flaky), tmp_path)
+    m = metrics.serving(events)
+    assert (m["lost_requests"], m["duplicated_tokens"]) == (0, 0)
+    assert (2, 2) in seen  # the second attempt asked for token 2 onwards
+    done = [e for e in events if e.event == "request_done"]
+    assert all(e.fields["resumes"] == 1 and len(e.fields["tokens"]) == 5 for e in done)
+
+
+def test_client_counts_a_server_that_repeats_tokens(serve, tmp_path) -> None:
+    # A broken server that restarts every stream from token 0 whatever the offset.
+    def from_zero(rid: str, offset: int, attempt: int) -> tuple[list[int], bool]:
+        return ([0, 1], False) if attempt == 1 else (list(range(5)), True)
+
+    m = metrics.serving(_run(serve(from_zero), tmp_path))
+    assert m["duplicated_tokens"] == 6 * 2
+    assert m["lost_requests"] == 0
+
+
+def test_client_gives_up_and_the_request_is_lost(serve, tmp_path) -> None:
+    def drops(rid: str, offset: int, attempt: int) -> tuple[list[int], bool]:
+        return ([], False) if rid.endswith("1") else (list(range(offset, 5)), True)
+
+    m = metrics.serving(_run(serve(drops), tmp_path))
+    assert m["lost_requests"] == 1
+    assert m["lost_tokens"] == 5
+
+
+# ---------------------------------------------------------- metrics on written timelines
+
+
+def ev(t: float, event: str, source: str = "client", **fields: object) -> Event:
+    return Event(t=t, event=event, source=source, fields=dict(fields))
+
+
+def done(rid: str, sent: float, times: list[float], tokens: list[int] | None = None,
+         **extra: object) -> Event:
+    tokens = tokens if tokens is not None else list(range(len(times)))
+    return ev(times[-1] if times else sent, "request_done", request=rid, sent=sent,
+              tokens=tokens, times=times, max_tokens=len(tokens), duplicates=0, **extra)
+
+
+def test_time_to_recover_is_the_slowest_request_in_flight_at_the_fault() -> None:
+    events = [
+        ev(0.0, "load_started"),
+        ev(0.0, "request_sent", request="a"), ev(0.0, "request_sent", request="b"),
+        ev(0.0, "request_sent", request="c"), ev(2.5, "request_sent", request="d"),
+        ev(1.0, "fault_injected", "harness", kind="process.kill"),
+        ev(1.2, "failure_detected", "process", cause="worker_exit"),
+        done("a", 0.0, [0.1, 0.9]),            # finished before the fault: not affected
+        done("b", 0.0, [0.1, 0.5, 1.05, 1.1]),  # on a healthy worker: 0.05 s
+        done("c", 0.0, [0.1, 0.6, 1.8, 1.9]),   # migrated: 0.8 s
+        done("d", 2.5, [2.6, 2.7]),             # sent after the fault
+    ]
+    m = metrics.serving(sorted(events, key=lambda e: e.t))
+    assert m["time_to_recover_s"] == pytest.approx(0.8)
+    assert m["time_to_detect_s"] == pytest.approx(0.2)
+    assert m["ttft_p50_s"] == pytest.approx(0.1)
+    assert m["lost_requests"] == 0
+
+
+def test_a_request_that_never_resumes_has_no_recovery_and_is_lost() -> None:
+    events = [
+        ev(0.0, "load_started"), ev(0.0, "request_sent", request="a"),
+        ev(1.0, "fault_injected", "harness", kind="process.kill"),
+        ev(9.0, "request_failed", request="a", sent=0.0, tokens=[1], times=[0.5],
+           max_tokens=4, duplicates=0, error="gave up"),
+    ]
+    m = metrics.serving(events)
+    assert m["time_to_recover_s"] is None
+    assert (m["lost_requests"], m["lost_tokens"]) == (1, 3)
+
+
+SERVER = """
+name: s
+system: {reference: server}
+faults:
+  - {kind: process.kill, target: {worker: 0}, at: {event: first_token, count: 2}}
+expect:
+  no_lost_requests: true
+  no_duplicated_tokens: true
+  outputs_match: fault_free
+  latency: {ttft_p99: {max: 1s}}
+"""
+
+
+def _checks(events: list[Event], baseline: dict[str, list[int]]) -> dict[str, bool]:
+    expect = parse_scenario(SERVER).expect
+    results = evaluate(expect, outcome=Outcome(0, False, 1.0), metrics=metrics.serving(events),
+                       faults=[], digests={}, baseline=None, events=events,
+                       outputs=metrics.outputs(events), baseline_outputs=baseline)
+    return {r.name: r.passed for r in results}
+
+
+def test_serving_checks_pass_on_a_good_run_and_each_fails_on_its_fault() -> None:
+    good = [ev(0.0, "load_started"), ev(0.0, "request_sent", request="a"),
+            done("a", 0.0, [0.2, 0.3], [7, 8])]
+    assert _checks(good, {"a": [7, 8]}) == {
+        "completes": True, "no_lost_requests": True, "no_duplicated_tokens": True,
+        "outputs_match": True, "latency.ttft_p99": True}
+    changed = _checks(good, {"a": [7, 9]})
+    assert not changed["outputs_match"]
+    assert changed["no_lost_requests"]
+    slow = [*good[:2], done("a", 0.0, [1.5, 1.6], [7, 8])]
+    assert not _checks(slow, {"a": [7, 8]})["latency.ttft_p99"]
+    repeated = [*good[:2], ev(0.3, "request_done", request="a", sent=0.0, tokens=[7, 8],
+                              times=[0.2, 0.3], max_tokens=2, duplicates=2)]
+    assert not _checks(repeated, {"a": [7, 8]})["no_duplicated_tokens"]
+    lost = good[:2]
+    result = _checks(lost, {"a": [7, 8]})
+    assert not result["no_lost_requests"]
+    assert not result["outputs_match"]
+
+
+def test_serving_checks_need_the_server_and_training_checks_the_trainer() -> None:
+    from harness.errors import SpecError
+
+    with pytest.raises(SpecError, match=r"expect\.params_match needs a training system"):
+        parse_scenario("name: s\nsystem: {reference: server}\nexpect: {params_match: fault_free}")
+    with pytest.raises(SpecError, match=r"expect\.outputs_match needs `reference: server`"):
+        parse_scenario("name: s\nsystem: {reference: trainer}\nexpect: {outputs_match: fault_free}")
