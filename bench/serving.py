@@ -1,0 +1,202 @@
+"""Serving benchmark: what durability costs and what migration buys, side by side.
+
+``python -m bench.serving`` runs the reference server through the harness (the same
+load generator, timeline and metrics as ``aftershock run``), alternating the rows
+inside each repetition so a loaded machine slows them alike:
+
+- ``durable`` vs ``bare``: a fault-free, saturating load with the write-ahead journal
+  and KV checksums on, then off. Output tokens per second (client-side: every token
+  received / from the first request sent to the last token) give the overhead.
+- ``migrate`` vs ``fail_stop``: the same load, one worker SIGKILLed once 10 requests
+  are streaming. ``migrate`` moves its in-flight requests to healthy workers with the
+  tokens already emitted; ``fail_stop`` is what most servers do today: every in-flight
+  request fails, the stack restarts cold, clients retry. Time to recover is the
+  harness's ``time_to_recover_s`` for serving (fault -> every request that was in
+  flight has received a token again).
+
+Results go to ``bench/results/serving.{json,md}``; docs/serving.md quotes them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from harness import metrics
+from harness.records import RunResult
+from harness.runner import run_scenario
+from harness.spec import LoadedScenario, parse_scenario
+from harness.timeline import read_events
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "bench" / "results"
+
+LOAD = """
+  load:
+    requests: {requests}
+    rate: 200
+    concurrency: 24
+    prompt_tokens: {{min: 48, max: 96}}
+    shared_prefixes: 4
+    prefix_tokens: 32
+    max_tokens: 32
+"""
+
+ROWS: dict[str, str] = {
+    "durable": "journal: true\n  checksums: true",
+    "bare": "journal: false\n  checksums: false",
+    "migrate": "recovery: migrate",
+    "fail_stop": "recovery: fail_stop",
+}
+KILL = """
+faults:
+  - kind: process.kill
+    target: {worker: 0}
+    at: {event: first_token, count: 10}
+"""
+
+
+def scenario(row: str, requests: int, folder: Path) -> LoadedScenario:
+    text = (f"name: bench-{row.replace('_', '-')}\nsystem:\n  reference: server\n"
+            f"  workers: 3\n  {ROWS[row]}\n" + LOAD.format(requests=requests))
+    if row in ("migrate", "fail_stop"):
+        text += KILL
+    text += "expect:\n  completes: true\n"
+    path = folder / f"{row}.yaml"
+    path.write_text(text)
+    return LoadedScenario(parse_scenario(text, str(path)), path, text)
+
+
+def measure(result: RunResult) -> dict[str, Any]:
+    events = read_events(Path(result.run_dir) / "events.jsonl")
+    records = metrics.requests(events)
+    tokens = sum(len(r.tokens) for r in records)
+    first = min((r.sent for r in records), default=None)
+    last = max((r.times[-1] for r in records if r.times), default=None)
+    m = result.metrics
+    return {
+        "tokens_per_s": tokens / (last - first) if first is not None and last else None,
+        "time_to_recover_s": m.get("time_to_recover_s"),
+        "time_to_detect_s": m.get("time_to_detect_s"),
+        "lost_requests": m.get("lost_requests"),
+        "duplicated_tokens": m.get("duplicated_tokens"),
+        "ttft_p50_s": m.get("ttft_p50_s"), "ttft_p99_s": m.get("ttft_p99_s"),
+        "tpot_p50_s": m.get("tpot_p50_s"), "tpot_p99_s": m.get("tpot_p99_s"),
+        "passed": result.passed,
+    }
+
+
+def median(values: list[Any]) -> float | None:
+    numbers = [v for v in values if isinstance(v, int | float)]
+    return statistics.median(numbers) if numbers else None
+
+
+def summarise(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for row, results in runs.items():
+        out[row] = {}
+        for key in results[0] if results else ():
+            values = [r[key] for r in results if isinstance(r[key], int | float)]
+            if values and key != "passed":
+                out[row][key] = {"median": median(values), "min": min(values),
+                                 "max": max(values)}
+    return out
+
+
+def verdicts(summary: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    def med(row: str, key: str) -> float | None:
+        entry = summary.get(row, {}).get(key)
+        return entry["median"] if entry else None
+
+    durable, bare = med("durable", "tokens_per_s"), med("bare", "tokens_per_s")
+    overhead = (1 - durable / bare) if durable and bare else None
+    migrate, fail = med("migrate", "time_to_recover_s"), med("fail_stop", "time_to_recover_s")
+    ratio = migrate / fail if migrate is not None and fail else None
+    return [
+        {"target": "journal + checksums cost <= 5% of fault-free throughput",
+         "value": overhead, "met": overhead is not None and overhead <= 0.05},
+        {"target": "time to recover <= 1/10 of fail-stop", "value": ratio,
+         "met": ratio is not None and ratio <= 0.1},
+    ]
+
+
+def markdown(record: dict[str, Any]) -> str:
+    def cell(row: str, key: str, scale: float = 1.0, digits: int = 2) -> str:
+        entry = record["summary"].get(row, {}).get(key)
+        if not entry:
+            return "-"
+        return (f"{entry['median'] * scale:.{digits}f} "
+                f"({entry['min'] * scale:.{digits}f}-{entry['max'] * scale:.{digits}f})")
+
+    lines = [
+        f"Command: `{record['command']}`, {record['repeat']} repetitions, "
+        f"{record['duration_s']:.0f} s, load average at the end "
+        f"{record['loadavg_end'][0]:.1f}. Median (min-max).",
+        "",
+        "| row | tokens/s | TTFT p50 ms | TTFT p99 ms | per-token p99 ms | time to recover s "
+        "| lost requests | duplicated tokens |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in record["runs"]:
+        lines.append(
+            f"| {row} | {cell(row, 'tokens_per_s', digits=0)} | {cell(row, 'ttft_p50_s', 1e3, 0)}"
+            f" | {cell(row, 'ttft_p99_s', 1e3, 0)} | {cell(row, 'tpot_p99_s', 1e3, 0)}"
+            f" | {cell(row, 'time_to_recover_s')} | {cell(row, 'lost_requests', digits=0)}"
+            f" | {cell(row, 'duplicated_tokens', digits=0)} |")
+    lines.append("")
+    for v in record["verdicts"]:
+        value = "-" if v["value"] is None else f"{v['value']:.3f}"
+        lines.append(f"- {v['target']}: {value} -> {'met' if v['met'] else 'NOT met'}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.serving", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--requests", type=int, default=80, help="requests per run")
+    parser.add_argument("--only", action="append", default=[], choices=sorted(ROWS))
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    rows = args.only or list(ROWS)
+    runs: dict[str, list[dict[str, Any]]] = {row: [] for row in rows}
+    started = time.monotonic()
+    command = "python -m bench.serving" + (
+        f" --repeat {args.repeat}" if args.repeat != 3 else "") + (
+        f" --requests {args.requests}" if args.requests != 80 else "") + "".join(
+        f" --only {r}" for r in args.only)
+    with tempfile.TemporaryDirectory(prefix="aftershock-bench-serving-") as tmp:
+        folder = Path(tmp)
+        for rep in range(args.repeat):
+            for row in rows:
+                loaded = scenario(row, args.requests, folder)
+                result = run_scenario(loaded, run_dir=folder / f"{row}-{rep}", seed=rep,
+                                      use_cache=False)
+                measured = measure(result)
+                runs[row].append(measured)
+                shown = {k: round(v, 3) if isinstance(v, float) else v
+                         for k, v in measured.items()}
+                print(f"[{rep + 1}/{args.repeat}] {row}: {shown}", flush=True)
+    summary = summarise(runs)
+    record = {"command": command, "repeat": args.repeat, "requests": args.requests,
+              "duration_s": round(time.monotonic() - started, 1),
+              "loadavg_end": os.getloadavg(), "cpus": os.cpu_count(), "runs": runs,
+              "summary": summary, "verdicts": verdicts(summary)}
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = "serving" if not args.only and args.repeat >= 3 else "serving-partial"
+    (args.out / f"{stem}.json").write_text(json.dumps(record, indent=1) + "\n")
+    table = markdown(record)
+    (args.out / f"{stem}.md").write_text(table)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
