@@ -31,6 +31,9 @@ Test hooks (environment, read once per process):
 ``AFTERSHOCK_INJECT_NAN_GRAD="rank:step"`` poisons one gradient of logical rank ``rank`` while
 computing step ``step`` (1-based), once; ``AFTERSHOCK_INJECT_BITFLIP="rank:step"`` flips an
 exponent bit of one parameter of ``rank`` right after it commits ``step`` (silent corruption).
+``AFTERSHOCK_INJECT_FULL_AVERAGE=1`` is a deliberately broken elastic trainer: while replicas
+are missing it still divides the gradient sum by the configured replica count (a classic
+elastic bug; the membership log stays truthful), so ``params_match: replay`` must fail.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ from reference_impl.model import Layout, ParallelMLP, param_digest, synthetic_ba
 
 NAN_HOOK = "AFTERSHOCK_INJECT_NAN_GRAD"
 BITFLIP_HOOK = "AFTERSHOCK_INJECT_BITFLIP"
+FULL_AVERAGE_HOOK = "AFTERSHOCK_INJECT_FULL_AVERAGE"
 
 
 class Superseded(Exception):
@@ -117,6 +121,8 @@ class Worker:
         self.plan_ahead = -1  # newest generation the heartbeat thread saw published
         self.stopping = False
         self.nan_hook = _hook(NAN_HOOK)
+        # A replay is the honest golden trajectory: the broken variant never applies to it.
+        self.full_average = os.environ.get(FULL_AVERAGE_HOOK) == "1" and not cfg.replay
         self.flip_hook = _hook(BITFLIP_HOOK)
         self.snapshots: queue.Queue[tuple[int, int, torch.Tensor] | None] = queue.Queue(1)
         self.replay = controller.read_membership(cfg.replay) if cfg.replay else None
@@ -346,7 +352,7 @@ class Worker:
                 self.nan_hook = None
                 flat[0] = float("nan")
             g.dp.allreduce([flat]).wait()
-            flat /= live
+            flat /= cfg.replicas if self.full_average else live
             nonfinite = not bool(torch.isfinite(flat).all())
             offset = 0
             for p in params:
