@@ -203,8 +203,14 @@ def percentile(values: Sequence[float], q: float) -> float | None:
 
 def serving_time_to_recover(records: Sequence[RequestRecord], t_fault: float | None
                             ) -> float | None:
-    """Fault injected -> every request that was in flight at the fault has received a
-    token again (the slowest of them). None if one of them never did."""
+    """Fault injected -> every request that was in flight at the fault streams again.
+
+    A request hit by the fault stalls: its longest wait between tokens (or between being
+    sent and its first token) that ends after the fault is the stall, and the token that
+    ends it is its recovery. Tokens the dying worker had already sent can still arrive
+    just after the fault; taking the end of the longest wait, not the first token after
+    the fault, keeps them from passing for recovery. The slowest request counts; None if
+    one of them never got another token."""
     if t_fault is None:
         return None
     worst = 0.0
@@ -213,10 +219,12 @@ def serving_time_to_recover(records: Sequence[RequestRecord], t_fault: float | N
             continue
         if r.done and r.times and r.times[-1] <= t_fault:
             continue  # finished before the fault
-        after = next((t for t in r.times if t > t_fault), None)
-        if after is None:
+        points = (r.sent, *r.times)
+        waits = [(b - a, b) for a, b in itertools.pairwise(points) if b > t_fault]
+        if not waits:
             return None
-        worst = max(worst, after - t_fault)
+        _, resumed = max(waits)
+        worst = max(worst, resumed - t_fault)
     return worst
 
 

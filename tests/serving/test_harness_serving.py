@@ -155,15 +155,21 @@ def test_time_to_recover_is_the_slowest_request_in_flight_at_the_fault() -> None
         ev(0.0, "load_started"),
         ev(0.0, "request_sent", request="a"), ev(0.0, "request_sent", request="b"),
         ev(0.0, "request_sent", request="c"), ev(2.5, "request_sent", request="d"),
+        ev(0.0, "request_sent", request="e"),
         ev(1.0, "fault_injected", "harness", kind="process.kill"),
         ev(1.2, "failure_detected", "process", cause="worker_exit"),
         done("a", 0.0, [0.1, 0.9]),            # finished before the fault: not affected
         done("b", 0.0, [0.1, 0.5, 1.05, 1.1]),  # on a healthy worker: 0.05 s
         done("c", 0.0, [0.1, 0.6, 1.8, 1.9]),   # migrated: 0.8 s
+        # A token the dying worker had already sent arrives after the fault; the stall
+        # that follows it is what the request waited: 0.7 s.
+        done("e", 0.0, [0.1, 0.95, 1.02, 1.7, 1.75]),
         done("d", 2.5, [2.6, 2.7]),             # sent after the fault
     ]
     m = metrics.serving(sorted(events, key=lambda e: e.t))
     assert m["time_to_recover_s"] == pytest.approx(0.8)
+    without_c = [r for r in metrics.requests(events) if r.id != "c"]
+    assert metrics.serving_time_to_recover(without_c, 1.0) == pytest.approx(0.7)
     assert m["time_to_detect_s"] == pytest.approx(0.2)
     assert m["ttft_p50_s"] == pytest.approx(0.1)
     assert m["lost_requests"] == 0
