@@ -7,15 +7,17 @@ Weights are drawn from a seeded generator, so every worker built from the same
 
 Two forward passes share the weights:
 
-- :meth:`GPT.forward_tile`, the batch-invariant kernel. It computes one *tile* of one
-  sequence: the positions ``[k*T, (k+1)*T)`` (``T`` the tile height, which divides the KV
-  block size), always as ``T`` rows (unused rows are padding), the token at position ``p``
-  always in row ``p % T``, attending over the blocks that cover ``[0, (k+1)*T)``. Every call
-  for a given ``k`` has the same shapes, and no row of a matmul, layer norm or softmax
-  depends on another row's values, so a token's KV and logits are a function of its token,
-  its position and the KV before it: never of the batch it runs in, nor of whether it is
-  computed in a prefill, in a decode step, after a preemption or after a migration. The
-  price: one small call per sequence and tile, and padding rows in decode steps.
+- :meth:`GPT.forward_tiles`, the batch-invariant kernel. It computes *tiles*: tile ``k`` of
+  a sequence is its positions ``[k*T, (k+1)*T)`` (``T`` the tile height, which divides the KV
+  block size), always computed as ``T`` rows (unused rows are padding), the token at
+  position ``p`` always in row ``p % T``, attending over the blocks that cover ``[0,
+  (k+1)*T)``. Every matmul, layer norm, softmax and GELU runs on one tile at a time with
+  shapes that depend on ``k`` only (only the embedding gathers and their sum, which are
+  exact, run on all tiles at once), and no row of those ops depends on another row's values.
+  So a token's KV and logits are a function of its token, its position and the KV before it:
+  never of the batch it runs in, nor of whether it is computed in a prefill, in a decode
+  step, after a preemption or after a migration. The price: small calls, one per tile and
+  op, and padding rows in decode steps.
 - :meth:`GPT.forward_batched`, what throughput-minded servers do: the rows of every sequence
   of the step go through one matmul per layer whose reduction is split in a number of chunks
   chosen from the row count (split-K, as GPU GEMM heuristics pick it). The order of the float
@@ -77,6 +79,26 @@ def encode(text: str) -> list[int]:
 def decode(tokens: Sequence[int]) -> str:
     """Tokens to text, one character per token (latin-1), whatever the byte sequence."""
     return bytes(tokens).decode("latin-1")
+
+
+@dataclass(frozen=True, slots=True)
+class Tile:
+    """One tile of one sequence, for :meth:`GPT.forward_tiles`."""
+
+    table: Sequence[int]  # the sequence's block ids
+    index: int  # tile k: positions [k * height, (k+1) * height)
+    tokens: Sequence[int]  # tokens of the computed rows, lo .. lo + len(tokens)
+    lo: int  # first computed row; the rows before it are in the KV pool already
+    logits: bool  # whether to return the tile's logits
+
+
+@dataclass(frozen=True, slots=True)
+class _TilePlan:
+    rows: slice  # the computed rows of the tile
+    new_kv: torch.Tensor  # [n_layer, 2, H, rows, hd]: where the rows' K/V go in the pool
+    current: torch.Tensor  # [n_layer, 2, H, B, hd]: the block the tile lies in
+    past: slice | None  # where the ids of the blocks it attends to are, if more than one
+    mask: torch.Tensor  # [height, keys] additive causal mask
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,70 +217,92 @@ class GPT(nn.Module):
             self._masks[(n, device)] = mask
         return mask
 
-    def _positions(self, start: int, size: int) -> torch.Tensor:
-        """Position embeddings of ``start .. start+size``, zero rows past ``max_seq``."""
-        rows = self.wpe.weight[start : start + size]
-        if len(rows) < size:  # only the padding rows of a last, partial tile
-            rows = F.pad(rows, (0, 0, 0, size - len(rows)))
-        return rows
+    def forward_tiles(
+        self, kv: torch.Tensor, tiles: Sequence[Tile], height: int
+    ) -> list[torch.Tensor | None]:
+        """Compute ``tiles`` (of any sequences); return each one's logits if it asked for them.
 
-    def forward_tile(
-        self,
-        kv: torch.Tensor,
-        table: Sequence[int],
-        tile: int,
-        height: int,
-        tokens: Sequence[int],
-        lo: int,
-        logits: bool,
-    ) -> torch.Tensor | None:
-        """Compute rows ``lo : lo+len(tokens)`` of tile ``tile`` of one sequence.
-
-        The batch-invariant kernel. Tile ``k`` is positions ``[k*height, (k+1)*height)``,
-        always computed as ``height`` rows (the ones outside ``lo:hi`` are padding) and
-        attending over the blocks that cover positions ``[0, (k+1)*height)``: every shape
-        depends on ``k`` only. ``height`` divides the block size, so a tile lies in one
-        block. ``table`` is the sequence's block ids; the KV of every position before the
-        first computed one must be in the pool. Writes the new K/V; returns the tile's
-        ``[height, vocab]`` logits if ``logits``.
+        The batch-invariant kernel. Tile ``k`` of a sequence is its positions ``[k*height,
+        (k+1)*height)``, always computed as ``height`` rows (rows outside the computed ones
+        are padding) and attending over the blocks that cover positions ``[0,
+        (k+1)*height)``: every shape depends on ``k`` only, and every op is applied to each
+        tile separately. ``height`` divides the block size, so a tile lies in one block.
+        Writes the new K/V to the pool; the KV of the positions before a tile's first
+        computed row must be there already or come from an earlier tile of ``tiles``.
+        Logits are ``[height, vocab]``, one row per position of the tile.
         """
         c = self.config
         size = kv.shape[4]
         heads, hd, d = c.n_head, c.head_dim, c.d_model
-        first = tile * height  # position of row 0
-        hi = lo + len(tokens)
         device = kv.device
-        # Padding rows hold token 0 at their own position: finite, never written to the pool.
-        ids = torch.tensor([0] * lo + list(tokens) + [0] * (height - hi), device=device)
-        x = torch.embedding(self.wte.weight, ids) + self._positions(first, height)
-        block, offset = table[first // size], first % size
-        n_blocks = (first + height - 1) // size + 1
-        span = n_blocks * size
-        # Keys past a row's position are masked: later slots of the current block hold
-        # zeros (blocks are zeroed when allocated) or this tile's own later rows.
-        mask = self._causal_mask(size, device)[first : first + height, :span]
-        past = torch.tensor(table[:n_blocks], device=device) if n_blocks > 1 else None
         scale = hd**-0.5
-        current = kv[block]  # [n_layer, 2, H, B, hd]
-        new_kv = current.narrow(3, offset + lo, hi - lo)
+        causal = self._causal_mask(size, device)
+        ids: list[int] = []
+        positions: list[int] = []
+        past_ids: list[int] = []
+        plans = []
+        for t in tiles:
+            first = t.index * height  # position of row 0
+            hi = t.lo + len(t.tokens)
+            # Padding rows hold token 0 at their own position (clamped to the table): finite,
+            # and never written to the pool.
+            ids += [0] * t.lo + list(t.tokens) + [0] * (height - hi)
+            positions += [min(first + row, c.max_seq - 1) for row in range(height)]
+            n_blocks = (first + height - 1) // size + 1
+            current = kv[t.table[first // size]]  # [n_layer, 2, H, B, hd]
+            offset = first % size
+            past = None
+            if n_blocks > 1:
+                past = slice(len(past_ids), len(past_ids) + n_blocks)
+                past_ids += t.table[:n_blocks]
+            plans.append(
+                _TilePlan(
+                    rows=slice(t.lo, hi),
+                    new_kv=current.narrow(3, offset + t.lo, hi - t.lo),
+                    current=current,
+                    past=past,
+                    # Keys past a row's position are masked: later slots of the current block
+                    # hold zeros (blocks are zeroed when allocated) or this tile's later rows.
+                    mask=causal[first : first + height, : n_blocks * size],
+                )
+            )
+        # Gathers and one elementwise add for all tiles at once: exact, so no tile's values
+        # depend on the others.
+        tok = torch.embedding(self.wte.weight, torch.tensor(ids, device=device))
+        pos = torch.embedding(self.wpe.weight, torch.tensor(positions, device=device))
+        xs = list((tok + pos).view(len(tiles), height, d).unbind(0))
+        blocks = torch.tensor(past_ids, dtype=torch.long, device=device)
+        # Op by op across the tiles rather than tile by tile: each weight matrix then stays in
+        # cache while every tile uses it. A tile's arithmetic is the same either way.
         for layer, p in enumerate(self._params):
-            h = torch.layer_norm(x, (d,), p.ln_1_w, p.ln_1_b)
-            qkv = F.linear(h, p.qkv_w, p.qkv_b).view(height, 3, heads, hd).permute(1, 2, 0, 3)
-            new_kv[layer].copy_(qkv[1:, :, lo:hi])
-            if past is None:
-                keys, values = current[layer]
+            hs = [torch.layer_norm(x, (d,), p.ln_1_w, p.ln_1_b) for x in xs]
+            qkvs = [F.linear(h, p.qkv_w, p.qkv_b) for h in hs]
+            atts = []
+            for qkv, plan in zip(qkvs, plans, strict=True):  # in order: tiles read earlier KV
+                qkv = qkv.view(height, 3, heads, hd).permute(1, 2, 0, 3)  # [3, H, T, hd]
+                plan.new_kv[layer].copy_(qkv[1:, :, plan.rows])
+                if plan.past is None:
+                    keys, values = plan.current[layer]
+                else:
+                    attended = blocks[plan.past]
+                    both = kv.select(1, layer).index_select(0, attended)  # [n, 2, H, B, hd]
+                    span = len(attended) * size
+                    keys, values = both.permute(1, 2, 0, 3, 4).reshape(2, heads, span, hd)
+                scores = torch.baddbmm(plan.mask, qkv[0], keys.transpose(1, 2), alpha=scale)
+                att = torch.bmm(scores.softmax(dim=-1), values)
+                atts.append(att.transpose(0, 1).reshape(height, d))
+            xs = [x + F.linear(a, p.proj_w, p.proj_b) for x, a in zip(xs, atts, strict=True)]
+            hs = [torch.layer_norm(x, (d,), p.ln_2_w, p.ln_2_b) for x in xs]
+            hs = [F.gelu(F.linear(h, p.fc_w, p.fc_b)) for h in hs]
+            xs = [x + F.linear(h, p.mlp_w, p.mlp_b) for x, h in zip(xs, hs, strict=True)]
+        out: list[torch.Tensor | None] = []
+        for x, t in zip(xs, tiles, strict=True):
+            if t.logits:
+                x = torch.layer_norm(x, (d,), self.ln_f.weight, self.ln_f.bias)
+                out.append(F.linear(x, self.lm_head.weight))
             else:
-                both = kv.select(1, layer).index_select(0, past)  # [n_blocks, 2, H, B, hd]
-                keys, values = both.permute(1, 2, 0, 3, 4).reshape(2, heads, span, hd)
-            scores = torch.baddbmm(mask, qkv[0], keys.transpose(1, 2), alpha=scale)
-            att = torch.bmm(scores.softmax(dim=-1), values).transpose(0, 1).reshape(height, d)
-            x = x + F.linear(att, p.proj_w, p.proj_b)
-            h = torch.layer_norm(x, (d,), p.ln_2_w, p.ln_2_b)
-            x = x + F.linear(F.gelu(F.linear(h, p.fc_w, p.fc_b)), p.mlp_w, p.mlp_b)
-        if not logits:
-            return None
-        x = torch.layer_norm(x, (d,), self.ln_f.weight, self.ln_f.bias)
-        return F.linear(x, self.lm_head.weight)
+                out.append(None)
+        return out
 
     def forward_batched(self, kv: torch.Tensor, segments: Sequence[Segment]) -> torch.Tensor:
         """Compute every segment's new rows together; return ``[len(segments), vocab]`` logits

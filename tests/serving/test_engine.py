@@ -81,11 +81,17 @@ _truth_cache = {}
 def _alone(prompt: Sequence[int], max_tokens: int, config: EngineConfig) -> tuple[
     list[int], list[torch.Tensor]
 ]:
-    # Only the kernel settings matter for the ground truth; the pool size does not.
-    key = (tuple(prompt), max_tokens, config)
+    # Only the kernel's settings shape the ground truth; the pool and verify mode do not.
+    kernel = EngineConfig(
+        block_size=config.block_size,
+        tile=config.tile,
+        batch_invariant=config.batch_invariant,
+        num_blocks=64,
+    )
+    key = (tuple(prompt), max_tokens, kernel)
     if key not in _truth_cache:
         logits: list[torch.Tensor] = []
-        tokens = generate(prompt, max_tokens, MODEL, config, logits=logits)
+        tokens = generate(prompt, max_tokens, MODEL, kernel, logits=logits)
         _truth_cache[key] = (tokens, [row.clone() for row in logits])
     return _truth_cache[key]
 
@@ -124,13 +130,13 @@ def _check_invariance(
 
 PREFIX = _tokens(1, 40)
 MIXED = [
-    _Req("a", PREFIX + _tokens(2, 9), 10),
-    _Req("b", PREFIX + _tokens(3, 20), 8),
-    _Req("c", PREFIX[:17] + _tokens(4, 3), 12, at_step=1),
-    _Req("d", _tokens(5, 33), 6, at_step=1),
-    _Req("e", PREFIX + _tokens(6, 1), 9, at_step=3),
-    _Req("f", _tokens(7, 5), 11, at_step=3),
-    _Req("g", PREFIX[:32], 7, at_step=4),
+    _Req("a", PREFIX + _tokens(2, 9), 6),
+    _Req("b", PREFIX + _tokens(3, 20), 5),
+    _Req("c", PREFIX[:17] + _tokens(4, 3), 7, at_step=1),
+    _Req("d", _tokens(5, 33), 4, at_step=1),
+    _Req("e", PREFIX + _tokens(6, 1), 6, at_step=3),
+    _Req("f", _tokens(7, 5), 7, at_step=3),
+    _Req("g", PREFIX[:32], 4, at_step=4),
 ]
 MODES = [pytest.param(True, id="invariant"), pytest.param(False, id="batched_split_k")]
 
@@ -146,14 +152,14 @@ def test_engine_mixed_batch_matches_alone(invariant: bool) -> None:
 
 @pytest.mark.parametrize("invariant", MODES)
 def test_engine_preemption_recompute_matches_alone(invariant: bool) -> None:
-    # 10 blocks of 16 slots for four requests that need 3-4 blocks each: sequences are
+    # 7 blocks of 16 slots for four requests that need 3 blocks each: sequences are
     # preempted as they grow, and recompute from their tokens when readmitted.
-    config = EngineConfig(num_blocks=10, batch_invariant=invariant)
+    config = EngineConfig(num_blocks=7, batch_invariant=invariant)
     requests = [
-        _Req("p0", PREFIX[:30], 20),
-        _Req("p1", _tokens(11, 35), 16),
-        _Req("p2", PREFIX[:20] + _tokens(12, 15), 18),
-        _Req("p3", _tokens(13, 28), 20, at_step=2),
+        _Req("p0", PREFIX[:26], 12),
+        _Req("p1", _tokens(11, 24), 12),
+        _Req("p2", PREFIX[:20] + _tokens(12, 6), 11),
+        _Req("p3", _tokens(13, 25), 12, at_step=2),
     ]
     engine = Engine(MODEL, config)
     results = _drive(engine, requests)
@@ -267,7 +273,7 @@ def _poison_scenario(config: EngineConfig, bit: int, newcomer: bool) -> tuple[
 
     With ``newcomer``, a third request with the same prefix arrives right after the flip.
     """
-    requests = [_Req("a", [*SHARED, 1], 10), _Req("b", SHARED + _tokens(42, 5), 10)]
+    requests = [_Req("a", [*SHARED, 1], 7), _Req("b", SHARED + _tokens(42, 5), 7)]
     engine = Engine(MODEL, config)
     failures: list[tuple[int, str]] = []
     engine.on_checksum_failure = lambda block, rid: failures.append((block, rid))
