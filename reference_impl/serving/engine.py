@@ -44,7 +44,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Literal
 
 import torch
@@ -57,7 +57,7 @@ Verify = Literal["off", "hit", "read"]
 
 @dataclass(frozen=True)
 class EngineConfig:
-    block_size: int = 16  # tokens per KV block; also the batch-invariant kernel's row tile
+    block_size: int = 16  # tokens per KV block, the unit of the prefix cache and of checksums
     num_blocks: int = 512  # KV blocks in the pool (512 x 16 = 8192 token slots)
     max_batch: int = 16  # most sequences running in one step
     batch_invariant: bool = True  # False: batched split-K kernel, outputs depend on the batch
@@ -142,12 +142,6 @@ class _Counters:
     generated_tokens: int = 0
 
 
-@dataclass(slots=True)
-class _Queues:
-    running: list[_Seq] = field(default_factory=list)  # in admission order
-    waiting: deque[_Seq] = field(default_factory=deque)
-
-
 def _overlap(lo: int, hi: int, a: int, b: int) -> int:
     return max(0, min(hi, b) - max(lo, a))
 
@@ -176,7 +170,8 @@ class Engine:
         # the token was taken from. For tests of bitwise invariance; None costs nothing.
         self.on_logits: Callable[[str, int, torch.Tensor], None] | None = None
         self._seqs: dict[str, _Seq] = {}
-        self._q = _Queues()
+        self._running: list[_Seq] = []  # in admission order: the last is preempted first
+        self._waiting: deque[_Seq] = deque()  # preempted sequences go back to the front
         self._n = _Counters()
 
     # -- requests ------------------------------------------------------------------------
@@ -226,25 +221,25 @@ class Engine:
         seq = _Seq(request_id, len(prompt), max_tokens, [*prompt, *emitted])
         seq.elsewhere = (len(prompt), len(seq.tokens))
         self._seqs[request_id] = seq
-        self._q.waiting.append(seq)
+        self._waiting.append(seq)
 
     def abort(self, request_id: str) -> None:
         """Forget a request and free its blocks; an unknown id is a no-op."""
         seq = self._seqs.pop(request_id, None)
         if seq is None:
             return
-        if seq in self._q.running:
-            self._q.running.remove(seq)
+        if seq in self._running:
+            self._running.remove(seq)
             self.cache.free(seq.id)
         else:
-            self._q.waiting.remove(seq)
+            self._waiting.remove(seq)
 
     def has_work(self) -> bool:
         return bool(self._seqs)
 
     def running(self) -> list[str]:
         """Ids of the requests admitted or waiting."""
-        return [s.id for s in self._q.running] + [s.id for s in self._q.waiting]
+        return [s.id for s in self._running] + [s.id for s in self._waiting]
 
     def stats(self) -> EngineStats:
         return EngineStats(**asdict(self._n))
@@ -264,12 +259,12 @@ class Engine:
             self._verify_running()
         self._admit()
         self._reserve()
-        if not self._q.running:
+        if not self._running:
             return []
         return self._compute()
 
     def _verify_running(self) -> None:
-        blocks = (b for s in self._q.running for b in self.cache.table(s.id))
+        blocks = (b for s in self._running for b in self.cache.table(s.id))
         for block in self.cache.verify(blocks):
             holders = self.cache.holders(block)
             self._poisoned(block, holders[0] if holders else "")
@@ -294,9 +289,8 @@ class Engine:
 
     def _admit(self) -> None:
         size = self.config.block_size
-        q = self._q
-        while q.waiting and len(q.running) < self.config.max_batch:
-            seq = q.waiting[0]
+        while self._waiting and len(self._running) < self.config.max_batch:
+            seq = self._waiting[0]
             # The last token is always computed: its logits give the next token.
             hashes = chain_hashes(self.model_id, seq.tokens[: len(seq.tokens) - 1], size)
             hits = self.cache.lookup(hashes)
@@ -306,39 +300,38 @@ class Engine:
                     self._poisoned(block, seq.id)
                 if bad:
                     hits = hits[: min(hits.index(b) for b in bad)]
-            reserved = sum(self._blocks_needed(s) for s in q.running)
+            reserved = sum(self._blocks_needed(s) for s in self._running)
             need = -(-len(seq.tokens) // size) - len(hits)
             if need > self.cache.available() - self.cache.idle(hits) - reserved:
                 break  # first come, first served: later requests wait too
-            q.waiting.popleft()
+            self._waiting.popleft()
             self.cache.adopt(seq.id, hashes, hits)
             seq.computed = len(hits) * size
-            q.running.append(seq)
+            self._running.append(seq)
             self._n.prompt_tokens += len(seq.tokens)
             self._n.prefix_hit_tokens += seq.computed
 
     def _reserve(self) -> None:
-        q = self._q
         i = 0
-        while i < len(q.running):
-            seq = q.running[i]
+        while i < len(self._running):
+            seq = self._running[i]
             while self._blocks_needed(seq) > 0:
                 if not self.cache.extend(seq.id):
-                    self._preempt(q.running[-1])
-                    if seq not in q.running:
+                    self._preempt(self._running[-1])
+                    if seq not in self._running:
                         break
             else:
                 i += 1
 
     def _preempt(self, seq: _Seq) -> None:
-        self._q.running.remove(seq)
+        self._running.remove(seq)
         self.cache.free(seq.id)
         seq.computed = 0
-        self._q.waiting.appendleft(seq)
+        self._waiting.appendleft(seq)
         self._n.preemptions += 1
 
     def _compute(self) -> list[Output]:
-        running = list(self._q.running)
+        running = list(self._running)
         if self.config.batch_invariant:
             logits = self._forward_invariant(running)
         else:
@@ -364,7 +357,7 @@ class Engine:
             finished = seq.generated == seq.max_tokens
             outputs.append(Output(seq.id, index, token, finished))
             if finished:
-                self._q.running.remove(seq)
+                self._running.remove(seq)
                 self.cache.free(seq.id)
                 del self._seqs[seq.id]
         n.generated_tokens += len(outputs)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from reference_impl.serving.engine import Engine, EngineConfig, Verify, generate
-from reference_impl.serving.kvcache import chain_hashes
+from reference_impl.serving.kvcache import PagedKVCache, chain_hashes
 from reference_impl.serving.model import GPT, ModelConfig, decode, encode, model_id
 
 MODEL = ModelConfig()
@@ -74,13 +74,11 @@ def _drive(engine: Engine, requests: Sequence[_Req]) -> dict[str, _Result]:
     return results
 
 
-_truth_cache: dict[tuple[tuple[int, ...], int, EngineConfig], tuple[list[int], list[torch.Tensor]]]
-_truth_cache = {}
+_Truth = tuple[list[int], list[torch.Tensor]]  # tokens, and the logits row of each
+_truth_cache: dict[tuple[tuple[int, ...], int, EngineConfig], _Truth] = {}
 
 
-def _alone(prompt: Sequence[int], max_tokens: int, config: EngineConfig) -> tuple[
-    list[int], list[torch.Tensor]
-]:
+def _alone(prompt: Sequence[int], max_tokens: int, config: EngineConfig) -> _Truth:
     # Only the kernel's settings shape the ground truth; the pool and verify mode do not.
     kernel = EngineConfig(
         block_size=config.block_size,
@@ -267,7 +265,7 @@ BITS = [pytest.param(30, id="exponent_bit30"), pytest.param(0, id="mantissa_bit0
 
 
 def _poison_scenario(config: EngineConfig, bit: int, newcomer: bool) -> tuple[
-    Engine, dict[str, _Result], list[_Req], list[tuple[int, str]]
+    Engine, dict[str, _Result], list[_Req], list[tuple[int, str]], int
 ]:
     """``b`` reuses ``a``'s cached SHARED prefix; then a bit of their most shared block flips.
 
@@ -283,7 +281,7 @@ def _poison_scenario(config: EngineConfig, bit: int, newcomer: bool) -> tuple[
         results[rid].logits[index] = row.clone()
 
     engine.on_logits = record
-    steps = 0
+    steps = flipped = 0
     while steps < 2 or engine.has_work():
         if steps < 2:
             r = requests[steps]
@@ -291,6 +289,8 @@ def _poison_scenario(config: EngineConfig, bit: int, newcomer: bool) -> tuple[
         if steps == 3:
             block = engine.shared_prefix_block()
             assert block is not None
+            flipped = engine.cache.most_shared()
+            assert flipped == engine.cache.table("a")[0]  # all 3 are shared: the lowest id
             _flip(block, 5, bit)
             if newcomer:
                 requests.append(_Req("c", [*SHARED, 9, 9], 6))
@@ -300,14 +300,14 @@ def _poison_scenario(config: EngineConfig, bit: int, newcomer: bool) -> tuple[
             results[out.request_id].tokens[out.index] = out.token
             results[out.request_id].finished += out.finished
         steps += 1
-    return engine, results, requests, failures
+    return engine, results, requests, failures, flipped
 
 
 @pytest.mark.parametrize("bit", BITS)
 @pytest.mark.parametrize("verify", ["hit", "off"])
 def test_poisoned_prefix_block_is_caught_on_a_hit(bit: int, verify: Verify) -> None:
     config = EngineConfig(num_blocks=64, verify=verify)
-    engine, results, requests, failures = _poison_scenario(config, bit, newcomer=True)
+    engine, results, requests, failures, flipped = _poison_scenario(config, bit, newcomer=True)
     stats = engine.stats()
     if verify == "off":
         # Nothing notices, and the poisoned block is read: the check above is needed.
@@ -316,9 +316,9 @@ def test_poisoned_prefix_block_is_caught_on_a_hit(bit: int, verify: Verify) -> N
         assert _mismatches(results, requests, config)
         return
     assert stats.checksum_failures == 1
-    assert [rid for _, rid in failures] == ["c"]
-    # The bad block and everything chained after it: the other two shared blocks at least.
-    assert stats.evicted_blocks >= 3
+    assert failures == [(flipped, "c")]
+    # The bad block (the first of the shared prefix) and the two chained after it.
+    assert stats.evicted_blocks == 3
     # a and b held the bad block: they dropped their KV from it on and recomputed it.
     assert stats.recomputed_tokens >= 2 * len(SHARED)
     assert _mismatches(results, requests, config) == []
@@ -328,7 +328,7 @@ def test_poisoned_prefix_block_is_caught_on_a_hit(bit: int, verify: Verify) -> N
 @pytest.mark.parametrize("verify", ["read", "hit"])
 def test_poisoned_block_in_use_is_caught_on_read(bit: int, verify: Verify) -> None:
     config = EngineConfig(num_blocks=64, verify=verify)
-    engine, results, requests, failures = _poison_scenario(config, bit, newcomer=False)
+    engine, results, requests, failures, flipped = _poison_scenario(config, bit, newcomer=False)
     stats = engine.stats()
     if verify == "hit":
         # No new request wants the block, so "hit" never looks at it while a and b read it.
@@ -336,9 +336,28 @@ def test_poisoned_block_in_use_is_caught_on_read(bit: int, verify: Verify) -> No
         assert _mismatches(results, requests, config)
         return
     assert stats.checksum_failures == 1
-    assert failures[0][1] in {"a", "b"}
-    assert stats.evicted_blocks >= 3
+    assert failures in ([(flipped, "a")], [(flipped, "b")])
+    assert stats.evicted_blocks == 3
     assert _mismatches(results, requests, config) == []
+
+
+def test_lru_evicts_the_tail_of_a_released_chain_first() -> None:
+    cache = PagedKVCache(MODEL, num_blocks=4, block_size=16)
+    tokens = _tokens(61, 32)
+    assert cache.extend("a")
+    assert cache.extend("a")
+    cache.seal([("a", tokens, 32)])
+    chain = chain_hashes(cache.model_id, tokens, 16)
+    assert cache.lookup(chain) == cache.table("a")
+    cache.free("a")
+    assert cache.available() == 4  # released but still cached: evictable
+    for _ in range(3):  # two free blocks, then the least recently released cached one
+        assert cache.extend("b")
+    assert cache.lru_evictions == 1
+    assert len(cache.lookup(chain)) == 1  # the head, which more prompts share, survives
+    assert cache.extend("b")
+    assert cache.lookup(chain) == []
+    assert not cache.extend("b")  # the pool is exhausted
 
 
 def test_shared_prefix_block_is_a_view_of_the_most_shared_block() -> None:
