@@ -149,6 +149,19 @@ def test_engine_mixed_batch_matches_alone(invariant: bool) -> None:
 
 
 @pytest.mark.parametrize("invariant", MODES)
+def test_engine_chunked_prefill_matches_alone(invariant: bool) -> None:
+    # 7 prompt positions a step: prefills stop mid-tile and mid-block and go on next step.
+    config = EngineConfig(num_blocks=64, batch_invariant=invariant, max_step_tokens=7)
+    engine = Engine(MODEL, config)
+    engine.add("x", MIXED[1].prompt, 2)
+    assert engine.step() == []  # 7 of its 60 positions: no token yet
+    assert engine.stats().computed_tokens == 7
+    engine.abort("x")
+    results = _drive(engine, MIXED[:4])
+    _check_invariance(results, MIXED[:4], invariant, config)
+
+
+@pytest.mark.parametrize("invariant", MODES)
 def test_engine_preemption_recompute_matches_alone(invariant: bool) -> None:
     # 7 blocks of 16 slots for four requests that need 3 blocks each: sequences are
     # preempted as they grow, and recompute from their tokens when readmitted.
