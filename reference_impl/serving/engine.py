@@ -5,9 +5,9 @@ positions whose KV it lacks, which is one position for a sequence that is decodi
 whole prompt (less its prefix-cache hits) for one just admitted, and samples its next token
 from the logits of its last position. Prefill, decode, recompute after a preemption or a
 checksum failure, and a migrated request's re-prefill of prompt + emitted tokens are all that
-same operation, which is why they all give the same tokens. Prompt positions beyond
-``EngineConfig.max_step_tokens`` wait for the next step (chunked prefill), which bounds the
-length of a step: 16 new 1000-token prompts take 0.2 s steps instead of one 1.6 s step.
+same operation, which is why they all give the same tokens. A step computes at most
+``EngineConfig.max_step_tokens`` prompt positions, the rest wait for the next step (chunked
+prefill): 16 new 1000-token prompts take steps of 0.2 s on a small CPU, not one of 1.6 s.
 
 Batch invariance (``EngineConfig.batch_invariant``, the default) comes from the kernel,
 :meth:`reference_impl.serving.model.GPT.forward_tiles`: every position is computed in the
