@@ -1,0 +1,337 @@
+"""The reference server's launcher: ``python -m reference_impl.serving.server``.
+
+One process runs the router (HTTP API, worker links, health monitor, journal) and keeps
+``--workers`` engine worker processes alive: it spawns them, respawns one that died (a new
+process for the same worker index, generation + 1; not for a drained index), kills one the
+router found wedged, and in ``--recovery fail_stop`` restarts them all. When every worker is
+ready it prints ``AFTERSHOCK_SERVING_READY <url>`` on stdout (the only line it writes there;
+logs go to stderr) and emits the probe event ``serving_ready``.
+
+SIGTERM / SIGINT: stop accepting, end the streams, kill the workers, flush the journal,
+emit ``serving_stats``, exit 0. No worker outlives the launcher, even a SIGKILLed one:
+workers die with it (``PR_SET_PDEATHSIG``, set by the worker) and exit when the router's
+link is gone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from harness import probe
+from reference_impl.serving.journal import Journal
+from reference_impl.serving.router import (
+    BROKEN,
+    RECOVERIES,
+    Router,
+    RouterConfig,
+    flat_stats,
+    http_server,
+)
+
+READY_LINE = "AFTERSHOCK_SERVING_READY"
+_REPO = Path(__file__).resolve().parents[2]  # so `-m reference_impl...` works from any cwd
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m reference_impl.serving.server",
+        description="Aftershock's reference LLM server: a router with an OpenAI-style API in "
+        "front of engine worker processes, with failure detection, request migration and a "
+        "write-ahead journal.",
+    )
+    add = parser.add_argument
+    add("--workers", type=int, default=3, help="engine worker processes (default 3)")
+    add("--host", default="127.0.0.1", help="HTTP address (default 127.0.0.1)")
+    add("--port", type=int, default=0, help="HTTP port; 0 picks a free one (default)")
+    add("--seed", type=int, default=0, help="model seed: the weights (default 0)")
+    add("--block-size", type=int, default=16, help="KV cache block size, tokens (default 16)")
+    add("--num-blocks", type=int, default=512, help="KV blocks per worker (default 512)")
+    add("--max-batch", type=int, default=16,
+        help="requests per engine step, per worker (default 16)")
+    add("--journal", default=None, metavar="PATH",
+        help="write-ahead journal; an existing one is replayed (finished requests are "
+        "served from it, unfinished ones resumed). Default $AFTERSHOCK_OUTPUT_DIR/journal.wal, "
+        "else a new temporary file")
+    add("--no-journal", action="store_true", help="run without a journal")
+    add("--no-checksums", action="store_true",
+        help="engine: never verify KV block checksums (same as --verify off)")
+    add("--verify", default=None, choices=("off", "hit", "read"),
+        help="engine: when KV block checksums are verified: on prefix-cache hits, on every "
+        "read of a block, or never (default: the engine's default)")
+    add("--no-batch-invariant", action="store_true",
+        help="engine: allow batch-dependent kernels; a request's tokens may then depend on "
+        "its batch, and a migrated request may change course")
+    add("--device", default="cpu", choices=("cpu", "cuda"),
+        help="engine device; cuda: worker I uses GPU I modulo the GPU count (default cpu)")
+    add("--threads", type=int, default=1,
+        help="torch threads per worker (default 1: the kernel's tiles are small, and more "
+        "threads spin against each other)")
+    add("--heartbeat", type=float, default=0.1, help="seconds between worker heartbeats (0.1)")
+    add("--dead-after", type=float, default=1.0,
+        help="no heartbeat this long: the worker is dead (1.0)")
+    add("--wedged-after", type=float, default=2.0,
+        help="busy without engine progress this long: the worker is wedged (2.0); must exceed "
+        "the longest legitimate engine step")
+    add("--recovery", default="migrate", choices=RECOVERIES,
+        help="migrate: move a failed worker's requests, with their emitted tokens, to healthy "
+        "workers; fail_stop: the baseline: error out every in-flight request and restart all "
+        "workers cold (clients retry from scratch)")
+    add("--step-sleep", type=float, default=0.0,
+        help="seconds added to every engine step, to make short runs long enough to hit")
+    add("--broken", default=None, choices=BROKEN,
+        help="DELIBERATELY BROKEN server, to prove the harness's checks can fail: "
+        "drop_inflight (a dead worker's requests end early, silently), replay_from_zero "
+        "(migrated requests are streamed again from token 0), no_fencing (tokens from a stale "
+        "worker assignment are accepted)")
+    args = parser.parse_args(argv)
+    if args.workers < 1:
+        parser.error("--workers must be at least 1")
+    for name in ("heartbeat", "dead_after", "wedged_after"):
+        if getattr(args, name) <= 0:
+            parser.error(f"--{name.replace('_', '-')} must be > 0")
+    if args.dead_after <= args.heartbeat:
+        parser.error("--dead-after must be longer than --heartbeat")
+    return args
+
+
+class Launcher:
+    """Spawns, watches and respawns the worker processes.
+
+    Every spawn happens on the supervisor thread: the workers' PR_SET_PDEATHSIG fires when
+    the *thread* that forked them ends, so that thread must live as long as the launcher.
+    Router callbacks (kill, restart_all) only leave a note for it; they run under the
+    router's lock and must not block.
+    """
+
+    def __init__(self, args: argparse.Namespace, router: Router, link: tuple[str, int]) -> None:
+        self.args = args
+        self.router = router
+        self.link = link
+        self._lock = threading.Lock()
+        self._procs: dict[int, subprocess.Popen[bytes]] = {}
+        self._generation = dict.fromkeys(range(args.workers), -1)
+        self._started_at: dict[int, float] = {}
+        self._backoff = dict.fromkeys(range(args.workers), 0.0)
+        self._respawn_at = dict.fromkeys(range(args.workers), 0.0)
+        self._restart_all = threading.Event()
+        self._stop = threading.Event()
+        self._quiet = False
+        self._thread = threading.Thread(target=self._supervise, name="supervisor", daemon=True)
+        self._common = [
+            f"--router={link[0]}:{link[1]}", f"--workers={args.workers}",
+            f"--parent-pid={os.getpid()}", f"--seed={args.seed}",
+            f"--block-size={args.block_size}", f"--num-blocks={args.num_blocks}",
+            f"--max-batch={args.max_batch}", f"--device={args.device}",
+            f"--threads={args.threads}", f"--heartbeat={args.heartbeat}",
+            *([f"--verify={'off' if args.no_checksums else args.verify}"]
+              if args.no_checksums or args.verify else []),
+            f"--step-sleep={args.step_sleep}",
+            # A worker outlives a router restart this long before it gives up.
+            f"--reconnect-for={max(3.0, 3 * args.dead_after)}",
+        ]
+        self._common += ["--no-batch-invariant"] * args.no_batch_invariant
+
+    def start(self) -> None:
+        self._thread.start()
+
+    # -- router callbacks (called with the router's lock held: never block)
+    def process_gone(self, index: int) -> bool:
+        """Whether the process of ``index`` has ended. Reads /proc rather than reaping:
+        the supervisor thread reaps, and a zombie already counts as gone."""
+        with self._lock:
+            proc = self._procs.get(index)
+        if proc is None or proc.returncode is not None:
+            return True
+        try:
+            stat = Path(f"/proc/{proc.pid}/stat").read_text()
+        except OSError:
+            return True
+        return stat.rsplit(")", 1)[-1].split()[0] in ("Z", "X")
+
+    def kill(self, index: int) -> None:
+        with self._lock:
+            proc = self._procs.get(index)
+        if proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+
+    def restart_all(self) -> None:
+        self._restart_all.set()
+
+    def quiesce(self) -> None:
+        """Shutdown has begun: respawn nothing, report no exit (a flag: signal-safe)."""
+        self._quiet = True
+
+    # -- the supervisor thread
+    def _spawn(self, index: int) -> None:
+        generation = self._generation[index] + 1
+        self._generation[index] = generation
+        env = dict(os.environ)
+        # The worker index is its rank for the harness (targets by RANK) and picks its GPU
+        # (LOCAL_RANK, for real and simulated NVML and for gpu.xid's default).
+        env.update(RANK=str(index), LOCAL_RANK=str(index), WORLD_SIZE=str(self.args.workers),
+                   LOCAL_WORLD_SIZE=str(self.args.workers))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_REPO), env.get("PYTHONPATH"))
+                                            if p)
+        argv = [sys.executable, "-m", "reference_impl.serving.worker", f"--worker={index}",
+                f"--generation={generation}", *self._common]
+        # Worker stdout goes to our stderr: our stdout carries only the READY line.
+        proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL,
+                                stdout=sys.stderr.fileno())
+        with self._lock:
+            self._procs[index] = proc
+        self._started_at[index] = time.monotonic()
+        self.router.worker_started(index, proc.pid, generation)
+
+    def _reap(self, index: int, proc: subprocess.Popen[bytes], code: int) -> None:
+        with self._lock:
+            if self._procs.get(index) is proc:
+                del self._procs[index]
+        self.router.worker_exited(index, code)
+        lived = time.monotonic() - self._started_at.get(index, 0.0)
+        # A worker that keeps dying at start must not spin: back off up to 5 s.
+        self._backoff[index] = 0.0 if lived > 10 else min(max(self._backoff[index] * 2, 0.25),
+                                                          5.0)
+        self._respawn_at[index] = time.monotonic() + self._backoff[index]
+
+    def _supervise(self) -> None:
+        for index in range(self.args.workers):
+            self._spawn(index)
+        while not self._stop.is_set():
+            if self._quiet:
+                self._stop.wait(0.02)
+                continue
+            if self._restart_all.is_set():
+                self._restart_all.clear()
+                with self._lock:
+                    procs = dict(self._procs)
+                for proc in procs.values():
+                    with contextlib.suppress(ProcessLookupError):
+                        proc.kill()
+                for index, proc in procs.items():
+                    self._reap(index, proc, proc.wait())
+                    self._respawn_at[index] = 0.0  # a cold restart is not a crash loop
+            with self._lock:
+                procs = dict(self._procs)
+            for index, proc in procs.items():
+                code = proc.poll()
+                if code is not None:
+                    self._reap(index, proc, code)
+            now = time.monotonic()
+            for index in range(self.args.workers):
+                if (index not in self._procs and now >= self._respawn_at[index]
+                        and not self._restart_all.is_set()  # it respawns them all itself
+                        and not self._stop.is_set() and not self.router.drained(index)):
+                    self._spawn(index)
+            self._stop.wait(0.02)
+
+    def stop(self) -> None:
+        """Kill every worker and wait for it: nothing is left running."""
+        self._stop.set()
+        self._thread.join(timeout=5.0)
+        with self._lock:
+            procs = list(self._procs.values())
+            self._procs.clear()
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+        for proc in procs:
+            proc.wait()
+
+
+def _journal(args: argparse.Namespace) -> str | None:
+    if args.no_journal:
+        return None
+    if args.journal:
+        return str(args.journal)
+    folder = probe.output_dir()
+    if folder:
+        return str(Path(folder) / "journal.wal")
+    fd, path = tempfile.mkstemp(prefix="aftershock-journal-", suffix=".wal")
+    os.close(fd)
+    return path
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    stop = threading.Event()
+    quiet: list[Router | Launcher] = []
+
+    def on_signal(signum: int, frame: object) -> None:
+        # The harness signals the whole process group: the workers are dying too. Say so
+        # at once (flags only), before their exits look like failures to recover from.
+        for part in quiet:
+            part.quiesce()
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    path = _journal(args)
+    journal, replayed = Journal.open(path) if path else (None, None)
+    print(f"[server] journal: {path or 'off'}", file=sys.stderr, flush=True)
+    config = RouterConfig(workers=args.workers, dead_after=args.dead_after,
+                          wedged_after=args.wedged_after, recovery=args.recovery,
+                          broken=args.broken)
+    if args.broken:
+        print(f"[server] DELIBERATELY BROKEN: --broken {args.broken}", file=sys.stderr,
+              flush=True)
+    launcher: Launcher | None = None
+    router = Router(config, journal, replayed,
+                    process_gone=lambda i: launcher is None or launcher.process_gone(i),
+                    kill=lambda i: launcher.kill(i) if launcher else None,
+                    restart_all=lambda: launcher.restart_all() if launcher else None)
+    quiet.append(router)
+    link = router.listen("127.0.0.1")
+    try:
+        http = http_server(router, args.host, args.port)
+    except OSError as exc:
+        print(f"[server] cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        router.stop()
+        if journal is not None:
+            journal.close()
+        return 2
+    host, port = http.server_address[:2]
+    url = f"http://{host}:{port}"
+    serving = threading.Thread(target=http.serve_forever, kwargs={"poll_interval": 0.1},
+                               name="http", daemon=True)
+    serving.start()
+    launcher = Launcher(args, router, link)
+    quiet.append(launcher)
+    launcher.start()
+    announced = False
+    try:
+        while not stop.is_set():
+            if not announced and router.ready.wait(0.1):
+                announced = True
+                probe.emit("serving_ready", url=url, workers=args.workers)
+                print(f"{READY_LINE} {url}", flush=True)
+            elif announced:
+                stop.wait(0.5)
+    finally:
+        # Stop accepting first, so no request is accepted that the journal will not see.
+        http.shutdown()
+        router.stop()
+        launcher.stop()
+        http.server_close()
+        if journal is not None:
+            journal.close()
+        stats = router.stats()
+        probe.emit("serving_stats", **flat_stats(stats))
+        print(f"[server] stopped: {stats['requests']}, {stats['migrations']} migrations, "
+              f"{stats['failures']} failures", file=sys.stderr, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
