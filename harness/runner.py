@@ -135,6 +135,10 @@ def execute(
     """Launch the system, drive the fault schedule, tear everything down."""
     run_dir.mkdir(parents=True, exist_ok=True)
     run_id = uuid.uuid4().hex
+    # A reused run folder starts clean: an old timeline would replay old events (a server's
+    # old address, steps already reached) and an old command file would re-arm old faults.
+    for stale in ("events.jsonl", "commands.jsonl"):
+        (run_dir / stale).unlink(missing_ok=True)
     timeline = Timeline(run_dir / "events.jsonl")
     launch = plan_launch(spec.system, run_dir=run_dir, scenario_dir=scenario_dir, seed=seed,
                          extra_args=extra_args)

@@ -27,3 +27,30 @@ def test_baseline_key_ignores_pacing_but_not_the_math() -> None:
     assert baseline_key(spec, 0) == baseline_key(paced, 0)
     assert baseline_key(spec, 0) != baseline_key(longer, 0)
     assert baseline_key(spec, 0) != baseline_key(spec, 1)
+
+
+def test_server_baseline_key_ignores_timing_and_recovery_but_not_the_load() -> None:
+    base = "name: s\nsystem: {reference: server, %s}\n"
+    spec = parse_scenario(base % "dead_after: 1s")
+    same = parse_scenario(base % "dead_after: 300ms, recovery: fail_stop, journal: false")
+    other_load = parse_scenario(base % "load: {requests: 7}")
+    other_kernel = parse_scenario(base % "batch_invariant: false")
+    assert baseline_key(spec, 0) == baseline_key(same, 0)
+    assert baseline_key(spec, 0) != baseline_key(other_load, 0)
+    assert baseline_key(spec, 0) != baseline_key(other_kernel, 0)
+
+
+def test_a_reused_run_dir_starts_with_a_fresh_timeline(tmp_path) -> None:
+    import sys
+
+    from harness.runner import NullObserver, execute
+
+    text = (f"name: x\nsystem:\n  command: [{sys.executable}, -c, \"from harness import "
+            "probe; probe.emit('marker')\"]\n")
+    spec = parse_scenario(text)
+    for _ in range(2):
+        execution = execute(spec, scenario_dir=tmp_path, run_dir=tmp_path / "run", seed=0,
+                            observer=NullObserver())
+        assert execution.outcome.exit_code == 0
+        assert [e.event for e in execution.events].count("marker") == 1
+        assert [e.event for e in execution.events].count("launch") == 1
