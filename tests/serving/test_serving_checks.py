@@ -1,0 +1,108 @@
+"""Each serving check, shown failing on a deliberately broken server, through the harness.
+
+The passing side is the shipped scenarios (scenarios/serving/, run by
+tests/test_shipped_scenarios.py) against the correct server. Here the same kind of
+scenario runs against a server started with one of its ``--broken`` variants (or with
+checksums off, or fail-stop recovery), and the check that should catch it must fail
+while the checks it does not concern still pass, so the failure is the check's doing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from harness.records import RunResult
+from harness.runner import run_scenario
+from harness.spec import LoadedScenario, parse_scenario
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+SYSTEM = """\
+name: broken-{name}
+system:
+  reference: server
+  workers: 2
+  dead_after: 400ms
+  step_sleep: 30ms
+{system}
+  load: {{requests: 16, rate: 40, max_tokens: {tokens}, prompt_tokens: {{min: 40, max: 60}}}}
+faults:
+{faults}
+expect:
+{expect}
+"""
+
+KILL = """\
+  - kind: process.kill
+    target: {worker: 0}
+    at: {event: first_token, count: 6}"""
+
+
+def run(tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch, *, name: str,
+        system: str, faults: str, expect: str, tokens: int = 16) -> RunResult:
+    monkeypatch.setenv("AFTERSHOCK_CACHE_DIR", str(cache))
+    text = SYSTEM.format(name=name, system=system, faults=faults, expect=expect, tokens=tokens)
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(text)
+    return run_scenario(LoadedScenario(parse_scenario(text, str(path)), path, text),
+                        run_dir=tmp_path / "run")
+
+
+def verdicts(result: RunResult) -> dict[str, bool]:
+    return {c.name: c.passed for c in result.checks}
+
+
+def test_a_router_that_drops_in_flight_requests_loses_them(tmp_path, shared_cache,
+                                                           monkeypatch) -> None:
+    result = run(tmp_path, shared_cache, monkeypatch, name="drop",
+                 system="  args: [--broken, drop_inflight]", faults=KILL,
+                 expect="  no_lost_requests: true\n  no_duplicated_tokens: true")
+    assert verdicts(result) == {"completes": True, "faults_injected": True,
+                                "no_lost_requests": False, "no_duplicated_tokens": True}
+    assert result.metrics["lost_requests"] > 0
+    assert result.metrics["lost_tokens"] > 0
+
+
+def test_a_router_that_restarts_migrated_streams_repeats_tokens(tmp_path, shared_cache,
+                                                                monkeypatch) -> None:
+    result = run(tmp_path, shared_cache, monkeypatch, name="replay",
+                 system="  args: [--broken, replay_from_zero]", faults=KILL,
+                 expect="  no_lost_requests: true\n  no_duplicated_tokens: true")
+    assert verdicts(result) == {"completes": True, "faults_injected": True,
+                                "no_lost_requests": True, "no_duplicated_tokens": False}
+    assert result.metrics["duplicated_tokens"] > 0
+
+
+def test_without_checksums_a_poisoned_kv_block_changes_outputs(tmp_path, shared_cache,
+                                                               monkeypatch) -> None:
+    poison = """\
+  - kind: memory.bitflip
+    target: {worker: 0}
+    at: {event: first_token, count: 4}
+    tensor: "kv:shared_prefix"
+    bit: 30"""
+    expect = "  no_lost_requests: true\n  outputs_match: fault_free"
+    broken = run(tmp_path / "off", shared_cache, monkeypatch, name="poison-off",
+                 system="  checksums: false", faults=poison, expect=expect, tokens=32)
+    assert verdicts(broken) == {"completes": True, "faults_injected": True,
+                                "no_lost_requests": True, "outputs_match": False}
+    # The same flip against the correct server (checksums on, same cached baseline).
+    good = run(tmp_path / "on", shared_cache, monkeypatch, name="poison-on",
+               system="  checksums: true", faults=poison, expect=expect, tokens=32)
+    assert good.passed, [c for c in good.checks if not c.passed]
+
+
+def test_fail_stop_recovery_misses_a_migration_budget(tmp_path, shared_cache,
+                                                      monkeypatch) -> None:
+    # fail_stop errors out every in-flight request and restarts every worker cold; the
+    # load generator's clients retry, so nothing is lost, but recovery takes a cold start.
+    result = run(tmp_path, shared_cache, monkeypatch, name="failstop",
+                 system="  recovery: fail_stop", faults=KILL,
+                 expect="  time_to_recover: {max: 1s}\n  latency: {ttft_p99: {max: 1s}}")
+    checks = verdicts(result)
+    assert checks["time_to_recover"] is False
+    assert checks["latency.ttft_p99"] is False
+    assert result.metrics["time_to_recover_s"] is None or result.metrics["time_to_recover_s"] > 1
