@@ -31,12 +31,13 @@ lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 
-# Side-by-side benchmark (docs/benchmarks.md). torchft is installed without its
+# Side-by-side benchmarks (docs/benchmarks.md, docs/serving.md). torchft is installed without its
 # dependencies so it cannot pull a CUDA build of torch over the pinned CPU one.
 bench: venv
 	$(PY) -m pip install --quiet --no-deps torchft==0.2.0
 	$(PY) -m pip install --quiet opentelemetry-api opentelemetry-sdk opentelemetry-exporter-otlp-proto-http
 	$(PY) -m bench
+	$(PY) -m bench.serving
 
 clean:
 	rm -rf .aftershock .pytest_cache .mypy_cache .ruff_cache *.egg-info
