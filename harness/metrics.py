@@ -210,10 +210,11 @@ def serving_time_to_recover(records: Sequence[RequestRecord], t_fault: float | N
     ends it is its recovery. Tokens the dying worker had already sent can still arrive
     just after the fault; taking the end of the longest wait, not the first token after
     the fault, keeps them from passing for recovery. The slowest request counts; None if
-    one of them never got another token."""
+    one of them never got another token, or if no request was in flight (then the fault
+    hit nothing a client could see, and a budget on it would pass vacuously)."""
     if t_fault is None:
         return None
-    worst = 0.0
+    worst: float | None = None
     for r in records:
         if r.sent >= t_fault:
             continue
@@ -224,7 +225,7 @@ def serving_time_to_recover(records: Sequence[RequestRecord], t_fault: float | N
         if not waits:
             return None
         _, resumed = max(waits)
-        worst = max(worst, resumed - t_fault)
+        worst = max(worst or 0.0, resumed - t_fault)
     return worst
 
 

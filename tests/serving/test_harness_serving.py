@@ -170,6 +170,8 @@ def test_time_to_recover_is_the_slowest_request_in_flight_at_the_fault() -> None
     assert m["time_to_recover_s"] == pytest.approx(0.8)
     without_c = [r for r in metrics.requests(events) if r.id != "c"]
     assert metrics.serving_time_to_recover(without_c, 1.0) == pytest.approx(0.7)
+    # A fault that landed after the load was served hit nothing: no recovery to measure.
+    assert metrics.serving_time_to_recover(metrics.requests(events), 9.0) is None
     assert m["time_to_detect_s"] == pytest.approx(0.2)
     assert m["ttft_p50_s"] == pytest.approx(0.1)
     assert m["lost_requests"] == 0
