@@ -4,24 +4,15 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
-JOB = ROOT / "tests" / "fixtures" / "ranks_job.py"
+from _helpers import quick_scenario
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 
 def scenario(name: str, budget: str) -> str:
-    return f"""\
-name: {name}
-system:
-  command: [{sys.executable}, {JOB}]
-  env: {{JOB_RANKS: "2", JOB_DURATION: "1.5"}}
-  probes:
-    - {{pattern: 'rank (?P<rank>\\d+) step (?P<step>\\d+)', event: step}}
+    return quick_scenario(name, f"""\
 faults:
   - kind: process.freeze
     target: {{rank: 1}}
@@ -29,28 +20,28 @@ faults:
     duration: 300ms
 expect:
   time_to_recover: {{max: {budget}}}
-"""
+""")
 
 
 def test_scenarios_are_collected_and_checked(pytester: pytest.Pytester) -> None:
-    pytester.makefile(".yaml", good=scenario("good-one", "20s"), bad=scenario("bad-one", "1ms"))
+    # One pytest run (a subprocess costs seconds) collects a passing, a failing and an
+    # invalid scenario, and leaves YAML that is not a scenario alone.
+    pytester.makefile(".yaml", good=scenario("good-one", "20s"), bad=scenario("bad-one", "1ms"),
+                      broken="name: b\nsystem: {reference: trainer, stepz: 3}\n")
     pytester.makefile(".yml", unrelated="just: data\n")
     result = pytester.runpytest_subprocess("-v", "-p", "no:cacheprovider")
     result.stdout.fnmatch_lines([
         "*bad.yaml::bad-one FAILED*",
+        "*broken.yaml::b FAILED*",
         "*good.yaml::good-one PASSED*",
-        "*checks failed: time_to_recover*",
-        "*time_to_recover*FAIL*<= 1ms*",
     ])
-    result.assert_outcomes(passed=1, failed=1)
-    assert "Traceback" not in result.stdout.str()
-
-
-def test_invalid_scenario_fails_with_its_position(pytester: pytest.Pytester) -> None:
-    pytester.makefile(".yaml", broken="name: b\nsystem: {reference: trainer, stepz: 3}\n")
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    # A failed check: the check table is the message.
+    result.stdout.fnmatch_lines(["*checks failed: time_to_recover*",
+                                 "*time_to_recover*FAIL*<= 1ms*"])
+    # An invalid scenario: its position, no run.
     result.stdout.fnmatch_lines(["*broken.yaml:2:30: system.stepz: unknown key 'stepz'*"])
-    result.assert_outcomes(failed=1)
+    result.assert_outcomes(passed=1, failed=2)
+    assert "Traceback" not in result.stdout.str()
 
 
 def test_plugin_module_imports_nothing_heavy() -> None:
