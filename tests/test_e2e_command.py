@@ -4,31 +4,29 @@ through a command-kind scenario and measured from its log lines alone."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+from _helpers import ROOT, cli
 
-ROOT = Path(__file__).resolve().parent.parent
 JOB = ROOT / "tests" / "fixtures" / "plain_ddp_job.py"
-AFTERSHOCK = [sys.executable, "-m", "harness"]
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-
-def scenario(tmp_path: Path, *, broken: bool = False, recover_max: str = "60s") -> Path:
-    text = f"""\
-name: plain-torchrun-kill{"-broken" if broken else ""}
+# The good and the broken job share this text, so they share one cached fault-free run:
+# the resume bug is switched on by a file next to the scenario (it cannot change a run that
+# never resumes, and the fault-free run never does).
+KILL = f"""\
 system:
   command: [{sys.executable}, -m, torch.distributed.run, --nproc-per-node=2,
             --max-restarts=2, --monitor-interval=0.1, {JOB}]
   world: 2
   env:
     JOB_CKPT: ${{run_dir}}/ckpt
-    JOB_STEPS: "60"
-    JOB_BROKEN_RESUME: "{1 if broken else 0}"
+    JOB_STEPS: "40"
+    JOB_BROKEN_RESUME_IF: ${{scenario_dir}}/BROKEN_RESUME
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE: "1"
   probes:
     - {{pattern: '\\[rank (?P<rank>\\d+)\\] step (?P<step>\\d+)', event: step}}
@@ -43,28 +41,28 @@ expect:
   completes: true
   params_match: fault_free
   time_to_detect: {{max: 5s}}
-  time_to_recover: {{max: {recover_max}}}
+  time_to_recover: {{max: 60s}}
   lost_steps: {{max: 10}}
 """
-    path = tmp_path / ("broken.yaml" if broken else "plain.yaml")
-    path.write_text(text)
-    return path
 
 
-def run(path: Path, tmp_path: Path, cache: Path) -> tuple[int, list[dict], str]:
-    out = tmp_path / f"{path.stem}.json"
-    proc = subprocess.run(
-        [*AFTERSHOCK, "run", str(path), "--json", str(out), "--run-dir", str(tmp_path / "runs")],
-        capture_output=True, text=True, timeout=280,
-        env={**os.environ, "AFTERSHOCK_CACHE_DIR": str(cache)},
-    )
-    return proc.returncode, json.loads(out.read_text()), proc.stdout + proc.stderr
+def run_kill(tmp_path: Path, cache: Path, *, broken: bool) -> tuple[int, dict[str, Any], str]:
+    folder = tmp_path / ("broken" if broken else "good")
+    folder.mkdir()
+    if broken:
+        (folder / "BROKEN_RESUME").touch()
+    path = folder / "kill.yaml"
+    path.write_text(f"name: plain-torchrun-kill{'-broken' if broken else ''}\n{KILL}")
+    out = tmp_path / "out.json"
+    proc = cli("run", str(path), "--json", str(out), "--run-dir", str(tmp_path / "runs"),
+               cache=cache, timeout=280)
+    (record,) = json.loads(out.read_text())
+    return proc.returncode, record, proc.stdout + proc.stderr
 
 
 def test_plain_torchrun_job_is_measured_from_its_logs(tmp_path: Path, shared_cache: Path) -> None:
-    code, record, output = run(scenario(tmp_path), tmp_path, shared_cache)
+    code, result, output = run_kill(tmp_path, shared_cache, broken=False)
     assert code == 0, output
-    (result,) = record
     checks = {c["name"]: c for c in result["checks"]}
     assert checks["params_match"]["passed"], checks["params_match"]
     metrics = result["metrics"]
@@ -78,9 +76,9 @@ def test_plain_torchrun_job_is_measured_from_its_logs(tmp_path: Path, shared_cac
 def test_params_match_catches_a_job_that_resumes_wrongly(
     tmp_path: Path, shared_cache: Path
 ) -> None:
-    code, record, output = run(scenario(tmp_path, broken=True), tmp_path, shared_cache)
+    code, result, output = run_kill(tmp_path, shared_cache, broken=True)
     assert code == 1, output
-    checks = {c["name"]: c for c in record[0]["checks"]}
+    checks = {c["name"]: c for c in result["checks"]}
     assert not checks["params_match"]["passed"]
     assert checks["params_match"]["observed"] == "0/2 ranks equal"
     assert checks["completes"]["passed"]  # it "works"; only the check sees it is wrong
@@ -93,7 +91,7 @@ name: plain-torchrun-heap-bitflip
 system:
   command: [{sys.executable}, -m, torch.distributed.run, --nproc-per-node=2,
             --max-restarts=0, {JOB}]
-  env: {{JOB_CKPT: "${{run_dir}}/ckpt", JOB_STEPS: "40"}}
+  env: {{JOB_CKPT: "${{run_dir}}/ckpt", JOB_STEPS: "30"}}
   probes:
     - {{pattern: '\\[rank (?P<rank>\\d+)\\] step (?P<step>\\d+)', event: step}}
   timeout: 3m
@@ -108,10 +106,8 @@ expect:
   completes: false   # flipped heap bits may crash the job: here only the injection is checked
 """)
     out = tmp_path / "flip.json"
-    proc = subprocess.run(
-        [*AFTERSHOCK, "run", str(path), "--json", str(out), "--run-dir", str(tmp_path / "runs")],
-        capture_output=True, text=True, timeout=280, env=dict(os.environ),
-    )
+    proc = cli("run", str(path), "--json", str(out), "--run-dir", str(tmp_path / "runs"),
+               timeout=280)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (fault,) = json.loads(out.read_text())[0]["faults"]
     assert fault["injected_at_s"] is not None

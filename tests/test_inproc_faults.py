@@ -4,14 +4,12 @@ on a real 2-rank Gloo job under torchrun."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _helpers import ROOT, cli
 
-ROOT = Path(__file__).resolve().parent.parent
 JOB = ROOT / "tests" / "fixtures" / "probe_job.py"
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -32,11 +30,8 @@ faults:
 {expect}
 """)
     out = tmp_path / "out.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "harness", "run", str(path), "--json", str(out),
-         "--run-dir", str(tmp_path / "runs"), "--plain"],
-        capture_output=True, text=True, timeout=230, env=dict(os.environ),
-    )
+    proc = cli("run", str(path), "--json", str(out), "--run-dir", str(tmp_path / "runs"),
+               "--plain", timeout=230)
     (record,) = json.loads(out.read_text())
     events = [json.loads(line) for line in
               (Path(record["run_dir"]) / "events.jsonl").read_text().splitlines()]
@@ -44,23 +39,39 @@ faults:
     return proc.returncode, record, events
 
 
-def test_nan_gradient_at_a_step_and_phase_is_detected(tmp_path: Path) -> None:
+def test_nan_gradient_at_a_phase_is_detected_and_a_hang_holds_until_healed(
+    tmp_path: Path,
+) -> None:
+    # Two faults that end no process share one run (each job costs seconds of torch start-up):
+    # a NaN in rank 1's gradient at step 4, then a 1 s hang of its all_reduce at step 7.
     code, record, events = run(tmp_path, """\
   - kind: memory.nan
     target: {rank: 1}
-    at: {step: 7, phase: backward}
+    at: {step: 4, phase: backward}
     tensor: "grad:weight"
+  - kind: collective.hang
+    target: {rank: 1}
+    at: {step: 7}
+    duration: 1s
 """, "expect: {time_to_detect: {max: 2s}}")
     assert code == 0, record
-    (hit,) = [e for e in events if e["event"] == "fault_injected"]
-    assert (hit["rank"], hit["step"], hit["phase"], hit["tensor"]) == (1, 7, "backward",
+    nan, hang = record["faults"]
+
+    # The NaN: injected at the named step, phase and tensor, seen by both ranks (the
+    # all_reduce spread it), and the poisoned step was skipped, never committed.
+    (hit,) = [e for e in events if e["event"] == "fault_injected" and e["fault"] == 0]
+    assert (hit["rank"], hit["step"], hit["phase"], hit["tensor"]) == (1, 4, "backward",
                                                                         "grad:weight")
     detected = [e for e in events if e["event"] == "failure_detected"]
     assert {e["cause"] for e in detected} == {"non_finite"}
-    assert {e["step"] for e in detected} == {7}  # both ranks: the all_reduce spread the NaN
-    # The poisoned step was skipped, never committed.
-    assert 7 not in {e["step"] for e in events if e["event"] == "step"}
-    assert record["faults"][0]["injected_at_s"] is not None
+    assert {e["step"] for e in detected} == {4}
+    committed = {(e["rank"], e["step"]): e["t"] for e in events if e["event"] == "step"}
+    assert 4 not in {step for _, step in committed}
+    assert nan["injected_at_s"] is not None
+
+    # The hang: step 7 of rank 0 waited for rank 1's hung all_reduce, about the hang's length.
+    assert committed[(0, 7)] - committed[(0, 6)] >= 0.9
+    assert hang["healed_at_s"] - hang["injected_at_s"] == pytest.approx(1.0, abs=0.3)
 
 
 def test_collective_error_on_the_kth_call(tmp_path: Path) -> None:
@@ -79,18 +90,3 @@ def test_collective_error_on_the_kth_call(tmp_path: Path) -> None:
     assert any("injected failure of all_reduce" in c for c in causes)
     # torchrun restarted the job once, and the fault did not fire again in the restart.
     assert max(e["generation"] for e in events if e["event"] == "hello") == 1
-
-
-def test_collective_hang_holds_until_healed(tmp_path: Path) -> None:
-    code, record, events = run(tmp_path, """\
-  - kind: collective.hang
-    target: {rank: 1}
-    at: {step: 4}
-    duration: 1s
-""")
-    assert code == 0, record
-    steps = {(e["rank"], e["step"]): e["t"] for e in events if e["event"] == "step"}
-    # Step 4 of rank 0 waited for rank 1's hung all_reduce: about the hang's duration.
-    assert steps[(0, 4)] - steps[(0, 3)] >= 0.9
-    fault = record["faults"][0]
-    assert fault["healed_at_s"] - fault["injected_at_s"] == pytest.approx(1.0, abs=0.3)
