@@ -47,6 +47,8 @@ LOAD = """
     shared_prefixes: 4
     prefix_tokens: 32
     max_tokens: 32
+    retries: 1000         # fail_stop: clients retry until the cold-started stack answers
+    request_timeout: 180s
 """
 
 ROWS: dict[str, str] = {
