@@ -196,19 +196,36 @@ class Engine:
             self.tensors[name] = getter
 
     def at_point(self, step: int, phase: str) -> None:
-        """A fault point: the target is at ``phase`` of ``step``; memory faults fire here."""
+        """A fault point: the target is at ``phase`` of ``step``; memory faults and hangs
+        fire here."""
+        hang = None
         with self._lock:
             self.step, self.phase = step, phase
             self.refresh()
             for command in list(self.armed.values()):
-                if not command["kind"].startswith("memory.") or not self._mine(command):
+                kind = command["kind"]
+                if not (kind.startswith("memory.") or kind == "process.hang"):
+                    continue
+                if not self._mine(command):
                     continue
                 params = command["params"]
                 if not self._step_ok(params):
                     continue
                 if params.get("phase") and params["phase"] != phase:
                     continue
+                if kind == "process.hang":
+                    self._fired(command, detail=f"{threading.current_thread().name} thread "
+                                f"blocked at step {step} {phase}")
+                    hang = command
+                    break
                 self._poison(command)
+        if hang is not None:
+            # Only this thread stops, outside the lock: the process's other threads
+            # (heartbeats, I/O) run on, as they do around a deadlocked loop.
+            while hang["id"] not in self.released:
+                time.sleep(0.01)
+                with self._lock:
+                    self.refresh()
 
     def _poison(self, command: dict[str, Any]) -> None:
         from faults.memory import poison_tensor
@@ -359,6 +376,30 @@ class CollectiveCorrupt(_Collective):
                              "index": "element (flat), default seeded", "bit": "for bitflip"})
 
 
+class ProcessHang:
+    """The target's own loop stops at a fault point while the rest of it runs on."""
+
+    info = KindInfo(
+        kind="process.hang",
+        summary="The target's loop blocks at a fault point (a step and phase) until healed, "
+        "while its other threads (heartbeats, sockets) run on: a wedged decode step, a "
+        "deadlocked loop, a device call that never returns. Unlike process.freeze, a "
+        "heartbeat alone does not see it; progress checks must.",
+        caused_by="the probe blocks the thread that calls harness.probe.fault_point() at the "
+        "first point matching `at` (`step`, `phase`) after arming; the target must call "
+        "harness.probe.install().",
+        params={"duration": "release after this long; default: at the end of the run"},
+        reverted_by="the blocked thread is released",
+    )
+
+    def inject(self, target: ProcessRef, params: Mapping[str, Any], journal: Journal) -> Applied:
+        return arm(self.info.kind, target, params, journal, revertible=True)
+
+    def revert(self, undo: Mapping[str, Any]) -> None:
+        release(undo)
+
+
+PROCESS_HANG = register(ProcessHang())
 COLLECTIVE_ERROR = register(CollectiveError())
 COLLECTIVE_HANG = register(CollectiveHang())
 COLLECTIVE_DELAY = register(CollectiveDelay())

@@ -535,6 +535,13 @@ class StorageFull(_StorageBase):
     duration: Duration | None = None
 
 
+class ProcessHang(_FaultBase):
+    """Block the target's loop at a fault point until healed; its other threads run on."""
+
+    kind: Literal["process.hang"]
+    duration: Duration | None = Field(None, description="release after this long; default: end")
+
+
 class ProcessStraggle(_FaultBase):
     """Slow one process by a factor (cgroup CPU quota, or duty-cycled SIGSTOP/SIGCONT)."""
 
@@ -546,7 +553,8 @@ class ProcessStraggle(_FaultBase):
 
 
 Fault = Annotated[
-    ProcessKill | ProcessTerm | ProcessFreeze | ProcessStraggle | GpuXid | MemoryBitflip
+    ProcessKill | ProcessTerm | ProcessFreeze | ProcessStraggle | ProcessHang | GpuXid
+    | MemoryBitflip
     | MemoryFill | CollectiveError | CollectiveHang | CollectiveDelay | CollectiveCorrupt
     | NetReset | NetPartition | StorageDamage | StorageFull,
     Field(discriminator="kind"),
@@ -556,6 +564,7 @@ FAULT_MODELS: dict[str, type[_FaultBase]] = {
     "process.term": ProcessTerm,
     "process.freeze": ProcessFreeze,
     "process.straggle": ProcessStraggle,
+    "process.hang": ProcessHang,
     "net.reset": NetReset,
     "net.partition": NetPartition,
     "storage.corrupt": StorageDamage,
@@ -577,7 +586,7 @@ FAULT_MODELS: dict[str, type[_FaultBase]] = {
 def in_process(fault: _FaultBase) -> bool:
     """Faults the probe applies inside the target, at an exact step and phase."""
     kind = str(getattr(fault, "kind", ""))
-    return kind.startswith("collective.") or (
+    return kind.startswith("collective.") or kind == "process.hang" or (
         kind.startswith("memory.") and getattr(fault, "tensor", None) is not None
     )
 
