@@ -1,80 +1,271 @@
 """The shipped scenarios, run as a user runs them: through the CLI and through pytest.
 
-Slow by nature (each launches the 4-rank reference trainer under torchrun,
-twice when it compares against the fault-free run; the fault-free run is
-cached per session).
+Every scenario under scenarios/ runs exactly once here and must pass. A scenario whose point
+is a specific reaction of the system (a checkpoint skipped for its checksum, a warm spare
+taking a rank over, survivors training on alone) also has its timeline checked for that
+reaction, so it cannot pass for the wrong reason: these runs are the reference trainer's
+end-to-end tests too. The deliberately broken variants that show each check failing live in
+test_hot_spare.py, test_replay_check.py, test_e2e_command.py and test_cli.py.
+
+Slow by nature: each run launches the 4-rank reference trainer under torchrun (tens of
+CPU-seconds), and a scenario that compares against a fault-free run needs that run too. The
+fault-free run is cached per session (``shared_cache``), and scenarios whose systems differ
+only in pacing share it, which is why the shipped scenarios keep their systems aligned.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
+from _helpers import ROOT, cli, read_events
 
-ROOT = Path(__file__).resolve().parent.parent
+from harness.spec import TrainerSystem, load_scenario
+
 KILL = ROOT / "scenarios" / "training" / "kill_rank_restart.yaml"
+WORLD = 4  # every shipped training scenario: 2 replicas x 2 shards
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
-def aftershock(*args: str, cache: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "harness", *args], capture_output=True, text=True, timeout=580,
-        cwd=ROOT, env={**os.environ, "AFTERSHOCK_CACHE_DIR": str(cache)},
-    )
+@dataclass(frozen=True, slots=True)
+class Run:
+    """A finished scenario run: its record (``--json``) and its run folder."""
+
+    scenario: Path
+    record: dict[str, Any]
+
+    @property
+    def dir(self) -> Path:
+        return Path(self.record["run_dir"])
+
+    @property
+    def system(self) -> TrainerSystem:
+        system = load_scenario(self.scenario).spec.system
+        assert isinstance(system, TrainerSystem)
+        return system
+
+    def events(self, kind: str | None = None, folder: str = ".") -> list[dict[str, Any]]:
+        return read_events(self.dir / folder / "events.jsonl", kind)
+
+    def injection(self, fault: int = 0) -> dict[str, Any]:
+        """The moment fault ``fault`` of the scenario landed (its fault_injected event)."""
+        (hit,) = [e for e in self.events("fault_injected") if e.get("fault") == fault]
+        return hit
+
+    def detected(self, after: float = float("-inf")) -> list[dict[str, Any]]:
+        return [e for e in self.events("failure_detected") if e["t"] >= after]
+
+    def digests(self) -> dict[int, str]:
+        return {e["rank"]: e["digest"] for e in self.events("params")}
 
 
-def test_kill_rank_restart_passes_with_metrics(tmp_path: Path, shared_cache: Path) -> None:
-    out = tmp_path / "out.json"
-    proc = aftershock("run", str(KILL), "--json", str(out), "--run-dir", str(tmp_path / "r"),
-                      cache=shared_cache)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    (record,) = json.loads(out.read_text())
-    assert record["passed"] is True
-    checks = {c["name"]: c for c in record["checks"]}
-    assert checks["params_match"]["passed"]
+# --- what each scenario's timeline must show besides its checks ---------------------------
+
+
+def _fault_free(run: Run) -> None:
+    """The golden trajectory: complete, regular, and shaped like hybrid parallelism."""
+    steps, every = run.system.steps, run.system.checkpoint_every
+    assert len(run.events("hello")) == WORLD
+    committed: dict[int, list[int]] = {}
+    for e in run.events("step"):
+        committed.setdefault(e["rank"], []).append(e["step"])
+    assert committed == {rank: list(range(1, steps + 1)) for rank in range(WORLD)}
+    assert not run.events("failure_detected")
+    # Shards of one replica differ; replicas of one shard are identical (pure data parallel).
+    digests = run.digests()
+    assert len(digests) == WORLD
+    assert digests[0] == digests[2]
+    assert digests[1] == digests[3]
+    assert digests[0] != digests[1]
+    saved = [e["step"] for e in run.events("checkpoint_saved")]
+    assert saved == list(range(every, steps + 1, every))
+    # Only the newest 3 committed checkpoints are kept; every rank wrote its final state.
+    kept = sorted(p.name for p in (run.dir / "checkpoints").iterdir())
+    assert kept == [f"step_{s:06d}" for s in (steps - 2 * every, steps - every, steps)]
+    assert all((run.dir / "output" / "final" / f"rank_{r}.pt").exists() for r in range(WORLD))
+
+
+def _step_at(run: Run, t: float) -> int:
+    """The newest step any rank had committed before ``t``."""
+    return max(e["step"] for e in run.events("step") if e["t"] < t)
+
+
+def _kill_rank_restart(run: Run) -> None:
+    """One torchrun restart; every rank resumes from the newest checkpoint (at most one
+    interval old, since a save that the kill interrupted never commits) and goes on."""
     for metric in ("time_to_detect_s", "time_to_recover_s", "lost_steps"):
-        assert isinstance(record["metrics"][metric], int | float), metric
-    assert record["metrics"]["generations"] == 1  # one torchrun restart
+        assert isinstance(run.record["metrics"][metric], int | float), metric
+    assert run.record["metrics"]["generations"] == 1
+    killed = run.injection()["t"]
+    assert run.detected(after=killed), "no rank reported the failure"
+    loaded = run.events("checkpoint_loaded")
+    assert sorted(e["rank"] for e in loaded) == list(range(WORLD))
+    (resumed_from,) = {e["step"] for e in loaded}
+    assert resumed_from in [e["step"] for e in run.events("checkpoint_saved")]
+    assert resumed_from >= _step_at(run, killed) - run.system.checkpoint_every
+    first = [e for e in run.events("step") if e["t"] > killed and e["step"] == resumed_from + 1]
+    assert sorted(e["rank"] for e in first) == list(range(WORLD))
 
 
-def test_the_same_scenario_with_an_impossible_budget_fails(
-    tmp_path: Path, shared_cache: Path
-) -> None:
-    tight = tmp_path / "tight.yaml"
-    tight.write_text(KILL.read_text().replace("time_to_recover: {max: 30s}",
-                                              "time_to_recover: {max: 1ms}"))
-    proc = aftershock("run", str(tight), "--run-dir", str(tmp_path / "r"), cache=shared_cache)
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    line = next(ln for ln in proc.stdout.splitlines() if "time_to_recover" in ln)
-    assert "FAIL" in line
-    assert "<= 1ms" in line  # expected, next to the observed value
-    assert "1 failed" in proc.stdout
+def _freeze_rank_restart(run: Run) -> None:
+    """Nothing errors: only the collective timeout can see the hang, then the world restarts."""
+    frozen = run.injection()["t"]
+    assert any(e["cause"] == "collective_timeout" for e in run.detected(after=frozen))
+    assert {e["generation"] for e in run.events("hello")} == {0, 1}
+
+
+def _kill_rank_hot_spare(run: Run) -> None:
+    """The spare claims rank 1; no survivor restarts (none says hello twice)."""
+    killed = run.injection()["t"]
+    assert any(e["cause"] == "process_exit" and e.get("rank") == 1
+               for e in run.detected(after=killed))
+    hellos = [e for e in run.events("hello") if e.get("role") == "trainer"]
+    assert [e["rank"] for e in hellos].count(1) == 2
+    assert sorted(e["rank"] for e in hellos if e["t"] < killed) == list(range(WORLD))
+    survivors = [e for e in hellos if e["rank"] != 1]
+    assert len(survivors) == WORLD - 1
+
+
+def _nan_gradient_rollback(run: Run) -> None:
+    """The NaN reaches rank 3's data-parallel peer (rank 1) through the gradient average;
+    both report it for the poisoned step, and nothing else goes wrong."""
+    step = run.injection()["step"]
+    detected = [(e["cause"], e["step"]) for e in run.events("failure_detected")]
+    assert detected == [("non_finite", step), ("non_finite", step)]
+
+
+def _elastic(run: Run) -> None:
+    """Replica 0 drops out, replica 1 trains alone, replica 0 heals and rejoins; the replay
+    of the membership log (the params_match check) ran without a failure."""
+    log = run.dir / "output" / "membership.jsonl"
+    generations = [json.loads(line)["replicas"] for line in log.read_text().splitlines()]
+    assert generations[0] == [0, 1]
+    assert [1] in generations
+    assert generations[-1] == [0, 1]
+    killed = run.injection()["t"]
+    alone = [e for e in run.events("step") if e["t"] > killed and e.get("replicas") == 1]
+    assert alone, "survivors never committed a step on their own"
+    assert {e["rank"] for e in alone} == {2, 3}
+    assert run.events("params", folder="replay")
+    assert not run.events("failure_detected", folder="replay")
+
+
+def _fingerprints(run: Run) -> None:
+    """The flipped weight is caught by the next cross-replica fingerprint (every 10 steps,
+    the trainer's default), on its shard only (rank 1 is replica 0, shard 1), and the run
+    rolls back to the last agreed step."""
+    flipped_at = _step_at(run, run.injection()["t"])
+    found = [e for e in run.events("failure_detected") if e["cause"] == "fingerprint_mismatch"]
+    assert [e.get("shard") for e in found] == [1], found
+    assert found[0]["step"] % 10 == 0
+    # (one step more when the flip lands while a step's fingerprint is being taken)
+    assert flipped_at < found[0]["step"] <= flipped_at + 11, (flipped_at, found)
+    assert 0 < run.record["metrics"]["lost_steps"] <= 10
+
+
+def _skips_newest(reason: str) -> Callable[[Run], None]:
+    """Rank 1's newest checkpoint was damaged and rank 0 killed at the same moment: after the
+    restart, rank 1 (only) rejects that checkpoint for ``reason`` and every rank resumes
+    from the one before it."""
+
+    def check(run: Run) -> None:
+        saved = [e["step"] for e in run.events("checkpoint_saved")]
+        skipped = run.events("checkpoint_skipped")
+        assert [e["rank"] for e in skipped] == [1], skipped
+        damaged = skipped[0]["step"]
+        assert re.match(reason, skipped[0]["reason"]), skipped
+        assert damaged in saved[2:]  # the third save, or a later one if the fault came late
+        loaded = run.events("checkpoint_loaded")
+        assert sorted(e["rank"] for e in loaded) == list(range(WORLD))
+        assert {e["step"] for e in loaded} == {saved[saved.index(damaged) - 1]}
+
+    return check
+
+
+def _crash_during_save(run: Run) -> None:
+    """Rank 0 was killed as its third save began: the world restarts from a checkpoint that
+    every rank could verify, one that was committed before the kill."""
+    killed = run.injection()["t"]
+    before = [e["step"] for e in run.events("checkpoint_saved") if e["t"] < killed]
+    loaded = run.events("checkpoint_loaded")
+    assert sorted(e["rank"] for e in loaded) == list(range(WORLD))
+    (resumed_from,) = {e["step"] for e in loaded}
+    assert resumed_from in before
+    assert not run.events("checkpoint_skipped")
+
+
+def _full_disk(run: Run) -> None:
+    """Saves failed with ENOSPC while the disk was full; the run never restarted."""
+    failed = run.events("checkpoint_failed")
+    assert failed
+    assert all(e["error"].startswith("ENOSPC") for e in failed)
+    assert {e["generation"] for e in run.events("hello")} == {0}
+
+
+EVIDENCE: dict[str, Callable[[Run], None]] = {
+    "training/fault_free": _fault_free,
+    "training/kill_rank_restart": _kill_rank_restart,
+    "training/freeze_rank_restart": _freeze_rank_restart,
+    "training/kill_rank_hot_spare": _kill_rank_hot_spare,
+    "training/nan_gradient_rollback": _nan_gradient_rollback,
+    "training/kill_rank_elastic": _elastic,
+    "faults/memory_bitflip_param_fingerprint": _fingerprints,
+    "faults/storage_corrupt_checkpoint": _skips_newest("sha256 mismatch"),
+    "faults/storage_truncate_checkpoint": _skips_newest("size mismatch"),
+    "faults/storage_delete_checkpoint": _skips_newest("unreadable: FileNotFoundError"),
+    "faults/storage_crash_during_save": _crash_during_save,
+    "faults/storage_full_checkpoint": _full_disk,
+}
+
+
+def key(scenario: Path) -> str:
+    return f"{scenario.parent.name}/{scenario.stem}"
+
+
+def assert_passed_and_healed(run: Run) -> None:
+    assert run.record["passed"] is True, run.record["checks"]
+    # Every fault was undone: the heal journal of this test's state folder is empty.
+    journal = Path(os.environ["AFTERSHOCK_STATE_DIR"]) / "journal"
+    assert not list(journal.glob("*.jsonl")), "a fault was left unhealed"
+    EVIDENCE.get(key(run.scenario), lambda run: None)(run)
 
 
 def test_pytest_runs_a_shipped_scenario_as_one_test(tmp_path: Path, shared_cache: Path) -> None:
+    """kill_rank_restart goes through the pytest plugin (the README's way), and only there."""
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", str(KILL), "-p", "no:cacheprovider", "-q",
          f"--aftershock-run-dir={tmp_path / 'r'}"],
         capture_output=True, text=True, timeout=580, cwd=ROOT,
         env={**os.environ, "AFTERSHOCK_CACHE_DIR": str(shared_cache)},
     )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert "1 passed" in proc.stdout
+    name = load_scenario(KILL).spec.name
+    record = json.loads((tmp_path / "r" / name / "result.json").read_text())
+    assert_passed_and_healed(Run(KILL, record))
 
 
-OTHERS = sorted(
-    p for p in (ROOT / "scenarios").rglob("*.yaml") if p != KILL
-)
+SCENARIOS = sorted(p for p in (ROOT / "scenarios").rglob("*.yaml") if p != KILL)
 
 
-@pytest.mark.parametrize("scenario", OTHERS, ids=[p.stem for p in OTHERS])
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=[key(p) for p in SCENARIOS])
 def test_shipped_scenario_passes(scenario: Path, tmp_path: Path, shared_cache: Path) -> None:
     out = tmp_path / "out.json"
-    proc = aftershock("run", str(scenario), "--json", str(out), "--run-dir", str(tmp_path / "r"),
-                      cache=shared_cache)
+    proc = cli("run", str(scenario), "--json", str(out), "--run-dir", str(tmp_path / "r"),
+               cache=shared_cache, timeout=580)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    (record,) = json.loads(out.read_text())
+    assert_passed_and_healed(Run(scenario, record))
+
+
+def test_every_evidence_names_a_shipped_scenario() -> None:
+    assert set(EVIDENCE) <= {key(p) for p in [*SCENARIOS, KILL]}

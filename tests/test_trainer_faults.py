@@ -58,6 +58,32 @@ def test_save_commits_when_every_rank_wrote(tmp_path: Path, group: Any, events: 
     assert read(events, "checkpoint_failed") == []
 
 
+def test_resume_skips_a_corrupt_checkpoint_and_ignores_a_torn_save(
+    tmp_path: Path, group: Any, events: Path
+) -> None:
+    """What a restarted trainer loads, exactly: the shipped storage scenarios show the same
+    end to end, but when the harness's kill lands is up to timing, and here it is not."""
+    root = tmp_path / "ckpt"
+    for step in (10, 20, 30):
+        state = {"w": torch.full((3,), float(step))}
+        assert checkpoint.save(root, step, state, {"seed": 0}, group) is not None
+    newest = checkpoint.step_dir(root, 30) / "rank_0.pt"
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0x01  # same size: only the checksum can tell
+    newest.write_bytes(bytes(data))
+    torn = checkpoint.step_dir(root, 40)  # a save that crashed before its COMMIT marker
+    torn.mkdir()
+    (torn / "rank_0.pt").write_bytes(b"torn")
+
+    loaded = checkpoint.load_latest(root, {"seed": 0}, group)
+    assert loaded is not None
+    step, _, state = loaded
+    assert step == 20
+    assert torch.equal(state["w"], torch.full((3,), 20.0))
+    skipped = [(e["step"], e["reason"]) for e in read(events, "checkpoint_skipped")]
+    assert skipped == [(30, "sha256 mismatch")]  # the torn folder is not even a candidate
+
+
 def test_a_full_disk_costs_the_checkpoint_not_the_run(
     tmp_path: Path, group: Any, events: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
