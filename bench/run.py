@@ -248,7 +248,7 @@ def analyse(events: list[Event], settings: Settings, t_kill: float | None) -> di
         resume_s=None if resumed is None else resumed - t_kill,
         full_s=metrics.time_to_recover(events, WORLD),
         lost_steps=max(redone.values(), default=0),
-        restarts=metrics.restarts(events),
+        restarts=metrics.generations(events),
     )
     return out
 
