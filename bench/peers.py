@@ -152,9 +152,18 @@ PEERS: tuple[Peer, ...] = (
     Peer("restart", "ours",
          f"reference trainer `restart`: torchrun --max-restarts, checkpoint every "
          f"{CHECKPOINT_EVERY}", trainer("restart", checkpoint_every=CHECKPOINT_EVERY)),
-    Peer("hot_spare", "ours", "reference trainer `hot_spare`: 1 warm spare, snapshot every step",
+    # Snapshots only matter when every replica of a shard is lost at once (a replacement
+    # otherwise copies a live peer, losing nothing), so the default row takes one every 10
+    # steps; `hot_spare_1` (with --only) shows what a snapshot every step costs on 2 cores.
+    Peer("hot_spare", "ours",
+         "reference trainer `hot_spare`: 1 warm spare, peer snapshot every 10 steps",
          trainer("hot_spare", checkpoint_every=0, nproc=WORLD + 1,
-                 extra=("--spares=1", "--snapshot-every=1")), requires="hot_spare"),
+                 extra=("--spares=1", "--snapshot-every=10")), requires="hot_spare"),
+    Peer("hot_spare_1", "ours",
+         "reference trainer `hot_spare`: 1 warm spare, peer snapshot every step",
+         trainer("hot_spare", checkpoint_every=0, nproc=WORLD + 1,
+                 extra=("--spares=1", "--snapshot-every=1")), requires="hot_spare",
+         default=False),
     Peer("elastic", "ours", "reference trainer `elastic`: per-step membership",
          trainer("elastic", checkpoint_every=0), requires="elastic"),
     Peer("torchrun_ddp", "peer",
