@@ -99,6 +99,12 @@ def test_straggle_slows_by_factor_and_recovers(
         STRAGGLE.revert(applied.undo)
     STRAGGLE.revert(applied.undo)  # idempotent
     after, share_after = spinner.rate(1.0)
+    for _ in range(3):
+        # Released means uncapped, not fast: a co-tenant (another test's torch start-up)
+        # can hold the spinner down for a second, so give it a few windows to show it.
+        if after > 2 * during and share_after > 2 * share:
+            break
+        after, share_after = spinner.rate(1.0)
     seen = {"work": (before, during, after), "cpus": (share_before, share, share_after)}
     assert share < 1 / factor + 0.02, seen  # the cap holds whatever else runs
     assert during < 0.5 * before, seen
