@@ -490,9 +490,12 @@ def _code_fingerprint(spec: Scenario) -> str:
 def baseline_key(spec: Scenario, seed: int) -> str:
     system = spec.system.model_dump(mode="json")
     if isinstance(spec.system, TrainerSystem):
-        # Pacing changes timing, never the math: one golden run serves every pace.
-        system.pop("step_sleep", None)
-        system.pop("timeout", None)
+        # Pacing, failure detection and what is kept for recovery (checkpoints, snapshots,
+        # idle spares) change timing, never a fault-free run's math: one golden run serves
+        # them all. The recovery strategy stays in: it is a different runtime.
+        for name in ("step_sleep", "timeout", "collective_timeout", "max_restarts",
+                     "checkpoint_every", "spares", "snapshot_every"):
+            system.pop(name, None)
     elif isinstance(spec.system, ServerSystem):
         # Timing, detection and the recovery policy never change a fault-free run's tokens;
         # the model, the kernels and the load do.

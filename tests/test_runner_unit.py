@@ -29,6 +29,17 @@ def test_baseline_key_ignores_pacing_but_not_the_math() -> None:
     assert baseline_key(spec, 0) != baseline_key(spec, 1)
 
 
+def test_baseline_key_ignores_what_only_recovery_uses_but_not_the_strategy() -> None:
+    def key(extra: str) -> str:
+        return baseline_key(parse_scenario(SCENARIO.replace("step_sleep: 10ms", extra)), 0)
+
+    spare = key("recovery: hot_spare, spares: 1, snapshot_every: 1, collective_timeout: 3s")
+    assert spare == key("recovery: hot_spare, spares: 2, snapshot_every: 10")
+    assert key("checkpoint_every: 5, max_restarts: 0") == key("checkpoint_every: 20")
+    assert spare != key("recovery: restart")
+    assert spare != key("recovery: hot_spare, world: {replicas: 1, shards: 2}")
+
+
 def test_server_baseline_key_ignores_timing_and_recovery_but_not_the_load() -> None:
     base = "name: s\nsystem: {reference: server, %s}\n"
     spec = parse_scenario(base % "dead_after: 1s")
