@@ -16,7 +16,7 @@ from _helpers import ROOT, read_events
 
 from harness import runner
 from harness.records import RunResult
-from harness.spec import load_scenario
+from harness.spec import LoadedScenario, load_scenario, parse_scenario
 
 pytest.importorskip("torch")
 
@@ -24,10 +24,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 def run_broken(
-    scenario: Path, run_dir: Path, monkeypatch: pytest.MonkeyPatch, cache: Path, *flags: str
+    scenario: Path, run_dir: Path, monkeypatch: pytest.MonkeyPatch, cache: Path, *flags: str,
+    two_ranks: bool = False,
 ) -> RunResult:
     """Run ``scenario`` with ``flags`` added to the trainer's command line in the faulted run
-    (never in the fault-free baseline, which stays the shipped scenario's)."""
+    (never in the fault-free baseline, which stays the shipped scenario's). ``two_ranks``
+    runs it on a 2-rank data-parallel world instead (the bug is the same, the start-up
+    half the cost)."""
     execute = runner.execute
 
     def broken(*args: Any, **kwargs: Any) -> Any:
@@ -37,7 +40,13 @@ def run_broken(
 
     monkeypatch.setattr(runner, "execute", broken)
     monkeypatch.setenv("AFTERSHOCK_CACHE_DIR", str(cache))
-    return runner.run_scenario(load_scenario(scenario), run_dir=run_dir)
+    loaded = load_scenario(scenario)
+    if two_ranks:
+        text = loaded.text.replace("world: {replicas: 2, shards: 2}",
+                                   "world: {replicas: 2, shards: 1}")
+        assert "shards: 1" in text
+        loaded = LoadedScenario(parse_scenario(text, str(scenario)), scenario, text)
+    return runner.run_scenario(loaded, run_dir=run_dir)
 
 
 def test_spare_loading_a_stale_state_fails_params_match(
@@ -48,7 +57,7 @@ def test_spare_loading_a_stale_state_fails_params_match(
     too, and the run converges on one replica's state)."""
     scenario = ROOT / "scenarios" / "training" / "kill_rank_hot_spare.yaml"
     result = run_broken(scenario, tmp_path / "run", monkeypatch, shared_cache,
-                        "--debug-stale-snapshot", "--fingerprint-every=0")
+                        "--debug-stale-snapshot", "--fingerprint-every=0", two_ranks=True)
     checks = {c.name: c for c in result.checks}
     # The recovery itself looked perfect: fast, complete, nothing recomputed.
     for name in ("completes", "faults_injected", "time_to_detect", "lost_steps"):
