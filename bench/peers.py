@@ -164,8 +164,12 @@ PEERS: tuple[Peer, ...] = (
          trainer("hot_spare", checkpoint_every=0, nproc=WORLD + 1,
                  extra=("--spares=1", "--snapshot-every=1")), requires="hot_spare",
          default=False),
-    Peer("elastic", "ours", "reference trainer `elastic`: per-step membership",
-         trainer("elastic", checkpoint_every=0), requires="elastic"),
+    # A returning replica heals from a live peer, so elastic needs snapshots no more often
+    # than hot_spare does.
+    Peer("elastic", "ours",
+         "reference trainer `elastic`: per-step membership, peer snapshot every 10 steps",
+         trainer("elastic", checkpoint_every=0, extra=("--snapshot-every=10",)),
+         requires="elastic"),
     Peer("torchrun_ddp", "peer",
          f"torch DDP + torch.save every {CHECKPOINT_EVERY} steps, torchrun --max-restarts",
          ddp(checkpoint_every=CHECKPOINT_EVERY)),
