@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv demo test test-fast lint typecheck bench clean
+.PHONY: venv demo test test-fast test-scenarios lint typecheck bench clean
 
 venv: $(STAMP)
 
@@ -15,17 +15,22 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)" numpy
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -e '.[dev,fuse]'
 	touch $(STAMP)
 
 demo: venv
 	$(VENV)/bin/aftershock run scenarios/training/
 
+# Everything but the sweep over every shipped scenario, which CI runs as its own step.
 test: venv
-	$(PY) -m pytest
+	$(PY) -m pytest -m "not scenarios"
+
+# Every shipped scenario, through the CLI and the pytest plugin, with its timeline evidence.
+test-scenarios: venv
+	$(PY) -m pytest -m scenarios
 
 test-fast: venv
-	$(PY) -m pytest -m "not slow"
+	$(PY) -m pytest -m "not slow and not scenarios"
 
 lint: venv
 	$(VENV)/bin/ruff check .

@@ -35,7 +35,7 @@ from harness.spec import TrainerSystem, load_scenario
 # The scenario that goes through the pytest plugin instead of the CLI: a cheap one.
 VIA_PYTEST = ROOT / "scenarios" / "faults" / "process_term_restart.yaml"
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.scenarios, pytest.mark.timeout(600)]
 
 
 @dataclass(frozen=True, slots=True)
