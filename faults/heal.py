@@ -126,21 +126,25 @@ def revert_entry(entry: Pending) -> None:
     registry.get(entry.kind).revert(entry.undo)
 
 
-def _end_run(env: str, value: str, rounds: int = 50) -> None:
+def _end_run(env: str, value: str, patience_s: float = 10.0) -> None:
     """Thaw and SIGKILL every process marked ``env=value``, again until none is left:
-    a process forking while we looked has a child we did not see."""
-    for _ in range(rounds):
+    a process forking while we looked has a child we did not see, and a big process
+    (a CUDA context, gigabytes to unmap) takes a while to be gone after SIGKILL."""
+    deadline = time.monotonic() + patience_s
+    while True:
         refs = processes_with_env(env, value)
         if not refs:
             return
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"processes {[r.pid for r in refs]} of the run outlived SIGKILL by "
+                f"{patience_s:g}s"
+            )
         # Thaw first so nothing stays stopped if SIGKILL were refused, then kill.
         for ref in refs:
             ref.signal(signal.SIGCONT)
         kill_all(refs)
-        time.sleep(0.02)
-    left = [r.pid for r in processes_with_env(env, value)]
-    if left:
-        raise RuntimeError(f"processes {left} of the run survived SIGKILL")
+        time.sleep(0.05)
 
 
 def heal_journal(path: Path, *, orphans_only: bool = False) -> list[Healed]:

@@ -30,7 +30,7 @@ import pytest
 from faults import _procmem, registry
 from faults._proc import ProcessRef, state
 from faults.heal import heal_journal, heal_orphans
-from faults.journal import Journal, UnsafeFolder, pending, state_dir
+from faults.journal import Journal, UndoContext, UndoRefused, UnsafeFolder, pending, state_dir
 from faults.registry import Applied, KindInfo
 from faults.storage import CORRUPT
 
@@ -474,3 +474,70 @@ def test_a_run_refuses_a_state_folder_others_can_write() -> None:
     os.chmod(folder, 0o1777)
     with pytest.raises(UnsafeFolder, match="writable by others"):
         Journal.create("run-shared")
+
+
+# ------------------------------------------------------------- the context's checks, one by one
+
+
+def _context(tmp_path: Path) -> UndoContext:
+    run = tmp_path / "run"
+    (run / "ckpt").mkdir(parents=True)
+    return UndoContext("run-ctx", (run,), tmp_path / "state")
+
+
+def test_a_link_out_of_the_run_folder_is_refused(tmp_path: Path) -> None:
+    context = _context(tmp_path)
+    (tmp_path / "run" / "escape").symlink_to("/etc")
+    assert context.path(str(tmp_path / "run" / "ckpt" / "new.pt")) == (
+        tmp_path / "run" / "ckpt" / "new.pt")  # need not exist yet (a deleted file)
+    with pytest.raises(UndoRefused, match="outside this run's folders"):
+        context.path(str(tmp_path / "run" / "escape" / "passwd"))
+    with pytest.raises(UndoRefused, match="absolute"):
+        context.path("run/ckpt")
+
+
+def test_a_pid_with_another_start_time_is_not_the_run_s_process(tmp_path: Path) -> None:
+    context = _context(tmp_path)
+    proc = _sleeper(AFTERSHOCK_RUN_ID="run-ctx")
+    try:
+        ref = _ref(proc)
+        assert context.process(ref.to_json()) == ref
+        # Same pid, another start: a reused pid. Nothing to undo on it, and nothing done.
+        assert context.process({"pid": ref.pid, "start": ref.start - 1}) is None
+        with pytest.raises(UndoRefused, match="does not name a process"):
+            context.process({"pid": str(ref.pid), "start": ref.start})
+        with pytest.raises(UndoRefused, match="never a process of a run"):
+            context.process({"pid": 1, "start": 0})
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_names_and_cgroups_must_be_aftershock_s(tmp_path: Path) -> None:
+    context = _context(tmp_path)
+    assert context.name("aftershock_0123456789ab") == "aftershock_0123456789ab"
+    for bad in ("not_ours", "aftershock_", "aftershock_x y", 7):
+        with pytest.raises(UndoRefused):
+            context.name(bad)
+    mount = Path("/sys/fs/cgroup/cpu")
+    good = {"cgroup": "/sys/fs/cgroup/cpu/a/aftershock_1", "home": "/sys/fs/cgroup/cpu/a",
+            "root": "/sys/fs/cgroup/cpu"}
+    assert context.cgroup(good, mount) == Path(good["cgroup"])
+    for change in ({"root": "/sys/fs/cgroup/memory"}, {"home": "/sys/fs/cgroup/cpu"},
+                   {"cgroup": "/sys/fs/cgroup/cpu/a/user.slice"},
+                   {"cgroup": "/sys/fs/cgroup/cpu/a/../aftershock_1"}):
+        with pytest.raises(UndoRefused):
+            context.cgroup({**good, **change}, mount)
+    with pytest.raises(UndoRefused, match="no such cgroup hierarchy"):
+        context.cgroup(good, None)
+
+
+def test_state_paths_are_under_a_token(tmp_path: Path) -> None:
+    context = _context(tmp_path)
+    base = tmp_path / "state" / "backup"
+    assert context.state_path(str(base / "0123456789ab" / "f.pt"), "backup") == (
+        "0123456789ab", "f.pt")
+    with pytest.raises(UndoRefused, match="token"):
+        context.state_path(str(base / "f.pt"), "backup")
+    with pytest.raises(UndoRefused, match="state folder"):
+        context.state_path(str(tmp_path / "state" / "storage" / "0123456789ab"), "backup")
