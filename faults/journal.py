@@ -320,9 +320,11 @@ class Journal:
         return journal
 
     @property
-    def state(self) -> Path:
-        """The state folder this journal belongs to (backups and stashes go there)."""
-        return self.path.parent.parent
+    def run_id(self) -> str:
+        """The run this journal belongs to: a helper process a kind starts itself (not
+        launched by the harness) carries ``AFTERSHOCK_RUN_ID=<run_id>`` so that a heal
+        can prove it is the run's (``UndoContext.process``)."""
+        return self.path.stem
 
     def _append(self, record: dict[str, Any]) -> None:
         record = {"t": time.time(), **record}
