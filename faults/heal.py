@@ -4,6 +4,13 @@ Run as ``python -m faults.heal --journal FILE --watch PID`` this module is the
 reaper: a small process in its own session that waits for the harness to exit
 and then heals that harness's journal, so even a SIGKILLed harness leaves
 nothing behind.
+
+A heal trusts nothing it did not write (docs/security.md). Each item it looks
+at ends as one :class:`Healed`: ``undone``; ``refused`` (a journal file that is
+not ours or sits in a folder others can write, a malformed record, an undo
+record its kind's ``validate`` does not accept: nothing of it was touched);
+``failed`` (the undo raised, or the kind is unknown: the fault may still be
+applied); or ``skipped`` (a line cut short by a crash: harmless).
 """
 
 from __future__ import annotations
@@ -16,73 +23,205 @@ import select
 import signal
 import subprocess
 import sys
+import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal
 
 from faults import registry
 from faults._proc import kill_all, processes_with_env
-from faults.journal import Journal, Pending, orphaned_journals, pending
+from faults.journal import (
+    RUN_ID_ENV,
+    RUN_ID_PATTERN,
+    Journal,
+    Pending,
+    UndoContext,
+    UndoRefused,
+    UntrustedJournal,
+    journal_dir,
+    open_trusted,
+    parse,
+    read_fd,
+    unsafe_folder,
+)
 
 LAUNCH_KIND = "launch"
+Outcome = Literal["undone", "refused", "failed", "skipped"]
+# `aftershock heal` exits with the worst: an undo failed (a fault may still be applied),
+# else something was refused (not proven ours: untouched), else 0.
+EXIT_FAILED, EXIT_REFUSED = 1, 2
 
 
 @dataclass(frozen=True, slots=True)
 class Healed:
+    """What became of one journal entry, or of a journal file (``entry`` None)."""
+
     journal: Path
-    entry: Pending
-    error: str | None
+    entry: Pending | None
+    outcome: Outcome
+    reason: str | None = None
+
+    @property
+    def error(self) -> str | None:
+        """None only when undone: anything else is worth a look."""
+        return None if self.outcome == "undone" else f"{self.outcome}: {self.reason}"
+
+    def describe(self) -> str:
+        what = f"{self.entry.kind} {self.entry.undo}" if self.entry else "journal"
+        text = f"{self.outcome:<8} {what} ({self.journal})"
+        return text + (f": {self.reason}" if self.reason else "")
+
+
+class UnknownKind(Exception):
+    """A record of a kind this installation does not know (a plugin not installed)."""
+
+
+def exit_code(results: list[Healed]) -> int:
+    if any(r.outcome == "failed" for r in results):
+        return EXIT_FAILED
+    if any(r.outcome == "refused" for r in results):
+        return EXIT_REFUSED
+    return 0
+
+
+def validate_launch(undo: Mapping[str, Any], context: UndoContext) -> None:
+    """Only this run's own mark: ``AFTERSHOCK_RUN_ID=<the journal's run id>``."""
+    if undo.get("env") != RUN_ID_ENV:
+        raise UndoRefused(f"env {undo.get('env')!r} is not {RUN_ID_ENV}")
+    if undo.get("value") != context.run_id:
+        raise UndoRefused(
+            f"value {undo.get('value')!r} is not this journal's run id {context.run_id!r}"
+        )
+
+
+def validate_entry(entry: Pending, context: UndoContext) -> None:
+    """Raise UndoRefused unless ``entry`` names only what its run made."""
+    if entry.op == "launch":
+        validate_launch(entry.undo, context)
+        return
+    try:
+        kind = registry.get(entry.kind)
+    except KeyError as exc:
+        raise UnknownKind(
+            f"{exc.args[0]}: install what provides it, then run `aftershock heal` again"
+        ) from None
+    check = registry.validator(kind)
+    if check is None:
+        raise UndoRefused(
+            f"kind {entry.kind} gives no validate(undo, context): its undo cannot be checked"
+        )
+    try:
+        check(entry.undo, context)
+    except UndoRefused:
+        raise
+    except Exception as exc:  # a malformed record: a missing key, a wrong type
+        raise UndoRefused(f"malformed undo ({type(exc).__name__}: {exc})") from None
 
 
 def revert_entry(entry: Pending) -> None:
     if entry.op == "launch":
-        # Thaw first so nothing stays stopped if SIGKILL were refused, then kill.
-        refs = processes_with_env(entry.undo["env"], entry.undo["value"])
-        for ref in refs:
-            ref.signal(signal.SIGCONT)
-        kill_all(refs)
+        _end_run(str(entry.undo["env"]), str(entry.undo["value"]))
         return
     registry.get(entry.kind).revert(entry.undo)
 
 
-def heal_journal(path: Path) -> list[Healed]:
+def _end_run(env: str, value: str, patience_s: float = 10.0) -> None:
+    """Thaw and SIGKILL every process marked ``env=value``, again until none is left:
+    a process forking while we looked has a child we did not see, and a big process
+    (a CUDA context, gigabytes to unmap) takes a while to be gone after SIGKILL."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        refs = processes_with_env(env, value)
+        if not refs:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"processes {[r.pid for r in refs]} of the run outlived SIGKILL by "
+                f"{patience_s:g}s"
+            )
+        # Thaw first so nothing stays stopped if SIGKILL were refused, then kill.
+        for ref in refs:
+            ref.signal(signal.SIGCONT)
+        kill_all(refs)
+        time.sleep(0.05)
+
+
+def heal_journal(path: Path, *, orphans_only: bool = False) -> list[Healed]:
     """Revert every pending entry of one journal (faults first, then launches).
 
+    With ``orphans_only`` a journal whose harness is still running is left alone.
     An exclusive lock on the journal keeps the reaper, `aftershock heal` and a new
     run's start from healing the same journal at the same moment.
     """
+    problem = unsafe_folder(path.parent)
+    if problem is not None:
+        return [Healed(path, None, "refused", problem)]
+    if not RUN_ID_PATTERN.fullmatch(path.stem):
+        return [Healed(path, None, "refused", "its name is not a run id")]
     try:
-        lock = os.open(path, os.O_RDONLY)
+        fd = open_trusted(path)
+    except UntrustedJournal as exc:
+        return [Healed(path, None, "refused", exc.reason)]
     except FileNotFoundError:
-        return []
+        return []  # healed meanwhile by someone else
+    except OSError as exc:
+        return [Healed(path, None, "failed", f"cannot open: {exc.strerror}")]
     try:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        return _heal_locked(path)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        return _heal_locked(path, fd, orphans_only)
+    except OSError as exc:
+        return [Healed(path, None, "failed", f"cannot read: {exc.strerror}")]
     finally:
-        os.close(lock)
+        os.close(fd)
 
 
-def _heal_locked(path: Path) -> list[Healed]:
-    results: list[Healed] = []
-    entries = sorted(pending(path), key=lambda e: e.op == "launch")
+def _heal_locked(path: Path, fd: int, orphans_only: bool) -> list[Healed]:
+    contents = parse(read_fd(fd))
+    if orphans_only and contents.owner is not None and contents.owner.alive():
+        return []
+    context = UndoContext.of(path, contents)
+    results = [Healed(path, None, "skipped", f"line {n} is cut short (a write interrupted "
+                      "by a crash)") for n in contents.torn]
+    results += [Healed(path, None, "refused", f"unreadable record, {why}")
+                for why in contents.malformed]
     journal = Journal(path=path)
-    for entry in entries:
-        error = None
+    left = False
+    for entry in sorted(contents.pending, key=lambda e: e.op == "launch"):
+        outcome: Outcome = "undone"
+        reason = None
         try:
+            validate_entry(entry, context)
             revert_entry(entry)
+        except UndoRefused as exc:
+            outcome, reason = "refused", str(exc)
+        except UnknownKind as exc:  # may well still be applied: we cannot tell
+            outcome, reason = "failed", str(exc)
         except Exception as exc:  # one failing revert must not stop the others
-            error = f"{type(exc).__name__}: {exc}"
-        else:
+            outcome, reason = "failed", f"{type(exc).__name__}: {exc}"
+        if outcome == "undone":
             journal.done(entry.id)
-        results.append(Healed(path, entry, error))
-    journal.close()
+        else:
+            left = True  # stays pending: the next heal reports it again
+        results.append(Healed(path, entry, outcome, reason))
+    if not left and not contents.malformed:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
     return results
 
 
 def heal_orphans(folder: Path | None = None) -> list[Healed]:
-    """Heal every journal whose harness is gone."""
+    """Heal every journal whose harness is gone; report what cannot be trusted or read."""
+    folder = folder or journal_dir()
+    if not folder.is_dir():
+        return []
+    problem = unsafe_folder(folder)
+    if problem is not None:
+        return [Healed(folder, None, "refused", problem)]
     results: list[Healed] = []
-    for path in orphaned_journals(folder):
-        results.extend(heal_journal(path))
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".jsonl"):
+            results.extend(heal_journal(folder / name, orphans_only=True))
     return results
 
 
@@ -118,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     _wait_for_exit(args.watch)
+    # Whatever is left (refused, failed) stays in the journal for `aftershock heal`.
     with contextlib.suppress(Exception):
         heal_journal(args.journal)
     return 0

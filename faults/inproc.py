@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from faults._proc import ProcessRef, environ
-from faults.journal import Journal
+from faults.journal import Journal, UndoContext, UndoRefused
 from faults.registry import Applied, KindInfo, register
 
 COMMANDS_ENV = "AFTERSHOCK_COMMANDS"
@@ -84,6 +84,13 @@ def arm(kind: str, target: ProcessRef, params: Mapping[str, Any], journal: Journ
 def release(undo: Mapping[str, Any]) -> None:
     with contextlib.suppress(OSError):
         send(str(undo["commands"]), {"op": "release", "id": undo["id"]})
+
+
+def validate_release(undo: Mapping[str, Any], context: UndoContext) -> None:
+    """A release is a line appended to the run's own command file, nowhere else."""
+    context.path(undo.get("commands"))
+    if not isinstance(undo.get("id"), str):
+        raise UndoRefused("a release without the command's id")
 
 
 class InjectedCollectiveError(RuntimeError):
@@ -337,6 +344,9 @@ class _Collective:
     def revert(self, undo: Mapping[str, Any]) -> None:
         release(undo)
 
+    def validate(self, undo: Mapping[str, Any], context: UndoContext) -> None:
+        validate_release(undo, context)
+
 
 def _collective_info(kind: str, summary: str, extra: dict[str, str]) -> KindInfo:
     return KindInfo(
@@ -397,6 +407,9 @@ class ProcessHang:
 
     def revert(self, undo: Mapping[str, Any]) -> None:
         release(undo)
+
+    def validate(self, undo: Mapping[str, Any], context: UndoContext) -> None:
+        validate_release(undo, context)
 
 
 PROCESS_HANG = register(ProcessHang())

@@ -24,7 +24,7 @@ from typing import Any
 from faults import _procmem
 from faults._errors import FaultUnavailable
 from faults._proc import ProcessRef
-from faults.journal import Journal
+from faults.journal import Journal, UndoContext, UndoRefused
 from faults.registry import Applied, KindInfo, register
 
 # Bit patterns of the special values, little-endian as on every Linux target we run on.
@@ -100,6 +100,21 @@ def _restore(undo: Mapping[str, Any]) -> None:
             continue
 
 
+def _validate(undo: Mapping[str, Any], context: UndoContext) -> None:
+    """Old bytes go back only into a process of the run."""
+    if not undo.get("restore") or "target" not in undo:
+        return  # nothing is written on revert
+    context.process(undo["target"])
+    writes = undo.get("writes", [])
+    if not isinstance(writes, list):
+        raise UndoRefused("writes is not a list")
+    for item in writes:
+        address = item["address"]
+        if not isinstance(address, int) or isinstance(address, bool) or address < 0:
+            raise UndoRefused(f"address {address!r} is not an address")
+        bytes.fromhex(item["old"])
+
+
 def _describe(writes: list[dict[str, Any]], limit: int = 4) -> str:
     shown = ", ".join(f"{w['address']:#x}: {w['old']}->{w['new']}" for w in writes[:limit])
     more = f" (+{len(writes) - limit} more)" if len(writes) > limit else ""
@@ -157,6 +172,9 @@ class BitFlip:
     def revert(self, undo: Mapping[str, Any]) -> None:
         _restore(undo)
 
+    def validate(self, undo: Mapping[str, Any], context: UndoContext) -> None:
+        _validate(undo, context)
+
 
 def _in_process(
     kind: str, target: ProcessRef, params: Mapping[str, Any], journal: Journal
@@ -209,6 +227,9 @@ class _Fill:
 
     def revert(self, undo: Mapping[str, Any]) -> None:
         _restore(undo)
+
+    def validate(self, undo: Mapping[str, Any], context: UndoContext) -> None:
+        _validate(undo, context)
 
 
 def _fill_info(kind: str, what: str, cause: str) -> KindInfo:

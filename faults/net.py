@@ -24,7 +24,7 @@ from faults import _cgroup, _nft
 from faults._errors import FaultUnavailable
 from faults._proc import ProcessRef
 from faults._sockets import CONNECTED, LISTEN, TcpSocket, same_netns, tcp_sockets, tcp_table
-from faults.journal import Journal, undone_on_error
+from faults.journal import Journal, UndoContext, UndoRefused, undone_on_error
 from faults.registry import Applied, KindInfo, register
 
 # nft resolves `socket cgroupv2` paths relative to this folder (hard-coded in nftables).
@@ -217,6 +217,13 @@ class Partition:
         _nft.delete_table(str(undo["table"]))
         if undo.get("cgroup"):
             _cgroup.remove(Path(undo["cgroup"]), Path(undo["home"]), Path(undo["root"]))
+
+    def validate(self, undo: Mapping[str, Any], context: UndoContext) -> None:
+        table = context.name(undo.get("table"))
+        if undo.get("cgroup"):
+            group = context.cgroup(undo, _cgroup.v2_mount())
+            if group.name != table:
+                raise UndoRefused(f"cgroup {group} is not the group of table {table}")
 
 
 RESET = register(Reset())

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from faults._proc import ProcessRef
-from faults.journal import Journal
+from faults.journal import Journal, UndoContext
 from faults.registry import Applied, KindInfo, register
 
 
@@ -75,6 +75,9 @@ class Freeze:
 
     def revert(self, undo: Mapping[str, Any]) -> None:
         ProcessRef.from_json(dict(undo)).signal(signal.SIGCONT)
+
+    def validate(self, undo: Mapping[str, Any], context: UndoContext) -> None:
+        context.process(undo)
 
 
 KILL = register(Kill())

@@ -1,15 +1,22 @@
-"""The registry of fault kinds and the protocol each kind follows."""
+"""The registry of fault kinds and the protocols each kind follows.
+
+A kind that journals an undo record also gives ``validate(undo, context)``
+(:class:`Validates`): a heal, often run as root, calls it on every record before
+``revert`` and refuses the record unless it names only what the run can be
+proven to have made (docs/security.md). A kind without one has its records
+refused: that is the safe default for third-party kinds.
+"""
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any, Protocol
 
 from faults._proc import ProcessRef
-from faults.journal import Journal
+from faults.journal import Journal, UndoContext
 
 ENTRY_POINT_GROUP = "aftershock.faults"
 _BUILTIN_MODULES = (
@@ -51,6 +58,23 @@ class FaultKind(Protocol):
     def revert(self, undo: Mapping[str, Any]) -> None:
         """Undo the fault from its journal record alone; idempotent."""
         ...
+
+
+class Validates(Protocol):
+    """A kind whose undo records a heal can check before acting on them."""
+
+    def validate(self, undo: Mapping[str, Any], context: UndoContext) -> None:
+        """Return if ``undo`` names only what ``context``'s run made, else raise
+        ``faults.journal.UndoRefused`` saying why. Build it from the context's checks
+        (``process``, ``path``, ``state_path``, ``name``, ``cgroup``); any other error
+        raised here (a missing key, a wrong type) also refuses the record."""
+        ...
+
+
+def validator(kind: FaultKind) -> Callable[[Mapping[str, Any], UndoContext], None] | None:
+    """The kind's ``validate``, or None when it gives none (its records are refused)."""
+    check = getattr(kind, "validate", None)
+    return check if callable(check) else None
 
 
 _registry: dict[str, FaultKind] = {}

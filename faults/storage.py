@@ -24,7 +24,7 @@ from typing import Any
 
 from faults._errors import FaultUnavailable
 from faults._proc import ProcessRef
-from faults.journal import Journal, state_dir
+from faults.journal import NAME_PREFIX, Journal, UndoContext, UndoRefused, private_dir, state_dir
 from faults.registry import Applied, KindInfo, register
 
 _PICK = {
@@ -54,7 +54,7 @@ def _backup(path: Path, journal: Journal, kind: str) -> tuple[str, dict[str, Any
     backup = state_dir() / "backup" / uuid.uuid4().hex[:12] / path.name
     undo = {"path": str(path), "backup": str(backup)}
     entry = journal.intend(kind, undo)
-    backup.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(backup.parent)
     if path.is_dir():
         shutil.copytree(path, backup, symlinks=True)
     else:
@@ -84,6 +84,16 @@ def _restore(undo: Mapping[str, Any]) -> None:
         shutil.copy2(backup, staged)
         os.replace(staged, path)  # atomic: a reader never sees half a restore
     shutil.rmtree(backup.parent)
+
+
+def _validate_restore(undo: Mapping[str, Any], context: UndoContext) -> None:
+    """A file of the run, and its copy in <state>/backup/<token>/ under the same name."""
+    if not undo:
+        return  # not restorable: nothing is done on revert
+    path = context.path(undo.get("path"))
+    parts = context.state_path(undo.get("backup"), "backup")
+    if parts[1:] != (path.name,):
+        raise UndoRefused(f"backup {undo.get('backup')} is not a copy of {path.name}")
 
 
 def _keep_times(path: Path) -> tuple[int, int]:
@@ -136,6 +146,9 @@ class Corrupt:
         if undo:
             _restore(undo)
 
+    def validate(self, undo: Mapping[str, Any], context: UndoContext) -> None:
+        _validate_restore(undo, context)
+
 
 class Truncate:
     info = KindInfo(
@@ -161,6 +174,9 @@ class Truncate:
         if undo:
             _restore(undo)
 
+    def validate(self, undo: Mapping[str, Any], context: UndoContext) -> None:
+        _validate_restore(undo, context)
+
 
 class Delete:
     info = KindInfo(
@@ -183,6 +199,9 @@ class Delete:
     def revert(self, undo: Mapping[str, Any]) -> None:
         if undo:
             _restore(undo)
+
+    def validate(self, undo: Mapping[str, Any], context: UndoContext) -> None:
+        _validate_restore(undo, context)
 
 
 def _tool(name: str) -> str:
@@ -301,7 +320,7 @@ class Full:
             if undo.get("write_back", True):
                 staging = stash.with_name(stash.name + ".tmp")
                 shutil.rmtree(staging, ignore_errors=True)
-                staging.parent.mkdir(parents=True, exist_ok=True)
+                private_dir(staging.parent)
                 shutil.copytree(folder, staging, symlinks=True)
                 shutil.rmtree(stash, ignore_errors=True)
                 staging.rename(stash)  # whole, or not at all: a half copy is never mirrored
@@ -314,6 +333,15 @@ class Full:
         if stash.exists():
             _mirror(stash, folder)
             shutil.rmtree(stash)
+
+    def validate(self, undo: Mapping[str, Any], context: UndoContext) -> None:
+        """The run's folder, a tmpfs named by the engine, its stash in the state folder."""
+        context.path(undo.get("dir"))
+        source = context.name(undo.get("source"))
+        if context.state_path(undo.get("stash"), "storage") != (source.removeprefix(NAME_PREFIX),):
+            raise UndoRefused(f"stash {undo.get('stash')} is not the stash of {source}")
+        if not isinstance(undo.get("write_back", True), bool):
+            raise UndoRefused("write_back is not true or false")
 
 
 CORRUPT = register(Corrupt())

@@ -19,7 +19,7 @@ from typing import Any
 from faults import _cgroup
 from faults._errors import FaultUnavailable
 from faults._proc import ProcessRef
-from faults.journal import Journal, undone_on_error
+from faults.journal import Journal, UndoContext, UndoRefused, undone_on_error
 from faults.registry import Applied, KindInfo, register
 
 PERIOD_US = 100_000  # CFS period; 100 ms is the kernel default and keeps stalls short
@@ -133,6 +133,17 @@ class Straggle:
             )
             return
         _cgroup.remove(Path(undo["cgroup"]), Path(undo["home"]), Path(undo["root"]))
+
+    def validate(self, undo: Mapping[str, Any], context: UndoContext) -> None:
+        method = undo.get("method")
+        if method == "signal":
+            if not isinstance(undo.get("token"), str):
+                raise UndoRefused("a signal straggle without its token")
+            context.process(undo)
+        elif method == "cgroup":
+            context.cgroup(undo, _cgroup.v1_mount("cpu"))
+        else:
+            raise UndoRefused(f"method {method!r} is neither signal nor cgroup")
 
 
 STRAGGLE = register(Straggle())

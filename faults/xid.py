@@ -24,7 +24,7 @@ from typing import Any
 
 from faults import nvml_sim
 from faults._proc import ProcessRef, environ
-from faults.journal import Journal
+from faults.journal import Journal, UndoContext, UndoRefused
 from faults.registry import Applied, KindInfo, register
 
 CATALOG_URL = "https://docs.nvidia.com/deploy/xid-errors/analyzing-xid-catalog.html"
@@ -454,6 +454,16 @@ class GpuXid:
             ProcessRef.from_json(dict(undo["target"])).signal(signal.SIGCONT)
         elif effect in (Effect.DEVICE_LOST, Effect.LINK_DOWN):
             nvml_sim.reset_device(str(undo["nvml_dir"]), int(undo["gpu"]))
+
+    def validate(self, undo: Mapping[str, Any], context: UndoContext) -> None:
+        effect = Effect(str(undo.get("effect", Effect.LOG_ONLY)))
+        if effect is Effect.HANG and "target" in undo:
+            context.process(undo["target"])
+        elif effect in (Effect.DEVICE_LOST, Effect.LINK_DOWN):
+            context.path(undo.get("nvml_dir"))
+            gpu = undo.get("gpu")
+            if not isinstance(gpu, int) or isinstance(gpu, bool) or gpu < 0:
+                raise UndoRefused(f"gpu {gpu!r} is not a GPU index")
 
 
 GPU_XID = register(GpuXid())

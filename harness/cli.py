@@ -244,14 +244,23 @@ def report(
 
 @app.command()
 def heal() -> None:
-    """Undo every fault, and end every process, that a crashed run left behind."""
-    from faults.heal import heal_orphans
+    """Undo every fault, and end every process, that a crashed run left behind.
+
+    Only journals of this user in a private state folder are read, and each undo
+    record must name what its run made (docs/security.md). Exit 0: nothing left;
+    1: an undo failed, a fault may still be applied; 2: something was refused or
+    unreadable and left untouched (the output says what and why).
+    """
+    from faults.heal import exit_code, heal_orphans
 
     healed = heal_orphans()
     for item in healed:
-        status = "failed: " + item.error if item.error else "undone"
-        out.print(f"{item.entry.kind} {dict(item.entry.undo)} {status}", markup=False)
-    out.print(f"healed {len(healed)} item(s)")
+        out.print(item.describe(), markup=False, highlight=False)
+    counts = {o: sum(1 for h in healed if h.outcome == o)
+              for o in ("undone", "refused", "failed", "skipped")}
+    tally = ", ".join(f"{n} {o}" for o, n in counts.items() if n) or "nothing was left behind"
+    out.print(f"healed {len(healed)} item(s): {tally}", markup=False)
+    raise typer.Exit(exit_code(healed))
 
 
 def main() -> None:

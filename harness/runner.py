@@ -27,7 +27,7 @@ from typing import Any, Protocol
 import faults
 from faults._proc import ProcessRef
 from faults.heal import heal_orphans, start_reaper
-from faults.journal import Journal
+from faults.journal import RUN_ID_ENV, Journal, UnsafeFolder
 from harness import metrics as _metrics
 from harness.checks import Outcome, evaluate
 from harness.errors import HarnessError
@@ -142,12 +142,17 @@ def execute(
     timeline = Timeline(run_dir / "events.jsonl")
     launch = plan_launch(spec.system, run_dir=run_dir, scenario_dir=scenario_dir, seed=seed,
                          extra_args=extra_args)
-    journal = Journal.create(run_id)
-    reaper = start_reaper(journal.path)
-    launch_entry = journal.intend(
-        "launch", {"env": "AFTERSHOCK_RUN_ID", "value": run_id}, op="launch"
-    )
     target = LocalTarget(launch, run_dir=run_dir, run_id=run_id, timeline=timeline)
+    # What this run may touch: a heal refuses any undo path outside these folders.
+    folders = {run_dir, Path(target.env()["AFTERSHOCK_NVML_DIR"])}
+    folders.update(Path(_storage_root(spec, run_dir, getattr(f, "root", None)))
+                   for f in spec.faults if str(f.kind).startswith("storage."))
+    try:
+        journal = Journal.create(run_id, folders=sorted(folders))
+    except UnsafeFolder as exc:
+        raise HarnessError(f"cannot keep a heal journal: {exc}") from None
+    reaper = start_reaper(journal.path)
+    launch_entry = journal.intend("launch", {"env": RUN_ID_ENV, "value": run_id}, op="launch")
     schedule = [_ScheduledFault(i, f) for i, f in enumerate(spec.faults)]
     active: list[_Active] = []
     records: list[FaultRecord] = []
@@ -292,11 +297,7 @@ def execute(
         return int(pointer) + index * int(size)
 
     def storage_root(given: str | None) -> str:
-        if given:
-            return given.replace("${run_dir}", str(run_dir))
-        if isinstance(spec.system, TrainerSystem):
-            return str(run_dir / "checkpoints")
-        return str(run_dir)
+        return _storage_root(spec, run_dir, given)
 
     def reschedule(item: _ScheduledFault, now: float) -> None:
         item.times += 1
@@ -436,6 +437,15 @@ def execute(
     )
     outcome = Outcome(exit_code, timed_out, round(time.monotonic() - t0, 3))
     return Execution(events, outcome, records, run_dir)
+
+
+def _storage_root(spec: Scenario, run_dir: Path, given: str | None) -> str:
+    """The folder a storage fault's ``path`` is relative to."""
+    if given:
+        return given.replace("${run_dir}", str(run_dir))
+    if isinstance(spec.system, TrainerSystem):
+        return str(run_dir / "checkpoints")
+    return str(run_dir)
 
 
 def _serving_stats(stats: dict[str, object] | None) -> dict[str, Any]:
@@ -613,7 +623,9 @@ def run_scenario(
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "scenario.yaml").write_text(loaded.text)
     started = time.monotonic()
-    heal_orphans()  # what a crashed earlier run left behind goes first
+    # What a crashed earlier run left behind goes first; the user hears what was refused.
+    for item in heal_orphans():
+        observer.phase(spec.name, "heal", item.describe())
 
     baseline: dict[int, str] | None = None
     baseline_note = ""

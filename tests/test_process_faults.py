@@ -64,7 +64,7 @@ def test_term_escalates_to_sigkill_after_grace(tmp_path: Path) -> None:
 
 
 def test_freeze_is_journaled_before_and_healed_after(tmp_path: Path) -> None:
-    proc = sleeper()
+    proc = sleeper({"AFTERSHOCK_RUN_ID": "t"})  # a process of run t: heal may thaw it
     ref = ProcessRef.of(proc.pid)
     assert ref is not None
     journal = Journal.create("t", tmp_path)
@@ -128,7 +128,7 @@ def test_reaper_heals_when_the_harness_is_sigkilled(tmp_path: Path) -> None:
 
 
 def test_heal_orphans_skips_live_owners_and_heals_dead_ones(tmp_path: Path) -> None:
-    proc = sleeper()
+    proc = sleeper({"AFTERSHOCK_RUN_ID": "dead"})  # the run whose journal is healed below
     ref = ProcessRef.of(proc.pid)
     assert ref is not None
     live = Journal.create("live", tmp_path)  # owned by this (live) test process

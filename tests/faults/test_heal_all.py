@@ -41,7 +41,9 @@ PARENT = """
     from faults.journal import Journal
 
     root, use_reaper = Path(sys.argv[1]), sys.argv[2] == "reaper"
-    journal = Journal.create("heal-all")
+    # Like the harness: the journal names the run's folder, its children carry the run id.
+    journal = Journal.create("heal-all", folders=[root])
+    env = {**os.environ, "AFTERSHOCK_RUN_ID": "heal-all"}
     if use_reaper:
         start_reaper(journal.path)
     listener = (
@@ -49,10 +51,11 @@ PARENT = """
         "print(s.getsockname()[1], flush=True); time.sleep(60)"
     )
     kids = [
-        subprocess.Popen([sys.executable, "-c", listener], stdout=subprocess.PIPE, text=True),
-        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]),
+        subprocess.Popen([sys.executable, "-c", listener], stdout=subprocess.PIPE, text=True,
+                         env=env),
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env),
         subprocess.Popen([sys.executable, "-c", "import time\\nend = time.time() + 60\\n"
-                          "while time.time() < end: pass"]),
+                          "while time.time() < end: pass"], env=env),
     ]
     kids[0].stdout.readline()
     refs = [ProcessRef.of(k.pid) for k in kids]

@@ -86,7 +86,8 @@ def test_consumer_sees_xid_79_then_a_lost_gpu_until_reset(tmp_path: Path) -> Non
         }
         ref = ProcessRef.of(proc.pid)
         assert ref is not None
-        journal = Journal.create("nvml79", tmp_path / "journal")
+        # The run's folders hold the simulation's: a heal resets a device only there.
+        journal = Journal.create("nvml79", tmp_path / "journal", folders=[tmp_path])
         started = time.monotonic()
         applied = GPU_XID.inject(ref, {"code": 79}, journal)
         event = _line(proc)
