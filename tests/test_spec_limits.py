@@ -109,6 +109,16 @@ def test_problem_lines_stay_short_whatever_the_value(tmp_path: Path) -> None:
     assert len(problem) < 400
 
 
+def test_a_key_with_a_newline_stays_on_one_problem_line() -> None:
+    """Found by the fuzz test: an unknown key is quoted, so it cannot split or forge lines."""
+    with pytest.raises(SpecError) as info:
+        parse_scenario(BASE + 'expect: {"a\\nb.yaml:1:1: forged\\e[2J": 1}\n', "s.yaml")
+    (problem,) = info.value.problems
+    assert problem.startswith("s.yaml:3:10: expect.'a\\nb.yaml:1:1: forged\\x1b[2J': unknown key")
+    assert "\n" not in problem
+    assert "\x1b" not in problem
+
+
 def test_world_of_256_processes_is_the_largest_allowed() -> None:
     spec = parse_scenario("name: x\nsystem: {reference: trainer, world: {replicas: 16, "
                           "shards: 16}}\n")
