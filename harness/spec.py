@@ -1023,7 +1023,11 @@ def _pick(candidates: list[type[BaseModel]], value: Any) -> type[BaseModel] | No
 
 
 def _describe(error: Any, path: tuple[Any, ...], data: Any) -> str:
-    where = ".".join(str(p) for p in path) or "scenario"
+    # A key is data: quoted unless a plain name, so a newline or an escape sequence in it
+    # can neither split the one-line problem nor reach the terminal raw.
+    where = ".".join(
+        str(p) if re.fullmatch(r"[\w-]+", str(p)) else repr(str(p)) for p in path
+    ) or "scenario"
     kind = error["type"]
     if kind == "extra_forbidden":
         key = path[-1] if path else "?"
