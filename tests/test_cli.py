@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import io
 import json
 import sys
 from pathlib import Path
+from xml.etree import ElementTree
 
 import pytest
 from _helpers import ROOT, cli, quick_scenario
+from rich.console import Console
+
+from harness.records import CheckResult, Event, RunResult
+from harness.report import LiveObserver, PlainObserver, junit_xml
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -144,3 +150,123 @@ def test_a_crashing_system_fails_completes(tmp_path: Path) -> None:
     assert proc.returncode == 1
     (record,) = json.loads(proc.stdout)
     assert record["checks"][0]["observed"] == "exit 3"
+
+
+# ------------------------------------------------ output paths are checked before anything runs
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "says"),
+    [
+        ("--run-dir", "{tmp}/a-file", "--run-dir {tmp}/a-file: cannot create the folder"),
+        ("--run-dir", "/proc/aftershock/runs", "--run-dir /proc/aftershock/runs: cannot create"),
+        ("--json", "/nonexistent/x.json", "--json /nonexistent/x.json: cannot write"),
+        ("--json", "{tmp}", "--json {tmp}: cannot write"),
+        ("--junit", "/nonexistent/x.xml", "--junit /nonexistent/x.xml: cannot write"),
+    ],
+)
+def test_unusable_output_path_exits_2_before_running(
+    tmp_path: Path, option: str, value: str, says: str
+) -> None:
+    (tmp_path / "a-file").write_text("not a folder\n")
+    scenario = quick(tmp_path, "never-runs", "expect: {completes: true}\n")
+    runs = tmp_path / "runs"
+    args = ["run", str(scenario), option, value.format(tmp=tmp_path)]
+    if option != "--run-dir":
+        args += ["--run-dir", str(runs)]
+    proc = cli(*args, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert says.format(tmp=tmp_path) in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert not runs.exists(), "the scenario ran although its record could not be kept"
+    assert not (tmp_path / ".aftershock").exists()
+
+
+# ---------------------------------------------------------- reports print data, never markup
+
+
+MARKUP = "[/][bold red]x[/bold red] :smile: [link=file:///etc]y[/link]"
+
+
+def marked_up_result(run_dir: Path) -> RunResult:
+    """A run record whose every free-text field carries Rich markup, as a target may log it."""
+    return RunResult(
+        name="markup", file=f"{run_dir}/s[/].yaml", passed=False, seed=0, duration_s=1.0,
+        checks=(CheckResult(name="params_match", passed=False, observed=MARKUP,
+                            expected="[/]", message=f"rank 0: {MARKUP} != [/]\x1b[31m\x00"),),
+        metrics={"lost_steps": None}, faults=(), run_dir=str(run_dir),
+    )
+
+
+def test_report_prints_markup_in_a_record_as_text(tmp_path: Path) -> None:
+    run_dir = tmp_path / "runs" / "x[/]y"
+    run_dir.mkdir(parents=True)
+    (run_dir / "result.json").write_text(json.dumps(marked_up_result(run_dir).to_json()))
+    proc = cli("report", str(run_dir))
+    assert proc.returncode == 0, proc.stderr
+    assert "MarkupError" not in proc.stderr
+    assert f"run dir {run_dir}" in proc.stdout
+    assert MARKUP in proc.stdout.replace("\n", "")
+    assert "\x1b" not in proc.stdout  # off a terminal: no styles, and none from the data
+
+
+def test_live_and_plain_views_print_markup_in_events_as_text() -> None:
+    buffer = io.StringIO()
+    console = Console(file=buffer, force_terminal=True, width=300, color_system=None)
+    events = [
+        Event(t=0.0, event="hello", source="rank0", fields={"rank": 0, "pid": "[/]"}),
+        Event(t=0.1, event="fault_injected", source="harness",
+              fields={"kind": "[/]", "rank": 0, "detail": MARKUP}),
+        Event(t=0.2, event="failure_detected", source="rank0",
+              fields={"rank": 0, "cause": MARKUP}),
+    ]
+    with LiveObserver(console, total_steps=10) as live:
+        live.phase("s[/]", "run [/]")
+        for event in events:
+            live.event(event)
+        live.finished(marked_up_result(Path("runs/x[/]y")))
+    plain = PlainObserver(console)
+    plain.phase("s[/]", "run")
+    for event in events:
+        plain.event(event)
+    text = buffer.getvalue()
+    assert "run dir runs/x[/]y" in text
+    assert f"detected failure: {MARKUP}" in text
+
+
+def test_junit_keeps_control_characters_out_of_the_xml() -> None:
+    xml = junit_xml([marked_up_result(Path("runs/x"))])
+    case = ElementTree.fromstring(xml.encode()).find("testcase")
+    assert case is not None
+    failure = case.find("failure")
+    assert failure is not None
+    assert "rank 0: [/]" in failure.get("message", "")
+
+
+@pytest.mark.slow
+def test_markup_in_a_captured_digest_and_the_run_dir_keeps_the_record(tmp_path: Path) -> None:
+    """A digest `[/]...` from a log line, in a run folder named `x[/]y`: the check fails
+    (exit 1) and the JSON and JUnit records hold the run."""
+    scenario = tmp_path / "markup.yaml"
+    # The pid makes the digests differ, so the check's message quotes both.
+    job = "import os; print(f'rank 0 params [/]{os.getpid()}', flush=True)"
+    scenario.write_text(f"""\
+name: markup
+system:
+  command: [{sys.executable}, -c, "{job}"]
+  probes:
+    - {{pattern: 'rank (?P<rank>\\d+) params (?P<digest>\\S+)', event: params}}
+expect:
+  params_match: fault_free
+""")
+    run_dir = tmp_path / "x[/]y"
+    proc = cli("run", str(scenario), "--run-dir", str(run_dir), "--json",
+               str(tmp_path / "out.json"), "--junit", str(tmp_path / "out.xml"),
+               cache=tmp_path / "cache")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    (record,) = json.loads((tmp_path / "out.json").read_text())
+    (check,) = [c for c in record["checks"] if c["name"] == "params_match"]
+    assert "[/]" in check["message"]
+    assert check["message"].split(": ", 1)[1] in proc.stdout
+    assert 'name="markup"' in (tmp_path / "out.xml").read_text()
