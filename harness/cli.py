@@ -22,9 +22,11 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-# Off a terminal (CI logs) rich would assume 80 columns and fold the check table.
-out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 160)
-err = Console(stderr=True, soft_wrap=True, width=None if sys.stderr.isatty() else 160)
+# Off a terminal (CI logs) rich would assume 80 columns and fold the check table. No emoji
+# codes: `:smile:` in a scenario name or a log line is data, printed as written.
+out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 160, emoji=False)
+err = Console(stderr=True, soft_wrap=True, width=None if sys.stderr.isatty() else 160,
+              emoji=False)
 
 EXIT_OK, EXIT_FAILED, EXIT_INVALID, EXIT_HARNESS = 0, 1, 2, 3
 
@@ -71,7 +73,9 @@ def run(
     run_dir: Annotated[
         Path | None, typer.Option(help="keep run folders here (default .aftershock/runs/...)")
     ] = None,
-    seed: Annotated[int | None, typer.Option(help="override every scenario's seed")] = None,
+    seed: Annotated[
+        int | None, typer.Option(min=0, max=2**32 - 1, help="override every scenario's seed")
+    ] = None,
     repeat: Annotated[int, typer.Option(min=1, help="run each scenario N times")] = 1,
     no_cache: Annotated[
         bool, typer.Option("--no-cache", help="re-run fault-free baselines instead of reusing")
@@ -99,6 +103,10 @@ def run(
             raise SpecError(problems)
     except SpecError as exc:
         raise _fail_invalid(exc.problems) from None
+    # Before anything runs: a record that cannot be written is lost after the whole run.
+    unusable = _check_outputs(json_out=json_out, junit=junit, run_dir=run_dir)
+    if unusable:
+        raise _fail_invalid(unusable)
 
     # Progress goes to stderr when the JSON record goes to stdout.
     console = err if json_out == "-" else out
@@ -140,6 +148,35 @@ def run(
     summary = f"{len(results) - len(failed)} passed, {len(failed)} failed"
     console.print(summary, style="red" if failed else "green")
     raise typer.Exit(EXIT_FAILED if failed else EXIT_OK)
+
+
+def _check_outputs(*, json_out: str | None, junit: Path | None, run_dir: Path | None) -> list[str]:
+    """Problems with the paths a run will write to, found by trying them, not by guessing
+    from permission bits (root passes every such check, and /proc refuses anyway)."""
+    import os
+
+    problems: list[str] = []
+    files = [("--json", Path(json_out)) if json_out not in (None, "-") else None,
+             ("--junit", junit) if junit is not None else None]
+    for option, path in filter(None, files):
+        existed = path.exists()
+        try:
+            # O_NONBLOCK: a named pipe without a reader is an error now, not a hang.
+            os.close(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK))
+        except OSError as exc:
+            problems.append(f"{option} {path}: cannot write ({exc.strerror or exc})")
+            continue
+        if not existed:
+            path.unlink()  # written at the end; nothing is left behind if the run never starts
+    if problems:
+        return problems
+    folder = run_dir if run_dir is not None else Path(".aftershock") / "runs"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        name = "--run-dir" if run_dir is not None else "run folder"
+        problems.append(f"{name} {folder}: cannot create the folder ({exc.strerror or exc})")
+    return problems
 
 
 def _write_records(results: list[Any], json_out: str | None, junit: Path | None) -> None:
