@@ -270,3 +270,17 @@ expect:
     assert "[/]" in check["message"]
     assert check["message"].split(": ", 1)[1] in proc.stdout
     assert 'name="markup"' in (tmp_path / "out.xml").read_text()
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [{"duration_s": "soon"}, {"checks": [{"name": "x"}]}, {"checks": 5}, {"seed": [1]},
+     {"metrics": {"a": "b"}}],
+)
+def test_report_on_a_damaged_record_exits_2(tmp_path: Path, damage: dict[str, object]) -> None:
+    record = {**marked_up_result(tmp_path).to_json(), **damage}
+    (tmp_path / "result.json").write_text(json.dumps(record))
+    proc = cli("report", str(tmp_path))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.startswith(f"{tmp_path}/result.json:1:1: not a recorded run")
+    assert "Traceback" not in proc.stderr
