@@ -263,18 +263,24 @@ def report(
     run_dir: Annotated[Path, typer.Argument(help="a run folder written by `aftershock run`")],
 ) -> None:
     """Re-render a recorded run's check table."""
-    from harness.records import CheckResult, FaultRecord, RunResult
+    from pydantic import TypeAdapter, ValidationError
+
+    from harness.records import RunResult
     from harness.report import render_result
 
     path = run_dir / "result.json"
     try:
-        data = json.loads(path.read_text())
-        result = RunResult(
-            **{**data, "checks": tuple(CheckResult(**c) for c in data["checks"]),
-               "faults": tuple(FaultRecord(**f) for f in data["faults"])}
-        )
-    except (OSError, ValueError, TypeError, KeyError) as exc:
-        err.print(f"{path}:1:1: not a recorded run ({exc})", markup=False)
+        # Typed like the record's dataclasses: a damaged field is exit 2 here, not a
+        # traceback halfway through the table.
+        result = TypeAdapter(RunResult).validate_json(path.read_bytes())
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(map(str, first["loc"])) or "record"
+        err.print(f"{path}:1:1: not a recorded run ({exc.error_count()} problem(s); "
+                  f"{where}: {first['msg']})", markup=False)
+        raise typer.Exit(EXIT_INVALID) from None
+    except OSError as exc:
+        err.print(f"{path}:1:1: not a recorded run ({exc.strerror or exc})", markup=False)
         raise typer.Exit(EXIT_INVALID) from None
     render_result(result, out)
 
