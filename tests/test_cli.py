@@ -284,3 +284,13 @@ def test_report_on_a_damaged_record_exits_2(tmp_path: Path, damage: dict[str, ob
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.startswith(f"{tmp_path}/result.json:1:1: not a recorded run")
     assert "Traceback" not in proc.stderr
+
+
+def test_docs_give_every_command_its_exit_codes() -> None:
+    from harness.cli import app
+
+    table = (ROOT / "docs" / "cli.md").read_text().split("## Exit codes", 1)[1]
+    names = [c.name or (c.callback.__name__ if c.callback else "") for c in app.registered_commands]
+    assert len(names) >= 6
+    for name in names:
+        assert f"| `aftershock {name}" in table, f"docs/cli.md has no exit codes for {name}"
