@@ -1086,7 +1086,10 @@ def parse_scenario(text: str, file: str = "<string>") -> Scenario:
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         line, col = (mark.line + 1, mark.column + 1) if mark else (1, 1)
-        raise SpecError([f"{file}:{line}:{col}: invalid YAML: {exc.problem}"]) from None
+        # PyYAML's context says what it was reading ("expected a single document in the
+        # stream"); its problem alone ("but found another document") reads as a fragment.
+        detail = f"{exc.context}: {exc.problem}" if exc.context else exc.problem
+        raise SpecError([f"{file}:{line}:{col}: invalid YAML: {detail}"]) from None
     except yaml.YAMLError as exc:
         raise SpecError([f"{file}:1:1: invalid YAML: {exc}"]) from None
     finally:
