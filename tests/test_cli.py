@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 from xml.etree import ElementTree
@@ -294,3 +297,45 @@ def test_docs_give_every_command_its_exit_codes() -> None:
     assert len(names) >= 6
     for name in names:
         assert f"| `aftershock {name}" in table, f"docs/cli.md has no exit codes for {name}"
+
+
+def _as_unprivileged() -> list[str]:
+    """A command prefix under which permission bits apply (root reads any file otherwise)."""
+    if os.geteuid() != 0:
+        return []
+    if shutil.which("setpriv") is None:
+        pytest.skip("running as root without setpriv: permission bits cannot be tested")
+    return ["setpriv", "--bounding-set", "-dac_override,-dac_read_search"]
+
+
+def test_unreadable_files_and_folders_are_named_with_a_position(tmp_path: Path) -> None:
+    """Typer's own readable-path check printed a usage box without file:line:col, and
+    stopped at the first unreadable path."""
+    good = quick(tmp_path, "good")
+    unreadable = quick(tmp_path, "unreadable")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    (locked / "inside.yaml").write_text(good.read_text())
+    sub = tmp_path / "tree" / "sub"
+    sub.mkdir(parents=True)
+    (tmp_path / "tree" / "ok.yaml").write_text(good.read_text())
+    unreadable.chmod(0)
+    locked.chmod(0)
+    sub.chmod(0)
+    try:
+        proc = subprocess.run(
+            [*_as_unprivileged(), sys.executable, "-m", "harness", "validate", str(good),
+             str(unreadable), str(locked / "inside.yaml"), str(tmp_path / "tree")],
+            capture_output=True, text=True, timeout=60, env={**os.environ},
+        )
+    finally:
+        for path in (unreadable, locked, sub):
+            path.chmod(0o755)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Usage:" not in proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"{locked}/inside.yaml:1:1: cannot read: Permission denied",
+        f"{sub}:1:1: cannot read folder: Permission denied",
+        f"{unreadable}:1:1: cannot read scenario: Permission denied",
+    ]
+    assert proc.stdout.splitlines() == [f"ok {good}", f"ok {tmp_path}/tree/ok.yaml"]
