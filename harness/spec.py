@@ -1176,28 +1176,45 @@ def load_scenario(path: str | Path) -> LoadedScenario:
     return LoadedScenario(spec=parse_scenario(text, str(file)), path=file, text=text)
 
 
-def discover(paths: list[str | Path]) -> list[Path]:
-    """Scenario files under the given files and folders, sorted, each once."""
+def find_scenarios(paths: list[str | Path]) -> tuple[list[Path], list[str]]:
+    """Scenario files under the given files and folders, sorted, each once; and a problem
+    for each path that does not exist or cannot be read (a folder's unreadable subfolders
+    included: skipping them would pass a suite that never ran)."""
     found: list[Path] = []
+    problems: list[str] = []
+    unreadable: list[OSError] = []
     for raw in paths:
         path = Path(raw)
         try:
             is_dir = stat.S_ISDIR(os.stat(path).st_mode)
         except FileNotFoundError:
-            raise SpecError([f"{path}:1:1: no such file or folder"]) from None
+            problems.append(f"{path}:1:1: no such file or folder")
+            continue
         except OSError as exc:
-            raise SpecError([f"{path}:1:1: cannot read: {exc.strerror or exc}"]) from None
-        if is_dir:
-            found.extend(
-                sorted(p for p in path.rglob("*") if p.suffix in SCENARIO_SUFFIXES and p.is_file())
-            )
-        else:
+            problems.append(f"{path}:1:1: cannot read: {exc.strerror or exc}")
+            continue
+        if not is_dir:
             found.append(path)
+            continue
+        here: list[Path] = []
+        for folder, _, names in os.walk(path, onerror=unreadable.append):
+            here.extend(Path(folder, n) for n in names if Path(n).suffix in SCENARIO_SUFFIXES)
+        found.extend(sorted(p for p in here if p.is_file()))
+    problems.extend(f"{exc.filename}:1:1: cannot read folder: {exc.strerror or exc}"
+                    for exc in unreadable)
     unique: list[Path] = []
     for p in found:
         if p not in unique:
             unique.append(p)
-    return unique
+    return unique, problems
+
+
+def discover(paths: list[str | Path]) -> list[Path]:
+    """Scenario files under the given files and folders; SpecError lists every bad path."""
+    found, problems = find_scenarios(paths)
+    if problems:
+        raise SpecError(problems)
+    return found
 
 
 def json_schema() -> dict[str, Any]:
