@@ -752,7 +752,7 @@ class LoadedScenario:
 
 #: Bounds on a scenario file, so that validating a hostile or broken file costs a fraction of
 #: a second and a few MB instead of the machine: far above any real scenario (the shipped ones
-#: are about 1 KB, 60 values and 6 levels deep), far below what would hurt.
+#: are at most 1.2 KB, 70 values and 5 levels deep), far below what would hurt.
 MAX_FILE_BYTES = 256 * 1024
 #: Values (scalars, lists, mappings) once every alias is expanded: a billion-laughs file of a
 #: few hundred bytes expands to 10**9 of them.
@@ -826,7 +826,8 @@ class _Loader(yaml.SafeLoader):
             return super().construct_object(node, deep)
         except (ValueError, TypeError, OverflowError) as exc:
             tag = node.tag.replace("tag:yaml.org,2002:", "!!")
-            raise _LoadError(f"{_quote(node.value)} is not a valid {tag} ({exc})",
+            value = _quote(node.value) if isinstance(node, yaml.ScalarNode) else "this value"
+            raise _LoadError(f"{value} is not a valid {tag} ({_quote(str(exc), 100)[1:-1]})",
                              node.start_mark) from None
 
     def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
