@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv demo test test-fast test-scenarios lint typecheck bench clean
+.PHONY: venv demo test test-fast test-scenarios fuzz lint typecheck bench clean
 
 venv: $(STAMP)
 
@@ -32,6 +32,14 @@ test-scenarios: venv
 test-fast: venv
 	$(PY) -m pytest -m "not slow and not scenarios"
 
+# 10,000 malformed scenario files through the loader, and 1,250 of them through
+# `aftershock validate` under CPU and memory limits (tests/test_fuzz_spec.py; `make test` runs
+# a fixed sample of 300). Random each time; a failure is kept in .hypothesis/ and replayed first.
+FUZZ_EXAMPLES ?= 10000
+fuzz: venv
+	AFTERSHOCK_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest tests/test_fuzz_spec.py \
+		--timeout=3600 --hypothesis-show-statistics
+
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
@@ -45,4 +53,4 @@ bench: venv
 	$(PY) -m bench.serving
 
 clean:
-	rm -rf .aftershock .pytest_cache .mypy_cache .ruff_cache *.egg-info
+	rm -rf .aftershock .pytest_cache .mypy_cache .ruff_cache .hypothesis *.egg-info

@@ -22,9 +22,11 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-# Off a terminal (CI logs) rich would assume 80 columns and fold the check table.
-out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 160)
-err = Console(stderr=True, soft_wrap=True, width=None if sys.stderr.isatty() else 160)
+# Off a terminal (CI logs) rich would assume 80 columns and fold the check table. No emoji
+# codes: `:smile:` in a scenario name or a log line is data, printed as written.
+out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 160, emoji=False)
+err = Console(stderr=True, soft_wrap=True, width=None if sys.stderr.isatty() else 160,
+              emoji=False)
 
 EXIT_OK, EXIT_FAILED, EXIT_INVALID, EXIT_HARNESS = 0, 1, 2, 3
 
@@ -37,17 +39,15 @@ def _fail_invalid(problems: list[str]) -> typer.Exit:
 
 @app.command()
 def validate(
-    paths: Annotated[list[Path], typer.Argument(help="scenario files or folders")],
+    paths: Annotated[
+        list[Path], typer.Argument(help="scenario files or folders", readable=False)
+    ],
 ) -> None:
     """Parse and validate scenario files without running anything."""
     from harness.errors import SpecError
-    from harness.spec import discover, load_scenario
+    from harness.spec import find_scenarios, load_scenario
 
-    problems: list[str] = []
-    try:
-        files = discover(list(paths))
-    except SpecError as exc:
-        raise _fail_invalid(exc.problems) from None
+    files, problems = find_scenarios(list(paths))
     for file in files:
         try:
             load_scenario(file)
@@ -63,15 +63,24 @@ def validate(
 
 @app.command()
 def run(
-    paths: Annotated[list[Path], typer.Argument(help="scenario files or folders")],
+    # readable=False here and below: typer's own check answers an unreadable path with a
+    # usage box and no position; the loader names it as path:1:1 like any other problem.
+    paths: Annotated[
+        list[Path], typer.Argument(help="scenario files or folders", readable=False)
+    ],
     json_out: Annotated[
         str | None, typer.Option("--json", help="write the run record as JSON ('-' for stdout)")
     ] = None,
-    junit: Annotated[Path | None, typer.Option(help="write JUnit XML here")] = None,
-    run_dir: Annotated[
-        Path | None, typer.Option(help="keep run folders here (default .aftershock/runs/...)")
+    junit: Annotated[
+        Path | None, typer.Option(help="write JUnit XML here", readable=False)
     ] = None,
-    seed: Annotated[int | None, typer.Option(help="override every scenario's seed")] = None,
+    run_dir: Annotated[
+        Path | None,
+        typer.Option(help="keep run folders here (default .aftershock/runs/...)", readable=False),
+    ] = None,
+    seed: Annotated[
+        int | None, typer.Option(min=0, max=2**32 - 1, help="override every scenario's seed")
+    ] = None,
     repeat: Annotated[int, typer.Option(min=1, help="run each scenario N times")] = 1,
     no_cache: Annotated[
         bool, typer.Option("--no-cache", help="re-run fault-free baselines instead of reusing")
@@ -99,6 +108,10 @@ def run(
             raise SpecError(problems)
     except SpecError as exc:
         raise _fail_invalid(exc.problems) from None
+    # Before anything runs: a record that cannot be written is lost after the whole run.
+    unusable = _check_outputs(json_out=json_out, junit=junit, run_dir=run_dir)
+    if unusable:
+        raise _fail_invalid(unusable)
 
     # Progress goes to stderr when the JSON record goes to stdout.
     console = err if json_out == "-" else out
@@ -140,6 +153,35 @@ def run(
     summary = f"{len(results) - len(failed)} passed, {len(failed)} failed"
     console.print(summary, style="red" if failed else "green")
     raise typer.Exit(EXIT_FAILED if failed else EXIT_OK)
+
+
+def _check_outputs(*, json_out: str | None, junit: Path | None, run_dir: Path | None) -> list[str]:
+    """Problems with the paths a run will write to, found by trying them, not by guessing
+    from permission bits (root passes every such check, and /proc refuses anyway)."""
+    import os
+
+    problems: list[str] = []
+    files = [("--json", Path(json_out)) if json_out not in (None, "-") else None,
+             ("--junit", junit) if junit is not None else None]
+    for option, path in filter(None, files):
+        existed = path.exists()
+        try:
+            # O_NONBLOCK: a named pipe without a reader is an error now, not a hang.
+            os.close(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK))
+        except OSError as exc:
+            problems.append(f"{option} {path}: cannot write ({exc.strerror or exc})")
+            continue
+        if not existed:
+            path.unlink()  # written at the end; nothing is left behind if the run never starts
+    if problems:
+        return problems
+    folder = run_dir if run_dir is not None else Path(".aftershock") / "runs"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        name = "--run-dir" if run_dir is not None else "run folder"
+        problems.append(f"{name} {folder}: cannot create the folder ({exc.strerror or exc})")
+    return problems
 
 
 def _write_records(results: list[Any], json_out: str | None, junit: Path | None) -> None:
@@ -223,21 +265,29 @@ def schema() -> None:
 
 @app.command()
 def report(
-    run_dir: Annotated[Path, typer.Argument(help="a run folder written by `aftershock run`")],
+    run_dir: Annotated[
+        Path, typer.Argument(help="a run folder written by `aftershock run`", readable=False)
+    ],
 ) -> None:
     """Re-render a recorded run's check table."""
-    from harness.records import CheckResult, FaultRecord, RunResult
+    from pydantic import TypeAdapter, ValidationError
+
+    from harness.records import RunResult
     from harness.report import render_result
 
     path = run_dir / "result.json"
     try:
-        data = json.loads(path.read_text())
-        result = RunResult(
-            **{**data, "checks": tuple(CheckResult(**c) for c in data["checks"]),
-               "faults": tuple(FaultRecord(**f) for f in data["faults"])}
-        )
-    except (OSError, ValueError, TypeError, KeyError) as exc:
-        err.print(f"{path}:1:1: not a recorded run ({exc})", markup=False)
+        # Typed like the record's dataclasses: a damaged field is exit 2 here, not a
+        # traceback halfway through the table.
+        result = TypeAdapter(RunResult).validate_json(path.read_bytes())
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(map(str, first["loc"])) or "record"
+        err.print(f"{path}:1:1: not a recorded run ({exc.error_count()} problem(s); "
+                  f"{where}: {first['msg']})", markup=False)
+        raise typer.Exit(EXIT_INVALID) from None
+    except OSError as exc:
+        err.print(f"{path}:1:1: not a recorded run ({exc.strerror or exc})", markup=False)
         raise typer.Exit(EXIT_INVALID) from None
     render_result(result, out)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -26,6 +27,23 @@ NOTABLE = {
     "fault_failed", "serving_ready", "load_started", "load_finished", "request_migrated",
     "request_failed",
 }
+
+
+# Everything that comes from a run (names, paths, log lines, check messages) is data: it goes
+# to the console as Text, never as a markup string, so `[/]` in a log line cannot raise
+# MarkupError and `[link=...]` cannot restyle the report. Control characters (an ESC from a
+# target's log, a NUL) are shown as escapes: raw, they would drive the terminal, and XML 1.0
+# cannot hold them at all (the JUnit file would not parse).
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff\ufffe\uffff]")
+
+
+def visible(text: str) -> str:
+    """``text`` with control characters written as escapes (``\\x1b``); tab and newline kept."""
+    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
+
+
+def _text(value: object, style: str = "") -> Text:
+    return Text(visible(str(value)), style=style)
 
 
 def describe(event: Event) -> str:
@@ -86,7 +104,7 @@ class PlainObserver:
         self._scenario = scenario
         self._t0 = None
         self._last_step = 0
-        self.console.print(f"[{scenario}] {phase}: {detail}", markup=False, highlight=False)
+        self.console.print(_text(f"[{scenario}] {phase}: {detail}"), highlight=False)
 
     def event(self, event: Event) -> None:
         if self._t0 is None:
@@ -101,7 +119,7 @@ class PlainObserver:
             return
         elapsed = event.t - self._t0
         line = f"[{self._scenario}] +{elapsed:7.3f}s {describe(event)}"
-        self.console.print(line, markup=False, highlight=False)
+        self.console.print(_text(line), highlight=False)
 
     def finished(self, result: RunResult) -> None:
         render_result(result, self.console)
@@ -112,7 +130,7 @@ class _RankState:
     pid: int | None = None
     step: int = 0
     generation: int = 0
-    status: str = "starting"
+    status: Text = field(default_factory=lambda: Text("starting"))
 
 
 @dataclass
@@ -159,19 +177,20 @@ class LiveObserver:
             r = s.ranks.setdefault(rank if rank is not None else 0, _RankState())
             if event.event == "hello":
                 r.pid = event.fields.get("pid")
-                r.generation = int(event.fields.get("generation", 0) or 0)
-                r.status = "running"
+                generation = event.fields.get("generation", 0)
+                r.generation = generation if isinstance(generation, int) else 0
+                r.status = Text("running")
             elif event.event == "step" and isinstance(event.fields.get("step"), int):
                 r.step = event.fields["step"]
-                r.status = "running"
+                r.status = Text("running")
             elif event.event == "fault_injected":
-                r.status = f"[red]{event.fields.get('kind')}[/]"
+                r.status = _text(event.fields.get("kind"), "red")
             elif event.event == "failure_detected":
-                r.status = "[yellow]detected failure[/]"
+                r.status = Text("detected failure", style="yellow")
             elif event.event == "checkpoint_loaded":
-                r.status = f"[cyan]resumed @ {event.fields.get('step')}[/]"
+                r.status = _text(f"resumed @ {event.fields.get('step')}", "cyan")
             elif event.event == "exit":
-                r.status = "[green]done[/]"
+                r.status = Text("done", style="green")
         if event.event in NOTABLE:
             s.log.append(f"+{event.t - s.t0:7.3f}s {describe(event)}")
         self._refresh()
@@ -202,29 +221,30 @@ class LiveObserver:
                 width = 30
                 done = int(width * min(r.step, s.total_steps) / s.total_steps)
                 bar = "█" * done + "·" * (width - done)
-            table.add_row(str(rank), str(r.pid or ""), str(r.generation), str(r.step), bar,
-                          Text.from_markup(r.status))
-        log = Text("\n".join(s.log) or "waiting for events...", style="dim")
-        return Panel(Group(table, log), title=f"{s.scenario} · {s.phase}", border_style="blue")
+            table.add_row(_text(rank), _text(r.pid or ""), _text(r.generation), _text(r.step),
+                          bar, r.status)
+        log = _text("\n".join(s.log) or "waiting for events...", "dim")
+        return Panel(Group(table, log), title=_text(f"{s.scenario} · {s.phase}"),
+                     border_style="blue")
 
 
 def render_result(result: RunResult, console: Console) -> None:
-    table = Table(title=f"{result.name}  ({result.file})", title_justify="left")
+    table = Table(title=_text(f"{result.name}  ({result.file})"), title_justify="left")
     table.add_column("check")
     table.add_column("result")
     table.add_column("observed", justify="right")
     table.add_column("expected", justify="right")
     table.add_column("message")
     for check in result.checks:
-        verdict = "[green]PASS[/]" if check.passed else "[red bold]FAIL[/]"
-        table.add_row(check.name, verdict, _show(check.observed), _show(check.expected),
-                      check.message)
+        verdict = Text("PASS", style="green") if check.passed else Text("FAIL", style="red bold")
+        table.add_row(_text(check.name), verdict, _text(_show(check.observed)),
+                      _text(_show(check.expected)), _text(check.message))
     console.print(table)
     shown = ", ".join(f"{k}={_show(v)}" for k, v in result.metrics.items())
-    console.print(f"metrics: {shown}", markup=False, highlight=False)
-    verdict = "[green]PASSED[/]" if result.passed else "[red bold]FAILED[/]"
-    console.print(f"{verdict} {result.name} in {result.duration_s:.1f}s, seed {result.seed}; "
-                  f"run dir {result.run_dir}")
+    console.print(_text(f"metrics: {shown}"), highlight=False)
+    verdict = Text("PASSED", style="green") if result.passed else Text("FAILED", style="red bold")
+    console.print(verdict, _text(f"{result.name} in {result.duration_s:.1f}s, seed "
+                                 f"{result.seed}; run dir {result.run_dir}"))
 
 
 def _show(value: object) -> str:
@@ -263,19 +283,20 @@ def junit_xml(results: Sequence[RunResult]) -> str:
         timestamp=time.strftime("%Y-%m-%dT%H:%M:%S"),
     )
     for r in results:
-        case = ET.SubElement(suite, "testcase", classname=Path(r.file).stem, name=r.name,
-                             time=f"{r.duration_s:.3f}", file=r.file)
+        case = ET.SubElement(suite, "testcase", classname=visible(Path(r.file).stem),
+                             name=visible(r.name), time=f"{r.duration_s:.3f}",
+                             file=visible(r.file))
         failed = r.failed_checks()
         if failed:
             failure = ET.SubElement(
                 case, "failure",
-                message="; ".join(f"{c.name}: {c.message}" for c in failed),
+                message=visible("; ".join(f"{c.name}: {c.message}" for c in failed)),
                 type="CheckFailed",
             )
-            failure.text = check_table_text(r)
+            failure.text = visible(check_table_text(r))
         props = ET.SubElement(case, "properties")
         for key, value in r.metrics.items():
-            ET.SubElement(props, "property", name=key, value=_show(value))
+            ET.SubElement(props, "property", name=visible(key), value=visible(_show(value)))
         ET.SubElement(props, "property", name="seed", value=str(r.seed))
     ET.indent(suite)
     return ET.tostring(suite, encoding="unicode", xml_declaration=True) + "\n"

@@ -8,9 +8,12 @@ key's line and column, so each problem is reported as
 
 from __future__ import annotations
 
+import codecs
 import difflib
+import os
 import re
 import signal as _signal
+import stat
 import types
 import typing
 from dataclasses import dataclass
@@ -46,8 +49,18 @@ LogEventKind = Literal[
 ]
 
 
+#: Numeric bounds (docs/scenarios.md, "Limits"): what one host can run, with room to spare.
+#: A value past them is a typo or an attack, and was accepted until it broke something later
+#: (10**400 steps; a 64 × 64 world of 4,096 processes).
+MAX_WORLD = 256  # processes of one scenario on one host: replicas × shards, or a command's
+MAX_STEPS = 10_000_000  # steps, and counts of steps, calls or events
+MAX_SEED = 2**32 - 1  # the range every seeded generator in the stack accepts (numpy's)
+_MAX_INDEX = 2**63 - 1  # offsets, sizes and element indexes (a signed 64-bit off_t)
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # allow_inf_nan: `.inf` and `.nan` are YAML floats, and no float in a scenario means them.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class World(_Strict):
@@ -55,6 +68,13 @@ class World(_Strict):
 
     replicas: int = Field(2, ge=1, le=64, description="data-parallel replica groups")
     shards: int = Field(2, ge=1, le=64, description="tensor-parallel ranks per replica")
+
+    @model_validator(mode="after")
+    def _fits_one_host(self) -> World:
+        if self.size > MAX_WORLD:
+            raise ValueError(f"{self.size} processes (replicas × shards); at most {MAX_WORLD} "
+                             "on one host")
+        return self
 
     @property
     def size(self) -> int:
@@ -75,11 +95,12 @@ class TrainerSystem(_Strict):
     )
     spares: int = Field(1, ge=0, le=16, description="warm standby processes (hot_spare)")
     snapshot_every: int = Field(
-        1, ge=1, description="in-memory peer snapshot interval, in steps (hot_spare)"
+        1, ge=1, le=MAX_STEPS, description="in-memory peer snapshot interval, in steps (hot_spare)"
     )
-    steps: int = Field(200, ge=1, description="optimizer steps to train")
-    checkpoint_every: int = Field(20, ge=1, description="durable checkpoint interval, in steps")
-    max_restarts: int = Field(3, ge=0, description="torchrun --max-restarts")
+    steps: int = Field(200, ge=1, le=MAX_STEPS, description="optimizer steps to train")
+    checkpoint_every: int = Field(20, ge=1, le=MAX_STEPS,
+                                  description="durable checkpoint interval, in steps")
+    max_restarts: int = Field(3, ge=0, le=1000, description="torchrun --max-restarts")
     collective_timeout: Duration = Field(
         timedelta(seconds=3), description="how long a collective may wait before it aborts"
     )
@@ -107,7 +128,9 @@ class LogProbe(_Strict):
     def _compiles(cls, value: str) -> str:
         try:
             re.compile(value)
-        except re.error as exc:
+        # re.compile raises OverflowError for a{99999999999} and runs out of stack on a few
+        # hundred nested groups.
+        except (re.error, OverflowError, RecursionError) as exc:
             raise ValueError(f"not a valid regular expression: {exc}") from None
         return value
 
@@ -122,7 +145,8 @@ class CommandSystem(_Strict):
     command: list[str] = Field(min_length=1)
     probes: list[LogProbe] = Field(default_factory=list)
     world: int | None = Field(
-        None, ge=1, description="ranks at full strength; default: ranks seen before the fault"
+        None, ge=1, le=MAX_WORLD,
+        description="ranks at full strength; default: ranks seen before the fault"
     )
     cwd: str | None = Field(None, description="working directory, relative to the scenario file")
     env: dict[str, str] = Field(default_factory=dict)
@@ -132,8 +156,8 @@ class CommandSystem(_Strict):
 class PromptMix(_Strict):
     """Prompt lengths, in tokens (bytes), drawn uniformly with the run's seed."""
 
-    min: int = Field(16, ge=1)
-    max: int = Field(64, ge=1)
+    min: int = Field(16, ge=1, le=1_000_000)
+    max: int = Field(64, ge=1, le=1_000_000)
 
     @model_validator(mode="after")
     def _ordered(self) -> PromptMix:
@@ -148,17 +172,17 @@ class Load(_Strict):
     Everything is drawn from the run's seed, so the fault-free twin sends the same load."""
 
     requests: int = Field(40, ge=1, le=100_000, description="requests in all")
-    rate: float = Field(20.0, gt=0, description="arrivals per second (Poisson)")
+    rate: float = Field(20.0, gt=0, le=100_000, description="arrivals per second (Poisson)")
     concurrency: int = Field(16, ge=1, le=1024, description="most requests in flight at once")
     prompt_tokens: PromptMix = PromptMix()
     shared_prefixes: int = Field(
-        4, ge=0, description="distinct shared prefixes (system prompts); 0: none"
+        4, ge=0, le=100_000, description="distinct shared prefixes (system prompts); 0: none"
     )
-    prefix_tokens: int = Field(32, ge=0, description="length of each shared prefix")
+    prefix_tokens: int = Field(32, ge=0, le=1_000_000, description="length of each shared prefix")
     max_tokens: int = Field(32, ge=1, le=4096, description="tokens generated per request")
     retries: int = Field(
-        20, ge=0, description="times a client resumes a broken stream (same request id, "
-        "offset = tokens received) before it gives the request up"
+        20, ge=0, le=100_000, description="times a client resumes a broken stream (same "
+        "request id, offset = tokens received) before it gives the request up"
     )
     request_timeout: Duration = Field(
         timedelta(seconds=60), description="a request not finished by then is lost"
@@ -177,11 +201,11 @@ class ServerSystem(_Strict):
         "with the tokens emitted so far; fail_stop: every in-flight request is aborted and "
         "the stack restarts cold, clients retry (today's common baseline)",
     )
-    model_seed: int = Field(0, ge=0, description="seed of the model's weights")
+    model_seed: int = Field(0, ge=0, le=MAX_SEED, description="seed of the model's weights")
     journal: bool = Field(True, description="write-ahead journal of requests and tokens")
     checksums: bool = Field(True, description="KV block checksums")
     batch_invariant: bool = Field(True, description="batch-invariant kernels")
-    max_batch: int = Field(16, ge=1, description="requests decoded together per worker")
+    max_batch: int = Field(16, ge=1, le=4096, description="requests decoded together per worker")
     heartbeat: Duration = Field(timedelta(milliseconds=100), description="worker heartbeat")
     dead_after: Duration = Field(
         timedelta(seconds=1), description="no heartbeat for this long: the worker is dead"
@@ -237,11 +261,12 @@ class Target(_Strict):
     variable of each process.
     """
 
-    rank: int | None = Field(None, ge=0)
-    worker: int | None = Field(None, ge=0, description="a worker of the reference server "
-                               "(its index, which the worker reports as its rank)")
-    replica: int | None = Field(None, ge=0, description="every rank of this replica")
-    shard: int | None = Field(None, ge=0, description="every rank holding this shard "
+    rank: int | None = Field(None, ge=0, lt=MAX_WORLD)
+    worker: int | None = Field(None, ge=0, lt=MAX_WORLD, description="a worker of the reference "
+                               "server (its index, which the worker reports as its rank)")
+    replica: int | None = Field(None, ge=0, lt=MAX_WORLD,
+                                description="every rank of this replica")
+    shard: int | None = Field(None, ge=0, lt=MAX_WORLD, description="every rank holding this shard "
                               "(with `replica`: the one rank at both)")
     role: Literal["launcher", "spare"] | None = Field(
         None, description="launcher: the launched command itself (e.g. torchrun's agent); "
@@ -284,7 +309,7 @@ class At(_Strict):
     """When a fault fires: once step N is committed (optionally at a phase of that step,
     for in-process faults), at a time after launch, or on the k-th timeline event of a kind."""
 
-    step: int | None = Field(None, ge=0)
+    step: int | None = Field(None, ge=0, le=MAX_STEPS)
     phase: Phase | None = Field(
         None, description="with `step`: the phase of the step (in-process faults only)"
     )
@@ -292,7 +317,8 @@ class At(_Strict):
     event: str | None = Field(
         None, pattern=r"^[a-z_]+$", description="a timeline event, e.g. checkpoint_started"
     )
-    count: int = Field(1, ge=1, description="with `event`: fire on its k-th occurrence")
+    count: int = Field(1, ge=1, le=MAX_STEPS,
+                       description="with `event`: fire on its k-th occurrence")
 
     @model_validator(mode="after")
     def _exactly_one(self) -> At:
@@ -318,7 +344,7 @@ _SIGNALS = sorted(s.name for s in _signal.Signals if not s.name.startswith("SIG_
 class Every(_Strict):
     """Repeat a fault: every N committed steps or every DURATION after it first fired."""
 
-    steps: int | None = Field(None, ge=1)
+    steps: int | None = Field(None, ge=1, le=MAX_STEPS)
     time: Duration | None = None
     times: int = Field(2, ge=2, le=1000, description="how many times in all, the first included")
 
@@ -378,9 +404,11 @@ class GpuXid(_FaultBase):
 
     kind: Literal["gpu.xid"]
     code: int
-    gpu: int | None = Field(None, ge=0, description="GPU index; default the rank's LOCAL_RANK")
-    bitflips: int | None = Field(None, ge=1, description="memory Xids: bits flipped in the heap")
-    seed: int = 0
+    gpu: int | None = Field(None, ge=0, lt=MAX_WORLD,
+                            description="GPU index; default the rank's LOCAL_RANK")
+    bitflips: int | None = Field(None, ge=1, le=1_000_000,
+                                 description="memory Xids: bits flipped in the heap")
+    seed: int = Field(0, ge=0, le=MAX_SEED)
 
     @field_validator("code")
     @classmethod
@@ -404,9 +432,11 @@ MemoryTensor = Annotated[
 
 class _MemoryBase(_FaultBase):
     tensor: MemoryTensor | None = None
-    address: int | None = Field(None, ge=0, description="from outside: a virtual address")
-    index: int | None = Field(None, ge=0, description="with tensor: flat element index")
-    seed: int = 0
+    address: int | None = Field(None, ge=0, le=2**64 - 1,
+                                description="from outside: a virtual address")
+    index: int | None = Field(None, ge=0, le=_MAX_INDEX,
+                              description="with tensor: flat element index")
+    seed: int = Field(0, ge=0, le=MAX_SEED)
     restore: bool = False
 
     @model_validator(mode="after")
@@ -433,15 +463,16 @@ class MemoryBitflip(_MemoryBase):
         description="from outside: the address of this CPU parameter (param:NAME, element "
         "`index`), as the probe published it at start-up; written through /proc/PID/mem",
     )
-    bit: int | None = Field(None, ge=0, description="default: the top exponent bit")
-    count: int = Field(1, ge=1)
+    bit: int | None = Field(None, ge=0, le=63, description="default: the top exponent bit")
+    count: int = Field(1, ge=1, le=1_000_000)
 
 
 class MemoryFill(_MemoryBase):
     """Write NaN, Inf or zeros into a named tensor (in process) or at an address."""
 
     kind: Literal["memory.nan", "memory.inf", "memory.zero"]
-    nbytes: int | None = Field(None, ge=1, description="with address: bytes to overwrite")
+    nbytes: int | None = Field(None, ge=1, le=2**30,
+                               description="with address: bytes to overwrite")
     dtype: Literal["float16", "bfloat16", "float32", "float64"] = "float32"
 
 
@@ -454,7 +485,8 @@ Collective = Literal[
 
 class _CollectiveBase(_FaultBase):
     op: Collective = "all_reduce"
-    call: int = Field(1, ge=1, description="the k-th matching call at or after the trigger")
+    call: int = Field(1, ge=1, le=MAX_STEPS,
+                      description="the k-th matching call at or after the trigger")
 
 
 class CollectiveError(_CollectiveBase):
@@ -482,9 +514,9 @@ class CollectiveCorrupt(_CollectiveBase):
 
     kind: Literal["collective.corrupt"]
     mode: Literal["nan", "inf", "zero", "bitflip"] = "nan"
-    index: int | None = Field(None, ge=0)
-    bit: int | None = Field(None, ge=0)
-    seed: int = 0
+    index: int | None = Field(None, ge=0, le=_MAX_INDEX)
+    bit: int | None = Field(None, ge=0, le=63)
+    seed: int = Field(0, ge=0, le=MAX_SEED)
 
 
 class NetReset(_FaultBase):
@@ -519,10 +551,12 @@ class StorageDamage(_StorageBase):
 
     kind: Literal["storage.corrupt", "storage.truncate", "storage.delete"]
     path: str = Field(description="glob under root; the newest match is hit")
-    offset: int | None = Field(None, ge=0, description="corrupt: first byte (default seeded)")
-    bytes: int = Field(16, ge=1, description="corrupt: how many bytes")
-    size: int | None = Field(None, ge=0, description="truncate: new size (default half)")
-    seed: int = 0
+    offset: int | None = Field(None, ge=0, le=_MAX_INDEX,
+                               description="corrupt: first byte (default seeded)")
+    bytes: int = Field(16, ge=1, le=2**30, description="corrupt: how many bytes")
+    size: int | None = Field(None, ge=0, le=_MAX_INDEX,
+                             description="truncate: new size (default half)")
+    seed: int = Field(0, ge=0, le=MAX_SEED)
 
 
 class StorageFull(_StorageBase):
@@ -530,7 +564,7 @@ class StorageFull(_StorageBase):
 
     kind: Literal["storage.full"]
     dir: str = Field(".", description="folder under root to fill")
-    free: int = Field(0, ge=0, description="bytes left free")
+    free: int = Field(0, ge=0, le=_MAX_INDEX, description="bytes left free")
     write_back: bool = Field(True, description="copy what was written meanwhile back at heal")
     duration: Duration | None = None
 
@@ -546,8 +580,8 @@ class ProcessStraggle(_FaultBase):
     """Slow one process by a factor (cgroup CPU quota, or duty-cycled SIGSTOP/SIGCONT)."""
 
     kind: Literal["process.straggle"]
-    factor: float = Field(4.0, gt=1.0)
-    cpus: float = Field(1.0, gt=0)
+    factor: float = Field(4.0, gt=1.0, le=1000)
+    cpus: float = Field(1.0, gt=0, le=1024)
     method: Literal["auto", "cgroup", "signal"] = "auto"
     duration: Duration | None = None
 
@@ -596,11 +630,11 @@ class Budget(_Strict):
 
 
 class CountBudget(_Strict):
-    max: int = Field(ge=0)
+    max: int = Field(ge=0, le=MAX_STEPS)
 
 
 class RateFloor(_Strict):
-    min: float = Field(gt=0, description="steps per second, over any 2 s window")
+    min: float = Field(gt=0, le=1_000_000, description="steps per second, over any 2 s window")
 
 
 class Latency(_Strict):
@@ -661,7 +695,7 @@ class Scenario(_Strict):
 
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9._-]*$", max_length=100)
     description: str = ""
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, le=MAX_SEED)
     system: System
     faults: list[Fault] = Field(default_factory=list)
     expect: Expect = Expect()
@@ -716,6 +750,162 @@ class LoadedScenario:
 
 # --------------------------------------------------------------------------- loading
 
+#: Bounds on a scenario file, so that validating a hostile or broken file costs a fraction of
+#: a second and a few MB instead of the machine: far above any real scenario (the shipped ones
+#: are at most 1.2 KB, 70 values and 5 levels deep), far below what would hurt.
+MAX_FILE_BYTES = 256 * 1024
+#: Values (scalars, lists, mappings) once every alias is expanded: a billion-laughs file of a
+#: few hundred bytes expands to 10**9 of them.
+MAX_VALUES = 10_000
+#: Nesting levels, the top-level mapping being level 1.
+MAX_DEPTH = 32
+#: Integers in a scenario fit in 64 bits; longer digit strings are refused before Python
+#: converts them (which costs time quadratic in the digits, and fails past 4,300).
+_MAX_INT = 2**64 - 1
+_TIMESTAMP = "tag:yaml.org,2002:timestamp"
+#: Characters YAML forbids (C0/C1 controls but tab, LF, CR and NEL; surrogates; U+FFFE/F).
+_NON_PRINTABLE = yaml.reader.Reader.NON_PRINTABLE
+
+
+class _LoadError(yaml.MarkedYAMLError):
+    """A problem the bounded loader found, at a position in the file."""
+
+    def __init__(self, problem: str, mark: Any) -> None:
+        super().__init__(problem=problem, problem_mark=mark)
+
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader, bounded: nesting, values and integers, and no recursive aliases.
+
+    Composition counts values and depth as the events arrive, so a deep or huge file stops at
+    the limit, before PyYAML's recursive composer runs out of stack. Aliases are not copied
+    at composition (one node, many parents), so what they expand to is measured afterwards
+    on the node graph (``_expanded``) before anything walks the expanded tree.
+    """
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.depth = 0
+        self.values = 0
+        self.finished: set[int] = set()
+        #: Each alias: where it is, how deep it sits, and the node it names.
+        self.aliases: list[tuple[Any, int, yaml.Node]] = []
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
+        event: Any = self.peek_event()  # type: ignore[no-untyped-call]
+        if isinstance(event, yaml.AliasEvent):
+            target = self.anchors.get(event.anchor)
+            # An anchor is registered when its node starts: naming it before the node is
+            # finished makes a cycle, which every later walk would follow forever.
+            if target is not None and id(target) not in self.finished:
+                raise _LoadError(f"alias *{event.anchor} refers to a value that contains it "
+                                 "(a recursive alias)", event.start_mark)
+            node = super().compose_node(parent, index)
+            if node is not None:
+                self.aliases.append((event.start_mark, self.depth, node))
+            return node
+        self.depth += 1
+        self.values += 1
+        if self.depth > MAX_DEPTH:
+            raise _LoadError(f"nested more than {MAX_DEPTH} levels deep (the limit)",
+                             event.start_mark)
+        if self.values > MAX_VALUES:
+            raise _LoadError(f"more than {MAX_VALUES:,} values (the limit for a scenario)",
+                             event.start_mark)
+        try:
+            node = super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
+        self.finished.add(id(node))
+        return node
+
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        # PyYAML lets a scalar's own conversion errors escape (int('12x') for `!!int 12x`,
+        # a bad `!!timestamp`): make them errors at the scalar's position.
+        try:
+            return super().construct_object(node, deep)
+        except (ValueError, TypeError, OverflowError) as exc:
+            tag = node.tag.replace("tag:yaml.org,2002:", "!!")
+            value = _quote(node.value) if isinstance(node, yaml.ScalarNode) else "this value"
+            raise _LoadError(f"{value} is not a valid {tag} ({_quote(str(exc), 100)[1:-1]})",
+                             node.start_mark) from None
+
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
+        digits = re.sub(r"[^0-9a-fA-F]", "", str(node.value))
+        if len(digits) > 40:
+            raise _LoadError(f"an integer of {len(digits)} digits is out of range (integers "
+                             f"in a scenario fit in 64 bits)", node.start_mark)
+        value = super().construct_yaml_int(node)
+        if abs(value) > _MAX_INT:
+            raise _LoadError(f"{_quote(node.value)} is out of range (integers in a scenario "
+                             "fit in 64 bits)", node.start_mark)
+        return value
+
+
+_Loader.add_constructor("tag:yaml.org,2002:int", _Loader.construct_yaml_int)
+# Dates stay text: no scenario key is a date, and a bad one (2024-13-45) raised ValueError out
+# of PyYAML instead of a type error at its position.
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != _TIMESTAMP]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+
+
+def _quote(value: Any, limit: int = 60) -> str:
+    """A bad value for a message: quoted, and shortened if long."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 5]}...{text[-4:]}"
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.MappingNode):
+        return [part for pair in node.value for part in pair]
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    return []
+
+
+def _expanded(root: yaml.Node) -> dict[int, tuple[int, int]]:
+    """For every node: (values, depth) once aliases are expanded, without expanding them.
+
+    The node graph is acyclic (the loader refuses recursive aliases), so each node is
+    measured once from its children's measures; iterative, since expanded depth is not
+    bounded by the composer's limit.
+    """
+    measured: dict[int, tuple[int, int]] = {}
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, ready = stack.pop()
+        if id(node) in measured:
+            continue
+        children = _children(node)
+        if not ready:
+            stack.append((node, True))
+            stack.extend((child, False) for child in children if id(child) not in measured)
+            continue
+        values = 1 + sum(measured[id(child)][0] for child in children)
+        depth = 1 + max((measured[id(child)][1] for child in children), default=0)
+        measured[id(node)] = (values, depth)
+    return measured
+
+
+def _check_aliases(loader: _Loader, root: yaml.Node) -> None:
+    """Refuse a file whose aliases expand it past the value or depth limit."""
+    if not loader.aliases:
+        return  # the composer's own counts are the expanded ones
+    measured = _expanded(root)
+    values, depth = measured[id(root)]
+    if values > MAX_VALUES:
+        mark, _, node = max(loader.aliases, key=lambda alias: measured[id(alias[2])][0])
+        raise _LoadError(
+            f"aliases expand the scenario to {values:,} values, more than the limit of "
+            f"{MAX_VALUES:,} (this alias alone is {measured[id(node)][0]:,})", mark)
+    if depth > MAX_DEPTH:
+        mark, _, node = max(loader.aliases,
+                            key=lambda alias: alias[1] + measured[id(alias[2])][1])
+        raise _LoadError(f"aliases nest the scenario {depth} levels deep, more than the "
+                         f"limit of {MAX_DEPTH}", mark)
+
 
 @dataclass(slots=True)
 class _Marks:
@@ -726,12 +916,18 @@ class _Marks:
 def _collect_marks(
     node: yaml.Node, path: tuple[Any, ...], marks: _Marks, problems: list[str], file: str
 ) -> None:
+    # Walks the expanded tree: bounded by MAX_VALUES and MAX_DEPTH (checked before).
     marks.values[path] = (node.start_mark.line + 1, node.start_mark.column + 1)
     if isinstance(node, yaml.MappingNode):
         seen: set[str] = set()
         for key_node, value_node in node.value:
-            key = key_node.value
             where = (key_node.start_mark.line + 1, key_node.start_mark.column + 1)
+            if not isinstance(key_node, yaml.ScalarNode):
+                shape = "list" if isinstance(key_node, yaml.SequenceNode) else "mapping"
+                problems.append(f"{file}:{where[0]}:{where[1]}: a key must be a plain name, "
+                                f"not a {shape}")
+                continue
+            key = key_node.value
             if key in seen:
                 problems.append(f"{file}:{where[0]}:{where[1]}: duplicate key {key!r}")
             seen.add(key)
@@ -828,7 +1024,11 @@ def _pick(candidates: list[type[BaseModel]], value: Any) -> type[BaseModel] | No
 
 
 def _describe(error: Any, path: tuple[Any, ...], data: Any) -> str:
-    where = ".".join(str(p) for p in path) or "scenario"
+    # A key is data: quoted unless a plain name, so a newline or an escape sequence in it
+    # can neither split the one-line problem nor reach the terminal raw.
+    where = ".".join(
+        str(p) if re.fullmatch(r"[\w-]+", str(p)) else repr(str(p)) for p in path
+    ) or "scenario"
     kind = error["type"]
     if kind == "extra_forbidden":
         key = path[-1] if path else "?"
@@ -853,24 +1053,52 @@ def _describe(error: Any, path: tuple[Any, ...], data: Any) -> str:
     return f"{where}: {message}"
 
 
+def _position(text: str, index: int) -> tuple[int, int]:
+    """Line and column of ``text[index]``, counted as PyYAML counts them (1-based)."""
+    before = text[:index]
+    breaks = list(re.finditer(r"\r\n|[\r\n\x85\u2028\u2029]", before))
+    line_start = breaks[-1].end() if breaks else 0
+    return len(breaks) + 1, len(before[line_start:].replace("\ufeff", "")) + 1
+
+
 def parse_scenario(text: str, file: str = "<string>") -> Scenario:
     """Parse and validate scenario YAML; raise SpecError with every problem found."""
+    if len(text) > MAX_FILE_BYTES:
+        raise SpecError([f"{file}:1:1: the scenario is longer than {MAX_FILE_BYTES // 1024} "
+                         "KiB, the limit for a scenario file"])
+    bad = _NON_PRINTABLE.search(text)
+    if bad is not None:
+        line, col = _position(text, bad.start())
+        hint = " (is the file UTF-16? scenarios are UTF-8)" if bad.group() == "\0" else ""
+        raise SpecError([f"{file}:{line}:{col}: control character U+{ord(bad.group()):04X} "
+                         f"is not allowed in YAML{hint}"])
     problems: list[str] = []
+    loader = _Loader(text)
     try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
+        node = loader.get_single_node()
+        if node is not None:
+            _check_aliases(loader, node)
+            marks = _Marks(keys={}, values={})
+            # Before construction: merge keys (`<<`) rewrite the nodes they are in.
+            _collect_marks(node, (), marks, problems, file)
+            if problems:
+                raise SpecError(problems)
+            data = loader.construct_document(node)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         line, col = (mark.line + 1, mark.column + 1) if mark else (1, 1)
-        raise SpecError([f"{file}:{line}:{col}: invalid YAML: {exc.problem}"]) from None
+        # PyYAML's context says what it was reading ("expected a single document in the
+        # stream"); its problem alone ("but found another document") reads as a fragment.
+        detail = f"{exc.context}: {exc.problem}" if exc.context else exc.problem
+        raise SpecError([f"{file}:{line}:{col}: invalid YAML: {detail}"]) from None
+    except yaml.YAMLError as exc:
+        raise SpecError([f"{file}:1:1: invalid YAML: {exc}"]) from None
+    finally:
+        loader.dispose()
     if node is None or not isinstance(data, dict):
         raise SpecError(
             [f"{file}:1:1: a scenario must be a mapping with `name`, `system`, `faults`, `expect`"]
         )
-    marks = _Marks(keys={}, values={})
-    _collect_marks(node, (), marks, problems, file)
-    if problems:
-        raise SpecError(problems)
     try:
         return Scenario.model_validate(data)
     except ValidationError as exc:
@@ -889,33 +1117,105 @@ def parse_scenario(text: str, file: str = "<string>") -> Scenario:
         raise SpecError(problems) from None
 
 
+_FILE_KINDS = {
+    stat.S_IFDIR: "a folder", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
+    stat.S_IFIFO: "a named pipe", stat.S_IFSOCK: "a socket",
+}
+
+
+def _read_bounded(file: Path) -> bytes:
+    """The file's bytes, if it is a regular file of at most MAX_FILE_BYTES."""
+
+    def refuse(what: str) -> SpecError:
+        return SpecError([f"{file}:1:1: {what}"])
+
+    try:
+        # Look before opening: opening a named pipe waits for a writer, and opening a
+        # device can have effects of its own.
+        kind = stat.S_IFMT(os.stat(file).st_mode)
+        if kind != stat.S_IFREG:
+            raise refuse(f"not a regular file ({_FILE_KINDS.get(kind, 'not a file')}); a "
+                         "scenario is a YAML file")
+        # O_NONBLOCK: should the path be swapped for a pipe meanwhile, open does not wait.
+        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
+        with os.fdopen(fd, "rb") as handle:
+            if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
+                raise refuse("not a regular file; a scenario is a YAML file")
+            data = handle.read(MAX_FILE_BYTES + 1)
+    except OSError as exc:
+        raise refuse(f"cannot read scenario: {exc.strerror or exc}") from None
+    if len(data) > MAX_FILE_BYTES:
+        raise refuse(f"the file is larger than {MAX_FILE_BYTES // 1024} KiB, the limit for a "
+                     "scenario file")
+    return data
+
+
+_WIDE_BOMS = (
+    (codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"),
+    (codecs.BOM_UTF16_LE, "UTF-16"), (codecs.BOM_UTF16_BE, "UTF-16"),
+)
+
+
+def _decode(data: bytes, file: str) -> str:
+    """UTF-8 text (YAML also allows UTF-16 and 32; we keep scenario files to one encoding)."""
+    for bom, name in _WIDE_BOMS:  # UTF-32's little-endian BOM starts with UTF-16's
+        if data.startswith(bom):
+            raise SpecError([f"{file}:1:1: the file is {name} text; scenarios are UTF-8 "
+                             f"(convert it: iconv -f {name} -t UTF-8)"])
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        good = data[: exc.start].decode("utf-8")
+        line, col = _position(good, len(good))
+        raise SpecError([f"{file}:{line}:{col}: not UTF-8 text: byte 0x{data[exc.start]:02x} "
+                         f"({exc.reason}); scenarios are UTF-8"]) from None
+
+
 def load_scenario(path: str | Path) -> LoadedScenario:
     file = Path(path)
-    try:
-        text = file.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise SpecError([f"{file}:1:1: cannot read scenario: {exc.strerror}"]) from None
+    text = _decode(_read_bounded(file), str(file))
     return LoadedScenario(spec=parse_scenario(text, str(file)), path=file, text=text)
 
 
-def discover(paths: list[str | Path]) -> list[Path]:
-    """Scenario files under the given files and folders, sorted, each once."""
+def find_scenarios(paths: list[str | Path]) -> tuple[list[Path], list[str]]:
+    """Scenario files under the given files and folders, sorted, each once; and a problem
+    for each path that does not exist or cannot be read (a folder's unreadable subfolders
+    included: skipping them would pass a suite that never ran)."""
     found: list[Path] = []
+    problems: list[str] = []
+    unreadable: list[OSError] = []
     for raw in paths:
         path = Path(raw)
-        if path.is_dir():
-            found.extend(
-                sorted(p for p in path.rglob("*") if p.suffix in SCENARIO_SUFFIXES and p.is_file())
-            )
-        elif path.exists():
+        try:
+            is_dir = stat.S_ISDIR(os.stat(path).st_mode)
+        except FileNotFoundError:
+            problems.append(f"{path}:1:1: no such file or folder")
+            continue
+        except OSError as exc:
+            problems.append(f"{path}:1:1: cannot read: {exc.strerror or exc}")
+            continue
+        if not is_dir:
             found.append(path)
-        else:
-            raise SpecError([f"{path}:1:1: no such file or folder"])
+            continue
+        here: list[Path] = []
+        for folder, _, names in os.walk(path, onerror=unreadable.append):
+            here.extend(Path(folder, n) for n in names if Path(n).suffix in SCENARIO_SUFFIXES)
+        found.extend(sorted(p for p in here if p.is_file()))
+    problems.extend(f"{exc.filename}:1:1: cannot read folder: {exc.strerror or exc}"
+                    for exc in unreadable)
     unique: list[Path] = []
     for p in found:
         if p not in unique:
             unique.append(p)
-    return unique
+    return unique, problems
+
+
+def discover(paths: list[str | Path]) -> list[Path]:
+    """Scenario files under the given files and folders; SpecError lists every bad path."""
+    found, problems = find_scenarios(paths)
+    if problems:
+        raise SpecError(problems)
+    return found
 
 
 def json_schema() -> dict[str, Any]:

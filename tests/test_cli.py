@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import io
 import json
+import os
+import shutil
+import subprocess
 import sys
 from pathlib import Path
+from xml.etree import ElementTree
 
 import pytest
 from _helpers import ROOT, cli, quick_scenario
+from rich.console import Console
+
+from harness.records import CheckResult, Event, RunResult
+from harness.report import LiveObserver, PlainObserver, junit_xml
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -144,3 +153,189 @@ def test_a_crashing_system_fails_completes(tmp_path: Path) -> None:
     assert proc.returncode == 1
     (record,) = json.loads(proc.stdout)
     assert record["checks"][0]["observed"] == "exit 3"
+
+
+# ------------------------------------------------ output paths are checked before anything runs
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "says"),
+    [
+        ("--run-dir", "{tmp}/a-file", "--run-dir {tmp}/a-file: cannot create the folder"),
+        ("--run-dir", "/proc/aftershock/runs", "--run-dir /proc/aftershock/runs: cannot create"),
+        ("--json", "/nonexistent/x.json", "--json /nonexistent/x.json: cannot write"),
+        ("--json", "{tmp}", "--json {tmp}: cannot write"),
+        ("--junit", "/nonexistent/x.xml", "--junit /nonexistent/x.xml: cannot write"),
+    ],
+)
+def test_unusable_output_path_exits_2_before_running(
+    tmp_path: Path, option: str, value: str, says: str
+) -> None:
+    (tmp_path / "a-file").write_text("not a folder\n")
+    scenario = quick(tmp_path, "never-runs", "expect: {completes: true}\n")
+    runs = tmp_path / "runs"
+    args = ["run", str(scenario), option, value.format(tmp=tmp_path)]
+    if option != "--run-dir":
+        args += ["--run-dir", str(runs)]
+    proc = cli(*args, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert says.format(tmp=tmp_path) in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert not runs.exists(), "the scenario ran although its record could not be kept"
+    assert not (tmp_path / ".aftershock").exists()
+
+
+# ---------------------------------------------------------- reports print data, never markup
+
+
+MARKUP = "[/][bold red]x[/bold red] :smile: [link=file:///etc]y[/link]"
+
+
+def marked_up_result(run_dir: Path) -> RunResult:
+    """A run record whose every free-text field carries Rich markup, as a target may log it."""
+    return RunResult(
+        name=f"markup {MARKUP}", file=f"{run_dir}/s[/].yaml", passed=False, seed=0, duration_s=1.0,
+        checks=(CheckResult(name="params_match", passed=False, observed=MARKUP,
+                            expected="[/]", message=f"rank 0: {MARKUP} != [/]\x1b[31m\x00"),),
+        metrics={"lost_steps": None}, faults=(), run_dir=str(run_dir),
+    )
+
+
+def test_report_prints_markup_in_a_record_as_text(tmp_path: Path) -> None:
+    run_dir = tmp_path / "runs" / "x[/]y"
+    run_dir.mkdir(parents=True)
+    (run_dir / "result.json").write_text(json.dumps(marked_up_result(run_dir).to_json()))
+    proc = cli("report", str(run_dir))
+    assert proc.returncode == 0, proc.stderr
+    assert "MarkupError" not in proc.stderr
+    # The verdict line is not folded like the table's cells: it shows every field as written.
+    assert f"FAILED markup {MARKUP} in 1.0s, seed 0; run dir {run_dir}" in proc.stdout
+    assert "\x1b" not in proc.stdout  # off a terminal: no styles, and none from the data
+
+
+def test_live_and_plain_views_print_markup_in_events_as_text() -> None:
+    buffer = io.StringIO()
+    console = Console(file=buffer, force_terminal=True, width=300, color_system=None)
+    events = [
+        Event(t=0.0, event="hello", source="rank0", fields={"rank": 0, "pid": "[/]"}),
+        Event(t=0.1, event="fault_injected", source="harness",
+              fields={"kind": "[/]", "rank": 0, "detail": MARKUP}),
+        Event(t=0.2, event="failure_detected", source="rank0",
+              fields={"rank": 0, "cause": MARKUP}),
+    ]
+    with LiveObserver(console, total_steps=10) as live:
+        live.phase("s[/]", "run [/]")
+        for event in events:
+            live.event(event)
+        live.finished(marked_up_result(Path("runs/x[/]y")))
+    plain = PlainObserver(console)
+    plain.phase("s[/]", "run")
+    for event in events:
+        plain.event(event)
+    text = buffer.getvalue()
+    assert f"FAILED markup {MARKUP} in 1.0s, seed 0; run dir runs/x[/]y" in text
+    assert f"detected failure: {MARKUP}" in text
+
+
+def test_junit_keeps_control_characters_out_of_the_xml() -> None:
+    xml = junit_xml([marked_up_result(Path("runs/x"))])
+    case = ElementTree.fromstring(xml.encode()).find("testcase")
+    assert case is not None
+    failure = case.find("failure")
+    assert failure is not None
+    assert failure.get("message", "").endswith(f"rank 0: {MARKUP} != [/]\\x1b[31m\\x00")
+
+
+@pytest.mark.slow
+def test_markup_in_a_captured_digest_and_the_run_dir_keeps_the_record(tmp_path: Path) -> None:
+    """A digest `[/]...` from a log line, in a run folder named `x[/]y`: the check fails
+    (exit 1) and the JSON and JUnit records hold the run."""
+    scenario = tmp_path / "markup.yaml"
+    # The pid makes the digests differ, so the check's message quotes both.
+    job = "import os; print(f'rank 0 params [/]{os.getpid()}', flush=True)"
+    scenario.write_text(f"""\
+name: markup
+system:
+  command: [{sys.executable}, -c, "{job}"]
+  probes:
+    - {{pattern: 'rank (?P<rank>\\d+) params (?P<digest>\\S+)', event: params}}
+expect:
+  params_match: fault_free
+""")
+    run_dir = tmp_path / "x[/]y"
+    proc = cli("run", str(scenario), "--run-dir", str(run_dir), "--json",
+               str(tmp_path / "out.json"), "--junit", str(tmp_path / "out.xml"),
+               cache=tmp_path / "cache")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    (record,) = json.loads((tmp_path / "out.json").read_text())
+    (check,) = [c for c in record["checks"] if c["name"] == "params_match"]
+    assert "[/]" in check["message"]
+    assert check["message"].split(": ", 1)[1] in proc.stdout
+    assert 'name="markup"' in (tmp_path / "out.xml").read_text()
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [{"duration_s": "soon"}, {"checks": [{"name": "x"}]}, {"checks": 5}, {"seed": [1]},
+     {"metrics": {"a": "b"}}],
+)
+def test_report_on_a_damaged_record_exits_2(tmp_path: Path, damage: dict[str, object]) -> None:
+    record = {**marked_up_result(tmp_path).to_json(), **damage}
+    (tmp_path / "result.json").write_text(json.dumps(record))
+    proc = cli("report", str(tmp_path))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.startswith(f"{tmp_path}/result.json:1:1: not a recorded run")
+    assert "Traceback" not in proc.stderr
+
+
+def test_docs_give_every_command_its_exit_codes() -> None:
+    from harness.cli import app
+
+    table = (ROOT / "docs" / "cli.md").read_text().split("## Exit codes", 1)[1]
+    names = [c.name or (c.callback.__name__ if c.callback else "") for c in app.registered_commands]
+    assert len(names) >= 6
+    for name in names:
+        assert f"| `aftershock {name}" in table, f"docs/cli.md has no exit codes for {name}"
+
+
+def _as_unprivileged() -> list[str]:
+    """A command prefix under which permission bits apply (root reads any file otherwise)."""
+    if os.geteuid() != 0:
+        return []
+    if shutil.which("setpriv") is None:
+        pytest.skip("running as root without setpriv: permission bits cannot be tested")
+    return ["setpriv", "--bounding-set", "-dac_override,-dac_read_search"]
+
+
+def test_unreadable_files_and_folders_are_named_with_a_position(tmp_path: Path) -> None:
+    """Typer's own readable-path check printed a usage box without file:line:col, and
+    stopped at the first unreadable path."""
+    good = quick(tmp_path, "good")
+    unreadable = quick(tmp_path, "unreadable")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    (locked / "inside.yaml").write_text(good.read_text())
+    sub = tmp_path / "tree" / "sub"
+    sub.mkdir(parents=True)
+    (tmp_path / "tree" / "ok.yaml").write_text(good.read_text())
+    unreadable.chmod(0)
+    locked.chmod(0)
+    sub.chmod(0)
+    try:
+        proc = subprocess.run(
+            [*_as_unprivileged(), sys.executable, "-m", "harness", "validate", str(good),
+             str(unreadable), str(locked / "inside.yaml"), str(tmp_path / "tree")],
+            capture_output=True, text=True, timeout=60, env={**os.environ},
+        )
+    finally:
+        for path in (unreadable, locked, sub):
+            path.chmod(0o755)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Usage:" not in proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"{locked}/inside.yaml:1:1: cannot read: Permission denied",
+        f"{sub}:1:1: cannot read folder: Permission denied",
+        f"{unreadable}:1:1: cannot read scenario: Permission denied",
+    ]
+    assert proc.stdout.splitlines() == [f"ok {good}", f"ok {tmp_path}/tree/ok.yaml"]
