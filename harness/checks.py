@@ -200,7 +200,8 @@ def _f(value: float | int | None) -> float | None:
 def _params_match(
     digests: Mapping[int, str], baseline: Mapping[int, str] | None, against: str = "fault_free"
 ) -> CheckResult:
-    reference = "the fault-free run" if against == "fault_free" else "the membership replay"
+    reference = ("the fault-free run" if against == "fault_free" else
+                 "the independent replay of the membership log")
     expected = f"bitwise equal to {reference}"
     if baseline is None or not baseline:
         return CheckResult("params_match", False, None, expected,

@@ -567,27 +567,27 @@ def fault_free_outputs(
 def replay_digests(
     loaded: LoadedScenario, *, seed: int, run_dir: Path, observer: Observer
 ) -> tuple[dict[int, str] | None, str]:
-    """Digests of a deterministic replay of the membership the faulted run recorded.
+    """The final digests the membership the run recorded implies, recomputed by the
+    independent oracle (harness.oracle): from the model's math alone, not by the trainer.
 
     The reference trainer writes every generation's first step and live replicas to
-    ``output/membership.jsonl``; ``--replay`` recomputes that trajectory without
-    faults. Equal digests mean the recovery applied exactly the math it claims."""
+    ``output/membership.jsonl``. Replaying that log with the trainer's own code would repeat
+    any bug of that code (a wrong gradient average passes itself), so the oracle restates the
+    math instead. A layout it cannot reproduce bitwise is "not observed", never a pass."""
+    from harness import oracle
+
+    spec = loaded.spec
+    assert isinstance(spec.system, TrainerSystem)
     log = run_dir / "output" / "membership.jsonl"
     if not log.exists():
-        return None, f"the run recorded no membership log ({log})"
-    twin = loaded.spec.without_faults()
-    assert isinstance(twin.system, TrainerSystem)
-    twin = twin.model_copy(
-        update={"system": twin.system.model_copy(update={"step_sleep": timedelta(0)})}
-    )
-    replay_dir = run_dir / "replay"
-    execution = execute(twin, scenario_dir=loaded.path.parent, run_dir=replay_dir, seed=seed,
-                        observer=observer, phase="membership replay",
-                        extra_args=(f"--replay={log}",))
-    digests = _metrics.final_digests(execution.events)
-    if execution.outcome.exit_code != 0 or not digests:
-        return None, f"the replay failed (exit {execution.outcome.exit_code}); see {replay_dir}"
-    return digests, f"replayed ({replay_dir})"
+        return None, f"not observed: the run recorded no membership log ({log})"
+    try:
+        schedule = oracle.read_membership(log)
+    except (OSError, ValueError) as exc:
+        return None, f"not observed: {exc}"
+    observer.phase(spec.name, "independent replay", f"{len(schedule)} generation(s) from {log}")
+    expected = oracle.trainer_digests(spec.system, seed=seed, schedule=schedule)
+    return expected.digests, expected.note
 
 
 # ------------------------------------------------------------------------ scenario run

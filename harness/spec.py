@@ -618,8 +618,9 @@ class Expect(_Strict):
     completes: bool = Field(True, description="the system exits 0 within its timeout")
     params_match: Literal["fault_free", "replay"] | None = Field(
         None, description="fault_free: final parameters bitwise equal to a fault-free run "
-        "(same seed); replay: equal to a deterministic replay of the membership the run "
-        "recorded (elastic recovery changes the math while a replica is missing)"
+        "(same seed); replay: equal to what the membership the run recorded implies, "
+        "recomputed by an independent oracle from the model's math (elastic recovery changes "
+        "the math while a replica is missing)"
     )
     time_to_detect: Budget | None = None
     time_to_recover: Budget | None = None
