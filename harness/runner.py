@@ -28,6 +28,7 @@ import faults
 from faults._proc import ProcessRef
 from faults.heal import heal_orphans, start_reaper
 from faults.journal import Journal
+from harness import golden
 from harness import metrics as _metrics
 from harness.checks import Outcome, evaluate
 from harness.errors import HarnessError
@@ -471,14 +472,21 @@ def cache_dir() -> Path:
     return Path(base) / "aftershock"
 
 
-def _code_fingerprint(spec: Scenario) -> str:
-    """For the reference systems, the source of reference_impl is part of the key, so
-    editing the trainer invalidates its golden run. Found without importing it."""
-    if not isinstance(spec.system, TrainerSystem | ServerSystem):
-        return ""
+def _code_fingerprint(spec: Scenario, scenario_dir: Path) -> str:
+    """The code a fault-free twin runs, by content, so that editing it invalidates the twin.
+
+    For the reference systems, the source of reference_impl (found without importing it).
+    For a command, every file named in the command line (its script, the interpreter, a
+    ``--config=FILE``) and every declared ``inputs`` file (a module run with ``-m``, data)."""
+    digest = hashlib.sha256()
+    if isinstance(spec.system, CommandSystem):
+        for path in _command_files(spec.system, scenario_dir):
+            digest.update(str(path).encode() + b"\0")
+            with open(path, "rb") as handle:
+                digest.update(hashlib.file_digest(handle, "sha256").digest())
+        return digest.hexdigest()
     patterns = ["*.py"] if isinstance(spec.system, TrainerSystem) else ["*.py", "serving/*.py"]
     found = importlib.util.find_spec("reference_impl")
-    digest = hashlib.sha256()
     for folder in found.submodule_search_locations or [] if found else []:
         for pattern in patterns:
             for path in sorted(Path(folder).glob(pattern)):
@@ -487,34 +495,43 @@ def _code_fingerprint(spec: Scenario) -> str:
     return digest.hexdigest()
 
 
-def baseline_key(spec: Scenario, seed: int) -> str:
-    system = spec.system.model_dump(mode="json")
-    if isinstance(spec.system, TrainerSystem):
-        # Pacing, failure detection and what is kept for recovery (checkpoints, snapshots,
-        # idle spares) change timing, never a fault-free run's math: one golden run serves
-        # them all. The recovery strategy stays in: it is a different runtime.
-        for name in ("step_sleep", "timeout", "collective_timeout", "max_restarts",
-                     "checkpoint_every", "spares", "snapshot_every"):
-            system.pop(name, None)
-    elif isinstance(spec.system, ServerSystem):
-        # Timing, detection and the recovery policy never change a fault-free run's tokens;
-        # the model, the kernels and the load do.
-        for name in ("step_sleep", "timeout", "heartbeat", "dead_after", "wedged_after",
-                     "recovery", "journal", "checksums"):
-            system.pop(name, None)
-    material = json.dumps({"system": system, "seed": seed, "code": _code_fingerprint(spec)},
-                          sort_keys=True)
+def _command_files(system: CommandSystem, scenario_dir: Path) -> list[Path]:
+    """The files a command names that exist (relative ones from its working directory), and
+    its declared inputs. Arguments naming the run's own folder change every run: skipped."""
+    base = system.workdir(scenario_dir)
+    files, _ = system.input_files(scenario_dir)
+    named = set(files)
+    for arg in system.command:
+        if "${run_dir}" in arg:
+            continue
+        arg = arg.replace("${scenario_dir}", str(scenario_dir.resolve()))
+        value = arg.split("=", 1)[1] if arg.startswith("-") and "=" in arg else None
+        for candidate in (arg, value):
+            if candidate and (base / candidate).is_file():
+                named.add((base / candidate).resolve())
+    return sorted(named)
+
+
+def baseline_key(spec: Scenario, seed: int, *, scenario_dir: Path = Path(".")) -> str:
+    """The cache key of a scenario's fault-free twin: what decides its result (the system
+    without pacing, detection and what only recovery keeps: golden.twin_system), its
+    environment, the seed and the code it runs (``scenario_dir``: where the scenario file
+    is, from which a command's relative paths are found)."""
+    system = golden.twin_system(spec)
+    system["env"] = dict(spec.system.env)
+    material = json.dumps({"system": system, "seed": seed,
+                           "code": _code_fingerprint(spec, scenario_dir)}, sort_keys=True)
     return hashlib.sha256(material.encode()).hexdigest()[:24]
 
 
-def _fault_free(
+def fault_free_result(
     loaded: LoadedScenario, *, seed: int, run_dir: Path, observer: Observer, use_cache: bool,
     what: str,
 ) -> tuple[dict[str, Any] | None, str]:
     """What the fault-free twin produced (``what``: its final parameter ``digests`` or its
     requests' ``outputs``), from the cache or by running it."""
     spec = loaded.spec
-    key = baseline_key(spec, seed)
+    key = baseline_key(spec, seed, scenario_dir=loaded.path.parent)
     cached = cache_dir() / "fault_free" / f"{key}.json"
     if use_cache and cached.exists():
         with contextlib.suppress(ValueError, OSError, KeyError):
@@ -550,8 +567,8 @@ def fault_free_digests(
     loaded: LoadedScenario, *, seed: int, run_dir: Path, observer: Observer, use_cache: bool
 ) -> tuple[dict[int, str] | None, str]:
     """Final parameter digests of the fault-free twin, from cache or by running it."""
-    found, note = _fault_free(loaded, seed=seed, run_dir=run_dir, observer=observer,
-                              use_cache=use_cache, what="digests")
+    found, note = fault_free_result(loaded, seed=seed, run_dir=run_dir, observer=observer,
+                                    use_cache=use_cache, what="digests")
     return (None if found is None else {int(k): str(v) for k, v in found.items()}), note
 
 
@@ -559,8 +576,8 @@ def fault_free_outputs(
     loaded: LoadedScenario, *, seed: int, run_dir: Path, observer: Observer, use_cache: bool
 ) -> tuple[dict[str, list[int]] | None, str]:
     """Each request's tokens in the fault-free twin (same load, same seed)."""
-    found, note = _fault_free(loaded, seed=seed, run_dir=run_dir, observer=observer,
-                              use_cache=use_cache, what="outputs")
+    found, note = fault_free_result(loaded, seed=seed, run_dir=run_dir, observer=observer,
+                                    use_cache=use_cache, what="outputs")
     return (None if found is None else {k: list(v) for k, v in found.items()}), note
 
 
@@ -648,6 +665,12 @@ def run_scenario(
         events=execution.events, outputs=_metrics.outputs(execution.events),
         baseline_outputs=baseline_outputs,
     )
+    if spec.expect.params_match == "fault_free":
+        golden_check = golden.check(loaded, seed=seed, what="digests", found=baseline)
+    else:
+        golden_check = golden.check(loaded, seed=seed, what="outputs", found=baseline_outputs)
+    if golden_check is not None:
+        checks.append(golden_check)
     missing = {"params_match": spec.expect.params_match and baseline is None,
                "outputs_match": spec.expect.outputs_match and baseline_outputs is None}
     checks = [

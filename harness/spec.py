@@ -126,7 +126,37 @@ class CommandSystem(_Strict):
     )
     cwd: str | None = Field(None, description="working directory, relative to the scenario file")
     env: dict[str, str] = Field(default_factory=dict)
+    inputs: list[str] = Field(
+        default_factory=list,
+        description="files, folders or globs the command reads (modules run with -m, configs, "
+        "data), relative to its working directory. With the files named in `command`, their "
+        "content is part of the fault-free twin's cache key; each must exist",
+    )
     timeout: Duration = Field(timedelta(minutes=5), description="limit for the whole run")
+
+    def workdir(self, scenario_dir: Path) -> Path:
+        """Where the command runs (and where its relative paths point)."""
+        return (scenario_dir / self.cwd).resolve() if self.cwd else scenario_dir.resolve()
+
+    def input_files(self, scenario_dir: Path) -> tuple[list[Path], list[int]]:
+        """The files ``inputs`` names (folders: every file under them), sorted, and the
+        indices of the entries that name nothing."""
+        base = self.workdir(scenario_dir)
+        files: set[Path] = set()
+        missing: list[int] = []
+        for index, pattern in enumerate(self.inputs):
+            if any(c in pattern for c in "*?["):
+                root, relative = (Path(base.anchor), pattern.lstrip("/")) \
+                    if Path(pattern).is_absolute() else (base, pattern)
+                found = list(root.glob(relative))
+            else:
+                found = [base / pattern]
+            found = [f for p in found for f in (sorted(p.rglob("*")) if p.is_dir() else [p])
+                     if f.is_file()]
+            if not found:
+                missing.append(index)
+            files.update(found)
+        return sorted(files), missing
 
 
 class PromptMix(_Strict):
@@ -873,7 +903,7 @@ def parse_scenario(text: str, file: str = "<string>") -> Scenario:
     if problems:
         raise SpecError(problems)
     try:
-        return Scenario.model_validate(data)
+        spec = Scenario.model_validate(data)
     except ValidationError as exc:
         for error in exc.errors():
             path = _data_path(tuple(error["loc"]), data)
@@ -888,6 +918,18 @@ def parse_scenario(text: str, file: str = "<string>") -> Scenario:
                     probe = probe[:-1]
             problems.append(f"{file}:{position[0]}:{position[1]}: {_describe(error, path, data)}")
         raise SpecError(problems) from None
+    if isinstance(spec.system, CommandSystem) and Path(file).is_file():
+        base = Path(file).parent
+        _, missing = spec.system.input_files(base)
+        for index in missing:
+            line, col = marks.values.get(("system", "inputs", index), (1, 1))
+            problems.append(
+                f"{file}:{line}:{col}: system.inputs.{index}: nothing matches "
+                f"{spec.system.inputs[index]!r} in {spec.system.workdir(base)} (an input the "
+                "command reads must exist: its content keys the fault-free twin)")
+        if problems:
+            raise SpecError(problems)
+    return spec
 
 
 def load_scenario(path: str | Path) -> LoadedScenario:

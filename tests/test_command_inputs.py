@@ -67,3 +67,64 @@ def test_editing_the_script_reruns_the_fault_free_twin(tmp_path: Path) -> None:
     second = run(tmp_path, cache, "v2")
     assert second["faults_injected"]["passed"]
     assert not second["params_match"]["passed"], second["params_match"]
+
+
+def command(inputs: str = "", command: str = "[python, train.py]") -> str:
+    return (f"name: c\nsystem:\n  command: {command}\n"
+            f"  probes: [{{pattern: 'p=(?P<digest>.+)', event: params}}]\n{inputs}"
+            "expect: {params_match: fault_free}\n")
+
+
+def key_of(folder: Path, text: str) -> str:
+    from harness.runner import baseline_key
+    from harness.spec import load_scenario
+
+    path = folder / "s.yaml"
+    path.write_text(text)
+    return baseline_key(load_scenario(path).spec, 0, scenario_dir=folder)
+
+
+def test_the_key_follows_the_content_of_the_script_and_of_declared_inputs(
+    tmp_path: Path
+) -> None:
+    (tmp_path / "train.py").write_text("print('v1')\n")
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "a.json").write_text("{}")
+    (tmp_path / "data.bin").write_bytes(b"\0" * 10)
+    text = command("  inputs: [conf, '*.bin']\n")
+    first = key_of(tmp_path, text)
+    assert key_of(tmp_path, text) == first  # same content, same twin
+    (tmp_path / "train.py").write_text("print('v2')\n")
+    second = key_of(tmp_path, text)
+    assert second != first
+    (tmp_path / "conf" / "a.json").write_text('{"lr": 2}')  # a file in a declared folder
+    third = key_of(tmp_path, text)
+    assert third != second
+    (tmp_path / "data.bin").write_bytes(b"\1" * 10)  # a file a declared glob matches
+    assert key_of(tmp_path, text) != third
+
+
+def test_files_named_as_option_values_count_and_the_run_folder_does_not(tmp_path: Path) -> None:
+    (tmp_path / "cfg.yaml").write_text("a: 1\n")
+    text = command(command="[python, -m, job, '--config=cfg.yaml', '--out=${run_dir}/x']")
+    first = key_of(tmp_path, text)
+    (tmp_path / "cfg.yaml").write_text("a: 2\n")
+    assert key_of(tmp_path, text) != first
+
+
+def test_a_missing_declared_input_is_an_invalid_scenario(tmp_path: Path) -> None:
+    from harness.errors import SpecError
+    from harness.spec import load_scenario
+
+    (tmp_path / "train.py").write_text("")
+    path = tmp_path / "s.yaml"
+    path.write_text(command("  inputs: [train.py, configs/*.yaml, model]\n"))
+    with pytest.raises(SpecError) as caught:
+        load_scenario(path)
+    assert [p.split(": ", 1)[0] for p in caught.value.problems] == [
+        f"{path}:5:22", f"{path}:5:38"]
+    assert "system.inputs.1: nothing matches 'configs/*.yaml'" in caught.value.problems[0]
+    proc = cli("validate", str(path))
+    assert proc.returncode == 2
+    assert f"{path}:5:22: system.inputs.1" in proc.stderr
+    assert "Traceback" not in proc.stderr
