@@ -9,9 +9,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from harness import metrics as _metrics
 from harness._duration import format_duration
 from harness.records import CheckResult, Event, FaultRecord
-from harness.spec import Expect
+from harness.spec import DetectBudget, Expect
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,8 +77,8 @@ def evaluate(
     if expect.params_match:
         results.append(_params_match(digests, baseline, expect.params_match))
     if expect.time_to_detect:
-        results.append(_budget("time_to_detect", _f(metrics.get("time_to_detect_s")),
-                               expect.time_to_detect.max.total_seconds(), "detection"))
+        results.append(_time_to_detect(expect.time_to_detect, _f(metrics.get("time_to_detect_s")),
+                                       events or ()))
     if expect.time_to_recover:
         results.append(_budget("time_to_recover", _f(metrics.get("time_to_recover_s")),
                                expect.time_to_recover.max.total_seconds(), "recovery"))
@@ -128,6 +129,26 @@ def evaluate(
                 results.append(_budget(f"latency.{name}", _f(metrics.get(f"{name}_s")),
                                        budget.max.total_seconds(), what))
     return results
+
+
+def _time_to_detect(budget: DetectBudget, observed: float | None,
+                    events: Sequence[Event]) -> CheckResult:
+    """The budget, and with ``cause``: the first detection must be by one of those causes
+    (the fault was caught by the mechanism meant for it, not by a slower fallback)."""
+    result = _budget("time_to_detect", observed, budget.max.total_seconds(), "detection")
+    if budget.cause is None or observed is None:
+        return result
+    first = _metrics.detection(events)
+    cause = str(first.fields.get("cause")) if first is not None else "nothing"
+    wanted = " or ".join(budget.cause)
+    expected = f"{result.expected} by {wanted}"
+    shown = f"{format_duration(observed)} by {cause}"
+    if not budget.admits(cause):
+        return CheckResult("time_to_detect", False, shown, expected,
+                           f"the fault was detected by {cause} after "
+                           f"{format_duration(observed)}, not by {wanted}")
+    return CheckResult("time_to_detect", result.passed, shown, expected,
+                       f"{result.message}, by {cause}")
 
 
 def _outputs_match(outputs: Mapping[str, Sequence[int]],

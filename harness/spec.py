@@ -625,6 +625,36 @@ class Budget(_Strict):
     max: Duration
 
 
+class DetectBudget(Budget):
+    """A detection budget, and optionally the causes that must detect the fault."""
+
+    cause: list[str] | None = Field(
+        None, min_length=1,
+        description="the `cause` of the first failure_detected event after the fault must be "
+        "one of these: exactly, or with a detail after a colon (`collective_error` matches "
+        "`collective_error: Connection reset`), or by prefix with a trailing `*` (`xid_*`)",
+    )
+
+    @field_validator("cause", mode="before")
+    @classmethod
+    def _one_or_more(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("cause")
+    @classmethod
+    def _named(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and not all(c.strip() for c in value):
+            raise ValueError("a cause must not be empty")
+        return value
+
+    def admits(self, cause: str) -> bool:
+        """Whether a failure_detected event's ``cause`` is one of ours (no cause: any)."""
+        if self.cause is None:
+            return True
+        return any(cause == want or cause.startswith(want + ":") or
+                   (want.endswith("*") and cause.startswith(want[:-1])) for want in self.cause)
+
+
 class CountBudget(_Strict):
     max: int = Field(ge=0)
 
@@ -652,7 +682,7 @@ class Expect(_Strict):
         "recomputed by an independent oracle from the model's math (elastic recovery changes "
         "the math while a replica is missing)"
     )
-    time_to_detect: Budget | None = None
+    time_to_detect: DetectBudget | None = None
     time_to_recover: Budget | None = None
     lost_steps: CountBudget | None = None
     step_rate: RateFloor | None = Field(
