@@ -173,26 +173,55 @@ def _outputs_match(outputs: Mapping[str, Sequence[int]],
 
 
 def _xid_action(events: Sequence[Event]) -> CheckResult:
-    """Each injected Xid must be answered with NVIDIA's recommended action."""
+    """Each injected Xid must be answered with NVIDIA's recommended action, by the process
+    it hit, and that process must act on it (what it did, not only what it said):
+
+    - action ``none``: it goes on working: it commits a step after its announcement (a
+      system without steps: it does not exit while the run goes on);
+    - any other action (restart_app, reset_gpu, drain_node) takes it off its GPU: it commits
+      at most the one step in flight when it announced, and the harness sees it exit
+      (``target_exited``) before the run ends. A restarted process is a new process.
+    """
     from faults.xid import CATALOG
 
     injected = [e for e in events if e.event == "fault_injected" and e.fields.get("kind")
                 == "gpu.xid"]
-    answers = [e for e in events if e.event == "xid_action"]
     expected, observed, wrong = [], [], []
+    has_steps = any(e.event == "step" for e in events)
     for fault in injected:
         code = _xid_code(fault)
         want = str(CATALOG[code].action) if code is not None and code in CATALOG else "?"
         expected.append(f"{code}:{want}")
-        reply = next((a for a in answers if a.t >= fault.t and a.fields.get("code") == code),
+        pid = fault.fields.get("pid")
+        reply = next((a for a in events if a.event == "xid_action" and a.t >= fault.t
+                      and a.fields.get("code") == code and a.fields.get("pid") in (pid, None)),
                      None)
         got = str(reply.fields.get("action")) if reply else "none reported"
-        observed.append(f"{code}:{got}")
-        if got != want:
+        if reply is None or got != want:
+            observed.append(f"{code}:{got}")
             wrong.append(f"Xid {code}: expected {want}, got {got}")
+            continue
+        steps = [e for e in events if e.event == "step" and e.t > reply.t
+                 and e.fields.get("pid") == pid]
+        exited = next((e for e in events if e.event == "target_exited" and e.t >= fault.t
+                       and e.fields.get("pid") == pid), None)
+        if want == "none":
+            kept_on = bool(steps) if has_steps else exited is None
+            observed.append(f"{code}:{got}, {'went on' if kept_on else 'stopped'}")
+            if not kept_on:
+                wrong.append(f"Xid {code}: action none, but pid {pid} " + (
+                    "committed no step after it" if has_steps else "exited"))
+            continue
+        observed.append(f"{code}:{got}, {'exited' if exited else 'still running'}")
+        if len(steps) > 1:
+            wrong.append(f"Xid {code}: announced {got}, but pid {pid} committed "
+                         f"{len(steps)} more steps")
+        if exited is None:
+            wrong.append(f"Xid {code}: announced {got}, but pid {pid} never exited while "
+                         "the run went on (it kept its GPU)")
     ok = bool(injected) and not wrong
-    message = ("every Xid got NVIDIA's recommended action" if ok else
-               "; ".join(wrong) or "no gpu.xid fault was injected")
+    message = ("every Xid got NVIDIA's recommended action, and the process hit took it" if ok
+               else "; ".join(wrong) or "no gpu.xid fault was injected")
     return CheckResult("xid_action", ok, ", ".join(observed) or None,
                        ", ".join(expected) or "an Xid", message)
 

@@ -151,6 +151,9 @@ def execute(
     target = LocalTarget(launch, run_dir=run_dir, run_id=run_id, timeline=timeline)
     schedule = [_ScheduledFault(i, f) for i, f in enumerate(spec.faults)]
     active: list[_Active] = []
+    # The processes faults hit from outside, until the harness sees them end: what a
+    # process did after a fault (exited, or went on) is evidence for checks (xid_action).
+    watched: list[tuple[ProcessRef, dict[str, Any]]] = []
     records: list[FaultRecord] = []
     armed: dict[int, list[int]] = {}  # fault index -> record indices, in-process faults
     seen: dict[str, int] = {}  # event name -> occurrences, for `at: {event}` triggers
@@ -252,6 +255,8 @@ def execute(
                 detail=applied.detail, fault=item.index, at=began, params=params, **fields,
             )
             observer.event(ev)
+            watched.append((ranks[rank], {"pid": ranks[rank].pid, "kind": item.spec.kind,
+                                          "fault": item.index, **fields}))
             records.append(
                 FaultRecord(item.spec.kind, label or f"rank {rank}", round(ev.t - t0, 4), None,
                             applied.detail)
@@ -386,6 +391,10 @@ def execute(
                 for done in [a for a in active if a.heal_at is not None and now >= a.heal_at]:
                     active.remove(done)
                     heal(done)
+                for gone in [w for w in watched if not w[0].alive()]:
+                    # Seen only while the run goes on: the teardown's kills are not evidence.
+                    watched.remove(gone)
+                    observer.event(timeline.emit("target_exited", **gone[1]))
                 exit_code = target.poll()
                 if exit_code is not None:
                     break

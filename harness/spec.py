@@ -689,8 +689,9 @@ class Expect(_Strict):
         None, description="the slowest 2 s of the run commits at least this many steps/s"
     )
     xid_action: bool = Field(
-        False, description="for every gpu.xid fault, the system reports an xid_action event "
-        "with the action NVIDIA recommends for that Xid (aftershock faults xid)"
+        False, description="for every gpu.xid fault, the process hit reports an xid_action "
+        "event with the action NVIDIA recommends for that Xid (aftershock faults xid) and takes "
+        "it: for none it goes on working, for any other action it stops and exits"
     )
     straggler_named: bool = Field(
         False, description="the system reports a straggler_detected event naming the rank "
