@@ -710,6 +710,14 @@ class Expect(_Strict):
     )
     latency: Latency | None = None
 
+    @field_validator("time_to_detect", mode="before")
+    @classmethod
+    def _detect_budget(cls, value: Any) -> Any:
+        # A plain Budget (programmatic use) is a detection budget without a cause.
+        if isinstance(value, Budget) and not isinstance(value, DetectBudget):
+            return DetectBudget(max=value.max)
+        return value
+
     #: Checks that only mean something for the reference server's load.
     SERVING: typing.ClassVar[tuple[str, ...]] = (
         "no_lost_requests", "no_duplicated_tokens", "outputs_match", "latency")
