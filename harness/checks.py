@@ -9,9 +9,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from harness import metrics as _metrics
 from harness._duration import format_duration
 from harness.records import CheckResult, Event, FaultRecord
-from harness.spec import Expect
+from harness.spec import DetectBudget, Expect
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,8 +77,8 @@ def evaluate(
     if expect.params_match:
         results.append(_params_match(digests, baseline, expect.params_match))
     if expect.time_to_detect:
-        results.append(_budget("time_to_detect", _f(metrics.get("time_to_detect_s")),
-                               expect.time_to_detect.max.total_seconds(), "detection"))
+        results.append(_time_to_detect(expect.time_to_detect, _f(metrics.get("time_to_detect_s")),
+                                       events or ()))
     if expect.time_to_recover:
         results.append(_budget("time_to_recover", _f(metrics.get("time_to_recover_s")),
                                expect.time_to_recover.max.total_seconds(), "recovery"))
@@ -130,6 +131,26 @@ def evaluate(
     return results
 
 
+def _time_to_detect(budget: DetectBudget, observed: float | None,
+                    events: Sequence[Event]) -> CheckResult:
+    """The budget, and with ``cause``: the first detection must be by one of those causes
+    (the fault was caught by the mechanism meant for it, not by a slower fallback)."""
+    result = _budget("time_to_detect", observed, budget.max.total_seconds(), "detection")
+    if budget.cause is None or observed is None:
+        return result
+    first = _metrics.detection(events)
+    cause = str(first.fields.get("cause")) if first is not None else "nothing"
+    wanted = " or ".join(budget.cause)
+    expected = f"{result.expected} by {wanted}"
+    shown = f"{format_duration(observed)} by {cause}"
+    if not budget.admits(cause):
+        return CheckResult("time_to_detect", False, shown, expected,
+                           f"the fault was detected by {cause} after "
+                           f"{format_duration(observed)}, not by {wanted}")
+    return CheckResult("time_to_detect", result.passed, shown, expected,
+                       f"{result.message}, by {cause}")
+
+
 def _outputs_match(outputs: Mapping[str, Sequence[int]],
                    baseline: Mapping[str, Sequence[int]] | None) -> CheckResult:
     expected = "token-identical to the fault-free run"
@@ -152,26 +173,55 @@ def _outputs_match(outputs: Mapping[str, Sequence[int]],
 
 
 def _xid_action(events: Sequence[Event]) -> CheckResult:
-    """Each injected Xid must be answered with NVIDIA's recommended action."""
+    """Each injected Xid must be answered with NVIDIA's recommended action, by the process
+    it hit, and that process must act on it (what it did, not only what it said):
+
+    - action ``none``: it goes on working: it commits a step after its announcement (a
+      system without steps: it does not exit while the run goes on);
+    - any other action (restart_app, reset_gpu, drain_node) takes it off its GPU: it commits
+      at most the one step in flight when it announced, and the harness sees it exit
+      (``target_exited``) before the run ends. A restarted process is a new process.
+    """
     from faults.xid import CATALOG
 
     injected = [e for e in events if e.event == "fault_injected" and e.fields.get("kind")
                 == "gpu.xid"]
-    answers = [e for e in events if e.event == "xid_action"]
     expected, observed, wrong = [], [], []
+    has_steps = any(e.event == "step" for e in events)
     for fault in injected:
         code = _xid_code(fault)
         want = str(CATALOG[code].action) if code is not None and code in CATALOG else "?"
         expected.append(f"{code}:{want}")
-        reply = next((a for a in answers if a.t >= fault.t and a.fields.get("code") == code),
+        pid = fault.fields.get("pid")
+        reply = next((a for a in events if a.event == "xid_action" and a.t >= fault.t
+                      and a.fields.get("code") == code and a.fields.get("pid") in (pid, None)),
                      None)
         got = str(reply.fields.get("action")) if reply else "none reported"
-        observed.append(f"{code}:{got}")
-        if got != want:
+        if reply is None or got != want:
+            observed.append(f"{code}:{got}")
             wrong.append(f"Xid {code}: expected {want}, got {got}")
+            continue
+        steps = [e for e in events if e.event == "step" and e.t > reply.t
+                 and e.fields.get("pid") == pid]
+        exited = next((e for e in events if e.event == "target_exited" and e.t >= fault.t
+                       and e.fields.get("pid") == pid), None)
+        if want == "none":
+            kept_on = bool(steps) if has_steps else exited is None
+            observed.append(f"{code}:{got}, {'went on' if kept_on else 'stopped'}")
+            if not kept_on:
+                wrong.append(f"Xid {code}: action none, but pid {pid} " + (
+                    "committed no step after it" if has_steps else "exited"))
+            continue
+        observed.append(f"{code}:{got}, {'exited' if exited else 'still running'}")
+        if len(steps) > 1:
+            wrong.append(f"Xid {code}: announced {got}, but pid {pid} committed "
+                         f"{len(steps)} more steps")
+        if exited is None:
+            wrong.append(f"Xid {code}: announced {got}, but pid {pid} never exited while "
+                         "the run went on (it kept its GPU)")
     ok = bool(injected) and not wrong
-    message = ("every Xid got NVIDIA's recommended action" if ok else
-               "; ".join(wrong) or "no gpu.xid fault was injected")
+    message = ("every Xid got NVIDIA's recommended action, and the process hit took it" if ok
+               else "; ".join(wrong) or "no gpu.xid fault was injected")
     return CheckResult("xid_action", ok, ", ".join(observed) or None,
                        ", ".join(expected) or "an Xid", message)
 
@@ -200,7 +250,8 @@ def _f(value: float | int | None) -> float | None:
 def _params_match(
     digests: Mapping[int, str], baseline: Mapping[int, str] | None, against: str = "fault_free"
 ) -> CheckResult:
-    reference = "the fault-free run" if against == "fault_free" else "the membership replay"
+    reference = ("the fault-free run" if against == "fault_free" else
+                 "the independent replay of the membership log")
     expected = f"bitwise equal to {reference}"
     if baseline is None or not baseline:
         return CheckResult("params_match", False, None, expected,

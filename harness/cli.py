@@ -197,6 +197,74 @@ def _write_records(results: list[Any], json_out: str | None, junit: Path | None)
 
 
 @app.command()
+def golden(
+    paths: Annotated[list[Path], typer.Argument(help="scenario files or folders")],
+    update: Annotated[
+        bool, typer.Option("--update", help="run each fault-free twin and record its result")
+    ] = False,
+    seed: Annotated[int | None, typer.Option(help="override every scenario's seed")] = None,
+    no_cache: Annotated[
+        bool, typer.Option("--no-cache", help="re-run fault-free twins instead of reusing")
+    ] = False,
+    run_dir: Annotated[
+        Path | None, typer.Option(help="keep the twins' run folders here")
+    ] = None,
+) -> None:
+    """Golden results of fault-free twins (golden.json beside the scenarios): show which
+    scenarios have one for this platform, or record them on purpose with --update."""
+    from harness import golden as goldens
+    from harness.errors import SpecError
+    from harness.runner import default_run_dir
+    from harness.spec import discover, load_scenario
+
+    try:
+        files = discover(list(paths))
+        if not files:
+            raise SpecError([f"{p}:1:1: no scenario files (*.yaml, *.yml) found" for p in paths])
+        problems: list[str] = []
+        loaded = []
+        for file in files:
+            try:
+                loaded.append(load_scenario(file))
+            except SpecError as exc:
+                problems.extend(exc.problems)
+        if problems:
+            raise SpecError(problems)
+    except SpecError as exc:
+        raise _fail_invalid(exc.problems) from None
+    if not update:
+        for scenario in loaded:
+            out.print(_golden_status(scenario, seed), markup=False, highlight=False)
+        return
+    root = run_dir or default_run_dir("golden")
+    results = goldens.update(loaded, seed=seed, use_cache=not no_cache, run_root=root)
+    for item in results:
+        style = None if item.ok else "red"
+        out.print(f"{item.status:9} {item.scenario}: {item.message}", style=style,
+                  markup=False, highlight=False)
+    raise typer.Exit(EXIT_OK if all(r.ok for r in results) else EXIT_FAILED)
+
+
+def _golden_status(scenario: Any, seed: int | None) -> str:
+    from harness import golden as goldens
+
+    what = goldens.what_of(scenario.spec)
+    if what is None:
+        return f"-        {scenario.path}: no fault-free twin to keep a golden of"
+    path = goldens.path_of(scenario.path)
+    if not path.exists():
+        return f"none     {scenario.path}: no {path}"
+    try:
+        key = goldens.key_of(scenario.spec, scenario.spec.seed if seed is None else seed)
+        found = any(key.matches(e) for e in goldens.read(path))
+    except (ValueError, RuntimeError) as exc:
+        return f"error    {scenario.path}: {exc}"
+    if found:
+        return f"golden   {scenario.path}: [{key.platform}] seed {key.seed}"
+    return f"missing  {scenario.path}: none for [{key.platform}] seed {key.seed}"
+
+
+@app.command()
 def faults(
     kind: Annotated[str | None, typer.Argument(help="a kind, or 'xid' for the Xid table")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable")] = False,

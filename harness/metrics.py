@@ -20,15 +20,19 @@ def first_fault_time(events: Sequence[Event]) -> float | None:
     return next((e.t for e in events if e.event == "fault_injected"), None)
 
 
-def time_to_detect(events: Sequence[Event]) -> float | None:
-    """Fault injected -> first event in which the system acknowledges a failure."""
+def detection(events: Sequence[Event]) -> Event | None:
+    """The first event after the fault in which the system acknowledges a failure."""
     t_fault = first_fault_time(events)
     if t_fault is None:
         return None
-    detected = next(
-        (e.t for e in events if e.event == "failure_detected" and e.t >= t_fault), None
-    )
-    return None if detected is None else detected - t_fault
+    return next((e for e in events if e.event == "failure_detected" and e.t >= t_fault), None)
+
+
+def time_to_detect(events: Sequence[Event]) -> float | None:
+    """Fault injected -> first event in which the system acknowledges a failure."""
+    t_fault = first_fault_time(events)
+    detected = detection(events)
+    return None if detected is None or t_fault is None else detected.t - t_fault
 
 
 def full_world(events: Sequence[Event], configured: int | None) -> int | None:

@@ -28,6 +28,7 @@ import faults
 from faults._proc import ProcessRef
 from faults.heal import heal_orphans, start_reaper
 from faults.journal import RUN_ID_ENV, Journal, UnsafeFolder
+from harness import golden
 from harness import metrics as _metrics
 from harness.checks import Outcome, evaluate
 from harness.errors import HarnessError
@@ -155,6 +156,9 @@ def execute(
     launch_entry = journal.intend("launch", {"env": RUN_ID_ENV, "value": run_id}, op="launch")
     schedule = [_ScheduledFault(i, f) for i, f in enumerate(spec.faults)]
     active: list[_Active] = []
+    # The processes faults hit from outside, until the harness sees them end: what a
+    # process did after a fault (exited, or went on) is evidence for checks (xid_action).
+    watched: list[tuple[ProcessRef, dict[str, Any]]] = []
     records: list[FaultRecord] = []
     armed: dict[int, list[int]] = {}  # fault index -> record indices, in-process faults
     seen: dict[str, int] = {}  # event name -> occurrences, for `at: {event}` triggers
@@ -256,6 +260,8 @@ def execute(
                 detail=applied.detail, fault=item.index, at=began, params=params, **fields,
             )
             observer.event(ev)
+            watched.append((ranks[rank], {"pid": ranks[rank].pid, "kind": item.spec.kind,
+                                          "fault": item.index, **fields}))
             records.append(
                 FaultRecord(item.spec.kind, label or f"rank {rank}", round(ev.t - t0, 4), None,
                             applied.detail)
@@ -386,6 +392,10 @@ def execute(
                 for done in [a for a in active if a.heal_at is not None and now >= a.heal_at]:
                     active.remove(done)
                     heal(done)
+                for gone in [w for w in watched if not w[0].alive()]:
+                    # Seen only while the run goes on: the teardown's kills are not evidence.
+                    watched.remove(gone)
+                    observer.event(timeline.emit("target_exited", **gone[1]))
                 exit_code = target.poll()
                 if exit_code is not None:
                     break
@@ -481,14 +491,21 @@ def cache_dir() -> Path:
     return Path(base) / "aftershock"
 
 
-def _code_fingerprint(spec: Scenario) -> str:
-    """For the reference systems, the source of reference_impl is part of the key, so
-    editing the trainer invalidates its golden run. Found without importing it."""
-    if not isinstance(spec.system, TrainerSystem | ServerSystem):
-        return ""
+def _code_fingerprint(spec: Scenario, scenario_dir: Path) -> str:
+    """The code a fault-free twin runs, by content, so that editing it invalidates the twin.
+
+    For the reference systems, the source of reference_impl (found without importing it).
+    For a command, every file named in the command line (its script, the interpreter, a
+    ``--config=FILE``) and every declared ``inputs`` file (a module run with ``-m``, data)."""
+    digest = hashlib.sha256()
+    if isinstance(spec.system, CommandSystem):
+        for path in _command_files(spec.system, scenario_dir):
+            digest.update(str(path).encode() + b"\0")
+            with open(path, "rb") as handle:
+                digest.update(hashlib.file_digest(handle, "sha256").digest())
+        return digest.hexdigest()
     patterns = ["*.py"] if isinstance(spec.system, TrainerSystem) else ["*.py", "serving/*.py"]
     found = importlib.util.find_spec("reference_impl")
-    digest = hashlib.sha256()
     for folder in found.submodule_search_locations or [] if found else []:
         for pattern in patterns:
             for path in sorted(Path(folder).glob(pattern)):
@@ -497,34 +514,43 @@ def _code_fingerprint(spec: Scenario) -> str:
     return digest.hexdigest()
 
 
-def baseline_key(spec: Scenario, seed: int) -> str:
-    system = spec.system.model_dump(mode="json")
-    if isinstance(spec.system, TrainerSystem):
-        # Pacing, failure detection and what is kept for recovery (checkpoints, snapshots,
-        # idle spares) change timing, never a fault-free run's math: one golden run serves
-        # them all. The recovery strategy stays in: it is a different runtime.
-        for name in ("step_sleep", "timeout", "collective_timeout", "max_restarts",
-                     "checkpoint_every", "spares", "snapshot_every"):
-            system.pop(name, None)
-    elif isinstance(spec.system, ServerSystem):
-        # Timing, detection and the recovery policy never change a fault-free run's tokens;
-        # the model, the kernels and the load do.
-        for name in ("step_sleep", "timeout", "heartbeat", "dead_after", "wedged_after",
-                     "recovery", "journal", "checksums"):
-            system.pop(name, None)
-    material = json.dumps({"system": system, "seed": seed, "code": _code_fingerprint(spec)},
-                          sort_keys=True)
+def _command_files(system: CommandSystem, scenario_dir: Path) -> list[Path]:
+    """The files a command names that exist (relative ones from its working directory), and
+    its declared inputs. Arguments naming the run's own folder change every run: skipped."""
+    base = system.workdir(scenario_dir)
+    files, _ = system.input_files(scenario_dir)
+    named = set(files)
+    for arg in system.command:
+        if "${run_dir}" in arg:
+            continue
+        arg = arg.replace("${scenario_dir}", str(scenario_dir.resolve()))
+        value = arg.split("=", 1)[1] if arg.startswith("-") and "=" in arg else None
+        for candidate in (arg, value):
+            if candidate and (base / candidate).is_file():
+                named.add((base / candidate).resolve())
+    return sorted(named)
+
+
+def baseline_key(spec: Scenario, seed: int, *, scenario_dir: Path = Path(".")) -> str:
+    """The cache key of a scenario's fault-free twin: what decides its result (the system
+    without pacing, detection and what only recovery keeps: golden.twin_system), its
+    environment, the seed and the code it runs (``scenario_dir``: where the scenario file
+    is, from which a command's relative paths are found)."""
+    system = golden.twin_system(spec)
+    system["env"] = dict(spec.system.env)
+    material = json.dumps({"system": system, "seed": seed,
+                           "code": _code_fingerprint(spec, scenario_dir)}, sort_keys=True)
     return hashlib.sha256(material.encode()).hexdigest()[:24]
 
 
-def _fault_free(
+def fault_free_result(
     loaded: LoadedScenario, *, seed: int, run_dir: Path, observer: Observer, use_cache: bool,
     what: str,
 ) -> tuple[dict[str, Any] | None, str]:
     """What the fault-free twin produced (``what``: its final parameter ``digests`` or its
     requests' ``outputs``), from the cache or by running it."""
     spec = loaded.spec
-    key = baseline_key(spec, seed)
+    key = baseline_key(spec, seed, scenario_dir=loaded.path.parent)
     cached = cache_dir() / "fault_free" / f"{key}.json"
     if use_cache and cached.exists():
         with contextlib.suppress(ValueError, OSError, KeyError):
@@ -560,8 +586,8 @@ def fault_free_digests(
     loaded: LoadedScenario, *, seed: int, run_dir: Path, observer: Observer, use_cache: bool
 ) -> tuple[dict[int, str] | None, str]:
     """Final parameter digests of the fault-free twin, from cache or by running it."""
-    found, note = _fault_free(loaded, seed=seed, run_dir=run_dir, observer=observer,
-                              use_cache=use_cache, what="digests")
+    found, note = fault_free_result(loaded, seed=seed, run_dir=run_dir, observer=observer,
+                                    use_cache=use_cache, what="digests")
     return (None if found is None else {int(k): str(v) for k, v in found.items()}), note
 
 
@@ -569,35 +595,35 @@ def fault_free_outputs(
     loaded: LoadedScenario, *, seed: int, run_dir: Path, observer: Observer, use_cache: bool
 ) -> tuple[dict[str, list[int]] | None, str]:
     """Each request's tokens in the fault-free twin (same load, same seed)."""
-    found, note = _fault_free(loaded, seed=seed, run_dir=run_dir, observer=observer,
-                              use_cache=use_cache, what="outputs")
+    found, note = fault_free_result(loaded, seed=seed, run_dir=run_dir, observer=observer,
+                                    use_cache=use_cache, what="outputs")
     return (None if found is None else {k: list(v) for k, v in found.items()}), note
 
 
 def replay_digests(
     loaded: LoadedScenario, *, seed: int, run_dir: Path, observer: Observer
 ) -> tuple[dict[int, str] | None, str]:
-    """Digests of a deterministic replay of the membership the faulted run recorded.
+    """The final digests the membership the run recorded implies, recomputed by the
+    independent oracle (harness.oracle): from the model's math alone, not by the trainer.
 
     The reference trainer writes every generation's first step and live replicas to
-    ``output/membership.jsonl``; ``--replay`` recomputes that trajectory without
-    faults. Equal digests mean the recovery applied exactly the math it claims."""
+    ``output/membership.jsonl``. Replaying that log with the trainer's own code would repeat
+    any bug of that code (a wrong gradient average passes itself), so the oracle restates the
+    math instead. A layout it cannot reproduce bitwise is "not observed", never a pass."""
+    from harness import oracle
+
+    spec = loaded.spec
+    assert isinstance(spec.system, TrainerSystem)
     log = run_dir / "output" / "membership.jsonl"
     if not log.exists():
-        return None, f"the run recorded no membership log ({log})"
-    twin = loaded.spec.without_faults()
-    assert isinstance(twin.system, TrainerSystem)
-    twin = twin.model_copy(
-        update={"system": twin.system.model_copy(update={"step_sleep": timedelta(0)})}
-    )
-    replay_dir = run_dir / "replay"
-    execution = execute(twin, scenario_dir=loaded.path.parent, run_dir=replay_dir, seed=seed,
-                        observer=observer, phase="membership replay",
-                        extra_args=(f"--replay={log}",))
-    digests = _metrics.final_digests(execution.events)
-    if execution.outcome.exit_code != 0 or not digests:
-        return None, f"the replay failed (exit {execution.outcome.exit_code}); see {replay_dir}"
-    return digests, f"replayed ({replay_dir})"
+        return None, f"not observed: the run recorded no membership log ({log})"
+    try:
+        schedule = oracle.read_membership(log)
+    except (OSError, ValueError) as exc:
+        return None, f"not observed: {exc}"
+    observer.phase(spec.name, "independent replay", f"{len(schedule)} generation(s) from {log}")
+    expected = oracle.trainer_digests(spec.system, seed=seed, schedule=schedule)
+    return expected.digests, expected.note
 
 
 # ------------------------------------------------------------------------ scenario run
@@ -660,6 +686,12 @@ def run_scenario(
         events=execution.events, outputs=_metrics.outputs(execution.events),
         baseline_outputs=baseline_outputs,
     )
+    if spec.expect.params_match == "fault_free":
+        golden_check = golden.check(loaded, seed=seed, what="digests", found=baseline)
+    else:
+        golden_check = golden.check(loaded, seed=seed, what="outputs", found=baseline_outputs)
+    if golden_check is not None:
+        checks.append(golden_check)
     missing = {"params_match": spec.expect.params_match and baseline is None,
                "outputs_match": spec.expect.outputs_match and baseline_outputs is None}
     checks = [

@@ -150,7 +150,37 @@ class CommandSystem(_Strict):
     )
     cwd: str | None = Field(None, description="working directory, relative to the scenario file")
     env: dict[str, str] = Field(default_factory=dict)
+    inputs: list[str] = Field(
+        default_factory=list,
+        description="files, folders or globs the command reads (modules run with -m, configs, "
+        "data), relative to its working directory. With the files named in `command`, their "
+        "content is part of the fault-free twin's cache key; each must exist",
+    )
     timeout: Duration = Field(timedelta(minutes=5), description="limit for the whole run")
+
+    def workdir(self, scenario_dir: Path) -> Path:
+        """Where the command runs (and where its relative paths point)."""
+        return (scenario_dir / self.cwd).resolve() if self.cwd else scenario_dir.resolve()
+
+    def input_files(self, scenario_dir: Path) -> tuple[list[Path], list[int]]:
+        """The files ``inputs`` names (folders: every file under them), sorted, and the
+        indices of the entries that name nothing."""
+        base = self.workdir(scenario_dir)
+        files: set[Path] = set()
+        missing: list[int] = []
+        for index, pattern in enumerate(self.inputs):
+            if any(c in pattern for c in "*?["):
+                root, relative = (Path(base.anchor), pattern.lstrip("/")) \
+                    if Path(pattern).is_absolute() else (base, pattern)
+                found = list(root.glob(relative))
+            else:
+                found = [base / pattern]
+            found = [f for p in found for f in (sorted(p.rglob("*")) if p.is_dir() else [p])
+                     if f.is_file()]
+            if not found:
+                missing.append(index)
+            files.update(found)
+        return sorted(files), missing
 
 
 class PromptMix(_Strict):
@@ -629,6 +659,36 @@ class Budget(_Strict):
     max: Duration
 
 
+class DetectBudget(Budget):
+    """A detection budget, and optionally the causes that must detect the fault."""
+
+    cause: list[str] | None = Field(
+        None, min_length=1,
+        description="the `cause` of the first failure_detected event after the fault must be "
+        "one of these: exactly, or with a detail after a colon (`collective_error` matches "
+        "`collective_error: Connection reset`), or by prefix with a trailing `*` (`xid_*`)",
+    )
+
+    @field_validator("cause", mode="before")
+    @classmethod
+    def _one_or_more(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("cause")
+    @classmethod
+    def _named(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and not all(c.strip() for c in value):
+            raise ValueError("a cause must not be empty")
+        return value
+
+    def admits(self, cause: str) -> bool:
+        """Whether a failure_detected event's ``cause`` is one of ours (no cause: any)."""
+        if self.cause is None:
+            return True
+        return any(cause == want or cause.startswith(want + ":") or
+                   (want.endswith("*") and cause.startswith(want[:-1])) for want in self.cause)
+
+
 class CountBudget(_Strict):
     max: int = Field(ge=0, le=MAX_STEPS)
 
@@ -652,18 +712,20 @@ class Expect(_Strict):
     completes: bool = Field(True, description="the system exits 0 within its timeout")
     params_match: Literal["fault_free", "replay"] | None = Field(
         None, description="fault_free: final parameters bitwise equal to a fault-free run "
-        "(same seed); replay: equal to a deterministic replay of the membership the run "
-        "recorded (elastic recovery changes the math while a replica is missing)"
+        "(same seed); replay: equal to what the membership the run recorded implies, "
+        "recomputed by an independent oracle from the model's math (elastic recovery changes "
+        "the math while a replica is missing)"
     )
-    time_to_detect: Budget | None = None
+    time_to_detect: DetectBudget | None = None
     time_to_recover: Budget | None = None
     lost_steps: CountBudget | None = None
     step_rate: RateFloor | None = Field(
         None, description="the slowest 2 s of the run commits at least this many steps/s"
     )
     xid_action: bool = Field(
-        False, description="for every gpu.xid fault, the system reports an xid_action event "
-        "with the action NVIDIA recommends for that Xid (aftershock faults xid)"
+        False, description="for every gpu.xid fault, the process hit reports an xid_action "
+        "event with the action NVIDIA recommends for that Xid (aftershock faults xid) and takes "
+        "it: for none it goes on working, for any other action it stops and exits"
     )
     straggler_named: bool = Field(
         False, description="the system reports a straggler_detected event naming the rank "
@@ -681,6 +743,14 @@ class Expect(_Strict):
         "of the same load"
     )
     latency: Latency | None = None
+
+    @field_validator("time_to_detect", mode="before")
+    @classmethod
+    def _detect_budget(cls, value: Any) -> Any:
+        # A plain Budget (programmatic use) is a detection budget without a cause.
+        if isinstance(value, Budget) and not isinstance(value, DetectBudget):
+            return DetectBudget(max=value.max)
+        return value
 
     #: Checks that only mean something for the reference server's load.
     SERVING: typing.ClassVar[tuple[str, ...]] = (
@@ -1100,7 +1170,7 @@ def parse_scenario(text: str, file: str = "<string>") -> Scenario:
             [f"{file}:1:1: a scenario must be a mapping with `name`, `system`, `faults`, `expect`"]
         )
     try:
-        return Scenario.model_validate(data)
+        spec = Scenario.model_validate(data)
     except ValidationError as exc:
         for error in exc.errors():
             path = _data_path(tuple(error["loc"]), data)
@@ -1115,6 +1185,18 @@ def parse_scenario(text: str, file: str = "<string>") -> Scenario:
                     probe = probe[:-1]
             problems.append(f"{file}:{position[0]}:{position[1]}: {_describe(error, path, data)}")
         raise SpecError(problems) from None
+    if isinstance(spec.system, CommandSystem) and Path(file).is_file():
+        base = Path(file).parent
+        _, missing = spec.system.input_files(base)
+        for index in missing:
+            line, col = marks.values.get(("system", "inputs", index), (1, 1))
+            problems.append(
+                f"{file}:{line}:{col}: system.inputs.{index}: nothing matches "
+                f"{spec.system.inputs[index]!r} in {spec.system.workdir(base)} (an input the "
+                "command reads must exist: its content keys the fault-free twin)")
+        if problems:
+            raise SpecError(problems)
+    return spec
 
 
 _FILE_KINDS = {

@@ -174,7 +174,10 @@ def test_xid_action_check_wants_nvidias_action() -> None:
                              digests={}, baseline=None, events=[injected, *answers])
         return result
 
-    assert check(ev(1.1, "xid_action", code=48, action="reset_gpu")).passed
+    # Announced, and done: the process hit left its GPU (the harness saw it exit).
+    assert check(ev(1.1, "xid_action", code=48, action="reset_gpu"),
+                 ev(1.2, "target_exited", kind="gpu.xid")).passed
+    # Announced only: tests/test_xid_effect.py.
     wrong = check(ev(1.1, "xid_action", code=48, action="restart_app"))
     assert not wrong.passed
     assert "expected reset_gpu, got restart_app" in wrong.message

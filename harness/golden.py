@@ -1,0 +1,400 @@
+"""Golden results of fault-free twins: recorded on purpose, stored beside the scenarios.
+
+`params_match: fault_free` and `outputs_match: fault_free` compare a run with its fault-free
+twin, which the *current* code computes; a bug on the fault-free path (data order, init, the
+optimizer) is in the twin too, and the comparison cannot see it. A golden result is the twin's
+result recorded once, on purpose (``aftershock golden --update PATHS``, as pytest-regressions
+and syrupy record snapshots), and checked in: every later run whose twin disagrees fails the
+``fault_free_golden`` check.
+
+Storage: one ``golden.json`` per scenario folder (data beside the scenarios; scenarios/ holds
+no Python). Scenarios of a folder whose systems differ only in what never changes a fault-free
+run's math share one twin, hence one entry. An entry is keyed by
+
+- ``system``: the twin's system, without what never changes its result (``twin_system``) and
+  without ``env`` (the reference systems' math must not depend on the environment: a change
+  there is exactly what a golden must catch);
+- ``seed``;
+- ``platform``: torch's version and build, the CPU (architecture, vendor and the vector ISA
+  torch dispatches to) and the device (CPU, or the GPU and CUDA version). Kernels round
+  differently on other platforms, so a GPU run is never compared with a CPU golden.
+
+No entry for this key (a new platform, another seed, a changed system): for the reference
+trainer on a layout the independent oracle reproduces (harness.oracle), the twin is checked
+against the oracle instead; otherwise the check fails as "not observed" and says how to record
+one. A scenario folder without a golden.json has no golden check. Goldens are for the
+reference systems: a command's platform is not known to the harness.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from harness.errors import SpecError
+from harness.records import CheckResult
+from harness.spec import LoadedScenario, Scenario, ServerSystem, TrainerSystem, load_scenario
+
+FILE = "golden.json"
+CHECK = "fault_free_golden"
+ABOUT = ("Golden results of the fault-free twins of the scenarios in this folder, recorded on "
+         "purpose with `aftershock golden --update`; see docs/scenarios.md (Golden results).")
+
+#: Trainer settings that pace a run, detect failures, or keep what only recovery uses: they
+#: never change a fault-free run's math. The recovery strategy stays: a different runtime.
+_TRAINER_TIMING = ("step_sleep", "timeout", "collective_timeout", "max_restarts",
+                   "checkpoint_every", "spares", "snapshot_every")
+#: Server settings that never change a fault-free run's tokens (the model, the kernels and the
+#: load do).
+_SERVER_TIMING = ("step_sleep", "timeout", "heartbeat", "dead_after", "wedged_after",
+                  "recovery", "journal", "checksums")
+
+
+def twin_system(spec: Scenario) -> dict[str, Any]:
+    """The part of ``spec.system`` that decides its fault-free twin's result, ``env`` aside."""
+    system: dict[str, Any] = spec.system.model_dump(mode="json")
+    dropped = (_TRAINER_TIMING if isinstance(spec.system, TrainerSystem) else
+               _SERVER_TIMING if isinstance(spec.system, ServerSystem) else ())
+    for name in (*dropped, "env"):
+        system.pop(name, None)
+    return system
+
+
+def what_of(spec: Scenario) -> str | None:
+    """What a golden of this scenario holds: ``digests`` or ``outputs``; None: no golden."""
+    if isinstance(spec.system, TrainerSystem) and spec.expect.params_match == "fault_free":
+        return "digests"
+    if isinstance(spec.system, ServerSystem) and spec.expect.outputs_match == "fault_free":
+        return "outputs"
+    return None
+
+
+def path_of(scenario: Path) -> Path:
+    return scenario.parent / FILE
+
+
+def outputs_digest(outputs: Mapping[Any, Sequence[int]]) -> str:
+    """sha256 of every request's tokens, in request order."""
+    canonical = json.dumps({str(k): list(v) for k, v in sorted(outputs.items())},
+                           separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+# ------------------------------------------------------------------------------ platform
+
+_PLATFORM = r"""
+import platform, sys
+import torch
+vendor = ""
+try:
+    with open("/proc/cpuinfo") as info:
+        vendor = next((l.split(":", 1)[1].strip() for l in info if l.startswith("vendor_id")), "")
+except OSError:
+    pass
+isa = torch.backends.cpu.get_cpu_capability()
+cpu = " ".join(p for p in (platform.machine(), vendor, isa) if p)
+if sys.argv[1] == "cuda":
+    device = (f"{torch.cuda.get_device_name(0)}, CUDA {torch.version.cuda}"
+              if torch.cuda.is_available() else "cuda (unavailable)")
+else:
+    device = "cpu"
+print(f"torch {torch.__version__}; {cpu}; {device}")
+"""
+
+
+def device_of(spec: Scenario) -> str:
+    system = spec.system
+    if isinstance(system, TrainerSystem):
+        return "cuda" if system.backend == "nccl" else "cpu"
+    if isinstance(system, ServerSystem):
+        args = " ".join(system.args)
+        return "cuda" if "--device=cuda" in args or "--device cuda" in args else "cpu"
+    return "cpu"
+
+
+@functools.cache
+def _platform(executable: str, device: str) -> str:
+    proc = subprocess.run([executable, "-c", _PLATFORM, device], capture_output=True,
+                          text=True, timeout=120, check=False)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"cannot tell the platform ({tail})")
+    return lines[-1]
+
+
+def platform_of(spec: Scenario) -> str:
+    """Where a reference system runs, as far as its bits go (the interpreter the harness
+    launches it with: the harness's own)."""
+    return _platform(sys.executable, device_of(spec))
+
+
+# ------------------------------------------------------------------------------- entries
+
+
+@dataclass(frozen=True, slots=True)
+class Key:
+    system: dict[str, Any]
+    seed: int
+    platform: str
+
+    def matches(self, entry: Mapping[str, Any]) -> bool:
+        return (entry.get("system") == self.system and entry.get("seed") == self.seed
+                and entry.get("platform") == self.platform)
+
+
+def key_of(spec: Scenario, seed: int) -> Key:
+    return Key(twin_system(spec), seed, platform_of(spec))
+
+
+def read(path: Path) -> list[dict[str, Any]]:
+    """The entries of a golden file; ValueError if it is not one."""
+    try:
+        data = json.loads(path.read_text())
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read ({exc.strerror})") from None
+    except ValueError as exc:
+        raise ValueError(f"{path}: not JSON ({exc})") from None
+    entries = data.get("goldens") if isinstance(data, dict) else None
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+        raise ValueError(f"{path}: no `goldens` list")
+    return entries
+
+
+def write(path: Path, entries: list[dict[str, Any]]) -> None:
+    ordered = sorted(entries, key=lambda e: (str(e.get("platform")), int(e.get("seed", 0)),
+                                             json.dumps(e.get("system"), sort_keys=True)))
+    text = json.dumps({"about": ABOUT, "goldens": ordered}, indent=2) + "\n"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def entry_for(key: Key, what: str, found: Mapping[Any, Any], scenarios: Sequence[str],
+              checked_by: str) -> dict[str, Any]:
+    entry: dict[str, Any] = {"system": key.system, "seed": key.seed, "platform": key.platform,
+                             "scenarios": sorted(set(scenarios))}
+    if what == "digests":
+        entry["digests"] = {str(k): str(v) for k, v in sorted(found.items(), key=_rank_order)}
+    else:
+        entry["outputs_sha256"] = outputs_digest(found)
+        entry["requests"] = len(found)
+    entry["checked_by"] = checked_by
+    return entry
+
+
+def _rank_order(item: tuple[Any, Any]) -> int:
+    return int(item[0])
+
+
+# --------------------------------------------------------------------------------- check
+
+
+def check(loaded: LoadedScenario, *, seed: int, what: str,
+          found: Mapping[Any, Any] | None) -> CheckResult | None:
+    """``fault_free_golden``: the twin's result (``found``: digests by rank, or outputs by
+    request) against the golden of its folder. None when the folder keeps no goldens."""
+    path = path_of(loaded.path)
+    if what_of(loaded.spec) != what or not path.exists():
+        return None
+    expected = "equal to its golden result"
+    if found is None:
+        return CheckResult(CHECK, False, None, expected,
+                           "not observed: the fault-free run produced nothing to compare")
+    try:
+        entries = read(path)
+        key = key_of(loaded.spec, seed)
+    except (ValueError, RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
+        return CheckResult(CHECK, False, None, expected, f"not observed: {exc}")
+    expected = f"equal to its golden ({key.platform})"
+    entry = next((e for e in entries if key.matches(e)), None)
+    if entry is None:
+        return _without_golden(loaded, key, path, entries, what, found)
+    if what == "digests":
+        want = {int(k): str(v) for k, v in dict(entry.get("digests") or {}).items()}
+        got = {int(k): str(v) for k, v in found.items()}
+        ranks = sorted(set(want) | set(got))
+        differ = [r for r in ranks if want.get(r) != got.get(r)]
+        observed = f"{len(ranks) - len(differ)}/{len(ranks)} ranks equal"
+        if differ:
+            detail = ", ".join(f"rank {r}: {str(got.get(r))[:12]} != {str(want.get(r))[:12]}"
+                               for r in differ)
+            return CheckResult(CHECK, False, observed, expected,
+                               f"the fault-free run's parameters differ from the golden in "
+                               f"{path}: {detail}. The fault-free path changed; if on "
+                               f"purpose, record it: aftershock golden --update {loaded.path}")
+        return CheckResult(CHECK, True, observed, expected,
+                           f"the fault-free run equals the golden in {path}")
+    digest = outputs_digest(found)
+    want_digest = str(entry.get("outputs_sha256"))
+    if digest != want_digest:
+        return CheckResult(CHECK, False, f"outputs {digest[:12]}", expected,
+                           f"the fault-free run's outputs differ from the golden in {path} "
+                           f"({len(found)} requests, sha256 {digest[:12]} != "
+                           f"{want_digest[:12]}). The fault-free path changed; if on purpose, "
+                           f"record it: aftershock golden --update {loaded.path}")
+    return CheckResult(CHECK, True, f"outputs {digest[:12]}", expected,
+                       f"the fault-free run's {len(found)} outputs equal the golden in {path}")
+
+
+def _without_golden(loaded: LoadedScenario, key: Key, path: Path,
+                    entries: list[dict[str, Any]], what: str,
+                    found: Mapping[Any, Any]) -> CheckResult:
+    """No golden for this system, seed and platform: the oracle, where it can judge."""
+    from harness import oracle
+
+    same_system = [e for e in entries if e.get("system") == key.system]
+    if not same_system:
+        missing = "for this system (the scenario's system changed since, or is new)"
+    elif not [e for e in same_system if e.get("seed") == key.seed]:
+        missing = f"for seed {key.seed}"
+    else:
+        missing = "for this platform (recorded on: " + "; ".join(
+            sorted({f"[{e.get('platform')}]" for e in same_system})) + ")"
+    hint = (f"{path} has no golden {missing}; record one on purpose: "
+            f"aftershock golden --update {loaded.path}")
+    system = loaded.spec.system
+    if what == "digests" and isinstance(system, TrainerSystem):
+        expected = oracle.trainer_digests(system, seed=key.seed,
+                                          schedule=oracle.full_membership(system))
+        if expected.digests is not None:
+            got = {int(k): str(v) for k, v in found.items()}
+            ranks = sorted(set(expected.digests) | set(got))
+            differ = [r for r in ranks if expected.digests.get(r) != got.get(r)]
+            observed = f"{len(ranks) - len(differ)}/{len(ranks)} ranks equal"
+            verdict = ("equals" if not differ else
+                       f"differs in ranks {', '.join(map(str, differ))} from")
+            return CheckResult(CHECK, not differ, observed, "equal to the independent oracle",
+                               f"the fault-free run {verdict} the independent oracle ({hint})")
+        why = expected.note.removeprefix("not observed: ")
+        return CheckResult(CHECK, False, None, f"a golden for [{key.platform}]",
+                           f"not observed: {hint}; and {why}")
+    return CheckResult(CHECK, False, None, f"a golden for [{key.platform}]",
+                       f"not observed: {hint}")
+
+
+# -------------------------------------------------------------------------------- update
+
+
+@dataclass(frozen=True, slots=True)
+class Update:
+    """What ``aftershock golden --update`` did for one scenario."""
+
+    scenario: Path
+    status: str  # recorded | changed | unchanged | skipped | refused | failed
+    message: str
+
+    @property
+    def ok(self) -> bool:
+        return self.status not in ("refused", "failed")
+
+
+def update(scenarios: Sequence[LoadedScenario], *, seed: int | None, use_cache: bool,
+           run_root: Path, observer: Any = None) -> list[Update]:
+    """Run each scenario's fault-free twin (once per twin) and record its result as the golden
+    of the scenario's folder, for this platform and seed.
+
+    A trainer twin the independent oracle can reproduce must agree with it, or nothing is
+    recorded: a golden is only worth what it was checked against. Entries of systems that no
+    scenario of a folder uses any more are dropped when the whole folder was updated."""
+    from harness import oracle, runner
+
+    observer = observer or runner.NullObserver()
+    results: list[Update] = []
+    twins: dict[str, tuple[Mapping[str, Any] | None, str, str]] = {}
+    for loaded in scenarios:
+        what = what_of(loaded.spec)
+        if what is None:
+            why = ("goldens are for the reference trainer and server"
+                   if not isinstance(loaded.spec.system, TrainerSystem | ServerSystem) else
+                   "it compares with no fault-free twin (params_match/outputs_match: "
+                   "fault_free)")
+            results.append(Update(loaded.path, "skipped", why))
+            continue
+        this_seed = loaded.spec.seed if seed is None else seed
+        twin = runner.baseline_key(loaded.spec, this_seed, scenario_dir=loaded.path.parent)
+        if twin not in twins:
+            found, note = runner.fault_free_result(
+                loaded, seed=this_seed, run_dir=run_root / f"{loaded.spec.name}-{twin[:8]}",
+                observer=observer, use_cache=use_cache, what=what)
+            checked_by = "not cross-checked: no oracle for the reference server"
+            if found is not None and what == "digests":
+                system = loaded.spec.system
+                assert isinstance(system, TrainerSystem)
+                expected = oracle.trainer_digests(system, seed=this_seed,
+                                                  schedule=oracle.full_membership(system))
+                got = {int(k): str(v) for k, v in found.items()}
+                if expected.digests is None:
+                    checked_by = "not cross-checked: " + expected.note.removeprefix(
+                        "not observed: ")
+                elif expected.digests != got:
+                    note = ("the fault-free run disagrees with the independent oracle "
+                            "(harness.oracle): fix the trainer or the oracle first")
+                    found, checked_by = None, "refused"
+                else:
+                    checked_by = "equal to the independent oracle (harness.oracle)"
+            twins[twin] = (found, note, checked_by)
+        result, note, checked_by = twins[twin]
+        if result is None:
+            status = "refused" if checked_by == "refused" else "failed"
+            results.append(Update(loaded.path, status, note))
+            continue
+        results.append(_record(loaded, seed=this_seed, what=what, found=result,
+                               checked_by=checked_by))
+    _prune([s for s in scenarios if what_of(s.spec) is not None])
+    return results
+
+
+def _record(loaded: LoadedScenario, *, seed: int, what: str, found: Mapping[str, Any],
+            checked_by: str) -> Update:
+    path = path_of(loaded.path)
+    try:
+        entries = read(path) if path.exists() else []
+    except ValueError as exc:
+        return Update(loaded.path, "failed", f"{exc}; fix or delete it")
+    key = key_of(loaded.spec, seed)
+    new = entry_for(key, what, found, [loaded.spec.name], checked_by)
+    old = next((e for e in entries if key.matches(e)), None)
+    result = ("digests", "outputs_sha256", "requests")
+    if old is not None:
+        new["scenarios"] = sorted({*old.get("scenarios", []), *new["scenarios"]})
+        entries.remove(old)
+    status = ("recorded" if old is None else
+              "unchanged" if all(old.get(k) == new.get(k) for k in result) else "changed")
+    entries.append(new)
+    write(path, entries)
+    return Update(loaded.path, status, f"{path} [{key.platform}], seed {seed}: {checked_by}")
+
+
+def _prune(updated: Sequence[LoadedScenario]) -> None:
+    """Drop the entries of systems no scenario of a folder uses, where every scenario of the
+    folder was just updated (one given alone says nothing about the others)."""
+    done = {s.path.resolve() for s in updated}
+    by_folder: dict[Path, list[LoadedScenario]] = {}
+    for loaded in updated:
+        by_folder.setdefault(loaded.path.resolve().parent, []).append(loaded)
+    for folder, members in by_folder.items():
+        present = {p.resolve() for p in folder.iterdir() if p.suffix in (".yaml", ".yml")}
+        if not (folder / FILE).exists() or any(_compares(p) for p in present - done):
+            continue
+        used = [twin_system(m.spec) for m in members]
+        entries = read(folder / FILE)
+        kept = [e for e in entries if e.get("system") in used]
+        if len(kept) != len(entries):
+            write(folder / FILE, kept)
+
+
+def _compares(path: Path) -> bool:
+    """Whether the scenario at ``path`` has a golden (an unreadable one may have)."""
+    try:
+        return what_of(load_scenario(path).spec) is not None
+    except SpecError:
+        return True

@@ -1,0 +1,298 @@
+"""Golden results of fault-free twins (harness/golden.py, `aftershock golden`).
+
+A fault-free twin is computed by the current code, so a bug on the fault-free path (data
+order, init, optimizer) is in the twin too and `params_match: fault_free` cannot see it. A
+golden result, recorded on purpose and stored beside the scenarios, can.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+from _helpers import ROOT, cli
+
+from harness import golden, oracle, runner
+from harness.runner import run_scenario
+from harness.spec import LoadedScenario, TrainerSystem, load_scenario, parse_scenario
+
+FAULTS = ROOT / "scenarios" / "faults"
+DATA_ORDER = ROOT / "tests" / "fixtures" / "broken" / "data_order"
+
+
+def fault_free_copy(source: Path, folder: Path, env: dict[str, str]) -> LoadedScenario:
+    """A shipped scenario without its faults, in ``folder`` with its folder's goldens: the
+    same system (``env`` added), so the same fault-free twin and the same golden."""
+    text = source.read_text()
+    text = re.sub(r"\nfaults:\n(?:[ -].*\n)+", "\n", text)
+    text = text.split("\nexpect:\n")[0]
+    text += "\nexpect:\n  completes: true\n  params_match: fault_free\n"
+    if env:
+        shown = ", ".join(f"{k}: '{v}'" for k, v in env.items())
+        text = text.replace("\nsystem:\n", f"\nsystem:\n  env: {{{shown}}}\n", 1)
+    folder.mkdir(parents=True, exist_ok=True)
+    if (source.parent / "golden.json").exists():
+        shutil.copy(source.parent / "golden.json", folder / "golden.json")
+    path = folder / source.name
+    path.write_text(text)
+    return LoadedScenario(parse_scenario(text, str(path)), path, text)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_bug_on_the_fault_free_path_fails_against_the_golden(tmp_path: Path) -> None:
+    loaded = fault_free_copy(FAULTS / "process_term_restart.yaml", tmp_path / "scenarios",
+                             {"PYTHONPATH": f"{DATA_ORDER}{os.pathsep}{ROOT}"})
+    assert not loaded.spec.faults
+    result = run_scenario(loaded, run_dir=tmp_path / "run", use_cache=False)
+    assert "[broken variant]" in (tmp_path / "run" / "logs" / "launcher.stderr.log").read_text()
+    checks = {c.name: c for c in result.checks}
+    assert checks["completes"].passed
+    # The twin has the same bug: the run equals it, whatever the bug.
+    assert checks["params_match"].passed
+    golden = checks["fault_free_golden"]
+    assert not golden.passed, golden.message
+    assert "differ" in golden.message
+    assert not result.passed
+
+
+# --------------------------------------------------------------------- fast: the logic
+
+
+TRAINER = """\
+name: {name}
+seed: {seed}
+system:
+  reference: trainer
+  world: {{replicas: 2, shards: {shards}}}
+  backend: {backend}
+  steps: 20
+  step_sleep: {sleep}
+  env: {{X: '{env}'}}
+expect: {{params_match: fault_free}}
+"""
+SERVER = "name: s\nsystem: {reference: server}\nexpect: {outputs_match: fault_free}\n"
+
+
+def scenario(folder: Path, *, name: str = "t", seed: int = 0, shards: int = 1,
+             backend: str = "gloo", sleep: str = "0s", env: str = "a",
+             text: str | None = None) -> LoadedScenario:
+    text = text or TRAINER.format(name=name, seed=seed, shards=shards, backend=backend,
+                                  sleep=sleep, env=env)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.yaml"
+    path.write_text(text)
+    return LoadedScenario(parse_scenario(text, str(path)), path, text)
+
+
+@pytest.fixture
+def platform(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fixed platform per device, without asking torch."""
+    monkeypatch.setattr(golden, "_platform", lambda executable, device: f"test-{device}")
+
+
+def record(loaded: LoadedScenario, digests: dict[int, str], seed: int = 0) -> None:
+    key = golden.key_of(loaded.spec, seed)
+    golden.write(golden.path_of(loaded.path),
+                 [golden.entry_for(key, "digests", digests, ["t"], "by hand")])
+
+
+def test_the_golden_key_leaves_out_pacing_and_env_but_not_the_math(tmp_path: Path) -> None:
+    base = golden.twin_system(scenario(tmp_path, sleep="0s", env="a").spec)
+    assert golden.twin_system(scenario(tmp_path, sleep="20ms", env="b").spec) == base
+    assert golden.twin_system(scenario(tmp_path, shards=2).spec) != base
+    assert "env" not in base
+
+
+def test_a_folder_without_goldens_has_no_golden_check(tmp_path: Path, platform: None) -> None:
+    loaded = scenario(tmp_path)
+    assert golden.check(loaded, seed=0, what="digests", found={0: "a", 1: "a"}) is None
+
+
+def test_the_twin_must_equal_its_golden(tmp_path: Path, platform: None) -> None:
+    loaded = scenario(tmp_path)
+    record(loaded, {0: "a" * 64, 1: "a" * 64})
+    same = golden.check(loaded, seed=0, what="digests", found={0: "a" * 64, 1: "a" * 64})
+    assert same is not None
+    assert same.passed
+    other = golden.check(loaded, seed=0, what="digests", found={0: "a" * 64, 1: "b" * 64})
+    assert other is not None
+    assert not other.passed
+    assert other.observed == "1/2 ranks equal"
+    assert "differ from the golden" in other.message
+    assert f"aftershock golden --update {loaded.path}" in other.message
+    missing = golden.check(loaded, seed=0, what="digests", found=None)
+    assert missing is not None
+    assert not missing.passed
+
+
+def test_a_gpu_run_is_never_compared_with_a_cpu_golden(tmp_path: Path, platform: None) -> None:
+    cpu = scenario(tmp_path / "cpu", backend="gloo")
+    record(cpu, {0: "a", 1: "a"})
+    gpu = scenario(tmp_path / "gpu", backend="nccl")
+    (tmp_path / "gpu" / "golden.json").write_text((tmp_path / "cpu" / "golden.json").read_text())
+    # Same system but the backend, so also the same entry were it not for the platform.
+    assert golden.platform_of(gpu.spec) == "test-cuda"
+    result = golden.check(gpu, seed=0, what="digests", found={0: "a", 1: "a"})
+    assert result is not None
+    assert not result.passed
+    assert result.message.startswith("not observed")
+
+
+def test_without_a_golden_for_the_platform_the_check_is_not_observed(
+    tmp_path: Path, platform: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server = scenario(tmp_path / "s", name="s", text=SERVER)
+    golden.write(golden.path_of(server.path), [])
+    result = golden.check(server, seed=0, what="outputs", found={"r1": [1, 2]})
+    assert result is not None
+    assert not result.passed
+    assert result.message.startswith("not observed")
+    assert f"golden --update {server.path}" in result.message
+    # Another seed of a recorded trainer: nothing to compare, and no oracle for nccl.
+    trainer = scenario(tmp_path / "t", backend="nccl")
+    record(trainer, {0: "a", 1: "a"}, seed=0)
+    result = golden.check(trainer, seed=3, what="digests", found={0: "a", 1: "a"})
+    assert result is not None
+    assert not result.passed
+    assert "no golden for seed 3" in result.message
+    assert "backend nccl" in result.message
+
+
+def test_without_a_golden_a_trainer_twin_is_checked_by_the_oracle(
+    tmp_path: Path, platform: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    loaded = scenario(tmp_path)
+    golden.write(golden.path_of(loaded.path), [])
+    seen: list[int] = []
+
+    def oracle_digests(system: object, *, seed: int, schedule: object) -> oracle.Expected:
+        seen.append(seed)
+        return oracle.Expected({0: "a", 1: "a"}, "recomputed")
+
+    monkeypatch.setattr(oracle, "trainer_digests", oracle_digests)
+    good = golden.check(loaded, seed=0, what="digests", found={0: "a", 1: "a"})
+    bad = golden.check(loaded, seed=0, what="digests", found={0: "a", 1: "b"})
+    assert good is not None
+    assert bad is not None
+    assert (good.passed, bad.passed) == (True, False)
+    assert "independent oracle" in good.message
+    assert "no golden" in good.message
+    assert seen == [0, 0]
+
+
+def test_update_records_once_per_twin_and_says_what_changed(
+    tmp_path: Path, platform: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runs: list[str] = []
+    digests = {"0": "a", "1": "a"}
+
+    def twin(loaded: LoadedScenario, **kwargs: object) -> tuple[dict[str, str], str]:
+        runs.append(loaded.spec.name)
+        return dict(digests), "ran"
+
+    monkeypatch.setattr(runner, "fault_free_result", twin)
+    monkeypatch.setattr(oracle, "trainer_digests", lambda system, **kw: oracle.Expected(
+        {int(k): v for k, v in digests.items()}, "recomputed"))
+    folder = tmp_path / "scenarios"
+    paced = scenario(folder, name="a", sleep="10ms")
+    other = scenario(folder, name="b", sleep="50ms")  # the same twin
+    results = golden.update([paced, other], seed=None, use_cache=False, run_root=tmp_path)
+    assert [r.status for r in results] == ["recorded", "unchanged"]
+    assert runs == ["a"]
+    (entry,) = golden.read(folder / "golden.json")
+    assert entry["scenarios"] == ["a", "b"]
+    assert entry["checked_by"] == "equal to the independent oracle (harness.oracle)"
+    digests["1"] = "c"
+    assert [r.status for r in golden.update([paced], seed=None, use_cache=False,
+                                            run_root=tmp_path)] == ["changed"]
+    # The oracle disagrees: nothing is recorded.
+    monkeypatch.setattr(oracle, "trainer_digests", lambda system, **kw: oracle.Expected(
+        {0: "x", 1: "x"}, "recomputed"))
+    digests["1"] = "d"
+    (refused,) = golden.update([paced], seed=None, use_cache=False, run_root=tmp_path)
+    assert refused.status == "refused"
+    assert not refused.ok
+    (entry,) = golden.read(folder / "golden.json")
+    assert entry["digests"] == {"0": "a", "1": "c"}
+
+
+def test_updating_a_whole_folder_drops_goldens_no_scenario_uses(
+    tmp_path: Path, platform: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(runner, "fault_free_result",
+                        lambda loaded, **kw: ({"0": "a", "1": "a"}, "ran"))
+    monkeypatch.setattr(oracle, "trainer_digests",
+                        lambda system, **kw: oracle.Expected(None, "not observed: no"))
+    folder = tmp_path / "scenarios"
+    old = scenario(folder, name="a", shards=2)
+    golden.update([old], seed=None, use_cache=False, run_root=tmp_path)
+    new = scenario(folder, name="a", shards=1)  # the same file, edited
+    kept = scenario(folder, name="b", shards=1)
+    golden.update([new], seed=None, use_cache=False, run_root=tmp_path)
+    assert len(golden.read(folder / "golden.json")) == 2  # "b" was not updated: keep all
+    golden.update([new, kept], seed=None, use_cache=False, run_root=tmp_path)
+    (entry,) = golden.read(folder / "golden.json")
+    assert entry["system"]["world"] == {"replicas": 2, "shards": 1}
+    assert entry["checked_by"] == "not cross-checked: no"
+
+
+def test_goldens_are_only_for_the_reference_systems(tmp_path: Path, platform: None) -> None:
+    text = ("name: c\nsystem:\n  command: [python, x.py]\n  probes: [{pattern: 'p=(?P<digest>.+)',"
+            " event: params}]\nexpect: {params_match: fault_free}\n")
+    loaded = scenario(tmp_path, name="c", text=text)
+    (result,) = golden.update([loaded], seed=None, use_cache=False, run_root=tmp_path)
+    assert result.status == "skipped"
+    assert result.ok
+
+
+def test_the_shipped_goldens_cover_every_shipped_twin() -> None:
+    """Every shipped scenario compared with a fault-free twin has a golden for its twin (on
+    some platform), and every golden file is readable."""
+    for scenario_file in sorted((ROOT / "scenarios").rglob("*.yaml")):
+        loaded = load_scenario(scenario_file)
+        if golden.what_of(loaded.spec) is None:
+            continue
+        entries = golden.read(golden.path_of(scenario_file))
+        system = golden.twin_system(loaded.spec)
+        assert [e for e in entries if e["system"] == system and e["seed"] == 0], scenario_file
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_oracle_reproduces_the_golden_fault_free_runs() -> None:
+    """The independent oracle equals the reference trainer on every shipped fault-free twin
+    recorded on this platform (restart and hot_spare, 2x2 and 2x1 worlds)."""
+    here = None
+    computed: dict[str, dict[int, str] | None] = {}  # the recovery strategy never changes it
+    for path in sorted((ROOT / "scenarios").glob("*/golden.json")):
+        for entry in golden.read(path):
+            if entry["system"].get("reference") != "trainer":
+                continue
+            spec = parse_scenario(f"name: g\nsystem: {json.dumps(entry['system'])}\n")
+            assert isinstance(spec.system, TrainerSystem)
+            here = here or golden.platform_of(spec)
+            if entry["platform"] != here:
+                continue
+            math = json.dumps([spec.system.world.model_dump(), spec.system.steps, entry["seed"]])
+            if math not in computed:
+                computed[math] = oracle.trainer_digests(
+                    spec.system, seed=entry["seed"],
+                    schedule=oracle.full_membership(spec.system)).digests
+            recorded = {int(k): v for k, v in entry["digests"].items()}
+            assert computed[math] == recorded, (path, entry["system"])
+    if not computed:
+        pytest.skip(f"no golden recorded on this platform ({here})")
+
+
+def test_cli_golden_lists_each_scenarios_golden(tmp_path: Path) -> None:
+    proc = cli("golden", str(ROOT / "scenarios" / "training"))
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert any(line.startswith("-") and "kill_rank_elastic" in line for line in lines)
+    assert all(line.split()[0] in ("-", "golden", "missing") for line in lines), lines
+    assert cli("golden", str(tmp_path / "nothing.yaml")).returncode == 2
