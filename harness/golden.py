@@ -15,8 +15,8 @@ run's math share one twin, hence one entry. An entry is keyed by
   without ``env`` (the reference systems' math must not depend on the environment: a change
   there is exactly what a golden must catch);
 - ``seed``;
-- ``platform``: torch's version and build, the CPU (architecture, vendor and the vector ISA
-  torch dispatches to) and the device (CPU, or the GPU and CUDA version). Kernels round
+- ``platform``: torch's version and build, the CPU (architecture and the vector ISA torch
+  dispatches to) and the device (CPU, or the GPU and CUDA version). Kernels round
   differently on other platforms, so a GPU run is never compared with a CPU golden.
 
 No entry for this key (a new platform, another seed, a changed system): for the reference
@@ -93,14 +93,11 @@ def outputs_digest(outputs: Mapping[Any, Sequence[int]]) -> str:
 _PLATFORM = r"""
 import platform, sys
 import torch
-vendor = ""
-try:
-    with open("/proc/cpuinfo") as info:
-        vendor = next((l.split(":", 1)[1].strip() for l in info if l.startswith("vendor_id")), "")
-except OSError:
-    pass
+# The vector ISA torch dispatches its CPU kernels to decides the bits, not the vendor: an
+# AVX2 machine of either vendor runs the same kernels (ATEN_CPU_CAPABILITY=avx2 selects them on
+# a newer CPU, which is how goldens for AVX2 machines are recorded on an AVX-512 one).
 isa = torch.backends.cpu.get_cpu_capability()
-cpu = " ".join(p for p in (platform.machine(), vendor, isa) if p)
+cpu = " ".join(p for p in (platform.machine(), isa) if p)
 if sys.argv[1] == "cuda":
     device = (f"{torch.cuda.get_device_name(0)}, CUDA {torch.version.cuda}"
               if torch.cuda.is_available() else "cuda (unavailable)")
