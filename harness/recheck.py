@@ -37,6 +37,8 @@ class Recheck:
     recorded: RunResult  # the verdict as the run gave it
     result: RunResult  # the verdict now
     notes: tuple[str, ...]  # what the re-check could not do, or did differently
+    events: tuple[Event, ...]  # the timeline it judged (log-derived events rebuilt)
+    scenario_text: str  # the scenario it judged by
 
     def changed(self) -> list[tuple[str, str, str]]:
         """(check, verdict then, verdict now) for each check whose verdict differs."""
@@ -231,4 +233,5 @@ def recheck(run_dir: Path, *, scenario: Path | None = None) -> Recheck:
                      passed=all(c.passed for c in checks) and not run.result.error,
                      checks=tuple(checks),
                      metrics=metrics, run_dir=str(run_dir))
-    return Recheck(recorded=run.result, result=result, notes=tuple(notes))
+    return Recheck(recorded=run.result, result=result, notes=tuple(notes), events=tuple(events),
+                   scenario_text=fixed.text)

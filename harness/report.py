@@ -252,8 +252,10 @@ def write_json(results: Sequence[RunResult], out: IO[str]) -> None:
     out.write("\n")
 
 
-def junit_xml(results: Sequence[RunResult]) -> str:
-    """One <testcase> per scenario run; a failed check is a <failure>."""
+def junit_xml(results: Sequence[RunResult], html: Path | None = None) -> str:
+    """One <testcase> per scenario run; a failed check is a <failure>. Each carries its run
+    folder and, with ``html``, the HTML report (``#run-N`` for the Nth run of several) as
+    properties, for a CI page to link."""
     suite = ET.Element(
         "testsuite",
         name="aftershock",
@@ -262,7 +264,7 @@ def junit_xml(results: Sequence[RunResult]) -> str:
         time=f"{sum(r.duration_s for r in results):.3f}",
         timestamp=time.strftime("%Y-%m-%dT%H:%M:%S"),
     )
-    for r in results:
+    for index, r in enumerate(results, start=1):
         case = ET.SubElement(suite, "testcase", classname=Path(r.file).stem, name=r.name,
                              time=f"{r.duration_s:.3f}", file=r.file)
         failed = r.failed_checks()
@@ -277,5 +279,9 @@ def junit_xml(results: Sequence[RunResult]) -> str:
         for key, value in r.metrics.items():
             ET.SubElement(props, "property", name=key, value=_show(value))
         ET.SubElement(props, "property", name="seed", value=str(r.seed))
+        ET.SubElement(props, "property", name="run_dir", value=r.run_dir)
+        if html is not None:
+            where = str(html.resolve()) + (f"#run-{index}" if len(results) > 1 else "")
+            ET.SubElement(props, "property", name="html", value=where)
     ET.indent(suite)
     return ET.tostring(suite, encoding="unicode", xml_declaration=True) + "\n"
