@@ -189,42 +189,59 @@ class LiveObserver:
     def _render(self) -> Panel:
         s = self.state
         table = Table(expand=True, box=None)
-        table.add_column("rank", justify="right")
-        table.add_column("pid", justify="right")
-        table.add_column("gen", justify="right")
-        table.add_column("step", justify="right")
-        table.add_column("progress", ratio=1)
-        table.add_column("status")
+        for name in ("rank", "pid", "gen", "step"):
+            table.add_column(name, justify="right", no_wrap=True)
+        table.add_column("progress", ratio=1, no_wrap=True)
+        table.add_column("status", no_wrap=True, overflow="ellipsis")
+        # The bar gives way first on a narrow terminal: 80 columns keep every other column.
+        width = max(8, min(30, self.console.width - 52))
         for rank in sorted(s.ranks):
             r = s.ranks[rank]
             bar = ""
             if s.total_steps:
-                width = 30
                 done = int(width * min(r.step, s.total_steps) / s.total_steps)
                 bar = "█" * done + "·" * (width - done)
             table.add_row(str(rank), str(r.pid or ""), str(r.generation), str(r.step), bar,
                           Text.from_markup(r.status))
-        log = Text("\n".join(s.log) or "waiting for events...", style="dim")
+        # One line per event, cut rather than wrapped: a wrapped line scrolls the others away.
+        lines = [Text(line, style="dim", no_wrap=True, overflow="ellipsis") for line in s.log]
+        log = Group(*lines) if lines else Text("waiting for events...", style="dim")
         return Panel(Group(table, log), title=f"{s.scenario} · {s.phase}", border_style="blue")
 
 
+#: Below this many columns the check table leaves out its message column and each message
+#: gets lines of its own under the table (a message squeezed into a column wraps badly).
+NARROW = 120
+
+
 def render_result(result: RunResult, console: Console) -> None:
+    narrow = console.width < NARROW
     table = Table(title=f"{result.name}  ({result.file})", title_justify="left")
-    table.add_column("check")
-    table.add_column("result")
+    table.add_column("check", no_wrap=True)
+    table.add_column("result", no_wrap=True)
     table.add_column("observed", justify="right")
     table.add_column("expected", justify="right")
-    table.add_column("message")
+    if not narrow:
+        table.add_column("message")
     for check in result.checks:
         verdict = "[green]PASS[/]" if check.passed else "[red bold]FAIL[/]"
-        table.add_row(check.name, verdict, _show(check.observed), _show(check.expected),
-                      check.message)
+        row = [check.name, verdict, _show(check.observed), _show(check.expected)]
+        table.add_row(*row, *([] if narrow else [check.message]))
     console.print(table)
+    if narrow and result.checks:
+        messages = Table(box=None, show_header=False, padding=(0, 1, 0, 0))
+        messages.add_column(no_wrap=True)
+        messages.add_column()
+        for check in result.checks:
+            messages.add_row(Text(f"{check.name}:", style="bold"), Text(check.message))
+        console.print(messages)
     shown = ", ".join(f"{k}={_show(v)}" for k, v in result.metrics.items())
-    console.print(f"metrics: {shown}", markup=False, highlight=False)
-    verdict = "[green]PASSED[/]" if result.passed else "[red bold]FAILED[/]"
-    console.print(f"{verdict} {result.name} in {result.duration_s:.1f}s, seed {result.seed}; "
-                  f"run dir {result.run_dir}")
+    # Word-wrapped at the console's width, whatever the console's soft_wrap says.
+    console.print(Text(f"metrics: {shown}"), highlight=False, soft_wrap=False)
+    summary = Text("PASSED", style="green") if result.passed else Text("FAILED", "red bold")
+    summary.append(f" {result.name} in {result.duration_s:.1f}s, seed {result.seed}; "
+                   f"run dir {result.run_dir}")
+    console.print(summary, soft_wrap=False)
 
 
 def _show(value: object) -> str:
