@@ -227,3 +227,43 @@ def test_comparison_names_the_runs_that_failed() -> None:
     row = next(line for line in text.splitlines() if "time_to_recover " in line)
     assert "2/3" in row
     assert "#2" in row
+
+
+@pytest.mark.slow
+def test_run_writes_html_and_trace_and_junit_links_them(tmp_path: Path) -> None:
+    from xml.etree import ElementTree as ET
+
+    from _helpers import quick_scenario
+
+    scenario = tmp_path / "quick.yaml"
+    scenario.write_text(quick_scenario("quick-html", """\
+faults:
+  - kind: process.freeze
+    target: {rank: 1}
+    at: {step: 3}
+    duration: 200ms
+expect:
+  time_to_recover: {max: 10s}
+"""))
+    html, trace, junit = tmp_path / "r.html", tmp_path / "r.trace.json", tmp_path / "r.xml"
+    done = cli("run", str(scenario), "--run-dir", str(tmp_path / "runs"), "--html", str(html),
+               "--trace", str(trace), "--junit", str(junit), "--repeat", "2")
+    assert done.returncode == 0, done.stdout + done.stderr
+    cases = ET.parse(junit).getroot().findall("testcase")
+    assert len(cases) == 2
+    for index, case in enumerate(cases, start=1):
+        props = {p.get("name"): p.get("value") for p in case.iter("property")}
+        assert (Path(props["run_dir"]) / "events.jsonl").is_file()
+        assert props["html"] == f"{html.resolve()}#run-{index}"
+    page = html.read_text()
+    assert 'id="run-1"' in page
+    assert 'id="run-2"' in page
+    assert 'id="compare"' in page
+    document = json.loads(trace.read_text())
+    names = [e["args"]["name"] for e in document["traceEvents"] if e["name"] == "process_name"]
+    assert any(n.startswith("quick-html #2") for n in names)
+    # The same runs again from their folder (a --repeat's), the runs compared.
+    again = cli("report", str(tmp_path / "runs"))
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "2 runs" in again.stdout
+    assert "#2 PASSED" in again.stdout
