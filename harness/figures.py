@@ -218,7 +218,7 @@ def _step_marks(run: RecordedRun, by_rank: dict[int, list[Event]]) -> list[dict[
          "meta": {"role": "lost"}, "x": redone_x, "y": redone_y, "text": redone_text,
          "hovertemplate": "%{text}<extra></extra>",
          "marker": {"symbol": "circle-open", "size": 9, "color": FAULT, "line": {"width": 2}}},
-        {"type": "scatter", "mode": "markers", "name": "skipped step",
+        {"type": "scatter", "mode": "markers", "name": "step never reported (skipped)",
          "meta": {"role": "skipped"}, "x": skipped_x, "y": skipped_y, "text": skipped_text,
          "hovertemplate": "%{text}<extra></extra>",
          "marker": {"symbol": "triangle-up-open", "size": 8, "color": "#9467bd"}},
