@@ -249,6 +249,10 @@ expect:
     done = cli("run", str(scenario), "--run-dir", str(tmp_path / "runs"), "--html", str(html),
                "--trace", str(trace), "--junit", str(junit), "--repeat", "2")
     assert done.returncode == 0, done.stdout + done.stderr
+    # The launch records the wall clock's offset from the timeline's monotonic clock.
+    launch = read_events(tmp_path / "runs" / "quick-html-1" / "events.jsonl", "launch")[0]
+    assert launch["t"] + launch["wall_offset"] == pytest.approx(
+        (tmp_path / "runs" / "quick-html-1" / "scenario.yaml").stat().st_mtime, abs=60)
     cases = ET.parse(junit).getroot().findall("testcase")
     assert len(cases) == 2
     for index, case in enumerate(cases, start=1):
