@@ -22,6 +22,7 @@ from typing import Any
 
 from harness import figures
 from harness.compare import Comparison, compare
+from harness.compare import show as _num
 from harness.errors import HarnessError
 from harness.records import Event
 from harness.report import NOTABLE, describe
@@ -145,7 +146,7 @@ def render(runs: Sequence[RecordedRun], *, notes: Sequence[Sequence[str]] = (),
         plotly=Markup(plotly_js()),
         figure_json=lambda r: Markup(
             _script_safe(_clean(figures.figure(r)))),
-        show=_show, show_s=_show_s, describe=describe, who=_who,
+        show=_show, show_s=_show_s, num=_num, describe=describe, who=_who,
         story=lambda r: stories[id(r)], log_lines=_log_lines, launched=launched,
     )
 
