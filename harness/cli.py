@@ -86,6 +86,12 @@ def run(
         bool, typer.Option("--no-cache", help="re-run fault-free baselines instead of reusing")
     ] = False,
     plain: Annotated[bool, typer.Option(help="plain lines even on a terminal")] = False,
+    html: Annotated[
+        Path | None, typer.Option(help="write a self-contained HTML report here")
+    ] = None,
+    trace: Annotated[
+        Path | None, typer.Option(help="write a Chrome trace-event file (Perfetto) here")
+    ] = None,
 ) -> None:
     """Run scenarios: launch, inject faults, check recovery, report."""
     from harness.errors import AftershockError, HarnessError, SpecError
@@ -147,7 +153,8 @@ def run(
         err.print(f"aftershock: {exc}", markup=False)
         raise typer.Exit(EXIT_HARNESS) from None
     finally:
-        _write_records(results, json_out, junit)
+        _write_records(results, json_out, junit, html)
+        _write_pictures(results, html=html, trace=trace)
 
     failed = [r for r in results if not r.passed]
     summary = f"{len(results) - len(failed)} passed, {len(failed)} failed"
@@ -184,7 +191,18 @@ def _check_outputs(*, json_out: str | None, junit: Path | None, run_dir: Path | 
     return problems
 
 
-def _write_records(results: list[Any], json_out: str | None, junit: Path | None) -> None:
+def _write_pictures(results: list[Any], *, html: Path | None, trace: Path | None) -> None:
+    """The HTML report and the trace of the runs that left a folder (docs/report.md)."""
+    if not results or (html is None and trace is None):
+        return
+    from harness.pictures import write_pictures
+
+    for problem in write_pictures([Path(r.run_dir) for r in results], html=html, trace=trace):
+        err.print(problem, markup=False, highlight=False)
+
+
+def _write_records(results: list[Any], json_out: str | None, junit: Path | None,
+                   html: Path | None = None) -> None:
     from harness.report import junit_xml, write_json
 
     if json_out == "-":
@@ -193,7 +211,7 @@ def _write_records(results: list[Any], json_out: str | None, junit: Path | None)
         with open(json_out, "w") as handle:
             write_json(results, handle)
     if junit:
-        junit.write_text(junit_xml(results))
+        junit.write_text(junit_xml(results, html=html))
 
 
 @app.command()
@@ -333,31 +351,40 @@ def schema() -> None:
 
 @app.command()
 def report(
-    run_dir: Annotated[
-        Path, typer.Argument(help="a run folder written by `aftershock run`", readable=False)
-    ],
+    run_dirs: Annotated[list[Path], typer.Argument(
+        help="run folders written by `aftershock run` (or folders of them, e.g. a --repeat's)",
+        readable=False)],
+    recheck: Annotated[bool, typer.Option(
+        "--recheck", help="judge the saved logs and events again with the current probes and "
+        "checks, without re-running")] = False,
+    scenario: Annotated[Path | None, typer.Option(
+        help="with --recheck: the (fixed) scenario to judge by, instead of the one run")] = None,
+    html: Annotated[
+        Path | None, typer.Option(help="write a self-contained HTML report here")
+    ] = None,
+    trace: Annotated[
+        Path | None, typer.Option(help="write a Chrome trace-event file (Perfetto) here")
+    ] = None,
+    clock: Annotated[str, typer.Option(
+        help="the trace's clock: run (monotonic, as recorded) or wall (Unix time)")] = "run",
 ) -> None:
-    """Re-render a recorded run's check table."""
-    from pydantic import TypeAdapter, ValidationError
+    """Re-render recorded runs: the check table, or several runs compared; HTML and trace.
 
-    from harness.records import RunResult
-    from harness.report import render_result
+    With --recheck the exit code is the new verdict's (0 all checks hold, 1 a check failed).
+    """
+    from harness.errors import SpecError
+    from harness.pictures import show_runs
 
-    path = run_dir / "result.json"
+    if clock not in ("run", "wall"):
+        raise _fail_invalid([f"--clock {clock}: allowed: run, wall"])
+    if scenario is not None and not recheck:
+        raise _fail_invalid(["--scenario needs --recheck"])
     try:
-        # Typed like the record's dataclasses: a damaged field is exit 2 here, not a
-        # traceback halfway through the table.
-        result = TypeAdapter(RunResult).validate_json(path.read_bytes())
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(map(str, first["loc"])) or "record"
-        err.print(f"{path}:1:1: not a recorded run ({exc.error_count()} problem(s); "
-                  f"{where}: {first['msg']})", markup=False)
-        raise typer.Exit(EXIT_INVALID) from None
-    except OSError as exc:
-        err.print(f"{path}:1:1: not a recorded run ({exc.strerror or exc})", markup=False)
-        raise typer.Exit(EXIT_INVALID) from None
-    render_result(result, out)
+        passed = show_runs(list(run_dirs), out=out, err=err, recheck=recheck,
+                           scenario=scenario, html=html, trace=trace, clock=clock)
+    except SpecError as exc:
+        raise _fail_invalid(exc.problems) from None
+    raise typer.Exit(EXIT_OK if passed or not recheck else EXIT_FAILED)
 
 
 @app.command()

@@ -208,43 +208,63 @@ class LiveObserver:
     def _render(self) -> Panel:
         s = self.state
         table = Table(expand=True, box=None)
-        table.add_column("rank", justify="right")
-        table.add_column("pid", justify="right")
-        table.add_column("gen", justify="right")
-        table.add_column("step", justify="right")
-        table.add_column("progress", ratio=1)
-        table.add_column("status")
+        for name in ("rank", "pid", "gen", "step"):
+            table.add_column(name, justify="right", no_wrap=True)
+        table.add_column("progress", ratio=1, no_wrap=True)
+        table.add_column("status", no_wrap=True, overflow="ellipsis")
+        # The bar gives way first on a narrow terminal: 80 columns keep every other column.
+        width = max(8, min(30, self.console.width - 52))
         for rank in sorted(s.ranks):
             r = s.ranks[rank]
             bar = ""
             if s.total_steps:
-                width = 30
                 done = int(width * min(r.step, s.total_steps) / s.total_steps)
                 bar = "█" * done + "·" * (width - done)
             table.add_row(_text(rank), _text(r.pid or ""), _text(r.generation), _text(r.step),
                           bar, r.status)
-        log = _text("\n".join(s.log) or "waiting for events...", "dim")
+        # One line per event, cut rather than wrapped: a wrapped line scrolls the others away.
+        lines = [Text(visible(line), style="dim", no_wrap=True, overflow="ellipsis")
+                 for line in s.log]
+        log = Group(*lines) if lines else Text("waiting for events...", style="dim")
         return Panel(Group(table, log), title=_text(f"{s.scenario} · {s.phase}"),
                      border_style="blue")
 
 
+#: Below this many columns the check table leaves out its message column and each message
+#: gets lines of its own under the table (a message squeezed into a column wraps badly).
+NARROW = 120
+
+
 def render_result(result: RunResult, console: Console) -> None:
+    narrow = console.width < NARROW
     table = Table(title=_text(f"{result.name}  ({result.file})"), title_justify="left")
-    table.add_column("check")
-    table.add_column("result")
+    table.add_column("check", no_wrap=True)
+    table.add_column("result", no_wrap=True)
     table.add_column("observed", justify="right")
     table.add_column("expected", justify="right")
-    table.add_column("message")
+    if not narrow:
+        table.add_column("message")
     for check in result.checks:
         verdict = Text("PASS", style="green") if check.passed else Text("FAIL", style="red bold")
-        table.add_row(_text(check.name), verdict, _text(_show(check.observed)),
-                      _text(_show(check.expected)), _text(check.message))
+        row = [_text(check.name), verdict, _text(_show(check.observed)),
+               _text(_show(check.expected))]
+        table.add_row(*row, *([] if narrow else [_text(check.message)]))
     console.print(table)
+    if narrow and result.checks:
+        messages = Table(box=None, show_header=False, padding=(0, 1, 0, 0))
+        messages.add_column(no_wrap=True)
+        messages.add_column()
+        for check in result.checks:
+            messages.add_row(_text(f"{check.name}:", "bold"), _text(check.message))
+        console.print(messages)
     shown = ", ".join(f"{k}={_show(v)}" for k, v in result.metrics.items())
-    console.print(_text(f"metrics: {shown}"), highlight=False)
-    verdict = Text("PASSED", style="green") if result.passed else Text("FAILED", style="red bold")
-    console.print(verdict, _text(f"{result.name} in {result.duration_s:.1f}s, seed "
-                                 f"{result.seed}; run dir {result.run_dir}"))
+    # Word-wrapped at the console's width, whatever the console's soft_wrap says.
+    console.print(_text(f"metrics: {shown}"), highlight=False, soft_wrap=False)
+    summary = Text("PASSED", style="green") if result.passed else Text("FAILED", "red bold")
+    summary.append(visible(f" {result.name} in {result.duration_s:.1f}s, seed {result.seed}"))
+    console.print(summary, soft_wrap=False)
+    # On a line of its own and never folded by us: the path must stay copyable in one piece.
+    console.print(_text(f"run dir {result.run_dir}"), soft_wrap=True, highlight=False)
 
 
 def _show(value: object) -> str:
@@ -272,8 +292,10 @@ def write_json(results: Sequence[RunResult], out: IO[str]) -> None:
     out.write("\n")
 
 
-def junit_xml(results: Sequence[RunResult]) -> str:
-    """One <testcase> per scenario run; a failed check is a <failure>."""
+def junit_xml(results: Sequence[RunResult], html: Path | None = None) -> str:
+    """One <testcase> per scenario run; a failed check is a <failure>. Each carries its run
+    folder and, with ``html``, the HTML report (``#run-N`` for the Nth run of several) as
+    properties, for a CI page to link."""
     suite = ET.Element(
         "testsuite",
         name="aftershock",
@@ -282,7 +304,7 @@ def junit_xml(results: Sequence[RunResult]) -> str:
         time=f"{sum(r.duration_s for r in results):.3f}",
         timestamp=time.strftime("%Y-%m-%dT%H:%M:%S"),
     )
-    for r in results:
+    for index, r in enumerate(results, start=1):
         case = ET.SubElement(suite, "testcase", classname=visible(Path(r.file).stem),
                              name=visible(r.name), time=f"{r.duration_s:.3f}",
                              file=visible(r.file))
@@ -298,5 +320,9 @@ def junit_xml(results: Sequence[RunResult]) -> str:
         for key, value in r.metrics.items():
             ET.SubElement(props, "property", name=visible(key), value=visible(_show(value)))
         ET.SubElement(props, "property", name="seed", value=str(r.seed))
+        ET.SubElement(props, "property", name="run_dir", value=visible(r.run_dir))
+        if html is not None:
+            where = str(html.resolve()) + (f"#run-{index}" if len(results) > 1 else "")
+            ET.SubElement(props, "property", name="html", value=visible(where))
     ET.indent(suite)
     return ET.tostring(suite, encoding="unicode", xml_declaration=True) + "\n"

@@ -15,10 +15,11 @@ import importlib.util
 import json
 import os
 import random
+import shlex
 import signal
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -182,6 +183,7 @@ def execute(
             if item.applied.journal_id:
                 journal.done(item.applied.journal_id)
             ev = timeline.emit("fault_healed", kind=item.applied.kind)
+            observer.event(ev)
             old = records[item.record_index]
             records[item.record_index] = FaultRecord(
                 old.kind, old.target, old.injected_at_s, round(ev.t - t0, 4), old.detail
@@ -341,9 +343,12 @@ def execute(
     t0 = time.monotonic()
     try:
         with _sigterm_unwinds():
-            observer.phase(spec.name, phase, " ".join(launch.argv[:6]))
+            observer.phase(spec.name, phase, shlex.join(launch.argv))
             target.start()
-            observer.event(timeline.emit("launch", argv=launch.argv, phase=phase, seed=seed))
+            # wall_offset: wall-clock minus monotonic time now, so the timeline (monotonic) can
+            # be lined up with other logs (wall clock) later (docs/report.md).
+            observer.event(timeline.emit("launch", argv=launch.argv, phase=phase, seed=seed,
+                                         wall_offset=time.time() - time.monotonic()))
             while True:
                 now = time.monotonic()
                 for ev in timeline.poll():
@@ -429,9 +434,11 @@ def execute(
         with contextlib.suppress(Exception):
             reaper.kill()
             reaper.wait(timeout=2)
-        # Events written while the target was being stopped still belong to the run.
+        # Events written while the target was being stopped still belong to the run (the
+        # harness's own went to the observer as they were emitted).
         for ev in timeline.poll():
-            observer.event(ev)
+            if ev.source != "harness":
+                observer.event(ev)
         timeline.emit("run_end", exit_code=exit_code, timed_out=timed_out)
         timeline.close()
         if errors:
@@ -634,6 +641,44 @@ def default_run_dir(name: str) -> Path:
     return Path(".aftershock") / "runs" / f"{stamp}-{name}-{uuid.uuid4().hex[:6]}"
 
 
+def _world(spec: Scenario) -> int | None:
+    return (
+        spec.system.world.size if isinstance(spec.system, TrainerSystem)
+        else spec.system.world if isinstance(spec.system, CommandSystem)
+        else spec.system.workers
+    )
+
+
+def assess(
+    spec: Scenario,
+    *,
+    events: Sequence[Event],
+    outcome: Outcome,
+    faults: Sequence[FaultRecord],
+    baseline: dict[int, str] | None,
+    baseline_outputs: dict[str, list[int]] | None,
+    baseline_note: str,
+) -> tuple[dict[str, float | int | None], list[CheckResult]]:
+    """The metrics and checks of one run's timeline. `aftershock run` and `aftershock report
+    --recheck` both judge through this one function, so a re-check is the verdict a run
+    would have given."""
+    metrics = _metrics.compute(events, _world(spec))
+    checks = evaluate(
+        spec.expect, outcome=outcome, metrics=metrics, faults=faults,
+        digests=_metrics.final_digests(events), baseline=baseline,
+        events=events, outputs=_metrics.outputs(events),
+        baseline_outputs=baseline_outputs,
+    )
+    missing = {"params_match": spec.expect.params_match and baseline is None,
+               "outputs_match": spec.expect.outputs_match and baseline_outputs is None}
+    checks = [
+        CheckResult(c.name, False, c.observed, c.expected, f"{c.message} ({baseline_note})")
+        if missing.get(c.name) else c
+        for c in checks
+    ]
+    return metrics, checks
+
+
 def run_scenario(
     loaded: LoadedScenario,
     *,
@@ -674,17 +719,9 @@ def run_scenario(
         baseline, baseline_note = replay_digests(
             loaded, seed=seed, run_dir=run_dir, observer=observer
         )
-    world = (
-        spec.system.world.size if isinstance(spec.system, TrainerSystem)
-        else spec.system.world if isinstance(spec.system, CommandSystem)
-        else spec.system.workers
-    )
-    metrics = _metrics.compute(execution.events, world)
-    checks = evaluate(
-        spec.expect, outcome=execution.outcome, metrics=metrics, faults=execution.faults,
-        digests=_metrics.final_digests(execution.events), baseline=baseline,
-        events=execution.events, outputs=_metrics.outputs(execution.events),
-        baseline_outputs=baseline_outputs,
+    metrics, checks = assess(
+        spec, events=execution.events, outcome=execution.outcome, faults=execution.faults,
+        baseline=baseline, baseline_outputs=baseline_outputs, baseline_note=baseline_note,
     )
     if spec.expect.params_match == "fault_free":
         golden_check = golden.check(loaded, seed=seed, what="digests", found=baseline)
@@ -692,13 +729,6 @@ def run_scenario(
         golden_check = golden.check(loaded, seed=seed, what="outputs", found=baseline_outputs)
     if golden_check is not None:
         checks.append(golden_check)
-    missing = {"params_match": spec.expect.params_match and baseline is None,
-               "outputs_match": spec.expect.outputs_match and baseline_outputs is None}
-    checks = [
-        CheckResult(c.name, False, c.observed, c.expected, f"{c.message} ({baseline_note})")
-        if missing.get(c.name) else c
-        for c in checks
-    ]
     result = RunResult(
         name=spec.name,
         file=str(loaded.path),

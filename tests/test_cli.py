@@ -208,8 +208,8 @@ def test_report_prints_markup_in_a_record_as_text(tmp_path: Path) -> None:
     proc = cli("report", str(run_dir))
     assert proc.returncode == 0, proc.stderr
     assert "MarkupError" not in proc.stderr
-    # The verdict line is not folded like the table's cells: it shows every field as written.
-    assert f"FAILED markup {MARKUP} in 1.0s, seed 0; run dir {run_dir}" in proc.stdout
+    # The verdict lines are not folded like the table's cells: they show every field as written.
+    assert f"FAILED markup {MARKUP} in 1.0s, seed 0\nrun dir {run_dir}\n" in proc.stdout
     assert "\x1b" not in proc.stdout  # off a terminal: no styles, and none from the data
 
 
@@ -233,7 +233,7 @@ def test_live_and_plain_views_print_markup_in_events_as_text() -> None:
     for event in events:
         plain.event(event)
     text = buffer.getvalue()
-    assert f"FAILED markup {MARKUP} in 1.0s, seed 0; run dir runs/x[/]y" in text
+    assert f"FAILED markup {MARKUP} in 1.0s, seed 0\nrun dir runs/x[/]y" in text
     assert f"detected failure: {MARKUP}" in text
 
 

@@ -1,0 +1,156 @@
+"""The HTML report: one self-contained file per run (or per set of runs) to open and share.
+
+Scripts and styles are inline and the page's Content-Security-Policy forbids every
+fetch, so it works offline and leaks nothing when opened. Charts are drawn by
+plotly.js, read from the installed ``plotly`` package (its ``plotly.min.js``) rather
+than kept in this repository; about 4.8 MB per file, the price of a maintained
+library with zoom, hover and legend toggles instead of hand-written SVG
+(docs/report.md says why). The page is made with jinja2 from
+``harness/templates/``, which escapes everything a run recorded.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from harness import figures
+from harness.compare import Comparison, compare
+from harness.compare import show as _num
+from harness.errors import HarnessError
+from harness.records import Event
+from harness.report import NOTABLE, describe
+from harness.rundir import LOG_SHOWN, LogLine, ProcessLog, RecordedRun
+
+#: Lines of one log shown in the page; the rest is named with its file.
+LOG_LINES_SHOWN = 4000
+
+
+def plotly_js() -> str:
+    """plotly.min.js from the installed plotly package, found without importing it."""
+    found = importlib.util.find_spec("plotly")
+    for folder in (found.submodule_search_locations or []) if found else []:
+        path = Path(folder) / "package_data" / "plotly.min.js"
+        if path.is_file():
+            return path.read_text(encoding="utf-8")
+    raise HarnessError("the HTML report needs plotly.js from the `plotly` package "
+                       "(pip install plotly)")
+
+
+def _template(name: str) -> str:
+    return resources.files("harness").joinpath("templates", name).read_text(encoding="utf-8")
+
+
+def _script_safe(data: Any) -> str:
+    """JSON that cannot end its <script> element early (``</script>`` in a log line)."""
+    text = json.dumps(data, separators=(",", ":"), default=str, allow_nan=False)
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+
+
+def _clean(value: Any) -> Any:
+    """NaN and infinity are not JSON: a loss of NaN is shown as text."""
+    if isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_clean(v) for v in value]
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class _Shown:
+    lines: list[LogLine]
+    cut: int
+
+
+def _log_lines(log: ProcessLog) -> _Shown:
+    lines = log.lines()
+    if len(lines) > LOG_LINES_SHOWN:
+        return _Shown(lines[-LOG_LINES_SHOWN:], len(lines) - LOG_LINES_SHOWN)
+    if log.size > LOG_SHOWN:
+        # Few but long lines: keep the end, where a crash says why.
+        kept, size = [], 0
+        for line in reversed(lines):
+            size += len(line.text) + 1
+            if size > LOG_SHOWN:
+                break
+            kept.append(line)
+        return _Shown(kept[::-1], len(lines) - len(kept))
+    return _Shown(lines, 0)
+
+
+_STORY_CLASS = {"fault_injected": "fault", "fault_failed": "fault", "timeout": "fault",
+                "failure_detected": "detect", "recovery_done": "recover"}
+
+
+def _story(run: RecordedRun) -> list[tuple[Event, str]]:
+    """The notable events (the terminal's list), plus generations and checkpoints."""
+    extra = {"hello", "checkpoint_saved", "exit", "worker_started", "membership"}
+    return [(e, _STORY_CLASS.get(e.event, "")) for e in run.events
+            if e.event in NOTABLE or e.event in extra]
+
+
+def _who(e: Event) -> str:
+    if e.rank is not None:
+        return f"rank {e.rank}"
+    pid = e.fields.get("pid")
+    return f"{e.source} (pid {pid})" if isinstance(pid, int) else e.source
+
+
+def _show(value: object) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3f}"
+    return str(value)
+
+
+def _show_s(value: float | None) -> str:
+    return "-" if value is None else f"+{value:.3f}s"
+
+
+def render(runs: Sequence[RecordedRun], *, notes: Sequence[Sequence[str]] = (),
+           title: str | None = None) -> str:
+    """The page for one run, or for several with a comparison on top."""
+    import jinja2
+    from markupsafe import Markup
+
+    env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined,
+                             keep_trailing_newline=True)
+    template = env.from_string(_template("report.html.j2"))
+    comparison: Comparison | None = compare([r.result for r in runs]) if len(runs) > 1 else None
+    name = title or (runs[0].result.name if len(runs) == 1 else
+                     f"{len(runs)} runs of " + ", ".join(sorted({r.result.name for r in runs})))
+    stories = {id(r): _story(r) for r in runs}
+
+    def launched(run: RecordedRun) -> str:
+        wall = run.t0 + (run.wall_offset or 0.0)
+        return datetime.datetime.fromtimestamp(wall, datetime.UTC).strftime(
+            "%Y-%m-%d %H:%M:%S.%f")[:-3]
+
+    return template.render(
+        title=f"Aftershock: {name}",
+        runs=list(runs),
+        notes=[list(n) for n in notes] or [[] for _ in runs],
+        comparison=comparison,
+        any_wall=any(r.wall_offset is not None for r in runs),
+        css=Markup(_template("report.css")),
+        js=Markup(_template("report.js")),
+        plotly=Markup(plotly_js()),
+        figure_json=lambda r: Markup(
+            _script_safe(_clean(figures.figure(r)))),
+        show=_show, show_s=_show_s, num=_num, describe=describe, who=_who,
+        story=lambda r: stories[id(r)], log_lines=_log_lines, launched=launched,
+    )
+
+
+def write_html(runs: Sequence[RecordedRun], path: Path, *,
+               notes: Sequence[Sequence[str]] = ()) -> None:
+    path.write_text(render(runs, notes=notes), encoding="utf-8")

@@ -1,0 +1,237 @@
+"""Re-check a recorded run without re-running it.
+
+`aftershock report RUN_DIR --recheck [--scenario FIXED.yaml]` re-reads the saved
+process logs with the (possibly corrected) log probes, rebuilds the events they
+derive, keeps every event the probes and the harness wrote, and judges the
+timeline through `runner.assess`, the function a run judges through. The
+fault-free baseline comes from the cache (or from the run's own ``fault_free/``
+folder); when neither has it, the check that needs it fails with "not available".
+Nothing is launched.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from harness import metrics as _metrics
+from harness.checks import Outcome
+from harness.errors import SpecError
+from harness.records import Event, RunResult
+from harness.rundir import ProcessLog, RecordedRun, load_run
+from harness.runner import assess, baseline_key, cache_dir
+from harness.spec import CommandSystem, LoadedScenario, LogProbe, load_scenario, parse_scenario
+from harness.timeline import read_events
+
+_RANK_PREFIX = re.compile(r"^\[(?:default)?(\d+)\]:")
+LINE_SHOWN = 300  # characters of the matched line an event keeps (as the live probe does)
+
+
+@dataclass(frozen=True, slots=True)
+class Recheck:
+    recorded: RunResult  # the verdict as the run gave it
+    result: RunResult  # the verdict now
+    notes: tuple[str, ...]  # what the re-check could not do, or did differently
+    events: tuple[Event, ...]  # the timeline it judged (log-derived events rebuilt)
+    scenario_text: str  # the scenario it judged by
+
+    def changed(self) -> list[tuple[str, str, str]]:
+        """(check, verdict then, verdict now) for each check whose verdict differs."""
+        before = {c.name: c.passed for c in self.recorded.checks}
+        now = {c.name: c.passed for c in self.result.checks}
+        shown = {True: "PASS", False: "FAIL", None: "absent"}
+        return [(name, shown[before.get(name)], shown[now.get(name)])
+                for name in [*now, *(n for n in before if n not in now)]
+                if before.get(name) != now.get(name)]
+
+
+def probe_event(spec: LogProbe, match: re.Match[str], line: str, t: float) -> Event:
+    """The event a log probe makes of a matching line (harness/target.py does the same
+    for a live run: named groups become fields, ``step`` and ``rank`` integers, the rank
+    read from torchrun's ``[N]:`` prefix when the pattern has no ``rank`` group)."""
+    fields: dict[str, Any] = {"line": line[:LINE_SHOWN]}
+    for key, value in match.groupdict().items():
+        if value is None:
+            continue
+        fields[key] = int(value) if key in ("step", "rank") and value.isdigit() else value
+    if "rank" not in fields:
+        prefix = _RANK_PREFIX.match(line)
+        if prefix:
+            fields["rank"] = int(prefix.group(1))
+    return Event(t=t, event=spec.event, source="log", fields=fields)
+
+
+def reprobe(run: Path, events: Sequence[Event], probes: Sequence[LogProbe]
+            ) -> tuple[list[Event], list[str]]:
+    """The run's timeline with its log-derived events rebuilt by ``probes`` from the
+    launcher's saved output, and what could not be rebuilt.
+
+    A new event needs the time its line was read. The run's ``<log>.times`` files give
+    it for every line; without them, a line an earlier probe matched is known by the
+    event that probe wrote (when its text is unique in the logs). A match on a line of
+    unknown time makes no event: a guessed time could pass a budget the system missed.
+    """
+    kept = [e for e in events if e.source != "log"]
+    known: dict[str, float] = {}
+    for e in events:
+        line = e.fields.get("line")
+        if e.source == "log" and isinstance(line, str):
+            known[line] = min(e.t, known.get(line, e.t))
+    streams = {name: _lines(run / "logs" / f"launcher.{name}.log")
+               for name in ("stdout", "stderr")}
+    seen = Counter(text[:LINE_SHOWN] for lines in streams.values() for text, _ in lines)
+    rebuilt: list[Event] = []
+    untimed = 0
+    for name, lines in streams.items():
+        compiled = [(p, re.compile(p.pattern)) for p in probes if p.stream in (name, "both")]
+        for text, t in lines:
+            for spec, pattern in compiled:
+                match = pattern.search(text)
+                if not match:
+                    continue
+                when = t
+                if when is None and seen[text[:LINE_SHOWN]] == 1:
+                    when = known.get(text[:LINE_SHOWN])
+                if when is None:
+                    untimed += 1
+                    continue
+                rebuilt.append(probe_event(spec, match, text, when))
+    notes = []
+    if untimed:
+        notes.append(f"{untimed} probe match(es) on log lines with no recorded capture time "
+                     "were left out (the run kept no logs/*.log.times for them); a check that "
+                     "needs them fails as not observed")
+    return sorted([*kept, *rebuilt], key=lambda e: e.t), notes
+
+
+def _lines(path: Path) -> list[tuple[str, float | None]]:
+    if not path.is_file():
+        return []
+    log = ProcessLog(path.name, path, path.stat().st_size)
+    return [(line.text.rstrip("\r"), line.t) for line in log.lines()]
+
+
+def _outcome(run: RecordedRun) -> Outcome:
+    end = next((e for e in reversed(run.events) if e.event == "run_end"), None)
+    exit_code = end.fields.get("exit_code") if end is not None else None
+    timed_out = bool(end.fields.get("timed_out")) if end is not None else False
+    duration = (end.t - run.t0) if end is not None else run.result.duration_s
+    return Outcome(exit_code if isinstance(exit_code, int) else None, timed_out,
+                   round(duration, 3))
+
+
+def _comparable(loaded: LoadedScenario) -> dict[str, Any]:
+    """What a re-check cannot change: everything but the checks and the log probes."""
+    data = loaded.spec.model_dump(mode="json", exclude={"expect", "description"})
+    if isinstance(loaded.spec.system, CommandSystem):
+        data["system"].pop("probes", None)
+    return data
+
+
+def _cached(loaded: LoadedScenario, seed: int, what: str) -> dict[str, Any] | None:
+    path = cache_dir() / "fault_free" / f"{baseline_key(loaded.spec, seed)}.json"
+    try:
+        data = json.loads(path.read_text())
+        return dict(data[what])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _baseline(
+    run: Path, fixed: LoadedScenario, recorded: LoadedScenario | None, seed: int, what: str,
+) -> tuple[dict[str, Any] | None, str]:
+    """The fault-free twin's ``digests`` or ``outputs``: from the cache under the fixed
+    scenario's key, or under the recorded one's when the probes that make them are the
+    same, or re-derived from the run's own ``fault_free/`` folder. Never re-run."""
+    found = _cached(fixed, seed, what)
+    if found is not None:
+        return found, "fault-free baseline from the cache"
+    if recorded is not None and _probes_of(recorded, what) == _probes_of(fixed, what):
+        found = _cached(recorded, seed, what)
+        if found is not None:
+            return found, "fault-free baseline from the cache (as recorded)"
+    twin = run / "fault_free" / "events.jsonl"
+    if twin.is_file():
+        events = read_events(twin)
+        probes = _probes_of(fixed, "all")
+        if probes:
+            events, _ = reprobe(twin.parent, events, probes)
+        end = next((e for e in reversed(events) if e.event == "run_end"), None)
+        if end is None or end.fields.get("exit_code") != 0:
+            return None, "fault-free baseline not available: its run in fault_free/ failed"
+        if what == "outputs":
+            return dict(_metrics.outputs(events)), "fault-free baseline re-read from fault_free/"
+        digests = {str(k): v for k, v in _metrics.final_digests(events).items()}
+        return digests or None, "fault-free baseline re-read from fault_free/"
+    return None, ("fault-free baseline not available: not in the cache for this scenario and "
+                  "the run has no fault_free/ folder (`aftershock run` computes it)")
+
+
+def _probes_of(loaded: LoadedScenario, what: str) -> list[LogProbe]:
+    system = loaded.spec.system
+    if not isinstance(system, CommandSystem):
+        return []
+    if what == "digests":
+        return [p for p in system.probes if p.event == "params"]
+    return list(system.probes)
+
+
+def recheck(run_dir: Path, *, scenario: Path | None = None) -> Recheck:
+    """Judge a recorded run again with the current probes and checks (docs/report.md)."""
+    run = load_run(run_dir)
+    recorded_loaded: LoadedScenario | None = None
+    if run.scenario_text is not None:
+        recorded_loaded = LoadedScenario(
+            parse_scenario(run.scenario_text, str(run_dir / "scenario.yaml")),
+            Path(run.result.file), run.scenario_text)
+    if scenario is not None:
+        fixed = load_scenario(scenario)
+    elif recorded_loaded is not None:
+        fixed = recorded_loaded
+    else:
+        raise SpecError([f"{run_dir}:1:1: the run kept no scenario.yaml; give --scenario"])
+    if recorded_loaded is not None and _comparable(recorded_loaded) != _comparable(fixed):
+        differ = sorted(k for k, v in _comparable(fixed).items()
+                        if _comparable(recorded_loaded).get(k) != v)
+        raise SpecError([
+            f"{fixed.path}:1:1: changes what was run ({', '.join(differ)}), not only its "
+            "checks or log probes; a re-check re-reads a run, it cannot re-run it "
+            "(use `aftershock run`)"])
+    notes: list[str] = []
+    events = run.events
+    if isinstance(fixed.spec.system, CommandSystem):
+        events, notes = reprobe(run_dir, events, fixed.spec.system.probes)
+    seed = run.result.seed
+    expect = fixed.spec.expect
+    baseline: dict[int, str] | None = None
+    baseline_outputs: dict[str, list[int]] | None = None
+    note = ""
+    if expect.params_match == "fault_free":
+        found, note = _baseline(run_dir, fixed, recorded_loaded, seed, "digests")
+        baseline = None if found is None else {int(k): str(v) for k, v in found.items()}
+    elif expect.params_match == "replay":
+        replay = run_dir / "replay" / "events.jsonl"
+        digests = _metrics.final_digests(read_events(replay)) if replay.is_file() else {}
+        baseline = digests or None
+        note = ("membership replay re-read from replay/" if digests else
+                "membership replay not available: the run has no replay/ folder")
+    if expect.outputs_match == "fault_free":
+        found, note = _baseline(run_dir, fixed, recorded_loaded, seed, "outputs")
+        baseline_outputs = None if found is None else {k: list(v) for k, v in found.items()}
+    if note:
+        notes.append(note)
+    metrics, checks = assess(
+        fixed.spec, events=events, outcome=_outcome(run), faults=run.result.faults,
+        baseline=baseline, baseline_outputs=baseline_outputs, baseline_note=note,
+    )
+    result = replace(run.result, name=fixed.spec.name, file=str(fixed.path),
+                     passed=all(c.passed for c in checks) and not run.result.error,
+                     checks=tuple(checks),
+                     metrics=metrics, run_dir=str(run_dir))
+    return Recheck(recorded=run.result, result=result, notes=tuple(notes), events=tuple(events),
+                   scenario_text=fixed.text)
