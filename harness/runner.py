@@ -248,7 +248,8 @@ def execute(
             fields: dict[str, Any] = {"rank": rank} if label is None else {"role": label}
             ev = timeline.emit(
                 "fault_injected", kind=item.spec.kind, pid=ranks[rank].pid,
-                detail=applied.detail, fault=item.index, at=began, params=params, **fields,
+                detail=applied.detail, fault=item.index, at=began, params=params,
+                applied_at=time.monotonic(), **fields,
             )
             observer.event(ev)
             records.append(
@@ -646,7 +647,7 @@ def run_scenario(
         spec.expect, outcome=execution.outcome, metrics=metrics, faults=execution.faults,
         digests=_metrics.final_digests(execution.events), baseline=baseline,
         events=execution.events, outputs=_metrics.outputs(execution.events),
-        baseline_outputs=baseline_outputs,
+        baseline_outputs=baseline_outputs, world=world,
     )
     missing = {"params_match": spec.expect.params_match and baseline is None,
                "outputs_match": spec.expect.outputs_match and baseline_outputs is None}

@@ -646,6 +646,14 @@ class Expect(_Strict):
     time_to_detect: Budget | None = None
     time_to_recover: Budget | None = None
     lost_steps: CountBudget | None = None
+    skipped_steps: CountBudget | None = Field(
+        None, description="steps the history jumped over (a rank going from step a to b > "
+        "a+1, or a world resuming past where it loaded); needs every step reported"
+    )
+    single_history: bool = Field(
+        False, description="no step is committed after the fault by two worlds that both "
+        "go on (a split brain); needs steps that name their world (generation)"
+    )
     step_rate: RateFloor | None = Field(
         None, description="the slowest 2 s of the run commits at least this many steps/s"
     )
@@ -675,7 +683,8 @@ class Expect(_Strict):
         "no_lost_requests", "no_duplicated_tokens", "outputs_match", "latency")
     #: Checks that read training steps or parameters.
     TRAINING: typing.ClassVar[tuple[str, ...]] = (
-        "params_match", "lost_steps", "step_rate", "straggler_named")
+        "params_match", "lost_steps", "skipped_steps", "single_history", "step_rate",
+        "straggler_named")
 
 
 class Scenario(_Strict):
@@ -691,8 +700,8 @@ class Scenario(_Strict):
     @model_validator(mode="after")
     def _checks_are_possible(self) -> Scenario:
         if not self.faults:
-            for name in ("time_to_detect", "time_to_recover"):
-                if getattr(self.expect, name) is not None:
+            for name in ("time_to_detect", "time_to_recover", "single_history"):
+                if getattr(self.expect, name) not in (None, False):
                     raise ValueError(f"expect.{name} needs at least one fault")
         serving = isinstance(self.system, ServerSystem)
         for name in Expect.SERVING if not serving else Expect.TRAINING:

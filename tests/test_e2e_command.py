@@ -19,6 +19,8 @@ SPLIT_JOB = ROOT / "tests" / "fixtures" / "split_brain_job.py"
 # the moment of the commit (CLOCK_MONOTONIC): what a log probe needs to prove recovery.
 STEP_PROBE = ("{pattern: '\\[rank (?P<rank>\\d+)\\] step (?P<step>\\d+) .* "
               "gen (?P<generation>\\d+) t=(?P<time>[\\d.]+)', event: step}")
+PARAMS_PROBE = ("{pattern: '\\[rank (?P<rank>\\d+)\\] params sha256=(?P<digest>[0-9a-f]+) "
+                "gen (?P<generation>\\d+)', event: params}")
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -38,8 +40,7 @@ system:
   probes:
     - {STEP_PROBE}
     - {{pattern: 'failed \\(exitcode: (?P<cause>-?\\d+)\\)', event: failure_detected}}
-    - {{pattern: '\\[rank (?P<rank>\\d+)\\] params sha256=(?P<digest>[0-9a-f]+) gen (?P<generation>\\d+)',
-       event: params}}
+    - {PARAMS_PROBE}
   timeout: 4m
 faults:
   - kind: process.kill
@@ -162,6 +163,8 @@ expect:
 def test_a_job_that_splits_into_two_worlds_has_no_single_history(tmp_path: Path) -> None:
     # Rank 1 is frozen for a second at step 10: rank 0 goes on alone in a world of its own,
     # and rank 1, thawed, does too. Both commit steps 11.. from the same state.
+    probe = ("{pattern: 'rank (?P<rank>\\d+) world (?P<generation>\\w+) step (?P<step>\\d+) "
+             "t=(?P<time>[\\d.]+)', event: step}")
     path = tmp_path / "split.yaml"
     path.write_text(f"""\
 name: split-brain
@@ -170,8 +173,7 @@ system:
   world: 2
   env: {{JOB_DIR: "${{run_dir}}/job", JOB_STEPS: "40"}}
   probes:
-    - {{pattern: 'rank (?P<rank>\\d+) world (?P<generation>\\w+) step (?P<step>\\d+) t=(?P<time>[\\d.]+)',
-       event: step}}
+    - {probe}
   timeout: 60s
 faults:
   - kind: process.freeze

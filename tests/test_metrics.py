@@ -115,6 +115,17 @@ def test_read_time_never_proves_a_step_came_after_the_fault() -> None:
     assert metrics.time_to_recover(timeline(before, fault, resumed), 2) == pytest.approx(0.55)
 
 
+def test_a_step_committed_while_the_fault_was_being_applied_proves_nothing() -> None:
+    # The fault's moment is when applying it began (t=1.05); SIGSTOP landed by 1.06. Both
+    # ranks committed step 11 in between, then the world never committed again.
+    events = timeline(steps(0.0, 1, 10), ev(1.05, "fault_injected", rank=1, applied_at=1.06),
+                      step(1.055, 11, 0), step(1.056, 11, 1))
+    assert metrics.time_to_recover(events, 2) is None
+    # Steps after it had landed prove recovery, timed from the fault's moment.
+    events = timeline(events, step(1.1, 12, 0), step(1.2, 12, 1))
+    assert metrics.time_to_recover(events, 2) == pytest.approx(0.15)
+
+
 def test_steps_of_the_doomed_generation_are_not_recovery() -> None:
     # Both ranks commit step 11 just after the fault; the world is then replaced anyway.
     late = [step(1.1, 11, 0), step(1.1, 11, 1)]
