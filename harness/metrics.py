@@ -32,6 +32,13 @@ def fault_landed(events: Sequence[Event]) -> float | None:
     return max(first.t, float(applied)) if isinstance(applied, int | float) else first.t
 
 
+def run_over(events: Sequence[Event]) -> float:
+    """When the harness stopped observing: its timeout, else the end of the run. After it,
+    the harness heals every fault (a frozen rank is thawed) and stops the system, so what
+    the system does then is no evidence of anything it did by itself."""
+    return next((e.t for e in events if e.event in ("timeout", "run_end")), math.inf)
+
+
 def time_to_detect(events: Sequence[Event]) -> float | None:
     """Fault injected -> first event in which the system acknowledges a failure."""
     t_fault = first_fault_time(events)
@@ -188,9 +195,10 @@ class Recovery:
 
 def recovery(events: Sequence[Event], world: int | None) -> Recovery:
     """Fault injected -> the first step committed after the fault, by the committers' own
-    clocks, by every rank of the full world in one world (same generation), where that
-    world was not replaced afterwards (a member turned up in another world) and did not
-    fail (a failure it reported, or the run ending in failure while it was the last).
+    clocks, by every rank of the full world in one world (same generation), before the
+    harness stopped observing, where that world was not replaced afterwards (a member
+    turned up in another world) and did not fail (a failure it reported, or the run ending
+    in failure while it was the last).
 
     A step line whose time is only when the harness read it never proves it was
     committed after the fault; steps that name no world never prove they were committed
@@ -203,8 +211,8 @@ def recovery(events: Sequence[Event], world: int | None) -> Recovery:
     if not size:
         return Recovery(None, reason="the world's size is unknown (no rank reported a step "
                         "before the fault)")
-    landed = fault_landed(events) or t_fault
-    after = [c for c in commits(events) if c.t > landed]
+    landed, over = fault_landed(events) or t_fault, run_over(events)
+    after = [c for c in commits(events) if landed < c.t < over]
     if not after:
         return Recovery(None, reason="no step was reported after the fault")
     proven = [c for c in after if c.proven]

@@ -127,7 +127,9 @@ def test_a_frozen_rank_that_never_comes_back_is_not_recovery(tmp_path: Path) -> 
     # The user's report: rank 1 of a plain DDP job is SIGSTOPped and never resumed (Gloo
     # would wait for it until its timeout). torchrun's --tee copies the ranks' output in
     # batches, so step lines written just before the freeze reach the harness just after
-    # it; they must not pass for recovery. The run ends at its own short timeout.
+    # it; they must not pass for recovery. The run ends at its own timeout (then the harness
+    # thaws the rank to kill it; whatever it commits then is no recovery either). The
+    # timeout leaves a loaded machine time to start torch in three processes.
     path = tmp_path / "freeze.yaml"
     path.write_text(f"""\
 name: plain-torchrun-freeze-forever
@@ -139,11 +141,11 @@ system:
          TORCH_DISABLE_SHARE_RDZV_TCP_STORE: "1"}}
   probes:
     - {STEP_PROBE}
-  timeout: 25s
+  timeout: 35s
 faults:
   - kind: process.freeze
     target: {{rank: 1}}
-    at: {{step: 20}}
+    at: {{step: 10}}
 expect:
   completes: false
   time_to_recover: {{max: 60s}}

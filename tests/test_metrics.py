@@ -96,6 +96,15 @@ def test_a_frozen_rank_that_never_commits_again_is_not_recovery() -> None:
     assert "rank 1" in found.reason
 
 
+def test_a_step_after_the_run_timed_out_proves_nothing() -> None:
+    # The frozen rank is thawed by the harness's teardown (it heals every fault, and thaws
+    # stopped processes before it kills them) and finishes its step: not recovery.
+    events = timeline(steps(0.0, 1, 10), ev(1.05, "fault_injected", rank=1), step(1.08, 11, 0),
+                      ev(25.0, "timeout", after_s=25.0), ev(25.01, "fault_healed"),
+                      step(25.02, 11, 1), ev(25.5, "run_end", exit_code=None, timed_out=True))
+    assert metrics.time_to_recover(events, 2) is None
+
+
 def test_read_time_never_proves_a_step_came_after_the_fault() -> None:
     # torchrun --tee batches output: both ranks' lines of step 11, written before the
     # freeze, are read 50 ms after it. Read time is only an upper bound on when a line was
