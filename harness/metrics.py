@@ -95,44 +95,48 @@ def _identity(value: object) -> World | None:
     return value
 
 
-def _process(event: Event) -> tuple[object, ...]:
-    pid = event.fields.get("pid")
-    return ("pid", pid) if isinstance(pid, int) else ("source", event.source, event.rank)
+@dataclass(frozen=True, slots=True)
+class Reading:
+    """A timeline read once for the training metrics: its events in time order, with the
+    rank and the world of each, and every step report as a ``Commit``.
 
+    An event's world is its ``generation``; a probe event without one is in the
+    generation its process (pid) last named in a ``hello`` or ``step``, which is what the
+    probe stamps on later events (older timelines lack the stamp). A log line names its
+    world only through its probe's ``generation`` group."""
 
-def worlds(events: Sequence[Event]) -> list[World | None]:
-    """The world of each event (same order): its ``generation``, else, for a probe
-    event, the generation its process last declared in a ``hello`` or ``step`` (what
-    the probe stamps on later events; older timelines lack the stamp). A log line
-    names its world only through its probe's ``generation`` group."""
-    declared: dict[tuple[object, ...], World] = {}
-    found: list[World | None] = []
-    for e in events:
-        world = _identity(e.fields.get("generation"))
-        if e.source != "log":
-            key = _process(e)
-            if world is not None and e.event in ("hello", "step"):
-                declared[key] = world
-            elif world is None:
-                world = declared.get(key)
-        found.append(world)
-    return found
+    events: list[Event]
+    ranks: list[int | None]
+    worlds: list[World | None]
+    commits: list[Commit]
 
-
-def _in_time_order(events: Sequence[Event]) -> list[Event]:
-    return sorted(events, key=lambda e: e.t)
+    @classmethod
+    def of(cls, events: Sequence[Event]) -> Reading:
+        ordered = sorted(events, key=lambda e: e.t)
+        ranks = [e.rank for e in ordered]
+        declared: dict[tuple[object, ...], World] = {}
+        worlds: list[World | None] = []
+        found: list[Commit] = []
+        for e, rank in zip(ordered, ranks, strict=True):
+            world = _identity(e.fields.get("generation"))
+            if e.source != "log":
+                pid = e.fields.get("pid")
+                process = ("pid", pid) if isinstance(pid, int) else ("source", e.source, rank)
+                if world is not None and e.event in ("hello", "step"):
+                    declared[process] = world
+                elif world is None:
+                    world = declared.get(process)
+            worlds.append(world)
+            step = e.fields.get("step")
+            if e.event == "step" and isinstance(step, int) and not isinstance(step, bool):
+                found.append(Commit(e.t, step, rank if rank is not None else 0, world,
+                                    proven_time(e)))
+        return cls(ordered, ranks, worlds, found)
 
 
 def commits(events: Sequence[Event]) -> list[Commit]:
     """Every step report, in time order, with its world."""
-    ordered = _in_time_order(events)
-    found = []
-    for e, world in zip(ordered, worlds(ordered), strict=True):
-        step = e.fields.get("step")
-        if e.event == "step" and isinstance(step, int) and not isinstance(step, bool):
-            found.append(Commit(e.t, step, e.rank if e.rank is not None else 0, world,
-                                proven_time(e)))
-    return found
+    return Reading.of(events).commits
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,34 +145,44 @@ class _Worlds:
 
     first_seen: dict[World | None, float]  # first hello or step of each world
     members: dict[World | None, set[int]]  # ranks that committed a step in it
-    moves: list[tuple[float, int, World | None]]  # (t, rank, world) of each hello and step
+    # The last time a member of each world turned up (hello or step) in another named
+    # world: (when, rank, that world).
+    departed: dict[World | None, tuple[float, int, World]]
 
     @classmethod
-    def of(cls, events: Sequence[Event]) -> _Worlds:
-        ordered = _in_time_order(events)
+    def of(cls, reading: Reading) -> _Worlds:
         first_seen: dict[World | None, float] = {}
         members: dict[World | None, set[int]] = defaultdict(set)
-        moves = []
-        for e, world in zip(ordered, worlds(ordered), strict=True):
+        moves: list[tuple[float, int, World | None]] = []
+        for e, rank, world in zip(reading.events, reading.ranks, reading.worlds, strict=True):
             if e.event not in ("hello", "step"):
                 continue
             first_seen.setdefault(world, e.t)
-            rank = e.rank if e.rank is not None or e.event == "hello" else 0
-            if rank is None:
+            if e.event == "step":
+                rank = 0 if rank is None else rank
+                members[world].add(rank)
+            elif rank is None:
                 continue  # a spare's hello: it plays no rank yet
             moves.append((e.t, rank, world))
-            if e.event == "step":
-                members[world].add(rank)
-        return cls(first_seen, dict(members), moves)
+        departed: dict[World | None, tuple[float, int, World]] = {}
+        for t, rank, other in moves:
+            if other is None:
+                continue
+            for world, ranks in members.items():
+                if world != other and rank in ranks:
+                    departed[world] = (t, rank, other)
+        return cls(first_seen, dict(members), departed)
 
-    def left(self, world: World | None, after: float) -> tuple[int, World, float] | None:
-        """The first member of ``world`` that turned up in another named world after
-        ``after``: (rank, that world, when); None if every member stayed."""
-        mine = self.members.get(world, set())
-        for t, rank, other in self.moves:
-            if t > after and rank in mine and other != world and other is not None:
-                return rank, other, t
-        return None
+    def left(self, world: World | None, after: float) -> tuple[float, int, World] | None:
+        """(when, rank, where) a member of ``world`` last turned up in another named world,
+        if that was after ``after``; None if every member stayed after it."""
+        last = self.departed.get(world)
+        return last if last is not None and last[0] > after else None
+
+    def final(self) -> World | None:
+        """The newest world that committed a step."""
+        committed = [w for w in self.first_seen if w in self.members]
+        return max(committed, key=lambda w: self.first_seen[w], default=None)
 
 
 def _ranks(ranks: Iterable[int]) -> str:
@@ -193,7 +207,7 @@ class Recovery:
     reason: str = ""  # why it was not observed
 
 
-def recovery(events: Sequence[Event], world: int | None) -> Recovery:
+def recovery(events: Sequence[Event] | Reading, world: int | None) -> Recovery:
     """Fault injected -> the first step committed after the fault, by the committers' own
     clocks, by every rank of the full world in one world (same generation), before the
     harness stopped observing, where that world was not replaced afterwards (a member
@@ -203,16 +217,17 @@ def recovery(events: Sequence[Event], world: int | None) -> Recovery:
     A step line whose time is only when the harness read it never proves it was
     committed after the fault; steps that name no world never prove they were committed
     by one world."""
-    events = _in_time_order(events)
-    t_fault = first_fault_time(events)
+    reading = events if isinstance(events, Reading) else Reading.of(events)
+    ordered = reading.events
+    t_fault = first_fault_time(ordered)
     if t_fault is None:
         return Recovery(None, reason="no fault was injected")
-    size = full_world(events, world)
+    size = full_world(ordered, world)
     if not size:
         return Recovery(None, reason="the world's size is unknown (no rank reported a step "
                         "before the fault)")
-    landed, over = fault_landed(events) or t_fault, run_over(events)
-    after = [c for c in commits(events) if landed < c.t < over]
+    landed, over = fault_landed(ordered) or t_fault, run_over(ordered)
+    after = [c for c in reading.commits if landed < c.t < over]
     if not after:
         return Recovery(None, reason="no step was reported after the fault")
     proven = [c for c in after if c.proven]
@@ -232,34 +247,31 @@ def recovery(events: Sequence[Event], world: int | None) -> Recovery:
         first[(c.world, c.step)].setdefault(c.rank, c.t)
     whole = sorted((max(by_rank.values()), w, s) for (w, s), by_rank in first.items()
                    if len(by_rank) >= size)
-    known = _Worlds.of(events)
-    failures = [(e.t, w) for e, w in zip(events, worlds(events), strict=True)
-                if e.event == "failure_detected"]
-    end = next((e for e in reversed(events) if e.event == "run_end"), None)
+    known = _Worlds.of(reading)
+    failed_at: dict[World | None, float] = {}  # each world's last reported failure
+    for e, w in zip(ordered, reading.worlds, strict=True):
+        if e.event == "failure_detected":
+            failed_at[w] = e.t
+    end = next((e for e in reversed(ordered) if e.event == "run_end"), None)
     ended_badly = end is not None and end.fields.get("exit_code") not in (0, None) and \
         not end.fields.get("timed_out")
-    last_world = max(known.first_seen, key=lambda w: known.first_seen[w], default=None)
+    newest = max(known.first_seen, key=lambda w: known.first_seen[w], default=None)
     doomed: list[str] = []
     for t, w, s in whole:
-        moved = known.left(w, t)
+        whole_at = f"{_name(w)} was whole at step {s} {t - t_fault:.3f} s after the fault"
+        moved, failed = known.left(w, t), failed_at.get(w)
         if moved is not None:
-            rank, other, when = moved
-            doomed.append(f"{_name(w)} was whole at step {s} {t - t_fault:.3f} s after the "
-                          f"fault, but was replaced: rank {rank} turned up in {_name(other)} "
-                          f"{when - t:.3f} s later")
-            continue
-        failed = next((ft for ft, fw in failures if ft > t and fw == w), None)
-        if failed is not None:
-            doomed.append(f"{_name(w)} was whole at step {s} {t - t_fault:.3f} s after the "
-                          f"fault, but reported a failure {failed - t:.3f} s later")
-            continue
-        if ended_badly and w == last_world:
+            when, rank, other = moved
+            doomed.append(f"{whole_at}, but was replaced: rank {rank} turned up in "
+                          f"{_name(other)} {when - t:.3f} s later")
+        elif failed is not None and failed > t:
+            doomed.append(f"{whole_at}, but reported a failure {failed - t:.3f} s later")
+        elif ended_badly and w == newest:
             assert end is not None
-            doomed.append(f"{_name(w)} was whole at step {s} {t - t_fault:.3f} s after the "
-                          f"fault, but the run ended in failure (exit "
-                          f"{end.fields.get('exit_code')})")
-            continue
-        return Recovery(t - t_fault, w, s)
+            doomed.append(f"{whole_at}, but the run ended in failure "
+                          f"(exit {end.fields.get('exit_code')})")
+        else:
+            return Recovery(t - t_fault, w, s)
     if doomed:
         return Recovery(None, reason="; ".join(doomed[:2]))
     # The world that came closest: the most ranks committing one step after the fault.
@@ -270,7 +282,7 @@ def recovery(events: Sequence[Event], world: int | None) -> Recovery:
                     f"closest: {_name(w)} committed step {s} without {lacking}")
 
 
-def time_to_recover(events: Sequence[Event], world: int | None) -> float | None:
+def time_to_recover(events: Sequence[Event] | Reading, world: int | None) -> float | None:
     """Fault injected -> the first step that proves recovery (see ``recovery``)."""
     return recovery(events, world).seconds
 
@@ -297,30 +309,32 @@ class _Lines:
         self.by_rank: dict[int, list[Commit]] = defaultdict(list)
         for c in found:
             self.by_rank[c.rank].append(c)
-        self.index = {id(c): i for run in self.by_rank.values() for i, c in enumerate(run)}
-        self.breaks: dict[int, list[int]] = {}  # rank -> indices that start a new line
-        for rank, run in self.by_rank.items():
-            self.breaks[rank] = [i for i, (a, b) in enumerate(itertools.pairwise(run), 1)
-                                 if b.step <= a.step or (b.step > a.step + 1
-                                                         and b.world != a.world)]
+        self.last: dict[int, Commit] = {}  # id(commit) -> the last commit of its line
+        for run in self.by_rank.values():
+            end = run[-1]
+            for i in range(len(run) - 1, -1, -1):
+                self.last[id(run[i])] = end
+                if i and self._breaks(run[i - 1], run[i]):
+                    end = run[i - 1]
         self.top = max((c.step for c in found), default=0)
 
-    def line(self, c: Commit) -> list[Commit]:
-        """``c`` and the commits of its rank that build on it."""
-        run, i = self.by_rank[c.rank], self.index[id(c)]
-        end = next((b for b in self.breaks[c.rank] if b > i), len(run))
-        return run[i:end]
+    @staticmethod
+    def _breaks(before: Commit, after: Commit) -> bool:
+        return after.step <= before.step or (after.step > before.step + 1
+                                             and after.world != before.world)
 
     def progresses_after(self, c: Commit, t: float) -> bool:
-        return any(later.t > t for later in self.line(c)[1:])
+        """Its line goes on with a commit after ``t`` (commits of a rank are in time order)."""
+        last = self.last[id(c)]
+        return last is not c and last.t > t
 
     def completes(self, c: Commit) -> bool:
         """Its line runs unbroken to the run's last step: what it built is a result."""
-        line = self.line(c)
-        return line[-1] is self.by_rank[c.rank][-1] and line[-1].step >= self.top
+        last = self.last[id(c)]
+        return last is self.by_rank[c.rank][-1] and last.step >= self.top
 
 
-def forks(events: Sequence[Event]) -> list[Fork] | None:
+def forks(events: Sequence[Event] | Reading) -> list[Fork] | None:
     """Steps committed by two worlds that both went on from them, the second commit after
     the fault: a split brain. Two commits of one step in different worlds fork when the
     earlier one's line still made progress after the later one was committed (two worlds
@@ -329,10 +343,11 @@ def forks(events: Sequence[Event]) -> list[Fork] | None:
     another world's state) and redone is one history with lost work (``lost_steps``).
     None when some step after the fault names no world: then two worlds cannot be told
     apart."""
-    t_fault = first_fault_time(events)
+    reading = events if isinstance(events, Reading) else Reading.of(events)
+    t_fault = first_fault_time(reading.events)
     if t_fault is None:
         return []
-    found = commits(events)
+    found = reading.commits
     if any(c.world is None for c in found if c.t > t_fault):
         return None
     lines = _Lines(found)
@@ -350,33 +365,34 @@ def forks(events: Sequence[Event]) -> list[Fork] | None:
     return forked
 
 
-def forked_steps(events: Sequence[Event]) -> int | None:
+def forked_steps(events: Sequence[Event] | Reading) -> int | None:
     """Steps committed after the fault by two histories (see ``forks``)."""
     found = forks(events)
     return None if found is None else len(found)
 
 
-def lost_steps(events: Sequence[Event]) -> int:
+def lost_steps(events: Sequence[Event] | Reading) -> int:
     """Work done twice: for each step, every commit of it after the first, where a world
     commits a step as often as its most repeating rank did (a world rolled back within
     itself, or a restarted world, redoes steps; two worlds of a split brain each do them).
     """
+    reading = events if isinstance(events, Reading) else Reading.of(events)
     counts: dict[int, dict[World | None, dict[int, int]]] = defaultdict(
         lambda: defaultdict(lambda: defaultdict(int)))
-    for c in commits(events):
+    for c in reading.commits:
         counts[c.step][c.world][c.rank] += 1
     return sum(max(sum(max(by_rank.values()) for by_rank in by_world.values()) - 1, 0)
                for by_world in counts.values())
 
 
-def skipped_steps(events: Sequence[Event]) -> int | None:
+def skipped_steps(events: Sequence[Event] | Reading) -> int | None:
     """Steps the history jumped over: a rank of a world going from step a to b > a+1, or a
     new world whose first step is not the one after where it resumed (its
     ``checkpoint_loaded``/``recovery_done`` step, else the newest step committed before
     it, if that is below). None when no rank is ever seen reporting two consecutive steps:
     a job that reports every k-th step shows gaps that are not skips."""
-    events = _in_time_order(events)
-    found = commits(events)
+    reading = events if isinstance(events, Reading) else Reading.of(events)
+    found = reading.commits
     runs: dict[tuple[World | None, int], list[int]] = defaultdict(list)
     for c in found:
         runs[(c.world, c.rank)].append(c.step)
@@ -387,7 +403,7 @@ def skipped_steps(events: Sequence[Event]) -> int | None:
     for a, b in pairs:
         skipped.update(range(a + 1, b))
     resumed: dict[World | None, list[tuple[float, int]]] = defaultdict(list)
-    for e, w in zip(events, worlds(events), strict=True):
+    for e, w in zip(reading.events, reading.worlds, strict=True):
         step = e.fields.get("step")
         if e.event in ("checkpoint_loaded", "recovery_done") and isinstance(step, int):
             resumed[w].append((e.t, step))
@@ -411,24 +427,23 @@ def steps_committed(events: Sequence[Event]) -> int | None:
     return max(steps) if steps else None
 
 
-def final_world(events: Sequence[Event]) -> World | None:
+def final_world(events: Sequence[Event] | Reading) -> World | None:
     """The newest world that committed a step: the one whose parameters are the run's
     result. None when no step names a world (then every report is of one unnamed world)."""
-    known = _Worlds.of(events)
-    committed = [w for w in known.first_seen if w in known.members]
-    return max(committed, key=lambda w: known.first_seen[w], default=None)
+    reading = events if isinstance(events, Reading) else Reading.of(events)
+    return _Worlds.of(reading).final()
 
 
-def final_digests(events: Sequence[Event]) -> dict[int, str]:
+def final_digests(events: Sequence[Event] | Reading) -> dict[int, str]:
     """Each rank's last reported parameter digest in the final world. A digest another
     world reported (a survivor of a world that was replaced, as it crashed) is not the
     run's result."""
-    ordered = _in_time_order(events)
-    final = final_world(ordered)
+    reading = events if isinstance(events, Reading) else Reading.of(events)
+    final = final_world(reading)
     digests: dict[int, str] = {}
-    for e, w in zip(ordered, worlds(ordered), strict=True):
+    for e, rank, w in zip(reading.events, reading.ranks, reading.worlds, strict=True):
         if e.event == "params" and isinstance(e.fields.get("digest"), str) and w == final:
-            digests[e.rank if e.rank is not None else 0] = e.fields["digest"]
+            digests[rank if rank is not None else 0] = e.fields["digest"]
     return digests
 
 
@@ -591,12 +606,13 @@ def compute(events: Sequence[Event], world: int | None) -> dict[str, float | int
     if is_serving(events):
         return serving(events)
     world = full_world(events, world)
+    reading = Reading.of(events)
     return {
         "time_to_detect_s": time_to_detect(events),
-        "time_to_recover_s": time_to_recover(events, world),
-        "lost_steps": lost_steps(events),
-        "skipped_steps": skipped_steps(events),
-        "forked_steps": forked_steps(events),
+        "time_to_recover_s": time_to_recover(reading, world),
+        "lost_steps": lost_steps(reading),
+        "skipped_steps": skipped_steps(reading),
+        "forked_steps": forked_steps(reading),
         "steps_committed": steps_committed(events),
         "generations": generations(events),
         "min_step_rate": min_step_rate(events),
