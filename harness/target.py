@@ -9,6 +9,7 @@ later ``aftershock heal`` finds them after a crashed harness.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 import signal
@@ -327,6 +328,8 @@ def log_event(spec: LogProbe, match: re.Match[str], line: str, *, read_t: float,
         try:
             value = float(raw_time)
         except ValueError:
+            value = math.nan
+        if not math.isfinite(value):
             fields["time_rejected"] = f"not a number: {raw_time!r}"
         else:
             own = value - clock_offset if spec.clock == "unix" else value

@@ -499,6 +499,8 @@ def test_a_log_time_on_the_wrong_clock_is_not_evidence() -> None:
         assert e.t == pytest.approx(101.0)
         assert e.fields["clock"] == "read"
         assert "time_rejected" in e.fields
+    nan = log_event(r"step (?P<step>\d+) t=(?P<time>\S+)", "step 7 t=nan")
+    assert (nan.t, nan.fields["clock"]) == (pytest.approx(101.0), "read")
 
 
 def test_a_log_line_without_time_is_stamped_when_read() -> None:
