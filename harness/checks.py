@@ -98,7 +98,7 @@ def evaluate(
         ok = isinstance(skipped, int) and skipped <= limit
         results.append(CheckResult(
             "skipped_steps", ok, skipped, f"<= {limit}",
-            "not observed: no rank was seen reporting two consecutive steps, so a gap "
+            "not observed: no world was seen committing two consecutive steps, so a gap "
             "cannot be told from sparse reporting" if skipped is None else
             f"{skipped} steps were jumped over (at most {limit})"))
     if expect.single_history:

@@ -386,16 +386,21 @@ def lost_steps(events: Sequence[Event] | Reading) -> int:
 
 
 def skipped_steps(events: Sequence[Event] | Reading) -> int | None:
-    """Steps the history jumped over: a rank of a world going from step a to b > a+1, or a
-    new world whose first step is not the one after where it resumed (its
-    ``checkpoint_loaded``/``recovery_done`` step, else the newest step committed before
-    it, if that is below). None when no rank is ever seen reporting two consecutive steps:
-    a job that reports every k-th step shows gaps that are not skips."""
+    """Steps the history jumped over: a world going from step a to b > a+1 (its steps in
+    the order any member first committed them), or a new world whose first step is not
+    the one after where it resumed (its ``checkpoint_loaded``/``recovery_done`` step, else
+    the newest step committed before it, if that is below). A world, not each rank: a
+    rank's lost report (two ranks' log lines run together) is no skip when the rest of its
+    world committed the step. None when no world is ever seen committing two consecutive
+    steps: a job that reports every k-th step shows gaps that are not skips."""
     reading = events if isinstance(events, Reading) else Reading.of(events)
     found = reading.commits
-    runs: dict[tuple[World | None, int], list[int]] = defaultdict(list)
+    runs: dict[World | None, list[int]] = defaultdict(list)
+    seen: set[tuple[World | None, int]] = set()
     for c in found:
-        runs[(c.world, c.rank)].append(c.step)
+        if (c.world, c.step) not in seen:
+            seen.add((c.world, c.step))
+            runs[c.world].append(c.step)
     pairs = [(a, b) for run in runs.values() for a, b in itertools.pairwise(run)]
     if not any(b == a + 1 for a, b in pairs):
         return None

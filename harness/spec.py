@@ -647,8 +647,8 @@ class Expect(_Strict):
     time_to_recover: Budget | None = None
     lost_steps: CountBudget | None = None
     skipped_steps: CountBudget | None = Field(
-        None, description="steps the history jumped over (a rank going from step a to b > "
-        "a+1, or a world resuming past where it loaded); needs every step reported"
+        None, description="steps the history jumped over (a world going from step a to b > "
+        "a+1, or resuming past where it loaded); needs every step reported"
     )
     single_history: bool = Field(
         False, description="no step is committed after the fault by two worlds that both "
