@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
 import re
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
@@ -518,3 +521,26 @@ def test_log_probe_groups_are_checked() -> None:
         LogProbe(pattern=r"step (?P<step>\d+) world (?P<world>\d+)", event="step")
     with pytest.raises(ValidationError, match="time"):
         LogProbe(pattern=r"step (?P<step>\d+)", event="step", clock="unix")
+
+
+def test_the_probe_stamps_the_world_of_its_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from harness import probe
+
+    path = tmp_path / "events.jsonl"
+    monkeypatch.setenv(probe.EVENTS_ENV, str(path))
+    monkeypatch.setattr(probe, "_generation", None)
+    monkeypatch.setattr(probe, "_fd", None)
+    monkeypatch.setattr(probe, "_fd_path", None)
+    probe.emit("exit", code=0)  # before any hello: no world to name
+    probe.hello(world=2, generation=3)
+    probe.step(1, world=2)
+    probe.step(2, world=2, generation=4)  # a survivor names its new world in its steps
+    probe.params("ab")
+    probe.detected("peer died", generation=7)  # an explicit generation is kept, not adopted
+    probe.params("cd")
+    assert probe._fd is not None
+    os.close(probe._fd)
+    found = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [e.get("generation") for e in found] == [None, 3, 3, 4, 4, 7, 4]
