@@ -47,7 +47,9 @@ def evaluate(
     events: Sequence[Event] | None = None,
     outputs: Mapping[str, Sequence[int]] | None = None,
     baseline_outputs: Mapping[str, Sequence[int]] | None = None,
+    world: int | None = None,
 ) -> list[CheckResult]:
+    """``world``: the configured world size (for recovery's reason when not observed)."""
     results: list[CheckResult] = []
     if expect.completes:
         if outcome.timed_out:
@@ -80,14 +82,27 @@ def evaluate(
         results.append(_time_to_detect(expect.time_to_detect, _f(metrics.get("time_to_detect_s")),
                                        events or ()))
     if expect.time_to_recover:
-        results.append(_budget("time_to_recover", _f(metrics.get("time_to_recover_s")),
-                               expect.time_to_recover.max.total_seconds(), "recovery"))
+        results.append(_time_to_recover(_f(metrics.get("time_to_recover_s")),
+                                        expect.time_to_recover.max.total_seconds(),
+                                        events, world))
     if expect.lost_steps:
         lost = metrics.get("lost_steps")
         limit = expect.lost_steps.max
         ok = isinstance(lost, int) and lost <= limit
         results.append(CheckResult("lost_steps", ok, lost, f"<= {limit}",
-                                   f"{lost} committed steps were recomputed (at most {limit})"))
+                                   f"{lost} steps were committed more than once (recomputed, "
+                                   f"or by two worlds; at most {limit})"))
+    if expect.skipped_steps:
+        skipped = metrics.get("skipped_steps")
+        limit = expect.skipped_steps.max
+        ok = isinstance(skipped, int) and skipped <= limit
+        results.append(CheckResult(
+            "skipped_steps", ok, skipped, f"<= {limit}",
+            "not observed: no world was seen committing two consecutive steps, so a gap "
+            "cannot be told from sparse reporting" if skipped is None else
+            f"{skipped} steps were jumped over (at most {limit})"))
+    if expect.single_history:
+        results.append(_single_history(metrics.get("forked_steps"), events))
     if expect.step_rate:
         rate = _f(metrics.get("min_step_rate"))
         floor = expect.step_rate.min
@@ -149,6 +164,37 @@ def _time_to_detect(budget: DetectBudget, observed: float | None,
                            f"{format_duration(observed)}, not by {wanted}")
     return CheckResult("time_to_detect", result.passed, shown, expected,
                        f"{result.message}, by {cause}")
+
+
+def _time_to_recover(observed: float | None, limit_s: float, events: Sequence[Event] | None,
+                     world: int | None) -> CheckResult:
+    result = _budget("time_to_recover", observed, limit_s, "recovery")
+    if observed is not None:
+        return result
+    why = _metrics.recovery(events, world).reason if events else ""
+    return CheckResult(result.name, False, None, result.expected,
+                       "recovery was not observed" + (f": {why}" if why else ""))
+
+
+def _single_history(forked: float | int | None, events: Sequence[Event] | None
+                    ) -> CheckResult:
+    expected = "no step committed by two worlds after the fault"
+    if forked is None:
+        return CheckResult("single_history", False, None, expected,
+                           "not observed: steps after the fault name no world (generation), "
+                           "so two worlds cannot be told apart")
+    if forked == 0:
+        return CheckResult("single_history", True, 0, expected,
+                           "every step after the fault was committed by one history")
+    found = _metrics.forks(events) if events else None
+    detail = ""
+    if found:
+        names = sorted({str(w) for f in found for w in f.worlds})
+        detail = (f": steps {found[0].step}..{found[-1].step} by generations "
+                  f"{', '.join(names)}")
+    return CheckResult("single_history", False, forked, expected,
+                       f"split brain: {forked} steps were committed after the fault by two "
+                       f"worlds that both went on{detail}")
 
 
 def _outputs_match(outputs: Mapping[str, Sequence[int]],
@@ -259,6 +305,14 @@ def _params_match(
     if not digests:
         return CheckResult("params_match", False, None, expected,
                            "the run reported no final parameters")
+    missing = sorted(set(baseline) - set(digests))
+    if missing:
+        # Only the final world's digests count (metrics.final_digests): a rank of it that
+        # never reported leaves nothing to compare, whatever the others say.
+        reported = len(baseline) - len(missing)
+        return CheckResult("params_match", False, f"{reported}/{len(baseline)} ranks reported",
+                           expected, "the final world reported no parameters from "
+                           + ", ".join(f"rank {r}" for r in missing))
     ranks = sorted(set(baseline) | set(digests))
     differ = [r for r in ranks if digests.get(r) != baseline.get(r)]
     observed = f"{len(ranks) - len(differ)}/{len(ranks)} ranks equal"

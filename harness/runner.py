@@ -259,7 +259,8 @@ def execute(
             fields: dict[str, Any] = {"rank": rank} if label is None else {"role": label}
             ev = timeline.emit(
                 "fault_injected", kind=item.spec.kind, pid=ranks[rank].pid,
-                detail=applied.detail, fault=item.index, at=began, params=params, **fields,
+                detail=applied.detail, fault=item.index, at=began, params=params,
+                applied_at=time.monotonic(), **fields,
             )
             observer.event(ev)
             watched.append((ranks[rank], {"pid": ranks[rank].pid, "kind": item.spec.kind,
@@ -662,12 +663,13 @@ def assess(
     """The metrics and checks of one run's timeline. `aftershock run` and `aftershock report
     --recheck` both judge through this one function, so a re-check is the verdict a run
     would have given."""
-    metrics = _metrics.compute(events, _world(spec))
+    world = _world(spec)
+    metrics = _metrics.compute(events, world)
     checks = evaluate(
         spec.expect, outcome=outcome, metrics=metrics, faults=faults,
         digests=_metrics.final_digests(events), baseline=baseline,
         events=events, outputs=_metrics.outputs(events),
-        baseline_outputs=baseline_outputs,
+        baseline_outputs=baseline_outputs, world=world,
     )
     missing = {"params_match": spec.expect.params_match and baseline is None,
                "outputs_match": spec.expect.outputs_match and baseline_outputs is None}

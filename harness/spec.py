@@ -115,24 +115,46 @@ class LogProbe(_Strict):
     """Turns matching output lines of a system that has no probe into timeline events.
 
     Named groups become event fields: ``step`` (int), ``rank`` (int), ``digest``,
-    ``cause``. Lines are matched after torchrun's ``[rank]:`` prefixes are kept,
-    so a pattern can capture the rank from them.
+    ``cause``, and ``generation``: the identity of the world that wrote the line (a
+    restart count, a quorum id; an int when it is digits). Two steps with the same
+    ``generation`` were committed by one world; recovery and ``single_history`` need it
+    on step lines. ``time`` is the moment the line's event happened (for a step: when it
+    was committed), in seconds on ``clock``; without it an event is stamped when the
+    harness reads the line, which only bounds when it was written and never proves a
+    step came after a fault. Lines are matched after torchrun's ``[rank]:`` prefixes are
+    kept, so a pattern can capture the rank from them.
     """
 
     pattern: str
     event: LogEventKind
     stream: Literal["stdout", "stderr", "both"] = "both"
+    clock: Literal["monotonic", "unix"] = Field(
+        "monotonic",
+        description="what the (?P<time>...) group counts: monotonic: seconds of "
+        "CLOCK_MONOTONIC (Python's time.monotonic(), the clock of the timeline); unix: "
+        "seconds since the epoch (time.time()), converted with the offset between the two "
+        "clocks that the harness records at launch",
+    )
 
     @field_validator("pattern")
     @classmethod
     def _compiles(cls, value: str) -> str:
         try:
-            re.compile(value)
+            compiled = re.compile(value)
         # re.compile raises OverflowError for a{99999999999} and runs out of stack on a few
         # hundred nested groups.
         except (re.error, OverflowError, RecursionError) as exc:
             raise ValueError(f"not a valid regular expression: {exc}") from None
+        if "world" in compiled.groupindex:
+            raise ValueError("a (?P<world>...) group: name the world's identity "
+                             "(?P<generation>...); `world` is the world's size in events")
         return value
+
+    @model_validator(mode="after")
+    def _clock_needs_time(self) -> LogProbe:
+        if self.clock != "monotonic" and "time" not in re.compile(self.pattern).groupindex:
+            raise ValueError(f"clock: {self.clock} needs a (?P<time>...) group in pattern")
+        return self
 
 
 class CommandSystem(_Strict):
@@ -719,6 +741,14 @@ class Expect(_Strict):
     time_to_detect: DetectBudget | None = None
     time_to_recover: Budget | None = None
     lost_steps: CountBudget | None = None
+    skipped_steps: CountBudget | None = Field(
+        None, description="steps the history jumped over (a world going from step a to b > "
+        "a+1, or resuming past where it loaded); needs every step reported"
+    )
+    single_history: bool = Field(
+        False, description="no step is committed after the fault by two worlds that both "
+        "go on (a split brain); needs steps that name their world (generation)"
+    )
     step_rate: RateFloor | None = Field(
         None, description="the slowest 2 s of the run commits at least this many steps/s"
     )
@@ -757,7 +787,8 @@ class Expect(_Strict):
         "no_lost_requests", "no_duplicated_tokens", "outputs_match", "latency")
     #: Checks that read training steps or parameters.
     TRAINING: typing.ClassVar[tuple[str, ...]] = (
-        "params_match", "lost_steps", "step_rate", "straggler_named")
+        "params_match", "lost_steps", "skipped_steps", "single_history", "step_rate",
+        "straggler_named")
 
 
 class Scenario(_Strict):
@@ -773,8 +804,8 @@ class Scenario(_Strict):
     @model_validator(mode="after")
     def _checks_are_possible(self) -> Scenario:
         if not self.faults:
-            for name in ("time_to_detect", "time_to_recover"):
-                if getattr(self.expect, name) is not None:
+            for name in ("time_to_detect", "time_to_recover", "single_history"):
+                if getattr(self.expect, name) not in (None, False):
                     raise ValueError(f"expect.{name} needs at least one fault")
         serving = isinstance(self.system, ServerSystem)
         for name in Expect.SERVING if not serving else Expect.TRAINING:

@@ -9,6 +9,7 @@ later ``aftershock heal`` finds them after a crashed harness.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 import signal
@@ -137,6 +138,10 @@ class LocalTarget:
         self._logs = run_dir / "logs"
         self._reported: dict[int, tuple[int | None, str | None]] = {}
         self.coordinates: dict[int, tuple[int, int]] = {}  # rank -> (replica, shard)
+        # Log lines' own times (LogProbe.clock): nothing the run prints can be older than
+        # this, and Unix times convert with this one offset, fixed for the whole run.
+        self._started = time.monotonic()
+        self._clock_offset = time.time() - self._started
 
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -193,17 +198,8 @@ class LocalTarget:
                         self._emit_from_log(spec, match, line)
 
     def _emit_from_log(self, spec: LogProbe, match: re.Match[str], line: str) -> None:
-        fields: dict[str, Any] = {"line": line[:300]}
-        for key, value in match.groupdict().items():
-            if value is None:
-                continue
-            fields[key] = int(value) if key in ("step", "rank") and value.isdigit() else value
-        if "rank" not in fields:
-            prefix = _RANK_PREFIX.match(line)
-            if prefix:
-                fields["rank"] = int(prefix.group(1))
-        self.timeline.write(Event(t=time.monotonic(), event=spec.event, source="log",
-                                  fields=fields))
+        self.timeline.write(log_event(spec, match, line, read_t=time.monotonic(),
+                                      clock_offset=self._clock_offset, started=self._started))
 
     def poll(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
@@ -298,6 +294,58 @@ class LocalTarget:
                 if stream is not None:
                     with contextlib.suppress(OSError):
                         stream.close()
+
+
+#: How far a line's own time may lie past the moment it was read (rounding in print, the
+#: Unix-to-monotonic offset drifting by an NTP slew) before it is taken for the wrong clock.
+LINE_TIME_SLACK_S = 1.0
+
+
+def log_event(spec: LogProbe, match: re.Match[str], line: str, *, read_t: float,
+              clock_offset: float, started: float) -> Event:
+    """The event a matching log line stands for.
+
+    Its time is the line's own ``time`` group when there is one that makes sense (not
+    after the line was read, not before the run began), capped at the read time, which
+    no line can postdate: ``clock: line``. Otherwise it is the read time, only an upper
+    bound on when the line was written: ``clock: read`` (docs/metrics.md)."""
+    fields: dict[str, Any] = {"line": line[:300]}
+    raw_time: str | None = None
+    for key, value in match.groupdict().items():
+        if value is None:
+            continue
+        if key == "time":
+            raw_time = value
+            continue
+        integral = key in ("step", "rank", "generation") and value.isdigit()
+        fields[key] = int(value) if integral else value
+    if "rank" not in fields:
+        prefix = _RANK_PREFIX.match(line)
+        if prefix:
+            fields["rank"] = int(prefix.group(1))
+    t, clock = read_t, "read"
+    if raw_time is not None:
+        try:
+            value = float(raw_time)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value):
+            fields["time_rejected"] = f"not a number: {raw_time!r}"
+        else:
+            own = value - clock_offset if spec.clock == "unix" else value
+            if spec.clock == "unix":
+                fields["clock_offset"] = clock_offset
+            if own > read_t + LINE_TIME_SLACK_S:
+                fields["time_rejected"] = (f"{raw_time} is {own - read_t:.3g} s after the line "
+                                           f"was read: not {spec.clock} time?")
+            elif own < started - LINE_TIME_SLACK_S:
+                fields["time_rejected"] = (f"{raw_time} is {started - own:.3g} s before the run "
+                                           f"began: not {spec.clock} time?")
+            else:
+                t, clock = min(own, read_t), "line"
+    fields["clock"] = clock
+    fields["read_t"] = read_t
+    return Event(t=t, event=spec.event, source="log", fields=fields)
 
 
 def _parent(pid: int) -> int | None:
