@@ -19,7 +19,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from faults import registry
+from faults import _cgroup, registry
 from faults._proc import kill_all, processes_with_env
 from faults.journal import Journal, Pending, orphaned_journals, pending
 
@@ -35,6 +35,10 @@ class Healed:
 
 def revert_entry(entry: Pending) -> None:
     if entry.op == "launch":
+        # The run's cgroup first: it holds even the processes that dropped the run id.
+        group = entry.undo.get("cgroup")
+        if group and not _cgroup.end_run_group(Path(group), str(entry.undo["value"])):
+            raise RuntimeError(f"processes of cgroup {group} survived SIGKILL")
         # Thaw first so nothing stays stopped if SIGKILL were refused, then kill.
         refs = processes_with_env(entry.undo["env"], entry.undo["value"])
         for ref in refs:
