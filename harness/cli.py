@@ -79,9 +79,9 @@ def run(
     plain: Annotated[bool, typer.Option(help="plain lines even on a terminal")] = False,
 ) -> None:
     """Run scenarios: launch, inject faults, check recovery, report."""
-    from harness.errors import AftershockError, HarnessError, SpecError
+    from harness.errors import AftershockError, HarnessError, RunFailed, SpecError
     from harness.report import LiveObserver, PlainObserver
-    from harness.runner import Interrupted, Observer, run_scenario
+    from harness.runner import Interrupted, Observer, RunInterrupted, run_scenario
     from harness.spec import TrainerSystem, discover, load_scenario
 
     try:
@@ -124,14 +124,27 @@ def run(
                                           observer=observer, use_cache=not no_cache)
                 results.append(result)
     except KeyboardInterrupt as exc:
+        if isinstance(exc, RunInterrupted):
+            results.append(exc.result)
         err.print("interrupted: every fault was healed and every process of the run ended")
         # The shell's convention: 128 + the signal number (SIGINT 2, SIGTERM 15).
-        raise typer.Exit(143 if isinstance(exc, Interrupted) else 130) from None
+        code = (exc.exit_code if isinstance(exc, RunInterrupted)
+                else 143 if isinstance(exc, Interrupted) else 130)
+        raise typer.Exit(code) from None
+    except RunFailed as exc:
+        results.append(exc.result)
+        err.print(f"aftershock: harness error: {exc}", markup=False)
+        raise typer.Exit(EXIT_HARNESS) from None
     except HarnessError as exc:
         err.print(f"aftershock: harness error: {exc}", markup=False)
         raise typer.Exit(EXIT_HARNESS) from None
     except AftershockError as exc:
         err.print(f"aftershock: {exc}", markup=False)
+        raise typer.Exit(EXIT_HARNESS) from None
+    except Exception as exc:
+        # Exit 1 means "a check failed": a bug of the harness must never read as a verdict.
+        err.print(f"aftershock: harness error: unexpected {type(exc).__name__}: {exc} "
+                  f"(traceback: {_save_traceback()})", markup=False)
         raise typer.Exit(EXIT_HARNESS) from None
     finally:
         _write_records(results, json_out, junit)
@@ -140,6 +153,17 @@ def run(
     summary = f"{len(results) - len(failed)} passed, {len(failed)} failed"
     console.print(summary, style="red" if failed else "green")
     raise typer.Exit(EXIT_FAILED if failed else EXIT_OK)
+
+
+def _save_traceback() -> str:
+    """The current exception's traceback in a file of its own, for the bug report."""
+    import tempfile
+    import traceback
+
+    fd, path = tempfile.mkstemp(prefix="aftershock-error-", suffix=".txt")
+    with open(fd, "w") as handle:
+        handle.write(traceback.format_exc())
+    return path
 
 
 def _write_records(results: list[Any], json_out: str | None, junit: Path | None) -> None:

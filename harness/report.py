@@ -24,7 +24,7 @@ NOTABLE = {
     "launch", "fault_injected", "fault_healed", "failure_detected", "recovery_done",
     "checkpoint_loaded", "checkpoint_skipped", "timeout", "run_end", "fault_armed",
     "fault_failed", "serving_ready", "load_started", "load_finished", "request_migrated",
-    "request_failed",
+    "request_failed", "teardown",
 }
 
 
@@ -56,6 +56,8 @@ def describe(event: Event) -> str:
             return f"TIMEOUT after {f.get('after_s')}s"
         case "run_end":
             return f"run ended (exit {f.get('exit_code')})"
+        case "teardown":
+            return _describe_teardown(f)
         case "step":
             return f"{who} step {f.get('step')}"
         case "serving_ready":
@@ -70,6 +72,17 @@ def describe(event: Event) -> str:
         case "request_failed":
             return f"request {f.get('request')} LOST: {str(f.get('error'))[:120]}"
     return f"{who} {event.event}"
+
+
+def _describe_teardown(f: dict[str, object]) -> str:
+    how = "its cgroup and run id" if f.get("tracking") == "cgroup" else "its run id alone"
+    said = f"ended every process of the run (found by {how})"
+    if f.get("survivors"):
+        said = f"could not end processes {f.get('survivors')} of the run"
+    held = f.get("logs_open")
+    if isinstance(held, list) and held:
+        said += f"; a process the harness could not end still holds its {'/'.join(held)}"
+    return said
 
 
 class PlainObserver:
@@ -209,6 +222,11 @@ class LiveObserver:
 
 
 def render_result(result: RunResult, console: Console) -> None:
+    if result.error:
+        line = Text("NO VERDICT", style="red bold")
+        line.append(f" {result.name}: {result.error}; run dir {result.run_dir}")
+        console.print(line, highlight=False)
+        return
     table = Table(title=f"{result.name}  ({result.file})", title_justify="left")
     table.add_column("check")
     table.add_column("result")
@@ -258,7 +276,8 @@ def junit_xml(results: Sequence[RunResult]) -> str:
         "testsuite",
         name="aftershock",
         tests=str(len(results)),
-        failures=str(sum(1 for r in results if not r.passed)),
+        failures=str(sum(1 for r in results if not r.passed and not r.error)),
+        errors=str(sum(1 for r in results if r.error)),
         time=f"{sum(r.duration_s for r in results):.3f}",
         timestamp=time.strftime("%Y-%m-%dT%H:%M:%S"),
     )
@@ -266,7 +285,11 @@ def junit_xml(results: Sequence[RunResult]) -> str:
         case = ET.SubElement(suite, "testcase", classname=Path(r.file).stem, name=r.name,
                              time=f"{r.duration_s:.3f}", file=r.file)
         failed = r.failed_checks()
-        if failed:
+        if r.error:
+            # Not a failed check: the run never got to a verdict (interrupted, harness error).
+            ET.SubElement(case, "error", message=r.error,
+                          type="Interrupted" if r.interrupted else "HarnessError")
+        elif failed:
             failure = ET.SubElement(
                 case, "failure",
                 message="; ".join(f"{c.name}: {c.message}" for c in failed),
