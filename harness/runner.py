@@ -446,9 +446,11 @@ def execute(
         with contextlib.suppress(Exception):
             reaper.kill()
             reaper.wait(timeout=2)
-        # Events written while the target was being stopped still belong to the run.
+        # Events written while the target was being stopped still belong to the run (the
+        # harness's own went to the observer as they were emitted).
         for ev in timeline.poll():
-            observer.event(ev)
+            if ev.source != "harness":
+                observer.event(ev)
         timeline.emit("run_end", exit_code=exit_code, timed_out=timed_out)
         timeline.close()
         if errors:

@@ -109,16 +109,24 @@ def test_a_missing_working_directory_is_named(tmp_path: Path) -> None:
     records(tmp_path, "no-cwd")
 
 
-def test_plain_output_shows_a_fault_healed(tmp_path: Path) -> None:
+def test_plain_output_shows_each_fault_healed_once(tmp_path: Path) -> None:
+    """One fault healed after its duration, one at the end of the run (which it never
+    finishes: a frozen rank holds it up until the time limit)."""
     freeze = """\
+  timeout: 3s
 faults:
   - kind: process.freeze
     target: {rank: 1}
     at: {step: 3}
     duration: 200ms
+  - kind: process.freeze
+    target: {rank: 0}
+    at: {step: 10}
 expect: {completes: true}
 """
-    done = run(tmp_path, quick_scenario("healed", freeze, duration=1.5))
-    assert done.returncode == 0, done.stdout + done.stderr
+    scenario = quick_scenario("healed", "", duration=1.5).rstrip("\n") + "\n" + freeze
+    done = run(tmp_path, scenario)
+    assert done.returncode == 1, done.stdout + done.stderr  # timed out, as it must
     assert "FAULT process.freeze -> rank 1" in done.stdout
-    assert "healed process.freeze" in done.stdout
+    assert "FAULT process.freeze -> rank 0" in done.stdout
+    assert done.stdout.count("healed process.freeze") == 2, done.stdout
