@@ -223,6 +223,16 @@ def _full_disk(run: Run) -> None:
     assert {e["generation"] for e in run.events("hello")} == {0}
 
 
+def _straggler(run: Run) -> None:
+    """The slowed rank is named while it is slowed (or by the window that ends just after),
+    not merely at some moment of the run."""
+    slowed = run.injection()
+    (healed,) = run.events("fault_healed")
+    named = [e["t"] for e in run.events("straggler_detected")
+             if e["slow_rank"] == slowed["rank"] and slowed["t"] <= e["t"] <= healed["t"] + 5]
+    assert named, run.events("straggler_detected")
+
+
 EVIDENCE: dict[str, Callable[[Run], None]] = {
     "training/fault_free": _fault_free,
     "training/kill_rank_restart": _kill_rank_restart,
@@ -236,6 +246,7 @@ EVIDENCE: dict[str, Callable[[Run], None]] = {
     "faults/storage_delete_checkpoint": _skips_newest("unreadable: FileNotFoundError"),
     "faults/storage_crash_during_save": _crash_during_save,
     "faults/storage_full_checkpoint": _full_disk,
+    "faults/straggle_rank": _straggler,
 }
 
 
