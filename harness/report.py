@@ -75,8 +75,10 @@ def describe(event: Event) -> str:
 
 
 def _describe_teardown(f: dict[str, object]) -> str:
-    how = "its cgroup and run id" if f.get("tracking") == "cgroup" else "its run id alone"
-    said = f"ended every process of the run (found by {how})"
+    said = ("ended every process of the run (its cgroup and run id)"
+            if f.get("tracking") == "cgroup" else
+            "ended every process found by the run id (no cgroup: one that dropped it is out "
+            "of reach)")
     if f.get("survivors"):
         said = f"could not end processes {f.get('survivors')} of the run"
     held = f.get("logs_open")
