@@ -19,7 +19,7 @@ from _helpers import ROOT, quick_scenario, read_events
 
 BROKEN = ROOT / "tests" / "fixtures" / "broken_harness"
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 
 def run(tmp_path: Path, scenario: str, *, broken: str = "",

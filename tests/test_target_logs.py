@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from _helpers import ROOT, read_events
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 RUNNER = """
     import json, resource, sys, time

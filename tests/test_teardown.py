@@ -75,6 +75,7 @@ expect:
     return path
 
 
+@pytest.mark.slow
 def test_a_daemon_holding_stdout_neither_hangs_the_run_nor_survives_it(
     tmp_path: Path, marker: str
 ) -> None:
@@ -124,6 +125,7 @@ def _execute_in_thread(path: Path, run_dir: Path, limit: float) -> tuple[object,
     return outcome[0], took
 
 
+@pytest.mark.slow
 def test_without_a_cgroup_teardown_is_bounded_and_says_what_it_could_not_end(
     tmp_path: Path, marker: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -143,6 +145,7 @@ def test_without_a_cgroup_teardown_is_bounded_and_says_what_it_could_not_end(
     assert len(daemons(marker)) == 1  # out of reach, and the record says so
 
 
+@pytest.mark.slow
 def test_a_timeout_reports_the_limit_not_the_teardown(tmp_path: Path) -> None:
     """A job that ignores SIGTERM costs the 3 s grace period at teardown; that is not
     part of how long it ran."""
@@ -155,6 +158,7 @@ def test_a_timeout_reports_the_limit_not_the_teardown(tmp_path: Path) -> None:
     assert 1.0 <= outcome.duration_s < 1.5
 
 
+@pytest.mark.slow
 def test_reaper_and_heal_end_a_run_group_a_killed_harness_left(
     tmp_path: Path, marker: str
 ) -> None:
@@ -202,6 +206,7 @@ def test_reaper_and_heal_end_a_run_group_a_killed_harness_left(
     assert not list((state / "journal").glob("*.jsonl"))
 
 
+@pytest.mark.slow
 def test_reaper_ends_the_run_group_of_a_killed_harness(tmp_path: Path, marker: str) -> None:
     _need_run_cgroup()
     state = tmp_path / "state"
