@@ -77,6 +77,17 @@ def validator(kind: FaultKind) -> Callable[[Mapping[str, Any], UndoContext], Non
     return check if callable(check) else None
 
 
+class Preflight(Protocol):
+    """Optional on a kind: what this machine lacks to cause the fault with ``params``.
+
+    Each problem is one line naming what is missing and how to get it (a tool and its
+    package, a kernel feature, a privilege). Called before anything is launched, so a
+    scenario that cannot work here fails at once instead of after its system ran.
+    """
+
+    def preflight(self, params: Mapping[str, Any]) -> list[str]: ...
+
+
 _registry: dict[str, FaultKind] = {}
 _loaded = False
 
@@ -114,3 +125,10 @@ def get(kind: str) -> FaultKind:
 def kinds() -> list[FaultKind]:
     _load()
     return [_registry[name] for name in sorted(_registry)]
+
+
+def preflight(kind: str, params: Mapping[str, Any]) -> list[str]:
+    """What this machine lacks for ``kind`` with ``params``: nothing for a kind without a
+    ``preflight`` hook (it says at inject time, through FaultUnavailable)."""
+    check = getattr(get(kind), "preflight", None)
+    return list(check(params)) if callable(check) else []

@@ -25,7 +25,7 @@ NOTABLE = {
     "launch", "fault_injected", "fault_healed", "failure_detected", "recovery_done",
     "checkpoint_loaded", "checkpoint_skipped", "timeout", "run_end", "fault_armed",
     "fault_failed", "serving_ready", "load_started", "load_finished", "request_migrated",
-    "request_failed",
+    "request_failed", "teardown",
 }
 
 
@@ -74,6 +74,8 @@ def describe(event: Event) -> str:
             return f"TIMEOUT after {f.get('after_s')}s"
         case "run_end":
             return f"run ended (exit {f.get('exit_code')})"
+        case "teardown":
+            return _describe_teardown(f)
         case "step":
             return f"{who} step {f.get('step')}"
         case "serving_ready":
@@ -88,6 +90,19 @@ def describe(event: Event) -> str:
         case "request_failed":
             return f"request {f.get('request')} LOST: {str(f.get('error'))[:120]}"
     return f"{who} {event.event}"
+
+
+def _describe_teardown(f: dict[str, object]) -> str:
+    said = ("ended every process of the run (its cgroup and run id)"
+            if f.get("tracking") == "cgroup" else
+            "ended every process found by the run id (no cgroup: one that dropped it is out "
+            "of reach)")
+    if f.get("survivors"):
+        said = f"could not end processes {f.get('survivors')} of the run"
+    held = f.get("logs_open")
+    if isinstance(held, list) and held:
+        said += f"; a process the harness could not end still holds its {'/'.join(held)}"
+    return said
 
 
 class PlainObserver:
@@ -236,6 +251,12 @@ NARROW = 120
 
 
 def render_result(result: RunResult, console: Console) -> None:
+    if result.error:
+        line = Text("NO VERDICT", style="red bold")
+        line.append(visible(f" {result.name}: {result.error}"))
+        console.print(line, highlight=False)
+        console.print(_text(f"run dir {result.run_dir}"), soft_wrap=True, highlight=False)
+        return
     narrow = console.width < NARROW
     table = Table(title=_text(f"{result.name}  ({result.file})"), title_justify="left")
     table.add_column("check", no_wrap=True)
@@ -300,7 +321,8 @@ def junit_xml(results: Sequence[RunResult], html: Path | None = None) -> str:
         "testsuite",
         name="aftershock",
         tests=str(len(results)),
-        failures=str(sum(1 for r in results if not r.passed)),
+        failures=str(sum(1 for r in results if not r.passed and not r.error)),
+        errors=str(sum(1 for r in results if r.error)),
         time=f"{sum(r.duration_s for r in results):.3f}",
         timestamp=time.strftime("%Y-%m-%dT%H:%M:%S"),
     )
@@ -309,7 +331,11 @@ def junit_xml(results: Sequence[RunResult], html: Path | None = None) -> str:
                              name=visible(r.name), time=f"{r.duration_s:.3f}",
                              file=visible(r.file))
         failed = r.failed_checks()
-        if failed:
+        if r.error:
+            # Not a failed check: the run never got to a verdict (interrupted, harness error).
+            ET.SubElement(case, "error", message=r.error,
+                          type="Interrupted" if r.interrupted else "HarnessError")
+        elif failed:
             failure = ET.SubElement(
                 case, "failure",
                 message=visible("; ".join(f"{c.name}: {c.message}" for c in failed)),

@@ -18,6 +18,7 @@ import random
 import shlex
 import signal
 import time
+import traceback
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -28,11 +29,12 @@ from typing import Any, Protocol
 import faults
 from faults._proc import ProcessRef
 from faults.heal import heal_orphans, start_reaper
-from faults.journal import RUN_ID_ENV, Journal, UnsafeFolder
+from faults.journal import Journal, UnsafeFolder
+from faults.registry import preflight as fault_preflight
 from harness import golden
 from harness import metrics as _metrics
 from harness.checks import Outcome, evaluate
-from harness.errors import HarnessError
+from harness.errors import AftershockError, HarnessError, PreflightError, RunFailed
 from harness.loadgen import LoadGenerator, fetch_json
 from harness.records import CheckResult, Event, FaultRecord, RunResult
 from harness.spec import (
@@ -73,6 +75,16 @@ class NullObserver:
 
 class Interrupted(KeyboardInterrupt):
     """SIGTERM reached the harness; unwinds like Ctrl-C so every `finally` heals."""
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """A scenario run was interrupted (Ctrl-C or SIGTERM) after its teardown; ``result``
+    is its record, marked interrupted and already written to the run folder."""
+
+    def __init__(self, result: RunResult, exit_code: int) -> None:
+        super().__init__(result.error)
+        self.result = result
+        self.exit_code = exit_code  # the shell's convention: 128 + the signal's number
 
 
 @contextlib.contextmanager
@@ -154,7 +166,9 @@ def execute(
     except UnsafeFolder as exc:
         raise HarnessError(f"cannot keep a heal journal: {exc}") from None
     reaper = start_reaper(journal.path)
-    launch_entry = journal.intend("launch", {"env": RUN_ID_ENV, "value": run_id}, op="launch")
+    # Journaled before the run's cgroup exists: a harness killed after making it leaves
+    # a record that lets the reaper or `aftershock heal` end the group and remove it.
+    launch_entry = journal.intend("launch", target.tracking(), op="launch")
     schedule = [_ScheduledFault(i, f) for i, f in enumerate(spec.faults)]
     active: list[_Active] = []
     # The processes faults hit from outside, until the harness sees them end: what a
@@ -342,14 +356,20 @@ def execute(
                 item.heal_at = time.monotonic() + item.duration.total_seconds()
 
     t0 = time.monotonic()
+    ended: float | None = None  # when the run ended, before teardown (its time limit's clock)
     try:
         with _sigterm_unwinds():
             observer.phase(spec.name, phase, shlex.join(launch.argv))
             target.start()
+            tracking: dict[str, Any] = (
+                {"tracking": "cgroup", "cgroup": str(target.cgroup)}
+                if target.cgroup is not None else
+                {"tracking": "env", "tracking_note": target.tracking_note})
             # wall_offset: wall-clock minus monotonic time now, so the timeline (monotonic) can
             # be lined up with other logs (wall clock) later (docs/report.md).
             observer.event(timeline.emit("launch", argv=launch.argv, phase=phase, seed=seed,
-                                         wall_offset=time.time() - time.monotonic()))
+                                         wall_offset=time.time() - time.monotonic(),
+                                         **tracking))
             while True:
                 now = time.monotonic()
                 for ev in timeline.poll():
@@ -404,15 +424,18 @@ def execute(
                     observer.event(timeline.emit("target_exited", **gone[1]))
                 exit_code = target.poll()
                 if exit_code is not None:
+                    ended = now
                     break
                 if loadgen is not None and loadgen.done.is_set():
                     stats = fetch_json(loadgen.url, "/v1/stats")
                     observer.event(timeline.emit("serving_stats", source="client",
                                                  **_serving_stats(stats)))
                     load_served = True
+                    ended = now
                     break
                 if now - t0 > timeout_s:
                     timed_out = True
+                    ended = now
                     observer.event(timeline.emit("timeout", after_s=round(now - t0, 3)))
                     break
                 time.sleep(POLL_S)
@@ -425,12 +448,18 @@ def execute(
                 errors.append(f"{leftover.applied.kind}: {exc}")
         if loadgen is not None:
             loadgen.stop()
-        target.stop()
+        teardown = target.stop()
         if load_served:
             # The server ran until its load was served; how it then shut down (SIGTERM,
             # exit 0 expected) is its exit code.
             exit_code = target.poll()
-        journal.done(launch_entry)
+        observer.event(timeline.emit(
+            "teardown", tracking=teardown.tracking, survivors=list(teardown.survivors),
+            logs_open=list(teardown.logs_open), cgroup_removed=teardown.cgroup_removed))
+        if teardown.complete:
+            journal.done(launch_entry)
+        # else the launch stays pending: the reaper, the next run or `aftershock heal`
+        # tries again to end what survived.
         journal.close()
         with contextlib.suppress(Exception):
             reaper.kill()
@@ -453,7 +482,8 @@ def execute(
         (Event.from_json(e) for e in _read_json_lines(run_dir / "events.jsonl")),
         key=lambda e: e.t,
     )
-    outcome = Outcome(exit_code, timed_out, round(time.monotonic() - t0, 3))
+    # The run's own duration: the time teardown took (its grace period) is not the job's.
+    outcome = Outcome(exit_code, timed_out, round((ended or time.monotonic()) - t0, 3))
     return Execution(events, outcome, records, run_dir)
 
 
@@ -642,6 +672,19 @@ def default_run_dir(name: str) -> Path:
     return Path(".aftershock") / "runs" / f"{stamp}-{name}-{uuid.uuid4().hex[:6]}"
 
 
+def preflight(loaded: LoadedScenario) -> None:
+    """Refuse, before anything is launched, a scenario whose faults this machine cannot
+    cause (a missing tool, kernel feature or privilege), with what to install."""
+    problems = [
+        f"fault {index} ({fault.kind}): {need}"
+        for index, fault in enumerate(loaded.spec.faults)
+        for need in fault_preflight(fault.kind, _params(fault))
+    ]
+    if problems:
+        raise PreflightError(f"{loaded.path}: this machine cannot cause the scenario's faults: "
+                             + "; ".join(problems))
+
+
 def _world(spec: Scenario) -> int | None:
     return (
         spec.system.world.size if isinstance(spec.system, TrainerSystem)
@@ -689,6 +732,12 @@ def run_scenario(
     observer: Observer | None = None,
     use_cache: bool = True,
 ) -> RunResult:
+    """Run one scenario and write its record (``result.json``), whatever happens.
+
+    An interrupted run raises RunInterrupted and a harness failure RunFailed, each
+    carrying the run's record (marked as such) after the teardown healed everything;
+    an unexpected exception's traceback is kept in the run folder (``harness_error.txt``).
+    """
     spec = loaded.spec
     seed = spec.seed if seed is None else seed
     observer = observer or NullObserver()
@@ -696,10 +745,71 @@ def run_scenario(
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "scenario.yaml").write_text(loaded.text)
     started = time.monotonic()
-    # What a crashed earlier run left behind goes first; the user hears what was refused.
-    for item in heal_orphans():
-        observer.phase(spec.name, "heal", item.describe())
 
+    def unfinished(error: str, *, interrupted: bool = False) -> RunResult:
+        result = _unfinished(loaded, seed=seed, run_dir=run_dir, started=started, error=error,
+                             interrupted=interrupted)
+        with contextlib.suppress(Exception):  # the record matters more than its rendering
+            observer.finished(result)
+        return result
+
+    try:
+        with _sigterm_unwinds():
+            preflight(loaded)
+            # What a crashed earlier run left behind goes first; the user hears what was
+            # refused.
+            for item in heal_orphans():
+                observer.phase(spec.name, "heal", item.describe())
+            result = _checked_run(loaded, seed=seed, run_dir=run_dir, observer=observer,
+                                  use_cache=use_cache, started=started)
+    except KeyboardInterrupt as exc:
+        sigterm = isinstance(exc, Interrupted)
+        result = unfinished(
+            f"interrupted by {'SIGTERM' if sigterm else 'SIGINT'} after "
+            f"{time.monotonic() - started:.1f}s; no check was evaluated", interrupted=True)
+        raise RunInterrupted(result, 143 if sigterm else 130) from None
+    except AftershockError as exc:
+        result = unfinished(f"harness error: {exc}")
+        raise RunFailed(str(exc), result) from exc
+    except Exception as exc:
+        # A bug of the harness, not a verdict on the system: say so in one line, keep the
+        # traceback for the bug report.
+        trace = run_dir / "harness_error.txt"
+        with contextlib.suppress(OSError):
+            trace.write_text(traceback.format_exc())
+        message = f"unexpected {type(exc).__name__}: {exc} (traceback: {trace})"
+        result = unfinished(f"harness error: {message}")
+        raise RunFailed(message, result) from exc
+    observer.finished(result)
+    return result
+
+
+def _unfinished(
+    loaded: LoadedScenario, *, seed: int, run_dir: Path, started: float, error: str,
+    interrupted: bool,
+) -> RunResult:
+    """The record of a run that did not get to its checks: what its timeline shows so far,
+    no verdict (``passed`` is false, ``error`` says why)."""
+    metrics: dict[str, float | int | None] = {}
+    with contextlib.suppress(Exception):  # a timeline cut short may be too thin to measure
+        path = run_dir / "events.jsonl"
+        events = sorted((Event.from_json(e) for e in _read_json_lines(path)), key=lambda e: e.t)
+        metrics = _metrics.compute(events, _world(loaded.spec))
+    result = RunResult(
+        name=loaded.spec.name, file=str(loaded.path), passed=False, seed=seed,
+        duration_s=round(time.monotonic() - started, 3), checks=(), metrics=metrics, faults=(),
+        run_dir=str(run_dir), error=error, interrupted=interrupted,
+    )
+    with contextlib.suppress(OSError):
+        (run_dir / "result.json").write_text(json.dumps(result.to_json(), indent=2) + "\n")
+    return result
+
+
+def _checked_run(
+    loaded: LoadedScenario, *, seed: int, run_dir: Path, observer: Observer, use_cache: bool,
+    started: float,
+) -> RunResult:
+    spec = loaded.spec
     baseline: dict[int, str] | None = None
     baseline_note = ""
     if spec.expect.params_match == "fault_free":
@@ -743,5 +853,4 @@ def run_scenario(
         run_dir=str(run_dir),
     )
     (run_dir / "result.json").write_text(json.dumps(result.to_json(), indent=2) + "\n")
-    observer.finished(result)
     return result

@@ -30,6 +30,8 @@ from typing import Any
 import pytest
 from _helpers import ROOT, cli, read_events
 
+from harness.errors import PreflightError
+from harness.runner import preflight
 from harness.spec import TrainerSystem, load_scenario
 
 # The scenario that goes through the pytest plugin instead of the CLI: a cheap one.
@@ -223,6 +225,16 @@ def _full_disk(run: Run) -> None:
     assert {e["generation"] for e in run.events("hello")} == {0}
 
 
+def _straggler(run: Run) -> None:
+    """The slowed rank is named while it is slowed (or by the window that ends just after),
+    not merely at some moment of the run."""
+    slowed = run.injection()
+    (healed,) = run.events("fault_healed")
+    named = [e["t"] for e in run.events("straggler_detected")
+             if e["slow_rank"] == slowed["rank"] and slowed["t"] <= e["t"] <= healed["t"] + 5]
+    assert named, run.events("straggler_detected")
+
+
 EVIDENCE: dict[str, Callable[[Run], None]] = {
     "training/fault_free": _fault_free,
     "training/kill_rank_restart": _kill_rank_restart,
@@ -236,6 +248,7 @@ EVIDENCE: dict[str, Callable[[Run], None]] = {
     "faults/storage_delete_checkpoint": _skips_newest("unreadable: FileNotFoundError"),
     "faults/storage_crash_during_save": _crash_during_save,
     "faults/storage_full_checkpoint": _full_disk,
+    "faults/straggle_rank": _straggler,
 }
 
 
@@ -271,6 +284,10 @@ SCENARIOS = sorted(p for p in (ROOT / "scenarios").rglob("*.yaml") if p != VIA_P
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=[key(p) for p in SCENARIOS])
 def test_shipped_scenario_passes(scenario: Path, tmp_path: Path, shared_cache: Path) -> None:
+    try:
+        preflight(load_scenario(scenario))
+    except PreflightError as exc:  # a machine without nftables, root, ...: say what is missing
+        pytest.skip(str(exc))
     out = tmp_path / "out.json"
     proc = cli("run", str(scenario), "--json", str(out), "--run-dir", str(tmp_path / "r"),
                cache=shared_cache, timeout=580)
