@@ -8,6 +8,16 @@ first lookup. This package imports nothing from ``harness`` or ``reference_impl`
 
 from __future__ import annotations
 
-from faults.registry import Applied, FaultKind, KindInfo, get, kinds, register
+from faults.registry import (
+    Applied,
+    FaultKind,
+    GroupKind,
+    KindInfo,
+    PreparedKind,
+    get,
+    kinds,
+    register,
+)
 
-__all__ = ["Applied", "FaultKind", "KindInfo", "get", "kinds", "register"]
+__all__ = ["Applied", "FaultKind", "GroupKind", "KindInfo", "PreparedKind", "get", "kinds",
+           "register"]
