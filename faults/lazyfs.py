@@ -96,16 +96,16 @@ class Node:
 
 @dataclass(frozen=True, slots=True)
 class Loss:
-    """What a power loss took: un-fsynced data of ``files`` files (``bytes`` bytes written
-    since their last fsync) and ``entries`` directory entries that differed from their
-    last fsync."""
+    """What a power loss took: ``files`` files gone or rolled back to their last fsync
+    (``bytes`` bytes of theirs lost) and ``entries`` directory entries that differed from
+    their folder's last fsync."""
 
     files: int
     bytes: int
     entries: int
 
     def describe(self) -> str:
-        return (f"unsynced data of {self.files} file(s) ({self.bytes} bytes) and "
+        return (f"{self.files} file(s) gone or rolled back ({self.bytes} bytes) and "
                 f"{self.entries} directory entr{'y' if self.entries == 1 else 'ies'}")
 
 
@@ -307,34 +307,29 @@ class LazyTree:
     def lose(self) -> Loss:
         """The power loss: every file back to its last fsync, every folder to its entries as
         of its last fsync. What was reachable only through lost entries is gone."""
-        files = lost_bytes = entries = 0
-        seen: set[int] = set()
-        for node in [*self._walk(self.root, "entries"), *self._walk(self.root, "durable")]:
-            if id(node) in seen:
-                continue
-            seen.add(id(node))
-            if node.is_dir:
-                names = set(node.entries) | set(node.durable)
-                entries += sum(node.entries.get(n) is not node.durable.get(n) for n in names)
-            elif node.data is not None:
-                files += 1
-                lost_bytes += len(node.data)
+        loss = self.unsynced()
         for node in self._walk(self.root, "durable"):
             if node.is_dir:
                 node.entries = dict(node.durable)
             else:
                 node.data = None
-        return Loss(files, lost_bytes, entries)
+        return loss
 
     def unsynced(self) -> Loss:
-        """What a power loss would take now, without taking it."""
-        files = [n for n in self._walk(self.root, "entries") if not n.is_dir and n.data]
-        dirs = [n for n in self._walk(self.root, "entries") if n.is_dir]
-        entries = sum(
-            n.entries.get(k) is not n.durable.get(k)
-            for n in dirs for k in set(n.entries) | set(n.durable)
-        )
-        return Loss(len(files), sum(len(n.data or b"") for n in files), entries)
+        """What a power loss would take now, without taking it: the files it would remove
+        or roll back (and the bytes of theirs that would go), and the directory entries
+        that differ from their last fsync."""
+        kept = {id(n) for n in self._walk(self.root, "durable")}
+        files = lost_bytes = entries = 0
+        for node in self._walk(self.root, "entries"):
+            if node.is_dir:
+                names = set(node.entries) | set(node.durable)
+                entries += sum(node.entries.get(n) is not node.durable.get(n) for n in names)
+            elif id(node) not in kept:
+                files, lost_bytes = files + 1, lost_bytes + len(node.content)
+            elif node.data is not None:
+                files, lost_bytes = files + 1, lost_bytes + len(node.data)
+        return Loss(files, lost_bytes, entries)
 
     @staticmethod
     def _walk(node: Node, view: str) -> Iterator[Node]:
