@@ -8,9 +8,15 @@ meanwhile, so a trigger names the moment a fault is *sent*, not the instruction 
 
 Patterns are globs relative to the watched root, one component per folder level (``*`` never
 crosses ``/``; ``**`` matches any number of levels). Only the levels a pattern can reach are
-watched, and folders are followed as they appear (``step_000040/`` created after the watch
-started is watched at once and scanned, so a file created in it before its watch was in place
-still counts as ``created``). The root itself may appear later too.
+watched, and folders are followed as they appear. The root itself may appear later too.
+
+inotify watches one folder at a time, so a folder that appears is watched only once the
+harness has read that it did: the job may already have written into it. A scan of the new
+folder makes up for ``created`` (what is in it was created since), but a close or a delete
+that happened in that moment is never reported: ``closed`` and ``deleted`` are reliable in
+folders that exist when the file is closed or deleted (the checkpoint folder, ``latest.pt``
+rewritten in place), not in a ``step_N/`` the job makes and fills at once. For those, use
+``created`` on the final name.
 
 No new dependency: ``inotify_init1`` and ``inotify_add_watch`` are called through ctypes.
 """
