@@ -185,7 +185,10 @@ class FileWatch:
         for entry in found:
             child = entry.name if rel == "." else f"{rel}/{entry.name}"
             if fresh:
-                self._scanned[(rel, entry.name)] = entry.inode()
+                # lstat's inode, as the event's check reads it: readdir's d_ino may differ
+                # (FUSE reports none).
+                with contextlib.suppress(OSError):
+                    self._scanned[(rel, entry.name)] = entry.stat(follow_symlinks=False).st_ino
                 if self.when == "created":
                     self._count(child)
             if entry.is_dir(follow_symlinks=False) and self._deeper(rel):

@@ -369,6 +369,33 @@ def test_inotify_sees_the_jobs_operations_on_the_mount(mount: tuple[Path, str]) 
 
 
 @pytest.mark.timeout(60)
+def test_inotify_counts_each_file_once_in_folders_made_at_once(
+    mount: tuple[Path, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The job writes into its new folder right after the harness adds the folder's watch and
+    before it scans it: the file is then seen twice, by the scan and by its own event, and
+    must count once, although FUSE's readdir reports no inode numbers."""
+    folder, _ = mount
+    add = FileWatch._add
+
+    def job_writes_meanwhile(self: FileWatch, path: Path, mask: int) -> int | None:
+        wd = add(self, path, mask)
+        if path.name.startswith("step_"):
+            write(path / "rank_0.pt", b"x", sync=False)
+        return wd
+
+    monkeypatch.setattr(FileWatch, "_add", job_writes_meanwhile)
+    with FileWatch(folder, "step_*/rank_0.pt", "created") as watch:
+        (folder / "step_1").mkdir()
+        deadline = time.monotonic() + 5
+        while not watch.poll() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)
+        watch.poll()
+        assert watch.hits == ["step_1/rank_0.pt"]
+
+
+@pytest.mark.timeout(60)
 def test_the_server_unmounts_itself_when_its_harness_goes(tmp_path: Path) -> None:
     """The harness holds the server's stdin: if the harness dies, the server takes its mount
     away by itself (the reaper and `aftershock heal` would too, from the journal)."""
