@@ -402,23 +402,29 @@ _T = TypeVar("_T")
 class LazyOperations:
     """mfusepy's operations over a LazyTree: one lock around every call, file handles
     mapped to nodes (a renamed or unlinked open file keeps its node), and a powered-off
-    state in which every request fails with EIO (between the loss and the writers' death)."""
+    state in which every request fails with EIO (between the loss and the writers' death).
+
+    mfusepy registers every attribute named like a FUSE operation as that operation (a
+    ``lock`` attribute would become fcntl locking): the rest is named otherwise.
+    """
 
     use_ns = True  # times in nanoseconds (mfusepy's modern interface)
-    flag_nullpath_ok = True  # requests on open files are served by handle, not path
+    # Requests on open files are served by handle; with both flags libfuse passes no path for
+    # them, so a file unlinked while open (hard_remove) keeps working.
+    flag_nullpath_ok = True
     flag_nopath = True
 
     def __init__(self, tree: LazyTree, on_mounted: Callable[[], None]) -> None:
-        self.tree = tree
-        self._lock = threading.Lock()  # (no public name: mfusepy takes `lock` for flock(2))
-        self.powered = True
+        self._tree = tree
+        self._lock = threading.Lock()
+        self._powered = True
         self._on_mounted = on_mounted
         self._handles: dict[int, Node] = {}
         self._next = 1
 
     def _call(self, fn: Callable[[], _T]) -> _T:
         with self._lock:
-            if not self.powered:
+            if not self._powered:
                 raise _fail(errno.EIO)
             return fn()
 
@@ -432,7 +438,7 @@ class LazyOperations:
             return self._handles[fh]
         if path is None:
             raise _fail(errno.EBADF)
-        return self.tree.lookup(path)
+        return self._tree.lookup(path)
 
     @staticmethod
     def _owner() -> tuple[int, int]:
@@ -446,17 +452,17 @@ class LazyOperations:
         self._on_mounted()
 
     def statfs(self, path: str) -> dict[str, int]:
-        st = os.statvfs(self.tree.below)
+        st = os.statvfs(self._tree.below)
         return {k: getattr(st, k) for k in (
             "f_bsize", "f_frsize", "f_blocks", "f_bfree", "f_bavail", "f_files", "f_ffree",
             "f_favail", "f_namemax")}
 
     # -- attributes
     def getattr(self, path: str | None, fh: int | None = None) -> dict[str, int]:
-        return self._call(lambda: self.tree.attributes(self._node(path, fh)))
+        return self._call(lambda: self._tree.attributes(self._node(path, fh)))
 
     def access(self, path: str, amode: int) -> int:
-        self._call(lambda: self.tree.lookup(path))
+        self._call(lambda: self._tree.lookup(path))
         return 0
 
     def chmod(self, path: str | None, mode: int) -> int:
@@ -484,47 +490,47 @@ class LazyOperations:
     # -- namespace
     def create(self, path: str, mode: int, flags: int = 0) -> int:
         uid, gid = self._owner()
-        return self._call(lambda: self._handle(self.tree.create(path, mode, uid, gid)))
+        return self._call(lambda: self._handle(self._tree.create(path, mode, uid, gid)))
 
     def mknod(self, path: str, mode: int, dev: int) -> int:
         if not stat.S_ISREG(mode):
             raise _fail(errno.EPERM, path)  # only regular files, folders and links
         uid, gid = self._owner()
-        self._call(lambda: self.tree.create(path, mode, uid, gid))
+        self._call(lambda: self._tree.create(path, mode, uid, gid))
         return 0
 
     def mkdir(self, path: str, mode: int) -> int:
         uid, gid = self._owner()
-        self._call(lambda: self.tree.mkdir(path, mode, uid, gid))
+        self._call(lambda: self._tree.mkdir(path, mode, uid, gid))
         return 0
 
     def symlink(self, target: str, source: str) -> int:
         # mfusepy's order: `target` is the new link's path, `source` what it points to.
         uid, gid = self._owner()
-        self._call(lambda: self.tree.symlink(target, source, uid, gid))
+        self._call(lambda: self._tree.symlink(target, source, uid, gid))
         return 0
 
     def readlink(self, path: str) -> str:
-        return self._call(lambda: os.fsdecode(bytes(self.tree.lookup(path).content)))
+        return self._call(lambda: os.fsdecode(bytes(self._tree.lookup(path).content)))
 
     def link(self, target: str, source: str) -> int:
         raise _fail(errno.EPERM, target)  # hard links are not modeled
 
     def unlink(self, path: str) -> int:
-        self._call(lambda: self.tree.unlink(path))
+        self._call(lambda: self._tree.unlink(path))
         return 0
 
     def rmdir(self, path: str) -> int:
-        self._call(lambda: self.tree.rmdir(path))
+        self._call(lambda: self._tree.rmdir(path))
         return 0
 
     def rename(self, old: str, new: str, flags: int = 0) -> int:
-        self._call(lambda: self.tree.rename(old, new, flags))
+        self._call(lambda: self._tree.rename(old, new, flags))
         return 0
 
     # -- files
     def open(self, path: str, flags: int) -> int:
-        return self._call(lambda: self._handle(self.tree.lookup(path)))
+        return self._call(lambda: self._handle(self._tree.lookup(path)))
 
     def release(self, path: str | None, fh: int) -> int:
         with self._lock:  # also while powered off: the kernel must be able to let go
@@ -535,22 +541,22 @@ class LazyOperations:
         return 0  # close(2) makes nothing durable
 
     def read(self, path: str | None, size: int, offset: int, fh: int) -> bytes:
-        return self._call(lambda: self.tree.read(self._node(path, fh), size, offset))
+        return self._call(lambda: self._tree.read(self._node(path, fh), size, offset))
 
     def write(self, path: str | None, data: bytes, offset: int, fh: int) -> int:
-        return self._call(lambda: self.tree.write(self._node(path, fh), data, offset))
+        return self._call(lambda: self._tree.write(self._node(path, fh), data, offset))
 
     def truncate(self, path: str | None, length: int, fh: int | None = None) -> int:
-        self._call(lambda: self.tree.truncate(self._node(path, fh), length))
+        self._call(lambda: self._tree.truncate(self._node(path, fh), length))
         return 0
 
     def fsync(self, path: str | None, datasync: int, fh: int) -> int:
-        self._call(lambda: self.tree.fsync(self._node(path, fh)))
+        self._call(lambda: self._tree.fsync(self._node(path, fh)))
         return 0
 
     # -- folders
     def opendir(self, path: str) -> int:
-        return self._call(lambda: self._handle(self.tree.lookup(path)))
+        return self._call(lambda: self._handle(self._tree.lookup(path)))
 
     def releasedir(self, path: str | None, fh: int) -> int:
         return self.release(path, fh)
@@ -563,22 +569,22 @@ class LazyOperations:
         return self._call(run)
 
     def fsyncdir(self, path: str | None, datasync: int, fh: int) -> int:
-        self._call(lambda: self.tree.fsyncdir(self._node(path, fh)))
+        self._call(lambda: self._tree.fsyncdir(self._node(path, fh)))
         return 0
 
     # -- the harness's commands
-    def command(self, name: str) -> dict[str, Any]:
+    def control(self, name: str) -> dict[str, Any]:
         with self._lock:
             if name == "lose":
-                loss = self.tree.lose()
-                self.powered = False  # until `on`: the writers are being killed meanwhile
+                loss = self._tree.lose()
+                self._powered = False  # until `on`: the writers are being killed meanwhile
                 return {"ok": True, "files": loss.files, "bytes": loss.bytes,
                         "entries": loss.entries}
             if name == "on":
-                self.powered = True
+                self._powered = True
                 return {"ok": True}
             if name == "unsynced":
-                loss = self.tree.unsynced()
+                loss = self._tree.unsynced()
                 return {"ok": True, "files": loss.files, "bytes": loss.bytes,
                         "entries": loss.entries}
             if name == "ping":
@@ -625,7 +631,7 @@ def _serve_commands(ops: LazyOperations, name: str) -> socket.socket:
             conn, _ = server.accept()
             with conn:
                 line = conn.makefile("rb").readline().decode().strip()
-                conn.sendall(json.dumps(ops.command(line)).encode() + b"\n")
+                conn.sendall(json.dumps(ops.control(line)).encode() + b"\n")
 
     threading.Thread(target=loop, name="lazyfs-control", daemon=True).start()
     return server
