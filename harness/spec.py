@@ -280,7 +280,7 @@ class Target(_Strict):
 Phase = Literal["forward", "backward", "optimizer", "decode"]
 
 
-FileOn = Literal["created", "closed", "deleted"]
+FileWhen = Literal["created", "closed", "deleted"]
 
 
 def _relative_glob(value: str, what: str) -> str:
@@ -312,7 +312,7 @@ class At(_Strict):
         "launch on, so it needs no cooperation from the system"
     )
     # Not `on`: YAML 1.1 (PyYAML) reads a bare `on` key as the boolean true.
-    when: FileOn = Field(
+    when: FileWhen = Field(
         "created", description="with `file`: created (the name appears: open(O_CREAT), mkdir, "
         "or a rename onto it, as atomic writers publish), closed (closed after being written) "
         "or deleted (unlinked, or renamed away)"
