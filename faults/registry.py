@@ -10,10 +10,10 @@ refused: that is the safe default for third-party kinds.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from faults._proc import ProcessRef
 from faults.journal import Journal, UndoContext
@@ -86,6 +86,26 @@ class Preflight(Protocol):
     """
 
     def preflight(self, params: Mapping[str, Any]) -> list[str]: ...
+
+
+@runtime_checkable
+class PreparedKind(Protocol):
+    """A kind that needs something in place before the system starts (a filesystem under its
+    checkpoint folder). The runner calls ``prepare`` before launch, passes the returned
+    ``undo`` to ``inject`` as ``params["prepared"]``, and reverts it (``revert(undo)``) once
+    the system is gone. Journaled before it is made, like any fault."""
+
+    def prepare(self, params: Mapping[str, Any], journal: Journal) -> Applied: ...
+
+
+@runtime_checkable
+class GroupKind(Protocol):
+    """A kind whose targets must all be hit at one instant (a power loss takes every process
+    down together), so the runner hands it every chosen target in one call."""
+
+    def inject_group(
+        self, targets: Sequence[ProcessRef], params: Mapping[str, Any], journal: Journal
+    ) -> Applied: ...
 
 
 _registry: dict[str, FaultKind] = {}

@@ -116,6 +116,8 @@ def evaluate(
         results.append(_straggler_named(events or (), faults))
     if expect.xid_action:
         results.append(_xid_action(events or ()))
+    if expect.checkpoint_durable:
+        results.append(_checkpoint_durable(events or ()))
     if expect.no_lost_requests:
         lost, total = metrics.get("lost_requests"), metrics.get("requests")
         tokens = metrics.get("lost_tokens")
@@ -276,6 +278,60 @@ def _xid_code(event: Event) -> int | None:
     params = event.fields.get("params")
     code = params.get("code") if isinstance(params, dict) else None
     return code if isinstance(code, int) else None
+
+
+def _checkpoint_durable(events: Sequence[Event]) -> CheckResult:
+    """What the system called committed before the fault survives it, whole.
+
+    The system's own reports are the evidence: the newest step it reported saved
+    (``checkpoint_saved``) before the first fault, and every resume after the fault
+    (``checkpoint_loaded``). Each resume must be from that step or a newer one. And the
+    loader must not have had to reject anything on the way (``checkpoint_skipped``): after a
+    crash or a power loss, a writer that publishes a checkpoint only once it is whole leaves
+    nothing that looks like a checkpoint and is not; a rejection means it did, even when the
+    loader's checksums then saved the day. Without a resume, or without a checkpoint saved
+    before the fault, there is nothing to prove it with: the check fails as not observed.
+    (``params_match`` cannot see a lost checkpoint: a deterministic trainer that resumes from
+    an older one, or from scratch, still ends bitwise equal.)
+    """
+    name = "checkpoint_durable"
+    fault = next((e for e in events if e.event == "fault_injected"), None)
+    if fault is None:
+        return CheckResult(name, False, None, "a fault", "not observed: no fault landed")
+    saved = [(e.t, e.fields["step"]) for e in events if e.event == "checkpoint_saved"
+             and e.t < fault.t and isinstance(e.fields.get("step"), int)]
+    if not saved:
+        return CheckResult(name, False, None, "a checkpoint saved before the fault",
+                           "not observed: the system reported no checkpoint saved before the "
+                           "fault, so none had to survive it")
+    saved_t, last = max(saved, key=lambda item: item[1])
+    expected = f"resume from step >= {last}, none rejected"
+    loads = [e for e in events if e.event == "checkpoint_loaded" and e.t > fault.t
+             and isinstance(e.fields.get("step"), int)]
+    if not loads:
+        return CheckResult(name, False, "no resume", expected,
+                           "not observed: the system reported no checkpoint_loaded after the "
+                           "fault (it started over, or never restarted)")
+    oldest = min(loads, key=lambda e: e.fields["step"])
+    step = oldest.fields["step"]
+    who = f"rank {oldest.rank}" if oldest.rank is not None else oldest.source
+    if step < last:
+        return CheckResult(
+            name, False, f"resumed from step {step}", expected,
+            f"{who} resumed from step {step}, older than step {last}, which the system "
+            f"reported saved {fault.t - saved_t:.2f}s before the fault: a checkpoint it called "
+            "committed did not survive")
+    rejected = [e for e in events if e.event == "checkpoint_skipped" and e.t > fault.t]
+    if rejected:
+        first = rejected[0]
+        by = f"rank {first.rank}" if first.rank is not None else first.source
+        return CheckResult(
+            name, False, f"{len(rejected)} rejected", expected,
+            f"{by} had to reject {first.fields.get('path')} ({first.fields.get('reason')}): "
+            "the writer left a checkpoint behind that was not whole")
+    return CheckResult(name, True, f"resumed from step {step}", expected,
+                       f"resumed from step {step} (the newest saved before the fault: {last}), "
+                       "none rejected")
 
 
 def _straggler_named(events: Sequence[Event], faults: Sequence[FaultRecord]) -> CheckResult:

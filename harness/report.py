@@ -22,7 +22,8 @@ from harness.records import Event, RunResult
 
 #: Events worth a line of their own in the plain and live views.
 NOTABLE = {
-    "launch", "fault_injected", "fault_healed", "failure_detected", "recovery_done",
+    "launch", "fault_prepared", "fault_injected", "fault_healed", "failure_detected",
+    "recovery_done",
     "checkpoint_loaded", "checkpoint_skipped", "timeout", "run_end", "fault_armed",
     "fault_failed", "serving_ready", "load_started", "load_finished", "request_migrated",
     "request_failed", "teardown",
@@ -53,7 +54,12 @@ def describe(event: Event) -> str:
         case "launch":
             return f"launched ({f.get('phase', 'run')}, seed {f.get('seed')})"
         case "fault_injected":
-            return f"FAULT {f.get('kind')} -> rank {f.get('rank')}: {f.get('detail', '')}"
+            hit = (f"role {f['role']}" if "role" in f else
+                   f"ranks {', '.join(map(str, f['ranks']))}" if "ranks" in f else
+                   f"rank {f.get('rank')}")
+            return f"FAULT {f.get('kind')} -> {hit}: {f.get('detail', '')}"
+        case "fault_prepared":
+            return f"prepared {f.get('kind')}: {f.get('detail', '')}"
         case "fault_armed":
             return f"armed {f.get('kind')}: {f.get('detail', '')}"
         case "fault_failed":

@@ -15,6 +15,7 @@ import importlib.util
 import json
 import os
 import random
+import select
 import shlex
 import signal
 import time
@@ -27,6 +28,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import faults
+from faults._errors import FaultUnavailable
+from faults._inotify import FileWatch
 from faults._proc import ProcessRef
 from faults.heal import heal_orphans, start_reaper
 from faults.journal import Journal, UnsafeFolder
@@ -177,6 +180,8 @@ def execute(
     records: list[FaultRecord] = []
     armed: dict[int, list[int]] = {}  # fault index -> record indices, in-process faults
     seen: dict[str, int] = {}  # event name -> occurrences, for `at: {event}` triggers
+    watches: dict[int, FileWatch] = {}  # fault index -> its `at: {file}` trigger
+    prepared: dict[int, faults.Applied] = {}  # fault index -> what its kind set up at launch
     addresses: dict[int, dict[str, list[int]]] = {}  # rank -> published parameter addresses
     max_step = -1
     exit_code: int | None = None
@@ -258,10 +263,12 @@ def execute(
                 active.append(_Active(applied, len(records) - 1, None, duration, item.index))
             armed.setdefault(item.index, []).append(len(records) - 1)
             return True
-        params = _params(item.spec)
-        if str(item.spec.kind).startswith("storage."):
-            params["root"] = storage_root(params.get("root"))
-        for rank in chosen:
+        params = fault_params(item)
+        # A kind that hits its targets together gets them in one call (a power loss takes
+        # every process down at one instant); any other kind one target at a time.
+        together = isinstance(kind, faults.GroupKind)
+        for group in ([chosen] if together else [[rank] for rank in chosen]):
+            rank = group[0]
             if "address_of" in params:
                 params = {**params, "address": address_of(rank, params)}
                 params.pop("address_of")
@@ -269,19 +276,33 @@ def execute(
             # The fault's moment is when applying it began: `ss -K` or a tmpfs copy take
             # long enough that the system can notice before inject() returns.
             began = time.monotonic()
-            applied = kind.inject(ranks[rank], params, journal)
-            fields: dict[str, Any] = {"rank": rank} if label is None else {"role": label}
+            if together:
+                assert isinstance(kind, faults.GroupKind)
+                applied = kind.inject_group([ranks[r] for r in group], params, journal)
+            else:
+                applied = kind.inject(ranks[rank], params, journal)
+            fields: dict[str, Any] = {"pid": ranks[rank].pid}
+            if label is not None:
+                fields["role"] = label
+            elif len(group) == 1:
+                fields["rank"] = rank
+            else:
+                fields.update(ranks=group, pids=[ranks[r].pid for r in group])
+            if item.spec.at.file is not None and not item.times:
+                fields["file"] = watches[item.index].hits[item.spec.at.count - 1]
             ev = timeline.emit(
-                "fault_injected", kind=item.spec.kind, pid=ranks[rank].pid,
-                detail=applied.detail, fault=item.index, at=began, params=params,
-                applied_at=time.monotonic(), **fields,
+                "fault_injected", kind=item.spec.kind, detail=applied.detail, fault=item.index,
+                at=began, params=params, applied_at=time.monotonic(), **fields,
             )
             observer.event(ev)
-            watched.append((ranks[rank], {"pid": ranks[rank].pid, "kind": item.spec.kind,
-                                          "fault": item.index, **fields}))
+            for r in group:
+                extra = {"role": label} if label is not None else {"rank": r}
+                watched.append((ranks[r], {"pid": ranks[r].pid, "kind": item.spec.kind,
+                                           "fault": item.index, **extra}))
+            where = label or ("rank " if len(group) == 1 else "ranks ") + ", ".join(
+                str(r) for r in group)
             records.append(
-                FaultRecord(item.spec.kind, label or f"rank {rank}", round(ev.t - t0, 4), None,
-                            applied.detail)
+                FaultRecord(item.spec.kind, where, round(ev.t - t0, 4), None, applied.detail)
             )
             if applied.journal_id is not None:
                 # Counted from the injection, not from the loop's tick: finding the target
@@ -291,19 +312,68 @@ def execute(
                 active.append(_Active(applied, len(records) - 1, heal_at))
         return True
 
+    def fault_params(item: _ScheduledFault) -> dict[str, Any]:
+        params = _params(item.spec)
+        if str(item.spec.kind).startswith("storage."):
+            params["root"] = storage_root(params.get("root"))
+        if item.index in prepared:
+            params["prepared"] = dict(prepared[item.index].undo)
+        return params
+
+    def failed(item: _ScheduledFault, exc: Exception) -> None:
+        """A fault that cannot be applied is a record on the timeline, not a crash: the run
+        goes on and `faults_injected` fails with the reason."""
+        reason = f"{type(exc).__name__}: {exc}"
+        observer.event(timeline.emit("fault_failed", kind=item.spec.kind,
+                                     fault=item.index, error=reason))
+        records.append(FaultRecord(item.spec.kind, item.spec.target.describe(), None, None,
+                                   f"could not be applied: {reason}"))
+        item.fired = True
+        item.times = max(item.times, 1)
+
+    def set_up() -> None:
+        """Before launch: what the faults need in place before the system writes a byte
+        (a filesystem under its checkpoint folder), then the file triggers (on top of it)."""
+        for item in schedule:
+            kind = faults.get(item.spec.kind)
+            if not isinstance(kind, faults.PreparedKind):
+                continue
+            params = fault_params(item)
+            params["log"] = str(run_dir / "logs" / f"fault{item.index}-{item.spec.kind}.log")
+            try:
+                applied = kind.prepare(params, journal)
+            except Exception as exc:
+                failed(item, exc)
+                continue
+            prepared[item.index] = applied
+            observer.event(timeline.emit("fault_prepared", kind=item.spec.kind,
+                                         fault=item.index, detail=applied.detail))
+        for item in schedule:
+            at = item.spec.at
+            if at.file is None or item.fired:
+                continue
+            root = Path(storage_root(getattr(item.spec, "root", None)))
+            try:
+                watches[item.index] = FileWatch(root, at.file, at.when)
+            except (FaultUnavailable, OSError) as exc:
+                failed(item, exc)
+
+    def take_file_events() -> None:
+        for index, watch in list(watches.items()):
+            try:
+                watch.poll()
+            except FaultUnavailable as exc:  # events were lost: the count is no longer true
+                watches.pop(index).close()
+                if not schedule[index].fired:
+                    failed(schedule[index], exc)
+
     def fire_safely(item: _ScheduledFault, now: float) -> bool:
         """A fault that cannot be applied is a record on the timeline, not a crash:
         the run goes on and `faults_injected` fails with the reason."""
         try:
             return fire(item, now)
         except Exception as exc:
-            reason = f"{type(exc).__name__}: {exc}"
-            observer.event(timeline.emit("fault_failed", kind=item.spec.kind,
-                                         fault=item.index, error=reason))
-            records.append(FaultRecord(item.spec.kind, item.spec.target.describe(), None, None,
-                                       f"could not be applied: {reason}"))
-            item.fired = True
-            item.times = max(item.times, 1)
+            failed(item, exc)
             return False
 
     def address_of(rank: int, params: dict[str, Any]) -> int:
@@ -360,6 +430,7 @@ def execute(
     try:
         with _sigterm_unwinds():
             observer.phase(spec.name, phase, shlex.join(launch.argv))
+            set_up()
             target.start()
             tracking: dict[str, Any] = (
                 {"tracking": "cgroup", "cgroup": str(target.cgroup)}
@@ -372,6 +443,7 @@ def execute(
                                          **tracking))
             while True:
                 now = time.monotonic()
+                take_file_events()
                 for ev in timeline.poll():
                     if ev.source != "harness":
                         seen[ev.event] = seen.get(ev.event, 0) + 1
@@ -412,6 +484,8 @@ def execute(
                         (at.step is not None and (in_process(item.spec) or max_step >= at.step))
                         or (at.time is not None and now - t0 >= at.time.total_seconds())
                         or (at.event is not None and seen.get(at.event, 0) >= at.count)
+                        or (at.file is not None and item.index in watches
+                            and len(watches[item.index].hits) >= at.count)
                     )
                     if due and fire_safely(item, now):
                         reschedule(item, now)
@@ -438,7 +512,10 @@ def execute(
                     ended = now
                     observer.event(timeline.emit("timeout", after_s=round(now - t0, 3)))
                     break
-                time.sleep(POLL_S)
+                if watches:  # woken the moment a watched file changes, not at the next tick
+                    select.select(list(watches.values()), [], [], POLL_S)
+                else:
+                    time.sleep(POLL_S)
     finally:
         errors: list[str] = []
         for leftover in list(active):
@@ -446,9 +523,21 @@ def execute(
                 heal(leftover)
             except Exception as exc:  # keep healing the rest
                 errors.append(f"{leftover.applied.kind}: {exc}")
+        for watch in watches.values():
+            watch.close()
         if loadgen is not None:
             loadgen.stop()
         teardown = target.stop()
+        # What was set up at launch goes once nothing of the system can still use it.
+        for index, setup in prepared.items():
+            try:
+                faults.get(setup.kind).revert(setup.undo)
+            except Exception as exc:  # left pending in the journal: heal tries again
+                errors.append(f"{setup.kind}: {exc}")
+            else:
+                if setup.journal_id:
+                    journal.done(setup.journal_id)
+                timeline.emit("fault_healed", kind=setup.kind, fault=index)
         if load_served:
             # The server ran until its load was served; how it then shut down (SIGTERM,
             # exit 0 expected) is its exit code.

@@ -18,7 +18,7 @@ import types
 import typing
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Annotated, Any, Literal, Union
 
 import yaml
@@ -357,9 +357,22 @@ class Target(_Strict):
 Phase = Literal["forward", "backward", "optimizer", "decode"]
 
 
+FileWhen = Literal["created", "closed", "deleted"]
+
+
+def _relative_glob(value: str, what: str) -> str:
+    """A path (or glob) that stays under the folder it is relative to."""
+    pure = PurePosixPath(value)
+    if not value or pure.is_absolute() or ".." in pure.parts:
+        raise ValueError(f"{what} must be a relative path under the fault's root, without "
+                         f"'..' (got {value!r})")
+    return value
+
+
 class At(_Strict):
     """When a fault fires: once step N is committed (optionally at a phase of that step,
-    for in-process faults), at a time after launch, or on the k-th timeline event of a kind."""
+    for in-process faults), at a time after launch, on the k-th timeline event of a kind, or
+    on the k-th time a file matching a glob is created, closed or deleted."""
 
     step: int | None = Field(None, ge=0, le=MAX_STEPS)
     phase: Phase | None = Field(
@@ -369,16 +382,40 @@ class At(_Strict):
     event: str | None = Field(
         None, pattern=r"^[a-z_]+$", description="a timeline event, e.g. checkpoint_started"
     )
+    file: str | None = Field(
+        None, description="a glob relative to the fault's root (a storage fault's `root`, "
+        "else the reference trainer's checkpoint folder or the run folder), one folder level "
+        "per component (`**`: any number), e.g. 'step_*/COMMIT'; watched with inotify from "
+        "launch on, so it needs no cooperation from the system"
+    )
+    # Not `on`: YAML 1.1 (PyYAML) reads a bare `on` key as the boolean true.
+    when: FileWhen = Field(
+        "created", description="with `file`: created (the name appears: open(O_CREAT), mkdir, "
+        "or a rename onto it, as atomic writers publish), closed (closed after being written) "
+        "or deleted (unlinked, or renamed away)"
+    )
     count: int = Field(1, ge=1, le=MAX_STEPS,
-                       description="with `event`: fire on its k-th occurrence")
+                       description="with `event` or `file`: fire on its k-th occurrence")
+
+    @field_validator("file")
+    @classmethod
+    def _under_root(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        if PurePosixPath(value).parts in ((), (".",)):
+            raise ValueError("file must name a file (a glob), not the root itself")
+        return _relative_glob(value, "file")
 
     @model_validator(mode="after")
     def _exactly_one(self) -> At:
-        given = [x for x in (self.step, self.time, self.event) if x is not None]
+        given = [x for x in (self.step, self.time, self.event, self.file) if x is not None]
         if len(given) != 1:
-            raise ValueError("give exactly one of `step: N`, `time: DURATION` or `event: NAME`")
+            raise ValueError("give exactly one of `step: N`, `time: DURATION`, `event: NAME` "
+                             "or `file: GLOB`")
         if self.phase is not None and self.step is None:
             raise ValueError("`phase` needs `step`")
+        if "when" in self.model_fields_set and self.file is None:
+            raise ValueError("`when` needs `file`")
         return self
 
     def describe(self) -> str:
@@ -386,6 +423,8 @@ class At(_Strict):
             return f"step {self.step}" + (f" {self.phase}" if self.phase else "")
         if self.event is not None:
             return f"event {self.event}" + (f" #{self.count}" if self.count > 1 else "")
+        if self.file is not None:
+            return f"file {self.file} {self.when}" + (f" #{self.count}" if self.count > 1 else "")
         assert self.time is not None
         return f"t+{self.time.total_seconds():g}s"
 
@@ -415,7 +454,7 @@ class _FaultBase(_Strict):
     @model_validator(mode="after")
     def _repeatable(self) -> _FaultBase:
         if self.every is not None and self.every.steps is not None and self.at.step is None \
-                and self.at.event is None and self.at.time is None:
+                and self.at.event is None and self.at.time is None and self.at.file is None:
             raise ValueError("`every` needs `at`")
         return self
 
@@ -621,6 +660,31 @@ class StorageFull(_StorageBase):
     duration: Duration | None = None
 
 
+class StorageLoseUnsynced(_FaultBase):
+    """A power loss under a folder: every write not yet made durable there is lost, and the
+    target processes die with the power. The folder sits on a filesystem the harness mounts
+    at launch (faults/lazyfs.py)."""
+
+    kind: Literal["storage.lose_unsynced"]
+    target: Target = Field(
+        Target(pick="all"), description="the processes that die with the power; default every "
+        "rank (the launcher lives on to restart them, as a job's supervisor would)"
+    )
+    root: str | None = Field(
+        None, description="folder `dir` is relative to; default the trainer's checkpoint "
+        "folder (reference trainer) or the run folder; ${run_dir} is expanded"
+    )
+    dir: str = Field(
+        ".", description="the folder the system writes its checkpoints to, under root; the "
+        "lazy filesystem is mounted on it before the system starts"
+    )
+
+    @field_validator("dir")
+    @classmethod
+    def _under_root(cls, value: str) -> str:
+        return _relative_glob(value, "dir")
+
+
 class ProcessHang(_FaultBase):
     """Block the target's loop at a fault point until healed; its other threads run on."""
 
@@ -642,7 +706,7 @@ Fault = Annotated[
     ProcessKill | ProcessTerm | ProcessFreeze | ProcessStraggle | ProcessHang | GpuXid
     | MemoryBitflip
     | MemoryFill | CollectiveError | CollectiveHang | CollectiveDelay | CollectiveCorrupt
-    | NetReset | NetPartition | StorageDamage | StorageFull,
+    | NetReset | NetPartition | StorageDamage | StorageFull | StorageLoseUnsynced,
     Field(discriminator="kind"),
 ]
 FAULT_MODELS: dict[str, type[_FaultBase]] = {
@@ -657,6 +721,7 @@ FAULT_MODELS: dict[str, type[_FaultBase]] = {
     "storage.truncate": StorageDamage,
     "storage.delete": StorageDamage,
     "storage.full": StorageFull,
+    "storage.lose_unsynced": StorageLoseUnsynced,
     "gpu.xid": GpuXid,
     "memory.bitflip": MemoryBitflip,
     "memory.nan": MemoryFill,
@@ -773,6 +838,12 @@ class Expect(_Strict):
         "of the same load"
     )
     latency: Latency | None = None
+    checkpoint_durable: bool = Field(
+        False, description="after the first fault, the system resumes (checkpoint_loaded) from "
+        "a checkpoint at least as new as the last one it reported saved (checkpoint_saved) "
+        "before the fault, and rejects none on the way (checkpoint_skipped): what it called "
+        "committed survived, whole"
+    )
 
     @field_validator("time_to_detect", mode="before")
     @classmethod
@@ -788,7 +859,7 @@ class Expect(_Strict):
     #: Checks that read training steps or parameters.
     TRAINING: typing.ClassVar[tuple[str, ...]] = (
         "params_match", "lost_steps", "skipped_steps", "single_history", "step_rate",
-        "straggler_named")
+        "straggler_named", "checkpoint_durable")
 
 
 class Scenario(_Strict):
@@ -804,7 +875,8 @@ class Scenario(_Strict):
     @model_validator(mode="after")
     def _checks_are_possible(self) -> Scenario:
         if not self.faults:
-            for name in ("time_to_detect", "time_to_recover", "single_history"):
+            for name in ("time_to_detect", "time_to_recover", "single_history",
+                         "checkpoint_durable"):
                 if getattr(self.expect, name) not in (None, False):
                     raise ValueError(f"expect.{name} needs at least one fault")
         serving = isinstance(self.system, ServerSystem)
@@ -827,6 +899,24 @@ class Scenario(_Strict):
                     "expect.params_match on a command needs a log probe with `event: params` "
                     "and a `(?P<digest>...)` group"
                 )
+        if self.expect.checkpoint_durable and isinstance(self.system, CommandSystem):
+            probed = {p.event for p in self.system.probes}
+            missing = [e for e in ("checkpoint_saved", "checkpoint_loaded") if e not in probed]
+            if missing:
+                raise ValueError(
+                    "expect.checkpoint_durable on a command needs log probes with "
+                    + " and ".join(f"`event: {e}`" for e in missing)
+                    + " (and a `(?P<step>...)` group)"
+                )
+        power = [f for f in self.faults if isinstance(f, StorageLoseUnsynced)]
+        if len(power) > 1:
+            raise ValueError("at most one storage.lose_unsynced fault per scenario (one lazy "
+                             "filesystem); repeat it with `every`")
+        if power and isinstance(self.system, CommandSystem) and power[0].root is None \
+                and PurePosixPath(power[0].dir).parts in ((), (".",)):
+            raise ValueError("storage.lose_unsynced on a command needs `dir` (or `root`): the "
+                             "folder the job writes its checkpoints to, not the whole run "
+                             "folder (which holds the timeline)")
         return self
 
     def without_faults(self) -> Scenario:

@@ -235,6 +235,52 @@ def _straggler(run: Run) -> None:
     assert named, run.events("straggler_detected")
 
 
+def _resumed_from_the_last_save(run: Run, fault_t: float) -> None:
+    """Every rank resumed from the newest checkpoint saved before ``fault_t``, and nothing
+    had to be rejected on the way."""
+    saved = [e["step"] for e in run.events("checkpoint_saved") if e["t"] < fault_t]
+    loaded = [e for e in run.events("checkpoint_loaded") if e["t"] > fault_t]
+    assert sorted(e["rank"] for e in loaded) == run.ranks
+    assert {e["step"] for e in loaded} == {max(saved)}
+    assert not run.events("checkpoint_skipped")
+
+
+def _power_loss(run: Run) -> None:
+    """The lazy filesystem was under the checkpoint folder from launch to the end; the power
+    loss landed inside the save after the last committed one (its payload's name had just
+    appeared), really lost something, and took every rank down at once."""
+    (prepared,) = run.events("fault_prepared")
+    hit = run.injection()
+    assert prepared["t"] < min(e["t"] for e in run.events("hello"))
+    inside = re.fullmatch(r"step_(\d{6})/rank_0\.pt", hit["file"])
+    assert inside is not None, hit["file"]
+    saved = [e["step"] for e in run.events("checkpoint_saved") if e["t"] < hit["t"]]
+    assert int(inside.group(1)) == max(saved) + run.system.checkpoint_every
+    lost = re.search(r"\((\d+) bytes\) and (\d+) dir", hit["detail"])
+    assert lost is not None, hit["detail"]
+    assert int(lost.group(1)) > 0  # the payload it was writing
+    assert int(lost.group(2)) > 0  # the new step folder's name
+    assert hit["ranks"] == run.ranks
+    _resumed_from_the_last_save(run, hit["t"])
+    (healed,) = run.events("fault_healed")
+    assert healed["t"] > max(e["t"] for e in run.events("params"))
+    # Unmounted, the folder itself holds what survived: committed steps only.
+    folders = sorted((run.dir / "checkpoints").iterdir())
+    assert folders
+    assert all((f / "COMMIT").is_file() for f in folders), folders
+
+
+def _kill_on_file(run: Run) -> None:
+    """Rank 0 was killed the moment the third step folder appeared (seen on the disk, not
+    reported by the trainer), before that save could commit."""
+    hit = run.injection()
+    third = 3 * run.system.checkpoint_every
+    assert hit["file"] == f"step_{third:06d}"
+    assert not [e for e in run.events("checkpoint_saved") if e["t"] < hit["t"]
+                and e["step"] == third]
+    _resumed_from_the_last_save(run, hit["t"])
+
+
 EVIDENCE: dict[str, Callable[[Run], None]] = {
     "training/fault_free": _fault_free,
     "training/kill_rank_restart": _kill_rank_restart,
@@ -249,6 +295,8 @@ EVIDENCE: dict[str, Callable[[Run], None]] = {
     "faults/storage_crash_during_save": _crash_during_save,
     "faults/storage_full_checkpoint": _full_disk,
     "faults/straggle_rank": _straggler,
+    "faults/storage_lose_unsynced": _power_loss,
+    "faults/storage_kill_on_file": _kill_on_file,
 }
 
 
