@@ -531,7 +531,7 @@ def _fault_free(
     )
     found: dict[str, Any]
     if what == "outputs":
-        found = _metrics.outputs(execution.events)
+        found = {rid: out.to_json() for rid, out in _metrics.outputs(execution.events).items()}
         complete = _metrics.serving(execution.events)["lost_requests"] == 0
     else:
         found = {str(k): v for k, v in _metrics.final_digests(execution.events).items()}
@@ -557,11 +557,16 @@ def fault_free_digests(
 
 def fault_free_outputs(
     loaded: LoadedScenario, *, seed: int, run_dir: Path, observer: Observer, use_cache: bool
-) -> tuple[dict[str, list[int]] | None, str]:
-    """Each request's tokens in the fault-free twin (same load, same seed)."""
+) -> tuple[dict[str, _metrics.Output] | None, str]:
+    """Each request's tokens and logits digests in the fault-free twin (same load, seed)."""
     found, note = _fault_free(loaded, seed=seed, run_dir=run_dir, observer=observer,
                               use_cache=use_cache, what="outputs")
-    return (None if found is None else {k: list(v) for k, v in found.items()}), note
+    if found is None:
+        return None, note
+    try:
+        return {k: _metrics.Output.from_json(v) for k, v in found.items()}, note
+    except (TypeError, ValueError) as exc:
+        return None, f"unreadable fault-free outputs ({exc}); {note}"
 
 
 def replay_digests(
@@ -623,7 +628,7 @@ def run_scenario(
             use_cache=use_cache,
         )
 
-    baseline_outputs: dict[str, list[int]] | None = None
+    baseline_outputs: dict[str, _metrics.Output] | None = None
     if spec.expect.outputs_match == "fault_free":
         baseline_outputs, baseline_note = fault_free_outputs(
             loaded, seed=seed, run_dir=run_dir / "fault_free", observer=observer,

@@ -37,12 +37,19 @@ checksums took 0.2% of the engine's time with ``"hit"`` and 1.3% with ``"read"``
 faster, non-invariant kernel). The cost of ``"read"`` grows with the context the batch holds:
 with 448-token prompts it was 7% of decode time, where ``"hit"`` may be the better trade.
 
+Logits digests. Every output carries :func:`logits_digest` of the logits row its token was
+chosen from. Greedy tokens hide most numerics changes: re-prefilling 20 migrated requests
+through the kernel that is not batch-invariant changed none of their tokens, and the logits
+of every one. The digest shows such a change, so a client can check that a recovered request
+was computed exactly as it would have been without the failure, not only that its bytes are.
+
 Call ``torch.set_num_threads(1)`` in a serving process on a small CPU: the tiles are small
 and OpenMP threads spin against each other.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -86,7 +93,17 @@ class Output:
     request_id: str
     index: int  # position of this token in the request's output (0 = first generated token)
     token: int
+    digest: str  # logits_digest of the logits row the token was chosen from
     finished: bool  # True on the request's last token (max_tokens reached)
+
+
+def logits_digest(rows: torch.Tensor) -> list[str]:
+    """A short name for the exact bits of each ``[vocab]`` row of ``rows`` ``[n, vocab]``:
+    BLAKE2b with an 8-byte digest over the row's float32 values in little-endian order, as
+    16 hex digits. Rows differing in any bit get different digests (but for a 2**-64 chance).
+    """
+    data = rows.detach().to(device="cpu", dtype=torch.float32).numpy().astype("<f4", copy=False)
+    return [hashlib.blake2b(row.tobytes(), digest_size=8).hexdigest() for row in data]
 
 
 @dataclass(frozen=True, slots=True)
@@ -365,6 +382,7 @@ class Engine:
             keep = [i for i, (s, end) in enumerate(plan) if end == len(s.tokens)]
             logits = rows[keep]
         tokens = logits.argmax(dim=-1).tolist() if sampling else []
+        digests = logits_digest(logits) if sampling else []
         n = self._n
         for seq, end in plan:
             start = seq.computed
@@ -376,13 +394,13 @@ class Engine:
             seq.seen = max(seq.seen, end)
         self.cache.seal((s.id, s.tokens, s.computed) for s, _ in plan)
         outputs = []
-        for seq, token, row in zip(sampling, tokens, logits, strict=True):
+        for seq, token, digest, row in zip(sampling, tokens, digests, logits, strict=True):
             index = seq.generated
             if self.on_logits is not None:
                 self.on_logits(seq.id, index, row)
             seq.tokens.append(token)
             finished = seq.generated == seq.max_tokens
-            outputs.append(Output(seq.id, index, token, finished))
+            outputs.append(Output(seq.id, index, token, digest, finished))
             if finished:
                 self._running.remove(seq)
                 self.cache.free(seq.id)

@@ -155,11 +155,13 @@ class ApiError(Exception):
 @dataclass(frozen=True, slots=True)
 class Chunk:
     """One streamed token: ``position`` in the request's delivery log (== ``index`` unless
-    the server is broken), the token's output ``index``, and whether it is the last."""
+    the server is broken), the token's output ``index``, the digest of the logits row it was
+    chosen from (``engine.logits_digest``; "" where unknown), and whether it is the last."""
 
     position: int
     index: int
     token: int
+    digest: str
     last: bool
 
 
@@ -176,7 +178,8 @@ class _Request:
         self.id = request_id
         self.prompt = prompt
         self.max_tokens = max_tokens
-        self.log: list[tuple[int, int]] = []  # (index, token) in the order streamed
+        # (index, token, logits digest) in the order streamed
+        self.log: list[tuple[int, int, str]] = []
         self.expected = 0  # the next token index this request accepts
         self.finished = False
         self.error: str | None = None
@@ -188,7 +191,7 @@ class _Request:
 
     @property
     def tokens(self) -> list[int]:
-        return [token for _, token in self.log]
+        return [token for _, token, _ in self.log]
 
 
 class _Link:
@@ -311,7 +314,8 @@ class Router:
     def _restore(self, replayed: Replay) -> None:
         for old in replayed.requests.values():
             request = _Request(old.request_id, old.prompt, old.max_tokens, self._lock)
-            request.log = list(enumerate(old.tokens))
+            request.log = [(index, token, digest) for index, (token, digest)
+                           in enumerate(zip(old.tokens, old.digests, strict=True))]
             request.expected = len(old.tokens)
             request.finished = old.finished or len(old.tokens) >= old.max_tokens
             request.error = old.error
@@ -455,8 +459,8 @@ class Router:
         broken = self.config.broken
         with self._lock:
             now = time.monotonic()
-            accepted: dict[str, list[tuple[int, int, bool]]] = {}
-            for request_id, epoch, index, token, finished in message.items:
+            accepted: dict[str, list[tuple[int, int, str, bool]]] = {}
+            for request_id, epoch, index, token, digest, finished in message.items:
                 request = self._requests.get(request_id)
                 if request is None:
                     self._counters["dropped_tokens"] += 1
@@ -471,17 +475,18 @@ class Router:
                     self._counters["fenced_tokens" if not current else "dropped_tokens"] += 1
                     continue
                 request.expected = index + 1
-                accepted.setdefault(request_id, []).append((index, token, finished))
+                accepted.setdefault(request_id, []).append((index, token, digest, finished))
             if self.journal is not None and accepted:  # journaled before any stream sees them
-                self.journal.token_runs([(rid, items[0][0], [t for _, t, _ in items])
+                self.journal.token_runs([(rid, items[0][0], [t for _, t, _, _ in items],
+                                          [d for _, _, d, _ in items])
                                          for rid, items in accepted.items()])
             for request_id, items in accepted.items():
                 request = self._requests[request_id]
                 if request.moved_at is not None:
                     self._resume_latency.append(now - request.moved_at)
                     request.moved_at = None
-                request.log.extend((index, token) for index, token, _ in items)
-                done = any(f for _, _, f in items) or (
+                request.log.extend((index, token, digest) for index, token, digest, _ in items)
+                done = any(f for _, _, _, f in items) or (
                     broken is None and request.expected >= request.max_tokens)
                 if done:
                     if request.worker is not None:
@@ -747,9 +752,9 @@ class Router:
                 done, error = request.finished, request.error
                 if self._stopping and not done:
                     done, error = True, "the server is shutting down"
-            for n, (index, token) in enumerate(chunk):
+            for n, (index, token, digest) in enumerate(chunk):
                 last = done and error is None and n == len(chunk) - 1
-                yield Chunk(position, index, token, last)
+                yield Chunk(position, index, token, digest, last)
                 position += 1
             if done:
                 yield End(error)
@@ -948,6 +953,7 @@ class _Handler(BaseHTTPRequestHandler):
                 "model": model,
                 "choices": [{"index": 0, "text": decode([chunk.token]),
                              "token_ids": [chunk.token], "token_index": chunk.index,
+                             "logits_digest": chunk.digest or None,
                              "finish_reason": "length" if chunk.last else None}]}
         return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
 
@@ -972,10 +978,12 @@ class _Handler(BaseHTTPRequestHandler):
     def _whole(self, router: Router, request: _Request, offset: int) -> None:
         tokens: list[int] = []
         indices: list[int] = []
+        digests: list[str | None] = []
         for item in router.stream(request, offset):
             if isinstance(item, Chunk):
                 tokens.append(item.token)
                 indices.append(item.index)
+                digests.append(item.digest or None)
             elif item.error is not None:
                 self._json(503, ApiError(503, item.error, kind="worker_failed").body())
                 return
@@ -983,7 +991,8 @@ class _Handler(BaseHTTPRequestHandler):
             "id": request.id, "object": "text_completion", "created": int(time.time()),
             "model": router.model_id(),
             "choices": [{"index": 0, "text": decode(tokens), "token_ids": tokens,
-                         "token_indices": indices, "offset": offset,
+                         "token_indices": indices, "logits_digests": digests,
+                         "offset": offset,
                          "finish_reason": "length"}],
             "usage": {"prompt_tokens": len(request.prompt), "completion_tokens": len(tokens),
                       "total_tokens": len(request.prompt) + len(tokens)},

@@ -218,7 +218,8 @@ class Worker:
                 epoch = self.epochs.get(out.request_id)
                 if epoch is None:
                     continue
-                items.append((out.request_id, epoch, out.index, out.token, out.finished))
+                items.append((out.request_id, epoch, out.index, out.token, out.digest,
+                              out.finished))
                 if out.finished:
                     del self.epochs[out.request_id]
             stats = engine.stats()

@@ -7,14 +7,22 @@ fail: with the non-invariant kernel, or with verification off.
 
 from __future__ import annotations
 
+import hashlib
 import random
+import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import pytest
 import torch
 
-from reference_impl.serving.engine import Engine, EngineConfig, Verify, generate
+from reference_impl.serving.engine import (
+    Engine,
+    EngineConfig,
+    Verify,
+    generate,
+    logits_digest,
+)
 from reference_impl.serving.kvcache import PagedKVCache, chain_hashes
 from reference_impl.serving.model import GPT, ModelConfig, decode, encode, model_id
 
@@ -137,6 +145,34 @@ MIXED = [
     _Req("g", PREFIX[:32], 4, at_step=4),
 ]
 MODES = [pytest.param(True, id="invariant"), pytest.param(False, id="batched_split_k")]
+
+
+def _digest(row: torch.Tensor) -> str:
+    """The logits digest as the docs define it, computed here without the engine's code:
+    BLAKE2b-64 over the row's float32 values, little-endian."""
+    data = struct.pack(f"<{row.numel()}f", *row.tolist())  # float32 -> float -> float32: exact
+    return hashlib.blake2b(data, digest_size=8).hexdigest()
+
+
+def test_every_output_carries_the_digest_of_its_logits_row() -> None:
+    engine = Engine(MODEL, SMALL)
+    rows: dict[tuple[str, int], torch.Tensor] = {}
+    engine.on_logits = lambda rid, index, row: rows.__setitem__((rid, index), row.clone())
+    engine.add("a", _tokens(11, 20), 5)
+    engine.add("b", _tokens(12, 33), 4)
+    outputs = []
+    while engine.has_work():
+        outputs.extend(engine.step())
+    assert len(outputs) == 9
+    for out in outputs:
+        assert out.digest == _digest(rows[(out.request_id, out.index)]), out
+    assert len({out.digest for out in outputs}) == len(outputs)
+    # One flipped bit of a row is another digest.
+    row = rows[("a", 0)].clone()
+    row.view(torch.int32)[7] ^= 1
+    first = next(out for out in outputs if (out.request_id, out.index) == ("a", 0))
+    assert logits_digest(rows[("a", 0)][None]) == [first.digest]
+    assert logits_digest(row[None]) != [first.digest]
 
 
 @pytest.mark.parametrize("invariant", MODES)
