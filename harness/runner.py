@@ -488,7 +488,9 @@ def _code_fingerprint(spec: Scenario) -> str:
 
 
 def baseline_key(spec: Scenario, seed: int) -> str:
-    system = spec.system.model_dump(mode="json")
+    # The twin's system: test hooks that break the system through the environment
+    # (AFTERSHOCK_INJECT_*) are faults, which the twin goes without.
+    system = spec.without_faults().system.model_dump(mode="json")
     if isinstance(spec.system, TrainerSystem):
         # Pacing, failure detection and what is kept for recovery (checkpoints, snapshots,
         # idle spares) change timing, never a fault-free run's math: one golden run serves
@@ -502,6 +504,8 @@ def baseline_key(spec: Scenario, seed: int) -> str:
         for name in ("step_sleep", "timeout", "heartbeat", "dead_after", "wedged_after",
                      "recovery", "journal", "checksums"):
             system.pop(name, None)
+        for name in ("retries", "request_timeout"):  # how long clients insist, not what
+            system["load"].pop(name, None)
     material = json.dumps({"system": system, "seed": seed, "code": _code_fingerprint(spec)},
                           sort_keys=True)
     return hashlib.sha256(material.encode()).hexdigest()[:24]

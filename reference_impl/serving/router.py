@@ -71,14 +71,10 @@ request that is running or finished; it streams that request from ``offset``. On
 request that ended in an *error* (fail_stop, an engine refusal) is started again from
 scratch by a re-POST: its first generation is over, and a retry is what the client asks.
 
-``broken`` variants exist to show that the harness's checks catch a broken server. Never
-use them for anything else:
-
-- ``drop_inflight``: a failed worker's in-flight requests are silently ended: their streams
-  finish early with ``[DONE]``, without error, and tokens are lost;
-- ``replay_from_zero``: migrate, but restart the request at token 0 and stream it again,
-  so clients see every index up to the failure twice;
-- ``no_fencing``: accept every token from any link and any assignment, in arrival order.
+The decisions the checks exist to police are small methods (``_refusal_locked``: which
+tokens count; ``_move_locked``: what happens to a failed worker's request; ``_restore``:
+what a restarted router resumes). Deliberately broken variants of them, which show the
+harness's checks failing, live in the tests (``tests/serving/broken/``), never here.
 
 The journal (``journal.py``): a request is journaled before it is accepted, tokens before
 they are visible to any stream; see there for fsync. A router started on an existing
@@ -107,7 +103,6 @@ from reference_impl.serving import _wire
 from reference_impl.serving.journal import Journal, Replay
 
 RECOVERIES = ("migrate", "fail_stop")
-BROKEN = ("drop_inflight", "replay_from_zero", "no_fencing")
 AFFINITY_KEYS = 4096  # prefixes remembered for affinity; more than any worker's cache holds
 AFFINITY_SLACK = 2  # affinity yields when its worker has this many more requests than the least
 
@@ -128,7 +123,6 @@ class RouterConfig:
     dead_after: float = 1.0  # no heartbeat for this long: the worker is dead
     wedged_after: float = 2.0  # busy, step counter unchanged this long: wedged
     recovery: str = "migrate"  # migrate | fail_stop
-    broken: str | None = None  # one of BROKEN: a deliberately wrong server, for checks
     check_every: float = 0.05  # how often the health monitor looks
 
     def __post_init__(self) -> None:
@@ -136,8 +130,6 @@ class RouterConfig:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
         if self.recovery not in RECOVERIES:
             raise ValueError(f"recovery {self.recovery!r} is not one of {RECOVERIES}")
-        if self.broken is not None and self.broken not in BROKEN:
-            raise ValueError(f"broken {self.broken!r} is not one of {BROKEN}")
 
 
 class ApiError(Exception):
@@ -455,24 +447,27 @@ class Router:
             slot.requests.discard(request.id)
             self._finish_locked(request, error=f"the engine refused it: {message.message}")
 
+    def _refusal_locked(self, link: _Link, request: _Request, epoch: int,
+                        index: int) -> str | None:
+        """Why a token is not accepted (the counter it goes to), or None to accept it.
+        Fencing: it must come on the link of the request's current assignment, with that
+        assignment's epoch; and it must be the next index of an unfinished request."""
+        if link.fenced or request.link is not link or epoch != request.epoch:
+            return "fenced_tokens"
+        if request.finished or index != request.expected:
+            return "dropped_tokens"
+        return None
+
     def _on_outputs(self, link: _Link, message: _wire.Outputs) -> None:
-        broken = self.config.broken
         with self._lock:
             now = time.monotonic()
             accepted: dict[str, list[tuple[int, int, str, bool]]] = {}
             for request_id, epoch, index, token, digest, finished in message.items:
                 request = self._requests.get(request_id)
-                if request is None:
-                    self._counters["dropped_tokens"] += 1
-                    continue
-                current = (not link.fenced and request.link is link
-                           and epoch == request.epoch)
-                if broken == "no_fencing":
-                    ok = not request.finished  # trusts whoever sends: the bug under test
-                else:
-                    ok = current and not request.finished and index == request.expected
-                if not ok:
-                    self._counters["fenced_tokens" if not current else "dropped_tokens"] += 1
+                refused = ("dropped_tokens" if request is None
+                           else self._refusal_locked(link, request, epoch, index))
+                if request is None or refused is not None:
+                    self._counters[refused or "dropped_tokens"] += 1
                     continue
                 request.expected = index + 1
                 accepted.setdefault(request_id, []).append((index, token, digest, finished))
@@ -486,8 +481,8 @@ class Router:
                     self._resume_latency.append(now - request.moved_at)
                     request.moved_at = None
                 request.log.extend((index, token, digest) for index, token, digest, _ in items)
-                done = any(f for _, _, _, f in items) or (
-                    broken is None and request.expected >= request.max_tokens)
+                done = (any(f for _, _, _, f in items)
+                        or request.expected >= request.max_tokens)
                 if done:
                     if request.worker is not None:
                         self._slots[request.worker].requests.discard(request_id)
@@ -586,16 +581,15 @@ class Router:
         now = time.monotonic()
         self._recovering[slot.index] = self._recovering.get(slot.index, set()) | set(in_flight)
         for request_id in in_flight:
-            request = self._requests[request_id]
-            request.worker, request.link, request.epoch = None, None, 0
-            if self.config.broken == "drop_inflight":
-                self._finish_locked(request)  # the bug under test: a silent, short answer
-                continue
-            if self.config.broken == "replay_from_zero":
-                request.expected = 0  # the bug under test: the stream starts over
-            request.moved_at = now
-            self._assign_locked(request, moved_from=slot.index)
+            self._move_locked(self._requests[request_id], slot.index, now)
         self._check_recovered_locked(slot.index)
+
+    def _move_locked(self, request: _Request, failed: int, now: float) -> None:
+        """Migrate ``request`` off failed worker ``failed``: to a healthy worker, with the
+        tokens it has emitted, or to the pending queue until one is ready."""
+        request.worker, request.link, request.epoch = None, None, 0
+        request.moved_at = now
+        self._assign_locked(request, moved_from=failed)
 
     def _fail_stop_locked(self, failed: _Slot, cause: str) -> None:
         """The baseline: error out everything, restart every worker cold."""
@@ -671,7 +665,9 @@ class Router:
         self._epoch += 1
         request.worker, request.link, request.epoch = slot.index, slot.link, self._epoch
         slot.requests.add(request.id)
-        emitted = tuple(request.tokens) if self.config.broken != "replay_from_zero" else ()
+        # What the new worker re-prefills after the prompt: the tokens before the next index
+        # the request expects, i.e. all it has emitted (none for a new request).
+        emitted = tuple(request.tokens[: request.expected])
         slot.link.post(_wire.Add(request.id, self._epoch, request.prompt, request.max_tokens,
                                  emitted))
         moved_from = self._moved_from.pop(request.id, moved_from)
@@ -784,7 +780,6 @@ class Router:
             return {
                 "model": self._model_id,
                 "recovery": self.config.recovery,
-                "broken": self.config.broken,
                 "workers": [
                     {"worker": s.index, "state": s.state, "pid": s.pid,
                      "generation": s.generation, "requests": len(s.requests),
@@ -1005,8 +1000,16 @@ class _HttpServer(ThreadingHTTPServer):
     router: Router
 
 
-def http_server(router: Router, host: str = "127.0.0.1", port: int = 0) -> _HttpServer:
-    """The HTTP API on ``host:port`` (0: a free port); call ``serve_forever`` on it."""
-    server = _HttpServer((host, port), _Handler)
+def http_server(router: Router, host: str = "127.0.0.1", port: int = 0, *,
+                sock: socket.socket | None = None) -> _HttpServer:
+    """The HTTP API on ``host:port`` (0: a free port), or on ``sock``, a socket already
+    listening (the launcher's, which outlives any one router); call ``serve_forever``."""
+    if sock is None:
+        server = _HttpServer((host, port), _Handler)
+    else:
+        server = _HttpServer(sock.getsockname(), _Handler, bind_and_activate=False)
+        server.socket.close()
+        server.socket = sock
+        server.server_address = sock.getsockname()
     server.router = router
     return server

@@ -30,11 +30,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import dataclasses
 import os
 import queue
-import signal
 import socket
 import sys
 import threading
@@ -44,18 +42,7 @@ from collections.abc import Sequence
 from harness import probe
 from reference_impl import health
 from reference_impl.serving import _wire
-
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-
-def die_with_parent(parent: int) -> None:
-    """SIGKILL this process when the process that spawned it dies (Linux only). The kernel
-    ties this to the parent *thread*: the launcher spawns workers from one long-lived one."""
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if parent and os.getppid() != parent:
-        os._exit(0)  # the launcher died before prctl took effect
+from reference_impl.serving._lifetime import die_with_parent
 
 
 def _log(worker: int, message: str) -> None:
@@ -93,8 +80,9 @@ class Worker:
         self._sock: socket.socket | None = None
 
     # -- reports
-    def _checksum_failure(self, block: int, request_id: str) -> None:
-        probe.detected("kv_checksum", block=block, request=request_id, worker=self.index)
+    def _checksum_failure(self, block: int, request_id: str, where: str) -> None:
+        probe.detected("kv_checksum", block=block, request=request_id, on=where,
+                       worker=self.index)
 
     def on_xid(self, code: int, action: str) -> None:
         """From the Xid watcher thread."""
@@ -292,6 +280,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     engine = worker.engine
     probe.install(model=engine.model, tensors={
         "kv:shared_prefix": engine.shared_prefix_block,
+        "kv:idle_prefix": engine.idle_prefix_block,
         "kv:cache": lambda: engine.kv,
     })
     # This worker's GPU is the one its LOCAL_RANK names (the launcher sets it to the index).

@@ -314,7 +314,7 @@ BITS = [pytest.param(30, id="exponent_bit30"), pytest.param(0, id="mantissa_bit0
 
 
 def _poison_scenario(config: EngineConfig, bit: int, newcomer: bool) -> tuple[
-    Engine, dict[str, _Result], list[_Req], list[tuple[int, str]], int
+    Engine, dict[str, _Result], list[_Req], list[tuple[int, str, str]], int
 ]:
     """``b`` reuses ``a``'s cached SHARED prefix; then a bit of their most shared block flips.
 
@@ -322,8 +322,8 @@ def _poison_scenario(config: EngineConfig, bit: int, newcomer: bool) -> tuple[
     """
     requests = [_Req("a", [*SHARED, 1], 7), _Req("b", SHARED + _tokens(42, 5), 7)]
     engine = Engine(MODEL, config)
-    failures: list[tuple[int, str]] = []
-    engine.on_checksum_failure = lambda block, rid: failures.append((block, rid))
+    failures: list[tuple[int, str, str]] = []
+    engine.on_checksum_failure = lambda block, rid, where: failures.append((block, rid, where))
     results = {r.rid: _Result() for r in requests}
 
     def record(rid: str, index: int, row: torch.Tensor) -> None:
@@ -365,7 +365,7 @@ def test_poisoned_prefix_block_is_caught_on_a_hit(bit: int, verify: Verify) -> N
         assert _mismatches(results, requests, config)
         return
     assert stats.checksum_failures == 1
-    assert failures == [(flipped, "c")]
+    assert failures == [(flipped, "c", "hit")]
     # The bad block (the first of the shared prefix) and the two chained after it.
     assert stats.evicted_blocks == 3
     # a and b held the bad block: they dropped their KV from it on and recomputed it.
@@ -385,7 +385,7 @@ def test_poisoned_block_in_use_is_caught_on_read(bit: int, verify: Verify) -> No
         assert _mismatches(results, requests, config)
         return
     assert stats.checksum_failures == 1
-    assert failures in ([(flipped, "a")], [(flipped, "b")])
+    assert failures in ([(flipped, "a", "read")], [(flipped, "b", "read")])
     assert stats.evicted_blocks == 3
     assert _mismatches(results, requests, config) == []
 
@@ -423,6 +423,53 @@ def test_shared_prefix_block_is_a_view_of_the_most_shared_block() -> None:
     assert torch.equal(block, engine.kv[min(ids)])
     block.view(-1)[0] = 123.0
     assert engine.kv[min(ids)].view(-1)[0] == 123.0  # a view, not a copy
+
+
+def _unverified_hits() -> type[Engine]:
+    """An Engine subclass with the test-only ``unverified_hits`` variant applied (prefix-cache
+    hits used without their checksum check; tests/serving/broken/sitecustomize.py)."""
+    import importlib.util
+    import types
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent / "broken" / "sitecustomize.py"
+    spec = importlib.util.spec_from_file_location("_broken_serving_variants", path)
+    assert spec is not None
+    assert spec.loader is not None
+    variants = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(variants)
+    namespace = types.SimpleNamespace(Engine=type("UnverifiedHits", (Engine,), {}))
+    variants.unverified_hits(namespace)
+    return namespace.Engine  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["verified", "unverified_hits"])
+def test_a_poisoned_idle_prefix_block_is_caught_on_its_next_hit(broken: bool) -> None:
+    """A cached block no request holds (its requests finished) goes bad. ``verify="read"``
+    never reads it while it is idle: only the next hit's verification stands between it
+    and the next request with that prefix. Without it, that request reads the bad KV."""
+    config = EngineConfig(num_blocks=64)  # verify="read", the default
+    engine = (_unverified_hits() if broken else Engine)(MODEL, config)
+    assert engine.idle_prefix_block() is None
+    _drive(engine, [_Req("a", [*SHARED, 1], 3), _Req("b", [*SHARED, 2], 3, at_step=1)])
+    head = engine.cache.lookup(chain_hashes(engine.model_id, SHARED, 16))[0]
+    # b's hit went to all three blocks of SHARED; of the tie, the most recently released
+    # (chains are released tail first): the head, which every prompt with the prefix reads.
+    block = engine.idle_prefix_block()
+    assert block is not None
+    assert block.data_ptr() == engine.kv[head].data_ptr()
+    _flip(block, 5, 30)
+    failures: list[tuple[int, str, str]] = []
+    engine.on_checksum_failure = lambda b, rid, where: failures.append((b, rid, where))
+    _drive(engine, [_Req("other", _tokens(77, 20), 3)])  # steps that do not read the block
+    assert failures == []  # idle: "read" does not see it
+    results = _drive(engine, [_Req("c", [*SHARED, 9, 9], 6)])
+    if broken:  # "read" sees it one step late: c's first token came from the bad KV
+        assert [(b, where) for b, _, where in failures] == [(head, "read")]
+        assert _mismatches(results, [_Req("c", [*SHARED, 9, 9], 6)], config)
+    else:
+        assert failures == [(head, "c", "hit")]
+        assert _mismatches(results, [_Req("c", [*SHARED, 9, 9], 6)], config) == []
 
 
 def test_abort_frees_blocks_and_unknown_id_is_a_noop() -> None:

@@ -298,3 +298,18 @@ def test_serving_checks_need_the_server_and_training_checks_the_trainer() -> Non
         parse_scenario("name: s\nsystem: {reference: server}\nexpect: {params_match: fault_free}")
     with pytest.raises(SpecError, match=r"expect\.outputs_match needs `reference: server`"):
         parse_scenario("name: s\nsystem: {reference: trainer}\nexpect: {outputs_match: fault_free}")
+
+
+def test_twin_key_ignores_test_hooks_and_client_patience_but_not_the_rest() -> None:
+    """Broken variants injected through AFTERSHOCK_INJECT_* (which the twin runs without) and
+    how long clients retry share the correct server's fault-free twin; other env does not."""
+    from harness.runner import baseline_key
+
+    base = "name: s\nsystem: {reference: server, %s}\n"
+    spec = parse_scenario(base % "env: {PYTHONPATH: /x}")
+    hooked = parse_scenario(base % "env: {PYTHONPATH: /x, AFTERSHOCK_INJECT_BROKEN_SERVING: a}")
+    patient = parse_scenario(base % "env: {PYTHONPATH: /x}, load: {retries: 500, "
+                             "request_timeout: 5m}")
+    other_env = parse_scenario(base % "env: {PYTHONPATH: /y}")
+    assert baseline_key(spec, 0) == baseline_key(hooked, 0) == baseline_key(patient, 0)
+    assert baseline_key(spec, 0) != baseline_key(other_env, 0)

@@ -5,7 +5,8 @@ index by index, no index twice, none missing, and the logits digest of each toke
 the digest of the logits row ``generate`` chose it from (computed here, bitwise). Faults are
 caused from here: SIGKILL and SIGSTOP/SIGCONT of the worker holding the most requests (found
 through ``GET /v1/stats``), a client that drops its connection, SIGKILL of the launcher
-itself. A deliberately broken server (``--broken drop_inflight``) shows the same checks failing.
+itself. A deliberately broken server (the test-only ``drop_inflight`` patch of
+``tests/serving/broken/sitecustomize.py``) shows the same checks failing.
 
 Each server is started once per test and stopped with SIGTERM, after which no process that
 carries the server's marker variable may be left.
@@ -34,6 +35,7 @@ import pytest
 pytest.importorskip("torch")
 
 REPO = Path(__file__).resolve().parents[2]
+BROKEN = Path(__file__).resolve().parent / "broken"  # sitecustomize.py: test-only variants
 READY = "AFTERSHOCK_SERVING_READY"
 PREFIXES = (
     "You are a terse assistant. Answer in one line. ",
@@ -83,7 +85,7 @@ class Server:
     """``python -m reference_impl.serving.server`` as a test fixture."""
 
     def __init__(self, folder: Path, *args: str, journal: Path | None = None,
-                 marker: str | None = None) -> None:
+                 marker: str | None = None, broken: str | None = None) -> None:
         self.folder = folder
         self.marker = marker or uuid.uuid4().hex
         self.events_path = folder / "events.jsonl"
@@ -92,6 +94,8 @@ class Server:
         env = dict(os.environ, AFTERSHOCK_EVENTS=str(self.events_path),
                    AFTERSHOCK_RUN_ID=self.marker, PYTHONUNBUFFERED="1")
         env.pop("AFTERSHOCK_COMMANDS", None)
+        if broken:  # a deliberately broken server: the named test-only patches
+            env.update(PYTHONPATH=f"{BROKEN}:{REPO}", AFTERSHOCK_INJECT_BROKEN_SERVING=broken)
         self._log = self.log_path.open("wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "reference_impl.serving.server",
@@ -459,10 +463,42 @@ def test_freeze_busiest_worker_is_fenced(server: Server) -> None:
     assert stats["migrations"] - before["migrations"] == len(detected[0]["requests"])
 
 
+def test_router_process_crash_is_restarted_on_its_journal(server: Server) -> None:
+    """SIGKILL the router process mid-stream: its workers die with it, the launcher starts a
+    new router on the same address and journal, which resumes the requests. Clients resume
+    by request_id + offset and get exactly the tokens they lacked."""
+    (router,) = [e for e in server.events("hello") if e.get("role") == "router"]
+    workers = [w["pid"] for w in full_strength(server)]
+    streams = [Stream(server, rid, prompt) for rid, prompt in workload("router", 6)]
+    threads = start_all(streams)
+    wait_for(lambda: all_streaming(streams, 4), 30, "every stream under way")
+    os.kill(router["pid"], signal.SIGKILL)
+    join_all(threads, timeout=20)
+    assert all(s.error for s in streams)  # every stream broke with the router
+    wait_for(lambda: not any(alive(pid) for pid in workers), 5,
+             "the workers gone with their router")
+    (detected,) = [e for e in server.events("failure_detected")
+                   if e["cause"] == "router_exit"]
+    assert (detected["pid"], detected["generation"]) == (router["pid"], 0)
+    for s in streams:  # the same URL: the launcher kept the socket
+        received = len(s.tokens)
+        rest = Stream(server, s.request_id, s.prompt).run(offset=received)
+        assert rest.done, rest.error
+        assert rest.indices == list(range(received, MAX_TOKENS))
+        assert s.tokens + rest.tokens == truth(s.prompt), s.request_id
+        assert s.digests + rest.digests == truth_digests(s.prompt), s.request_id
+    (again,) = [e for e in server.events("hello") if e.get("role") == "router"
+                and e["generation"] == 1]
+    assert alive(again["pid"])
+    assert server.stats()["requests"]["resumed_from_journal"] == len(streams)
+    (recovered,) = [e for e in server.events("recovery_done") if e.get("role") == "router"]
+    assert recovered["resumed"] == len(streams)
+
+
 def test_router_crash_resumes_from_journal(server: Server, tmp_path: Path) -> None:
-    """SIGKILL the launcher mid-stream: its workers die with it. A new launcher on the same
-    journal resumes the requests; clients resume by request_id + offset and get exactly the
-    tokens they would have got. SIGTERM then leaves nothing running."""
+    """SIGKILL the launcher mid-stream: its router and workers die with it. A new launcher
+    on the same journal resumes the requests; clients resume by request_id + offset and get
+    exactly the tokens they would have got. SIGTERM then leaves nothing running."""
     workers = [w["pid"] for w in full_strength(server)]
     streams = [Stream(server, rid, prompt) for rid, prompt in workload("crash", 6)]
     threads = start_all(streams)
@@ -488,9 +524,9 @@ def test_router_crash_resumes_from_journal(server: Server, tmp_path: Path) -> No
 
 
 def test_broken_drop_inflight_fails_the_check(tmp_path: Path) -> None:
-    """The kill test against ``--broken drop_inflight``: requests end short, so the exact
-    output check above fails, as it must."""
-    server = Server(tmp_path, "--workers=2", "--step-sleep=0.03", "--broken=drop_inflight")
+    """The kill test against a router that drops a failed worker's requests (a test-only
+    patch): requests end short, so the exact output check above fails, as it must."""
+    server = Server(tmp_path, "--workers=2", "--step-sleep=0.03", broken="drop_inflight")
     try:
         streams = [Stream(server, rid, prompt) for rid, prompt in workload("drop", 8)]
         threads = start_all(streams)

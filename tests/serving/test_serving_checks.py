@@ -2,13 +2,16 @@
 
 The passing side is the shipped scenarios (scenarios/serving/, run by
 tests/test_shipped_scenarios.py) against the correct server. Here the same kind of
-scenario runs against a server started with one of its ``--broken`` variants (or with
-checksums off, or fail-stop recovery), and the check that should catch it must fail
-while the checks it does not concern still pass, so the failure is the check's doing.
+scenario runs against a server broken on purpose by a test-only patch
+(``tests/serving/broken/sitecustomize.py``, on the server's PYTHONPATH through
+``system.env``; the fault-free twin runs without it), or with checksums off, or fail-stop
+recovery, and the check that should catch it must fail while the checks it does not
+concern still pass, so the failure is the check's doing.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -19,6 +22,9 @@ from harness.spec import LoadedScenario, parse_scenario
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
+ROOT = Path(__file__).resolve().parents[2]
+BROKEN = Path(__file__).resolve().parent / "broken"  # its sitecustomize.py breaks the server
+
 SYSTEM = """\
 name: broken-{name}
 system:
@@ -27,6 +33,7 @@ system:
   dead_after: 400ms
   step_sleep: 30ms
 {system}
+  env: {env}
   load: {{requests: 16, rate: 40, max_tokens: {tokens}, prompt_tokens: {{min: 40, max: 60}}}}
 faults:
 {faults}
@@ -41,9 +48,16 @@ KILL = """\
 
 
 def run(tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch, *, name: str,
-        system: str, faults: str, expect: str, tokens: int = 16) -> RunResult:
+        system: str, faults: str, expect: str, tokens: int = 16,
+        broken: str | None = None) -> RunResult:
+    """``broken``: the test-only variants of the server to run (sitecustomize.py). Every run
+    has the folder on its PYTHONPATH, so broken and correct runs share one fault-free twin."""
     monkeypatch.setenv("AFTERSHOCK_CACHE_DIR", str(cache))
-    text = SYSTEM.format(name=name, system=system, faults=faults, expect=expect, tokens=tokens)
+    env = {"PYTHONPATH": f"{BROKEN}:{ROOT}"}
+    if broken:
+        env["AFTERSHOCK_INJECT_BROKEN_SERVING"] = broken
+    text = SYSTEM.format(name=name, system=system, faults=faults, expect=expect, tokens=tokens,
+                         env=json.dumps(env))
     tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / f"{name}.yaml"
     path.write_text(text)
@@ -57,8 +71,8 @@ def verdicts(result: RunResult) -> dict[str, bool]:
 
 def test_a_router_that_drops_in_flight_requests_loses_them(tmp_path, shared_cache,
                                                            monkeypatch) -> None:
-    result = run(tmp_path, shared_cache, monkeypatch, name="drop",
-                 system="  args: [--broken, drop_inflight]", faults=KILL,
+    result = run(tmp_path, shared_cache, monkeypatch, name="drop", broken="drop_inflight",
+                 system="", faults=KILL,
                  expect="  no_lost_requests: true\n  no_duplicated_tokens: true")
     assert verdicts(result) == {"completes": True, "faults_injected": True,
                                 "no_lost_requests": False, "no_duplicated_tokens": True}
@@ -68,8 +82,8 @@ def test_a_router_that_drops_in_flight_requests_loses_them(tmp_path, shared_cach
 
 def test_a_router_that_restarts_migrated_streams_repeats_tokens(tmp_path, shared_cache,
                                                                 monkeypatch) -> None:
-    result = run(tmp_path, shared_cache, monkeypatch, name="replay",
-                 system="  args: [--broken, replay_from_zero]", faults=KILL,
+    result = run(tmp_path, shared_cache, monkeypatch, name="replay", broken="replay_from_zero",
+                 system="", faults=KILL,
                  expect="  no_lost_requests: true\n  no_duplicated_tokens: true")
     assert verdicts(result) == {"completes": True, "faults_injected": True,
                                 "no_lost_requests": True, "no_duplicated_tokens": False}
