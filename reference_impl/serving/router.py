@@ -403,7 +403,10 @@ class Router:
                     f"worker {hello.worker} serves {hello.model_id}, the others "
                     f"{self._model_id}")
             slot = self._slots[hello.worker]
-            if slot.state == "drained" or self._stopping:
+            # "restarting": fail_stop has condemned this worker's process and the launcher is
+            # about to kill it; its link broke, so it reconnects, but work given to it now
+            # would only fail a second time. Its replacement says hello once spawned.
+            if slot.state in ("drained", "restarting") or self._stopping:
                 link.fenced = True
                 link.shutdown()
                 return

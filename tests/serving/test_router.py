@@ -207,3 +207,24 @@ def test_a_resuming_client_gets_the_stream_from_its_offset(workers,
     assert router.submit("r", PROMPT, 6) is request  # a re-POST: the same request
     assert indices(router, request, offset=4) == ([4, 5] if variant is None
                                                   else list(range(6)))
+
+
+def test_fail_stop_takes_no_work_to_a_worker_it_is_restarting(workers) -> None:
+    """After a fail-stop every worker is condemned; one whose link broke reconnects before
+    the launcher kills it. It must get no work (it would fail again); its successor does."""
+    router = Router(RouterConfig(workers=2, recovery="fail_stop"))
+    workers.extend(Worker(router, i, i + 1) for i in range(2))
+    request = router.submit("r", PROMPT, 6)
+    fail(router, request.worker or 0)
+    assert end(router, request).error is not None
+    condemned = Worker(router, 1, 3)  # worker 1's old process, on a new link
+    workers.append(condemned)
+    assert not router.is_ready()
+    assert condemned.link.fenced
+    router.worker_started(1, 2001, 1)  # the launcher spawned its successor
+    successor = Worker(router, 1, 4)
+    workers.append(successor)
+    assert router.is_ready()
+    retried = router.submit("r", PROMPT, 6)  # the client's retry
+    assert retried is not request
+    assert successor.add().request_id == "r"
