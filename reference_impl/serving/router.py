@@ -16,7 +16,7 @@ prompt shorter than one block has no cacheable prefix.
 
 Health. A worker is declared failed, with ``cause``:
 
-- ``worker_exit``: its process ended (the launcher sees it, or its link hits EOF and the
+- ``worker_exit``: its process ended (the worker keeper sees it, or its link hits EOF and the
   process is gone);
 - ``link_lost``: its link hit EOF or a reset while the process lives (``ss -K``), or the
   worker reconnected before the router noticed the break;
@@ -33,14 +33,14 @@ Health. A worker is declared failed, with ``cause``:
 - ``xid``: the worker's GPU reported an Xid whose NVIDIA action is not ``none``
   (``reference_impl.health.XidWatcher``); the worker reports it and exits. Xids with action
   ``none`` (63, 92, ...) are only logged by the worker. For ``drain_node`` (Xid 79: the GPU
-  fell off the bus) the worker index is *drained*: the launcher does not respawn it and the
+  fell off the bus) the worker index is *drained*: the keeper does not respawn it and the
   router never assigns work to it again; in a real cluster that GPU needs a reboot or RMA,
   so capacity is down one worker until an operator acts. ``restart_app`` and ``reset_gpu``
   Xids are treated like a crash (the new process gets the GPU after the node agent reset it).
 
 What happens to the failed worker's process: after ``heartbeat`` it is left alone (it may
 be frozen or partitioned and come back; the router tells it to drop everything and it
-rejoins as a fresh worker, with an empty engine); after ``wedged`` the launcher kills it
+rejoins as a fresh worker, with an empty engine); after ``wedged`` the keeper kills it
 (its engine loop is stuck, it would never act on that message) and respawns it.
 
 Recovery ``migrate``: every in-flight request of the failed worker is re-sent to a healthy
@@ -403,7 +403,7 @@ class Router:
                     f"worker {hello.worker} serves {hello.model_id}, the others "
                     f"{self._model_id}")
             slot = self._slots[hello.worker]
-            # "restarting": fail_stop has condemned this worker's process and the launcher is
+            # "restarting": fail_stop has condemned this worker's process and the keeper is
             # about to kill it; its link broke, so it reconnects, but work given to it now
             # would only fail a second time. Its replacement says hello once spawned.
             if slot.state in ("drained", "restarting") or self._stopping:
@@ -510,9 +510,9 @@ class Router:
             if self._slot_of(link) is slot:
                 self._fail_locked(slot, "worker_exit" if gone else "link_lost")
 
-    # ------------------------------------------------------------------ launcher hooks
+    # ------------------------------------------------------------------ worker keeper hooks
     def worker_started(self, index: int, pid: int, generation: int) -> None:
-        """The launcher spawned a process for ``index``."""
+        """The worker keeper (``server.WorkerKeeper``) spawned a process for ``index``."""
         probe.emit("worker_started", worker=index, pid=pid, generation=generation)
         with self._lock:
             slot = self._slots[index]
@@ -521,7 +521,7 @@ class Router:
                 slot.pid, slot.generation = pid, generation
 
     def worker_exited(self, index: int, returncode: int) -> None:
-        """The launcher saw the process of ``index`` end."""
+        """The worker keeper saw the process of ``index`` end."""
         with self._lock:
             link = self._slots[index].link
         if link is not None:

@@ -123,11 +123,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-class Launcher:
-    """Spawns, watches and respawns the worker processes.
+class WorkerKeeper:
+    """In the router process: spawns, watches and respawns the worker processes.
 
     Every spawn happens on the supervisor thread: the workers' PR_SET_PDEATHSIG fires when
-    the *thread* that forked them ends, so that thread must live as long as the launcher.
+    the *thread* that forked them ends, so that thread must live as long as the process.
     Router callbacks (kill, restart_all) only leave a note for it; they run under the
     router's lock and must not block.
     """
@@ -285,7 +285,7 @@ def serve(args: argparse.Namespace) -> int:
     """The router process: the router on the launcher's HTTP socket, and its workers."""
     die_with_parent(args.parent_pid)
     stop = threading.Event()
-    quiet: list[Router | Launcher] = []
+    quiet: list[Router | WorkerKeeper] = []
 
     def on_signal(signum: int, frame: object) -> None:
         # The harness signals the whole process group: the workers are dying too. Say so
@@ -305,11 +305,11 @@ def serve(args: argparse.Namespace) -> int:
           f"{path or 'off'}", file=sys.stderr, flush=True)
     config = RouterConfig(workers=args.workers, dead_after=args.dead_after,
                           wedged_after=args.wedged_after, recovery=args.recovery)
-    launcher: Launcher | None = None
+    keeper: WorkerKeeper | None = None
     router = Router(config, journal, replayed,
-                    process_gone=lambda i: launcher is None or launcher.process_gone(i),
-                    kill=lambda i: launcher.kill(i) if launcher else None,
-                    restart_all=lambda: launcher.restart_all() if launcher else None)
+                    process_gone=lambda i: keeper is None or keeper.process_gone(i),
+                    kill=lambda i: keeper.kill(i) if keeper else None,
+                    restart_all=lambda: keeper.restart_all() if keeper else None)
     quiet.append(router)
     link = router.listen("127.0.0.1")
     http = http_server(router, sock=socket.socket(fileno=args.http_fd))
@@ -318,9 +318,9 @@ def serve(args: argparse.Namespace) -> int:
     serving = threading.Thread(target=http.serve_forever, kwargs={"poll_interval": 0.1},
                                name="http", daemon=True)
     serving.start()
-    launcher = Launcher(args, router, link)
-    quiet.append(launcher)
-    launcher.start()
+    keeper = WorkerKeeper(args, router, link)
+    quiet.append(keeper)
+    keeper.start()
     announced = False
     try:
         while not stop.is_set():
@@ -338,7 +338,7 @@ def serve(args: argparse.Namespace) -> int:
         # Stop accepting first, so no request is accepted that the journal will not see.
         http.shutdown()
         router.stop()
-        launcher.stop()
+        keeper.stop()
         http.server_close()
         if journal is not None:
             journal.close()
@@ -349,7 +349,7 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
-class RouterKeeper:
+class Launcher:
     """The launcher: owns the HTTP socket, keeps one router process alive on it.
 
     Runs on the main thread (the router's ``PR_SET_PDEATHSIG`` is tied to the thread that
@@ -421,11 +421,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as exc:
         print(f"[server] cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 2
-    keeper = RouterKeeper(args, argv, sock, _journal(args))
-    signal.signal(signal.SIGTERM, keeper.on_signal)
-    signal.signal(signal.SIGINT, keeper.on_signal)
+    launcher = Launcher(args, argv, sock, _journal(args))
+    signal.signal(signal.SIGTERM, launcher.on_signal)
+    signal.signal(signal.SIGINT, launcher.on_signal)
     try:
-        return keeper.run()
+        return launcher.run()
     finally:
         sock.close()
 

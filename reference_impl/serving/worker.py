@@ -1,7 +1,7 @@
 """An engine worker: runs one ``Engine`` and serves the router over one TCP link.
 
-``python -m reference_impl.serving.worker --router HOST:PORT --worker I ...``; the launcher
-(``server.py``) starts it. Threads and what each may touch:
+``python -m reference_impl.serving.worker --router HOST:PORT --worker I ...``; the router
+process (``server.WorkerKeeper``) starts it. Threads and what each may touch:
 
 - the main thread owns the engine: it applies the router's messages between steps, calls
   ``probe.fault_point("decode", step)`` before every step (in-process memory faults fire
@@ -22,7 +22,7 @@
 
 When the link breaks, or the router sends ``Reset``, the worker drops every request (the
 router has moved them already) and reconnects as a fresh worker. It exits when it cannot
-reach the router for ``--reconnect-for`` seconds, and at once when the launcher dies
+reach the router for ``--reconnect-for`` seconds, and at once when the router process dies
 (``PR_SET_PDEATHSIG``), so no worker outlives its server.
 """
 
@@ -243,13 +243,14 @@ class Worker:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m reference_impl.serving.worker",
-        description="One engine worker of the reference server (started by its launcher).")
+        description="One engine worker of the reference server (started by its router "
+        "process).")
     parser.add_argument("--router", required=True, help="HOST:PORT of the router's link socket")
     parser.add_argument("--worker", type=int, required=True, help="worker index")
     parser.add_argument("--workers", type=int, required=True, help="how many workers in all")
     parser.add_argument("--generation", type=int, default=0, help="respawn count of this index")
     parser.add_argument("--parent-pid", type=int, default=0,
-                        help="the launcher's pid: exit if it is gone already")
+                        help="the router process's pid: exit if it is gone already")
     parser.add_argument("--seed", type=int, default=0, help="model seed")
     parser.add_argument("--block-size", type=int, default=16, help="KV block size, tokens")
     parser.add_argument("--num-blocks", type=int, default=512, help="KV blocks in the pool")
@@ -283,7 +284,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "kv:idle_prefix": engine.idle_prefix_block,
         "kv:cache": lambda: engine.kv,
     })
-    # This worker's GPU is the one its LOCAL_RANK names (the launcher sets it to the index).
+    # This worker's GPU is the one its LOCAL_RANK names (set to the index by its spawner).
     health.XidWatcher(gpu=int(os.environ.get("LOCAL_RANK", args.worker)),
                       on_xid=worker.on_xid).start()
     worker.run()
