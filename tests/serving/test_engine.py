@@ -234,6 +234,25 @@ def test_engine_migrated_request_matches_alone(invariant: bool) -> None:
     _check_invariance(results, requests, invariant, config)
 
 
+def test_a_reprefill_through_the_batched_kernel_keeps_tokens_but_not_logits() -> None:
+    """The ``reprefill_not_invariant`` variant (a migrated request's emitted tokens re-prefilled
+    through the batched split-K kernel): the next tokens are the ground truth's, the logits
+    they are chosen from are not. Only a bitwise comparison of the logits sees it."""
+    config = EngineConfig(num_blocks=64)
+    requests = []
+    for i in range(6):
+        prompt = PREFIX[: 17 + 3 * i]
+        truth, _ = _alone(prompt, 10, config)
+        requests.append(_Req(f"moved{i}", prompt, 10, at_step=i, emitted=tuple(truth[:4 + i])))
+    for broken in (False, True):
+        engine = (_broken("reprefill_not_invariant") if broken else Engine)(MODEL, config)
+        bad = _mismatches(_drive(engine, requests), requests, config)
+        if broken:
+            assert bad == [f"{r.rid}: logits" for r in requests]  # all: yet no token changed
+        else:
+            assert bad == []
+
+
 def test_engine_migration_reuses_the_prefix_cache() -> None:
     prompt = PREFIX[:35]
     truth, _ = _alone(prompt, 20, SMALL)
@@ -425,9 +444,9 @@ def test_shared_prefix_block_is_a_view_of_the_most_shared_block() -> None:
     assert engine.kv[min(ids)].view(-1)[0] == 123.0  # a view, not a copy
 
 
-def _unverified_hits() -> type[Engine]:
-    """An Engine subclass with the test-only ``unverified_hits`` variant applied (prefix-cache
-    hits used without their checksum check; tests/serving/broken/sitecustomize.py)."""
+def _broken(variant: str) -> type[Engine]:
+    """An Engine subclass with a test-only broken variant of
+    tests/serving/broken/sitecustomize.py applied."""
     import importlib.util
     import types
     from pathlib import Path
@@ -438,8 +457,8 @@ def _unverified_hits() -> type[Engine]:
     assert spec.loader is not None
     variants = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(variants)
-    namespace = types.SimpleNamespace(Engine=type("UnverifiedHits", (Engine,), {}))
-    variants.unverified_hits(namespace)
+    namespace = types.SimpleNamespace(Engine=type(f"Engine_{variant}", (Engine,), {}))
+    getattr(variants, variant)(namespace)
     return namespace.Engine  # type: ignore[no-any-return]
 
 
@@ -449,7 +468,7 @@ def test_a_poisoned_idle_prefix_block_is_caught_on_its_next_hit(broken: bool) ->
     never reads it while it is idle: only the next hit's verification stands between it
     and the next request with that prefix. Without it, that request reads the bad KV."""
     config = EngineConfig(num_blocks=64)  # verify="read", the default
-    engine = (_unverified_hits() if broken else Engine)(MODEL, config)
+    engine = (_broken("unverified_hits") if broken else Engine)(MODEL, config)
     assert engine.idle_prefix_block() is None
     _drive(engine, [_Req("a", [*SHARED, 1], 3), _Req("b", [*SHARED, 2], 3, at_step=1)])
     head = engine.cache.lookup(chain_hashes(engine.model_id, SHARED, 16))[0]
