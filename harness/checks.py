@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from harness import metrics as _metrics
 from harness._duration import format_duration
+from harness.metrics import Output
 from harness.records import CheckResult, Event, FaultRecord
 from harness.spec import DetectBudget, Expect
 
@@ -45,8 +46,8 @@ def evaluate(
     digests: Mapping[int, str],
     baseline: Mapping[int, str] | None,
     events: Sequence[Event] | None = None,
-    outputs: Mapping[str, Sequence[int]] | None = None,
-    baseline_outputs: Mapping[str, Sequence[int]] | None = None,
+    outputs: Mapping[str, Output] | None = None,
+    baseline_outputs: Mapping[str, Output] | None = None,
     world: int | None = None,
 ) -> list[CheckResult]:
     """``world``: the configured world size (for recovery's reason when not observed)."""
@@ -199,25 +200,65 @@ def _single_history(forked: float | int | None, events: Sequence[Event] | None
                        f"worlds that both went on{detail}")
 
 
-def _outputs_match(outputs: Mapping[str, Sequence[int]],
-                   baseline: Mapping[str, Sequence[int]] | None) -> CheckResult:
-    expected = "token-identical to the fault-free run"
+def _outputs_match(outputs: Mapping[str, Output],
+                   baseline: Mapping[str, Output] | None) -> CheckResult:
+    """Every request's tokens, and the logits each was chosen from (by the server's digest),
+    equal to the fault-free twin's. Greedy tokens rarely change when the numerics do (a
+    re-prefill through a kernel that is not batch-invariant changed no token), so equal
+    tokens alone prove little; a token whose digest either run lacks was not compared and
+    fails the check as not observed."""
+    expected = "tokens and logits identical to the fault-free run"
     if not baseline:
         return CheckResult("outputs_match", False, None, expected,
                            "the fault-free run produced no outputs to compare with")
+    empty = Output((), ())
     ids = sorted(set(baseline) | set(outputs))
-    differ = [i for i in ids if list(outputs.get(i, ())) != list(baseline.get(i, ()))]
-    observed = f"{len(ids) - len(differ)}/{len(ids)} requests identical"
-    if not differ:
+    tokens_differ: list[tuple[str, int]] = []  # (request, first token that differs)
+    logits_differ: list[tuple[str, int]] = []  # same tokens, a digest differs
+    unverified: list[tuple[str, int]] = []  # same tokens and known digests agree, some unknown
+    for rid in ids:
+        got, want = outputs.get(rid, empty), baseline.get(rid, empty)
+        if got.tokens != want.tokens:
+            tokens_differ.append((rid, _first_difference(got.tokens, want.tokens)))
+            continue
+        pairs = [(_at(got.digests, k), _at(want.digests, k)) for k in range(len(got.tokens))]
+        wrong = [k for k, (a, b) in enumerate(pairs) if a is not None and b is not None
+                 and a != b]
+        unknown = [k for k, (a, b) in enumerate(pairs) if a is None or b is None]
+        if wrong:
+            logits_differ.append((rid, wrong[0]))
+        elif unknown:
+            unverified.append((rid, len(unknown)))
+    bad = len(tokens_differ) + len(logits_differ) + len(unverified)
+    observed = f"{len(ids) - bad}/{len(ids)} requests identical"
+    if not bad:
         return CheckResult("outputs_match", True, observed, expected,
-                           f"all {len(ids)} requests token-identical to the fault-free run")
-    first = differ[0]
-    got, want = list(outputs.get(first, ())), list(baseline.get(first, ()))
-    at = next((k for k, (a, b) in enumerate(zip(got, want, strict=False)) if a != b),
-              min(len(got), len(want)))
-    return CheckResult("outputs_match", False, observed, expected,
-                       f"{len(differ)} requests differ; first {first} at token {at} "
-                       f"(got {len(got)} tokens, fault-free {len(want)})")
+                           f"all {len(ids)} requests identical to the fault-free run: every "
+                           "token, and bitwise the logits it was chosen from")
+    parts = []
+    if tokens_differ:
+        rid, at = tokens_differ[0]
+        got, want = outputs.get(rid, empty), baseline.get(rid, empty)
+        parts.append(f"{len(tokens_differ)} requests differ in their tokens; first {rid} at "
+                     f"token {at} (got {len(got.tokens)} tokens, fault-free {len(want.tokens)})")
+    if logits_differ:
+        rid, at = logits_differ[0]
+        parts.append(f"{len(logits_differ)} requests have the fault-free tokens but not its "
+                     f"logits (the numerics changed); first {rid} at token {at}")
+    if unverified:
+        rid, count = unverified[0]
+        parts.append(f"{len(unverified)} requests could not be compared bitwise: logits "
+                     f"digests not observed (first {rid}, {count} tokens)")
+    return CheckResult("outputs_match", False, observed, expected, "; ".join(parts))
+
+
+def _at(digests: Sequence[str | None], k: int) -> str | None:
+    return digests[k] if k < len(digests) else None
+
+
+def _first_difference(got: Sequence[int], want: Sequence[int]) -> int:
+    return next((k for k, (a, b) in enumerate(zip(got, want, strict=False)) if a != b),
+                min(len(got), len(want)))
 
 
 def _xid_action(events: Sequence[Event]) -> CheckResult:

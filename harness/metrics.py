@@ -505,6 +505,9 @@ class RequestRecord:
     times: tuple[float, ...]
     max_tokens: int
     duplicates: int
+    # The server's digest of the logits row each token was chosen from; None where it sent
+    # none (or the event predates digests).
+    digests: tuple[str | None, ...] = ()
 
     @classmethod
     def of(cls, event: Event) -> RequestRecord | None:
@@ -512,10 +515,14 @@ class RequestRecord:
         tokens, times = f.get("tokens"), f.get("times")
         if not isinstance(tokens, list) or not isinstance(times, list):
             return None
+        given = f.get("digests")
+        listed = given if isinstance(given, list) else []
+        digests = tuple(d if isinstance(d, str) and d else None for d in listed[: len(tokens)])
+        digests += (None,) * (len(tokens) - len(digests))
         return cls(str(f.get("request")), event.event == "request_done",
                    float(f.get("sent", event.t)), tuple(int(x) for x in tokens),
                    tuple(float(x) for x in times), int(f.get("max_tokens") or len(tokens)),
-                   int(f.get("duplicates") or 0))
+                   int(f.get("duplicates") or 0), digests)
 
 
 def requests(events: Sequence[Event]) -> list[RequestRecord]:
@@ -532,13 +539,38 @@ def requests(events: Sequence[Event]) -> list[RequestRecord]:
                 ended[record.id] = record
     for rid, t in sent.items():
         if rid not in ended:
-            ended[rid] = RequestRecord(rid, False, t, (), (), 0, 0)
+            ended[rid] = RequestRecord(rid, False, t, (), (), 0, 0, ())
     return sorted(ended.values(), key=lambda r: r.sent)
 
 
-def outputs(events: Sequence[Event]) -> dict[str, list[int]]:
-    """Request id -> the tokens its client received (for `outputs_match`)."""
-    return {r.id: list(r.tokens) for r in requests(events)}
+@dataclass(frozen=True, slots=True)
+class Output:
+    """What the client of one request received: its tokens and, per token, the server's
+    digest of the logits row the token was chosen from (None where it sent none)."""
+
+    tokens: tuple[int, ...]
+    digests: tuple[str | None, ...]
+
+    def to_json(self) -> dict[str, list[int] | list[str | None]]:
+        return {"tokens": list(self.tokens), "digests": list(self.digests)}
+
+    @classmethod
+    def from_json(cls, data: object) -> Output:
+        """Read ``to_json``'s form back; a bare token list (a baseline cached before digests
+        existed) has unknown digests, which `outputs_match` refuses to take on trust."""
+        if isinstance(data, list):
+            return cls(tuple(int(t) for t in data), (None,) * len(data))
+        if not isinstance(data, dict):
+            raise ValueError(f"not a request's output: {data!r:.100}")
+        tokens = tuple(int(t) for t in data.get("tokens") or ())
+        digests = tuple(d if isinstance(d, str) and d else None
+                        for d in data.get("digests") or ())
+        return cls(tokens, (digests + (None,) * len(tokens))[: len(tokens)])
+
+
+def outputs(events: Sequence[Event]) -> dict[str, Output]:
+    """Request id -> what its client received (for `outputs_match`)."""
+    return {r.id: Output(r.tokens, r.digests) for r in requests(events)}
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:

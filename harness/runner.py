@@ -664,7 +664,9 @@ def baseline_key(spec: Scenario, seed: int, *, scenario_dir: Path = Path(".")) -
     environment, the seed and the code it runs (``scenario_dir``: where the scenario file
     is, from which a command's relative paths are found)."""
     system = golden.twin_system(spec)
-    system["env"] = dict(spec.system.env)
+    # The twin's environment: test hooks that break the system through it (AFTERSHOCK_INJECT_*)
+    # are faults, which the twin goes without.
+    system["env"] = dict(spec.without_faults().system.env)
     material = json.dumps({"system": system, "seed": seed,
                            "code": _code_fingerprint(spec, scenario_dir)}, sort_keys=True)
     return hashlib.sha256(material.encode()).hexdigest()[:24]
@@ -694,7 +696,7 @@ def fault_free_result(
     )
     found: dict[str, Any]
     if what == "outputs":
-        found = _metrics.outputs(execution.events)
+        found = {rid: out.to_json() for rid, out in _metrics.outputs(execution.events).items()}
         complete = _metrics.serving(execution.events)["lost_requests"] == 0
     else:
         found = {str(k): v for k, v in _metrics.final_digests(execution.events).items()}
@@ -720,11 +722,16 @@ def fault_free_digests(
 
 def fault_free_outputs(
     loaded: LoadedScenario, *, seed: int, run_dir: Path, observer: Observer, use_cache: bool
-) -> tuple[dict[str, list[int]] | None, str]:
-    """Each request's tokens in the fault-free twin (same load, same seed)."""
+) -> tuple[dict[str, _metrics.Output] | None, str]:
+    """Each request's tokens and logits digests in the fault-free twin (same load, seed)."""
     found, note = fault_free_result(loaded, seed=seed, run_dir=run_dir, observer=observer,
                                     use_cache=use_cache, what="outputs")
-    return (None if found is None else {k: list(v) for k, v in found.items()}), note
+    if found is None:
+        return None, note
+    try:
+        return {k: _metrics.Output.from_json(v) for k, v in found.items()}, note
+    except (TypeError, ValueError) as exc:
+        return None, f"unreadable fault-free outputs ({exc}); {note}"
 
 
 def replay_digests(
@@ -789,7 +796,7 @@ def assess(
     outcome: Outcome,
     faults: Sequence[FaultRecord],
     baseline: dict[int, str] | None,
-    baseline_outputs: dict[str, list[int]] | None,
+    baseline_outputs: dict[str, _metrics.Output] | None,
     baseline_note: str,
 ) -> tuple[dict[str, float | int | None], list[CheckResult]]:
     """The metrics and checks of one run's timeline. `aftershock run` and `aftershock report
@@ -907,7 +914,7 @@ def _checked_run(
             use_cache=use_cache,
         )
 
-    baseline_outputs: dict[str, list[int]] | None = None
+    baseline_outputs: dict[str, _metrics.Output] | None = None
     if spec.expect.outputs_match == "fault_free":
         baseline_outputs, baseline_note = fault_free_outputs(
             loaded, seed=seed, run_dir=run_dir / "fault_free", observer=observer,

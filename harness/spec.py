@@ -320,9 +320,10 @@ class Target(_Strict):
                                 description="every rank of this replica")
     shard: int | None = Field(None, ge=0, lt=MAX_WORLD, description="every rank holding this shard "
                               "(with `replica`: the one rank at both)")
-    role: Literal["launcher", "spare"] | None = Field(
-        None, description="launcher: the launched command itself (e.g. torchrun's agent); "
-        "spare: a warm standby process"
+    role: Literal["launcher", "spare", "router"] | None = Field(
+        None, description="launcher: the launched command itself (e.g. torchrun's agent, the "
+        "reference server's launcher); spare: a warm standby process; router: the reference "
+        "server's router process (HTTP front end, journal), which its launcher restarts"
     )
     pick: Literal["random", "all"] | None = Field(
         None, description="random: one rank chosen with the run's seed; all: every rank"
@@ -334,7 +335,7 @@ class Target(_Strict):
         given = [x for x in (self.rank, self.worker, self.role, self.pick) if x is not None]
         if len(given) + coordinates != 1:
             raise ValueError("give exactly one of `rank: N`, `worker: N`, `replica`/`shard`, "
-                             "`role: launcher|spare` or `pick: random|all`")
+                             "`role: launcher|spare|router` or `pick: random|all`")
         return self
 
     @property

@@ -281,6 +281,42 @@ def _kill_on_file(run: Run) -> None:
     _resumed_from_the_last_save(run, hit["t"])
 
 
+def _router_restarted(run: Run) -> None:
+    """The launcher saw the router die and started generation 1, which resumed requests
+    from the journal; clients resumed their broken streams by request id and offset."""
+    killed = run.injection()["t"]
+    assert [(e["cause"], e["role"]) for e in run.detected(after=killed)][:1] == [
+        ("router_exit", "router")]
+    routers = [e for e in run.events("hello") if e.get("role") == "router"]
+    assert [e["generation"] for e in routers] == [0, 1]
+    assert run.injection()["pid"] == routers[0]["pid"]
+    (recovered,) = [e for e in run.events("recovery_done") if e.get("role") == "router"]
+    assert recovered["resumed"] > 0
+    assert any(e["resumes"] for e in run.events("request_done"))
+
+
+def _caught_on_a_hit(run: Run) -> None:
+    """The poisoned block was idle: only a prefix-cache hit read it, and was caught there."""
+    injected = run.injection()
+    assert injected["tensor"] == "kv:idle_prefix"
+    found = [e for e in run.detected(after=injected["t"]) if e["cause"] == "kv_checksum"]
+    assert found
+    assert {(e["on"], e["worker"]) for e in found} == {("hit", 0)}
+
+
+def _clients_resumed_after_fail_stop(run: Run) -> None:
+    """Fail-stop errored the in-flight requests; their clients re-POSTed them (resumes) and
+    the server started them again (retried), streaming each from the client's offset."""
+    killed = run.injection()["t"]
+    assert any(e["cause"] == "worker_exit" and e["worker"] == 0
+               for e in run.detected(after=killed))
+    assert [e.get("recovery") for e in run.events("recovery_done")] == ["fail_stop"]
+    assert not run.events("request_migrated")
+    assert any(e["resumes"] for e in run.events("request_done"))
+    (stats,) = [e for e in run.events("serving_stats") if e["source"] == "process"]
+    assert stats["requests"]["retried"] > 0
+
+
 EVIDENCE: dict[str, Callable[[Run], None]] = {
     "training/fault_free": _fault_free,
     "training/kill_rank_restart": _kill_rank_restart,
@@ -297,6 +333,9 @@ EVIDENCE: dict[str, Callable[[Run], None]] = {
     "faults/straggle_rank": _straggler,
     "faults/storage_lose_unsynced": _power_loss,
     "faults/storage_kill_on_file": _kill_on_file,
+    "serving/kill_router": _router_restarted,
+    "serving/poison_idle_prefix_block": _caught_on_a_hit,
+    "serving/fail_stop_resume": _clients_resumed_after_fail_stop,
 }
 
 
