@@ -27,13 +27,9 @@ a shard are bitwise identical); if every replica of a shard is gone, from the pe
 snapshots that one replica per shard sends off the critical path (a background thread) into
 the controller's memory.
 
-Test hooks (environment, read once per process):
-``AFTERSHOCK_INJECT_NAN_GRAD="rank:step"`` poisons one gradient of logical rank ``rank`` while
-computing step ``step`` (1-based), once; ``AFTERSHOCK_INJECT_BITFLIP="rank:step"`` flips an
-exponent bit of one parameter of ``rank`` right after it commits ``step`` (silent corruption).
-``AFTERSHOCK_INJECT_FULL_AVERAGE=1`` is a deliberately broken elastic trainer: while replicas
-are missing it still divides the gradient sum by the configured replica count (a classic
-elastic bug; the membership log stays truthful), so ``params_match: replay`` must fail.
+Faults come from outside (the harness's chaos engine) or through the probe's fault points
+(``harness.probe.fault_point``); deliberately broken variants of this trainer live in the tests
+(tests/broken/sitecustomize.py), never here.
 """
 
 from __future__ import annotations
@@ -63,10 +59,6 @@ from harness import probe
 from reference_impl import _store, checkpoint, controller
 from reference_impl.model import Layout, ParallelMLP, param_digest, synthetic_batch
 
-NAN_HOOK = "AFTERSHOCK_INJECT_NAN_GRAD"
-BITFLIP_HOOK = "AFTERSHOCK_INJECT_BITFLIP"
-FULL_AVERAGE_HOOK = "AFTERSHOCK_INJECT_FULL_AVERAGE"
-
 
 class Superseded(Exception):
     """A newer plan was published before this one started: skip to it."""
@@ -74,14 +66,6 @@ class Superseded(Exception):
 
 class Switch(Exception):
     """All members agreed (through the vote) to move to the next plan after this step."""
-
-
-def _hook(name: str) -> tuple[int, int] | None:
-    value = os.environ.get(name, "")
-    if ":" not in value:
-        return None
-    rank, step = value.split(":", 1)
-    return int(rank), int(step)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,10 +104,6 @@ class Worker:
         self.groups: Groups | None = None
         self.plan_ahead = -1  # newest generation the heartbeat thread saw published
         self.stopping = False
-        self.nan_hook = _hook(NAN_HOOK)
-        # A replay is the honest golden trajectory: the broken variant never applies to it.
-        self.full_average = os.environ.get(FULL_AVERAGE_HOOK) == "1" and not cfg.replay
-        self.flip_hook = _hook(BITFLIP_HOOK)
         self.snapshots: queue.Queue[tuple[int, int, torch.Tensor] | None] = queue.Queue(1)
         self.replay = controller.read_membership(cfg.replay) if cfg.replay else None
         self.hb_interval = min(0.05, (cfg.heartbeat_timeout or cfg.collective_timeout) / 10)
@@ -273,6 +253,8 @@ class Worker:
         newest = max(sg for sg, steps, _ in info.values() if steps >= 0)
         cands = {r: v for r, v in info.items() if v[1] >= 0 and v[0] == newest}
         top = max(v[1] for v in cands.values())
+        if g.gen > 0:  # a recovery: members agreed on the step, no state has moved yet
+            probe.fault_point("restore", top)
         ready = {}
         for r, (_, steps, pending) in cands.items():
             # A rank that averaged step `top`'s gradients but lost the vote may apply them:
@@ -288,31 +270,13 @@ class Worker:
             have = sorted(r for r in ready if r % shards == shard)
             if have:
                 sources[shard] = have[0]
-        shard = g.rank % shards
         if len(sources) == shards:
             resume = top
             if any(r not in ready for r in g.dp_ranks):
-                flat = self.flat_state()
-                opts = dist.BroadcastOptions()
-                opts.rootRank = g.dp_ranks.index(sources[shard])
-                g.dp.broadcast([flat], opts).wait()
-                if g.rank not in ready:
-                    self.load_flat(flat)
-                    if self.cfg.debug_stale_snapshot:  # deliberately broken variant
-                        old = self.read_snapshot(shard).get(resume - 1)
-                        if old is not None:
-                            self.load_flat(old)
+                self.copy_from_peer(g, sources[g.rank % shards], resume,
+                                    receive=g.rank not in ready)
         else:
-            # Every replica of some shard is gone: everyone goes back to the newest step for
-            # which the controller holds a snapshot of every shard.
-            snaps = [self.read_snapshot(s) for s in range(shards)]
-            common = set(snaps[0]).intersection(*snaps[1:])
-            if not common:
-                raise SystemExit("no live replica and no complete snapshot for some shard")
-            resume = max(common)
-            self.load_flat(snaps[shard][resume])
-            probe.checkpoint_loaded(resume, f"peer-memory snapshot of shard {shard}",
-                                    rank=g.rank)
+            resume = self.restore_snapshots(g)
         self.steps_done, self.state_gen = resume, g.gen
         self.verified, self.candidate, self.mismatch = (resume, self.flat_state()), None, False
         if g.rank == g.members[0]:
@@ -320,6 +284,32 @@ class Worker:
         if g.gen > 0:
             probe.recovered(rank=g.rank, generation=g.gen, step=resume,
                             replicas=g.replicas)
+        return resume
+
+    def copy_from_peer(self, g: Groups, source: int, step: int, *, receive: bool) -> None:
+        """Our data-parallel group takes the state of ``source``, a member of the same shard
+        that holds step ``step`` (replicas of a shard are bitwise identical); ``receive``:
+        we are behind and load it."""
+        flat = self.flat_state()
+        opts = dist.BroadcastOptions()
+        opts.rootRank = g.dp_ranks.index(source)
+        g.dp.broadcast([flat], opts).wait()
+        if receive:
+            self.load_flat(flat)
+
+    def restore_snapshots(self, g: Groups) -> int:
+        """Every replica of some shard is gone: every member goes back to the newest step for
+        which the controller holds a snapshot of every shard (parameters and optimizer
+        state), survivors of the other shards included. Returns that step."""
+        shards = self.cfg.shards
+        snaps = [self.read_snapshot(s) for s in range(shards)]
+        common = set(snaps[0]).intersection(*snaps[1:])
+        if not common:
+            raise SystemExit("no live replica and no complete snapshot for some shard")
+        resume = max(common)
+        shard = g.rank % shards
+        self.load_flat(snaps[shard][resume])
+        probe.checkpoint_loaded(resume, f"peer-memory snapshot of shard {shard}", rank=g.rank)
         return resume
 
     # -- training -----------------------------------------------------------------------------
@@ -348,11 +338,8 @@ class Worker:
             loss.backward()
             probe.fault_point("backward", step)
             flat = torch.cat([p.grad.reshape(-1) for p in params] + [loss.detach().reshape(1)])
-            if self.nan_hook == (g.rank, step):
-                self.nan_hook = None
-                flat[0] = float("nan")
             g.dp.allreduce([flat]).wait()
-            flat /= cfg.replicas if self.full_average else live
+            self.average(flat, live)
             nonfinite = not bool(torch.isfinite(flat).all())
             offset = 0
             for p in params:
@@ -394,10 +381,6 @@ class Worker:
                        generation=g.gen, replicas=live)
             if self.candidate is not None:
                 self.verified, self.candidate = self.candidate, None
-            if self.flip_hook == (g.rank, step):
-                self.flip_hook = None
-                with torch.no_grad():
-                    params[0].view(-1)[:1].view(torch.int32).bitwise_xor_(1 << 29)
             if cfg.fingerprint_every and step % cfg.fingerprint_every == 0:
                 self.check_fingerprints(g, step)
             if snapshotter and step % cfg.snapshot_every == 0:
@@ -408,6 +391,13 @@ class Worker:
                 raise Switch
             if cfg.step_sleep:
                 time.sleep(cfg.step_sleep)
+
+    @staticmethod
+    def average(flat: torch.Tensor, live: int) -> None:
+        """The data-parallel sum, in place, to the mean over the replicas that computed it:
+        while a replica is missing (elastic) that is fewer than configured, and the membership
+        log says so, which is what a replay recomputes."""
+        flat /= live
 
     def check_fingerprints(self, g: Groups, step: int) -> None:
         mine = torch.tensor([self.fingerprint()])
