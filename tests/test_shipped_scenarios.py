@@ -204,15 +204,23 @@ def _skips_newest(reason: str) -> Callable[[Run], None]:
 
 
 def _crash_during_save(run: Run) -> None:
-    """Rank 0 was killed as its third save began: the world restarts from a checkpoint that
-    every rank could verify, one that was committed before the kill."""
-    killed = run.injection()["t"]
-    before = [e["step"] for e in run.events("checkpoint_saved") if e["t"] < killed]
+    """Rank 0 died inside the save of step 30, between the shard writes and the commit: every
+    rank's shard of that step was durable and the step never committed. The restarted world
+    skipped the uncommitted folder (not even a candidate, so nothing is reported skipped),
+    resumed from the previous committed step, and saved step 30 again later."""
+    kill = run.injection()
+    torn = run.system.checkpoint_every * 3
+    assert (kill["rank"], kill["step"], kill["phase"]) == (0, torn, "save")
+    written = {e["rank"] for e in run.events("checkpoint_written")
+               if e["step"] == torn and e["t"] < kill["t"]}
+    assert written == set(run.ranks), "the kill did not wait for every shard of the step"
+    saved = [(e["step"], e["t"]) for e in run.events("checkpoint_saved")]
+    assert all(step != torn for step, t in saved if t < kill["t"]), "the step was committed"
     loaded = run.events("checkpoint_loaded")
     assert sorted(e["rank"] for e in loaded) == run.ranks
-    (resumed_from,) = {e["step"] for e in loaded}
-    assert resumed_from in before
+    assert {e["step"] for e in loaded} == {torn - run.system.checkpoint_every}
     assert not run.events("checkpoint_skipped")
+    assert any(step == torn and t > kill["t"] for step, t in saved)
 
 
 def _full_disk(run: Run) -> None:
