@@ -154,6 +154,29 @@ def _nan_gradient_rollback(run: Run) -> None:
     assert detected == [("non_finite", step), ("non_finite", step)]
 
 
+def _vote(poisoned: set[int]) -> Callable[[Run], None]:
+    """Non-finite gradients on the ``poisoned`` ranks only (the others' stay finite, so each
+    of those would apply the step if it decided alone): exactly those report the step, and
+    the vote keeps the world in lockstep, every rank committing each step once and no rank
+    committing a step before every rank committed the one before it."""
+
+    def check(run: Run) -> None:
+        step = run.injection()["step"]
+        detected = sorted((e["rank"], e["cause"], e["step"])
+                          for e in run.events("failure_detected"))
+        assert detected == [(rank, "non_finite", step) for rank in sorted(poisoned)]
+        first: dict[tuple[int, int], float] = {}
+        for e in run.events("step"):
+            assert (e["rank"], e["step"]) not in first, e
+            first[(e["rank"], e["step"])] = e["t"]
+        steps = range(1, run.system.steps + 1)
+        assert set(first) == {(rank, k) for rank in run.ranks for k in steps}
+        for k in steps[:-1]:
+            assert max(first[(r, k)] for r in run.ranks) < min(first[(r, k + 1)] for r in run.ranks)
+
+    return check
+
+
 def _elastic(run: Run) -> None:
     """Replica 0 drops out, replica 1 trains alone, replica 0 heals and rejoins; the replay
     of the membership log (the params_match check) ran without a failure."""
@@ -244,6 +267,10 @@ EVIDENCE: dict[str, Callable[[Run], None]] = {
     "faults/storage_delete_checkpoint": _skips_newest("unreadable: FileNotFoundError"),
     "faults/storage_crash_during_save": _crash_during_save,
     "faults/storage_full_checkpoint": _full_disk,
+    # The NaN of rank 1 spreads to rank 3 (shard 1) through the average, not to shard 0.
+    "faults/memory_nan_gradient": _vote({1, 3}),
+    # Corrupted after the average, on rank 1 alone.
+    "faults/collective_corrupt_nan": _vote({1}),
 }
 
 

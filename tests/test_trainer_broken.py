@@ -43,3 +43,54 @@ def test_torn_save_catches_a_save_that_drops_the_previous_checkpoint_first(
     events = tmp_path / "run" / "events.jsonl"
     assert not read_events(events, "checkpoint_loaded"), "something was left to resume from"
     assert not result.passed
+
+
+def _first_commits(events: Path) -> dict[tuple[int, int], float]:
+    """(rank, step) -> when that rank first committed that step."""
+    first: dict[tuple[int, int], float] = {}
+    for e in read_events(events, "step"):
+        first.setdefault((e["rank"], e["step"]), e["t"])
+    return first
+
+
+def test_nan_in_one_shard_catches_ranks_that_vote_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shared_cache: Path
+) -> None:
+    """Each rank decides alone whether its gradients are finite. The NaN in rank 1's gradient
+    spreads to rank 3 (same shard) and nowhere else, so shard 0 applies step 25 and shard 1
+    computes it again: the world falls out of step, its collectives stop matching, and a
+    restart from the last checkpoint recomputes committed steps. On 2 replicas x 1 shard
+    the average spreads the NaN to every rank and this trainer passes; the layout is the
+    point, so this runs on 2 x 2."""
+    result = run_broken(FAULTS / "memory_nan_gradient.yaml", tmp_path / "run", monkeypatch,
+                        shared_cache, bug="vote_alone")
+    found = checks(result)
+    for name in ("completes", "faults_injected", "time_to_detect"):
+        assert found[name].passed, found[name].message
+    assert not found["lost_steps"].passed, found["lost_steps"].message
+    events = tmp_path / "run" / "events.jsonl"
+    nan = [e for e in read_events(events, "failure_detected") if e["cause"] == "non_finite"]
+    assert {(e["rank"], e["step"]) for e in nan} == {(1, 25), (3, 25)}
+    # The defect itself: shard 0 went on to step 26 before shard 1 had committed step 25.
+    first = _first_commits(events)
+    assert first[(0, 26)] < first[(1, 25)]
+    assert not result.passed
+
+
+def test_corrupt_gradient_all_reduce_catches_ranks_that_vote_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shared_cache: Path
+) -> None:
+    """The corruption lands after the average, on rank 1 alone, so the vote matters on any
+    layout: on two ranks, rank 0 applies step 25 and rank 1 computes it again."""
+    result = run_broken(FAULTS / "collective_corrupt_nan.yaml", tmp_path / "run",
+                        monkeypatch, shared_cache, bug="vote_alone", two_ranks=True)
+    found = checks(result)
+    for name in ("completes", "faults_injected", "time_to_detect"):
+        assert found[name].passed, found[name].message
+    assert not found["lost_steps"].passed, found["lost_steps"].message
+    events = tmp_path / "run" / "events.jsonl"
+    nan = [e for e in read_events(events, "failure_detected") if e["cause"] == "non_finite"]
+    assert {(e["rank"], e["step"]) for e in nan} == {(1, 25)}
+    first = _first_commits(events)
+    assert first[(0, 26)] < first[(1, 25)]
+    assert not result.passed
