@@ -250,9 +250,16 @@ class Worker:
         rows = [torch.zeros(4, dtype=torch.int64) for _ in g.members]
         g.world.allgather([rows], [mine]).wait()
         info = {int(row[3]): [int(v) for v in row[:3]] for row in rows}
-        newest = max(sg for sg, steps, _ in info.values() if steps >= 0)
-        cands = {r: v for r, v in info.items() if v[1] >= 0 and v[0] == newest}
-        top = max(v[1] for v in cands.values())
+        # A member that never completed a sync (a fresh spare, a re-forked worker) holds the
+        # seeded initial state. That is the state of step 0 only while no generation has
+        # completed a sync, since no step can be committed before one has; after that it is
+        # no state at all, and if every holder of a shard is gone, the snapshots are.
+        fresh_is_step_0 = g.gen == 0 or not any(
+            _store.has(self.store, f"resume/{k}") for k in range(g.gen))
+        held = {r: v for r, v in info.items() if v[1] >= 0 and (v[0] >= 0 or fresh_is_step_0)}
+        newest = max((sg for sg, _, _ in held.values()), default=None)
+        cands = {r: v for r, v in held.items() if v[0] == newest}
+        top = max((steps for _, steps, _ in cands.values()), default=0)
         if g.gen > 0:  # a recovery: members agreed on the step, no state has moved yet
             probe.fault_point("restore", top)
         ready = {}
@@ -279,6 +286,11 @@ class Worker:
             resume = self.restore_snapshots(g)
         self.steps_done, self.state_gen = resume, g.gen
         self.verified, self.candidate, self.mismatch = (resume, self.flat_state()), None, False
+        if self.cfg.snapshot_every > 0 and g.rank // shards == g.replicas[0]:
+            # The state every member holds now, so that losing every holder of a shard before
+            # the next step's snapshot still finds this one.
+            with contextlib.suppress(queue.Full):
+                self.snapshots.put_nowait((resume, g.rank % shards, self.verified[1]))
         if g.rank == g.members[0]:
             self.store.set(f"resume/{g.gen}", str(resume))
         if g.gen > 0:

@@ -146,6 +146,22 @@ def _kill_rank_hot_spare(run: Run) -> None:
     assert len(survivors) == len(run.ranks) - 1
 
 
+def _kill_shard_hot_spare(run: Run) -> None:
+    """Both holders of shard 0 died together, so no live peer had its state: every rank,
+    the survivors of shard 1 too, loaded the controller's snapshot of one common step, and
+    two spares took ranks 0 and 2 over; the survivors never restarted."""
+    kills = [e for e in run.events("fault_injected") if e.get("fault") == 0]
+    assert sorted(e["rank"] for e in kills) == [0, 2]
+    killed = min(e["t"] for e in kills)
+    loaded = run.events("checkpoint_loaded")
+    assert sorted(e["rank"] for e in loaded) == run.ranks
+    assert all(e["path"].startswith("peer-memory snapshot") for e in loaded), loaded
+    (resumed,) = {e["step"] for e in loaded}
+    assert 0 < resumed <= _step_at(run, killed)
+    hellos = [e["rank"] for e in run.events("hello") if e.get("role") == "trainer"]
+    assert sorted(hellos) == [0, 0, 1, 2, 2, 3]
+
+
 def _nan_gradient_rollback(run: Run) -> None:
     """The NaN reaches rank 3's data-parallel peer (rank 1) through the gradient average;
     both report it for the poisoned step, and nothing else goes wrong."""
@@ -260,6 +276,7 @@ EVIDENCE: dict[str, Callable[[Run], None]] = {
     "training/freeze_rank_restart": _freeze_rank_restart,
     "training/kill_rank_hot_spare": _kill_rank_hot_spare,
     "training/nan_gradient_rollback": _nan_gradient_rollback,
+    "training/kill_shard_hot_spare": _kill_shard_hot_spare,
     "training/kill_rank_elastic": _elastic,
     "faults/memory_bitflip_param_fingerprint": _fingerprints,
     "faults/storage_corrupt_checkpoint": _skips_newest("sha256 mismatch"),

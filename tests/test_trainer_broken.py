@@ -94,3 +94,25 @@ def test_corrupt_gradient_all_reduce_catches_ranks_that_vote_alone(
     first = _first_commits(events)
     assert first[(0, 26)] < first[(1, 25)]
     assert not result.passed
+
+
+def test_lost_shard_catches_snapshots_without_optimizer_state(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shared_cache: Path
+) -> None:
+    """The controller's snapshots bring back the parameters only; AdamW's moments and step
+    count start over. The recovery looks perfect (fast, at most the steps since the snapshot
+    recomputed); only the parameters tell. On two ranks the scenario's shard 0 is the whole
+    world: every rank restores from the snapshots, the same path. (Before the fix in
+    resilient.sync, two fresh spares took their seeded initial state for step 0 there and
+    the run silently started over: lost_steps 30, no snapshot loaded.)"""
+    result = run_broken(TRAINING / "kill_shard_hot_spare.yaml", tmp_path / "run", monkeypatch,
+                        shared_cache, bug="snapshot_without_optimizer", two_ranks=True)
+    found = checks(result)
+    for name in ("completes", "faults_injected", "time_to_detect", "time_to_recover",
+                 "lost_steps"):
+        assert found[name].passed, found[name].message
+    assert not found["params_match"].passed
+    assert "parameters differ" in found["params_match"].message, found["params_match"].message
+    loaded = read_events(tmp_path / "run" / "events.jsonl", "checkpoint_loaded")
+    assert {e["path"].split(" of ")[0] for e in loaded} == {"peer-memory snapshot"}
+    assert not result.passed
