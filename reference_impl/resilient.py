@@ -80,6 +80,39 @@ class Groups:
     dp_ranks: list[int]
 
 
+@dataclass(frozen=True, slots=True)
+class Held:
+    """The state a member brings to a sync, as it told the others."""
+
+    gen: int  # its lineage: the generation that last trained it (or, for a state received in
+    #           a sync, the source's); -1: never trained or received (the seeded init)
+    steps: int  # optimizer steps applied to it
+    pending: int  # generation in which the next step's gradients were averaged and the vote
+    #               did not finish here; -1: none
+
+
+def ready_at(held: dict[int, Held], fresh_is_step_0: bool) -> tuple[int, set[int]]:
+    """(the step to resume from, the members that hold it or can roll forward to it).
+
+    The newest lineage wins: a replica that was dropped holds an older one (the survivors
+    went on with other math) and never counts, whatever its step. Within it the most
+    advanced state wins, and a member that averaged that step's gradients in the same
+    generation but lost the vote may apply them: someone completed the vote, so every member
+    contributed to it. A never-trained member's seeded init counts as step 0 only while
+    ``fresh_is_step_0`` (nothing was ever committed). Nobody holding anything: (0, empty), and
+    the caller goes to the snapshots.
+    """
+    usable = {r: h for r, h in held.items() if h.gen >= 0 or fresh_is_step_0}
+    if not usable:
+        return 0, set()
+    newest = max(h.gen for h in usable.values())
+    top = max(h.steps for h in usable.values() if h.gen == newest)
+    ready = {r for r, h in usable.items()
+             if (h.gen == newest and h.steps == top)
+             or (h.pending == newest and h.steps == top - 1)}
+    return top, ready
+
+
 class Worker:
     def __init__(self, cfg: Any, slot: int, inc: int, host: str, port: int) -> None:
         self.cfg = cfg
@@ -93,8 +126,14 @@ class Worker:
         self.model: ParallelMLP | None = None
         self.opt: torch.optim.Optimizer | None = None
         self.steps_done = -1  # optimizer steps applied to the state we hold; -1: no state
-        self.state_gen = -1  # generation whose sync made our state valid; -1: fresh init
+        # Lineage of our state: the generation that last trained it, or the source's when a
+        # sync gave it to us (a sync alone changes nothing, so it moves no lineage: a member
+        # whose sync failed while its peers' completed still holds the same state as they
+        # do); -1: the seeded init, never trained.
+        self.state_gen = -1
         self.pending = False  # gradients of step steps_done+1 are averaged, vote unfinished
+        self.pending_gen = -1  # the generation that averaged them
+        self.committed = False  # this process committed a step (and told the store so)
         self.rolled_back_to = -1  # step of the last fingerprint rollback
         self.mismatch = False  # our DP group's fingerprints differed at the last check
         # The newest state all fingerprints agreed on, and one checked here awaiting the vote.
@@ -246,28 +285,17 @@ class Worker:
         """Agree on the step to resume from and give every member that state."""
         assert self.opt is not None
         shards = self.cfg.shards
-        mine = torch.tensor([self.state_gen, self.steps_done, int(self.pending), g.rank])
+        pending = self.pending_gen if self.pending else -1
+        mine = torch.tensor([self.state_gen, self.steps_done, pending, g.rank])
         rows = [torch.zeros(4, dtype=torch.int64) for _ in g.members]
         g.world.allgather([rows], [mine]).wait()
-        info = {int(row[3]): [int(v) for v in row[:3]] for row in rows}
-        # A member that never completed a sync (a fresh spare, a re-forked worker) holds the
-        # seeded initial state. That is the state of step 0 only while no generation has
-        # completed a sync, since no step can be committed before one has; after that it is
-        # no state at all, and if every holder of a shard is gone, the snapshots are.
-        fresh_is_step_0 = g.gen == 0 or not any(
-            _store.has(self.store, f"resume/{k}") for k in range(g.gen))
-        held = {r: v for r, v in info.items() if v[1] >= 0 and (v[0] >= 0 or fresh_is_step_0)}
-        newest = max((sg for sg, _, _ in held.values()), default=None)
-        cands = {r: v for r, v in held.items() if v[0] == newest}
-        top = max((steps for _, steps, _ in cands.values()), default=0)
+        held = {int(row[3]): Held(int(row[0]), int(row[1]), int(row[2])) for row in rows}
+        # The seeded init is the state of step 0 until some process committed a step.
+        fresh_is_step_0 = not _store.has(self.store, "committed")
+        top, ready = ready_at(held, fresh_is_step_0)
+        newest = max((held[r].gen for r in ready if held[r].steps == top), default=-1)
         if g.gen > 0:  # a recovery: members agreed on the step, no state has moved yet
             probe.fault_point("restore", top)
-        ready = {}
-        for r, (_, steps, pending) in cands.items():
-            # A rank that averaged step `top`'s gradients but lost the vote may apply them:
-            # someone completed that vote, so every rank contributed its gradients to it.
-            if steps == top or (steps == top - 1 and pending):
-                ready[r] = top
         if self.rank in ready and self.steps_done == top - 1:
             self.opt.step()
             self.steps_done = top
@@ -278,13 +306,15 @@ class Worker:
             if have:
                 sources[shard] = have[0]
         if len(sources) == shards:
-            resume = top
+            resume, lineage = top, newest
             if any(r not in ready for r in g.dp_ranks):
                 self.copy_from_peer(g, sources[g.rank % shards], resume,
                                     receive=g.rank not in ready)
         else:
-            resume = self.restore_snapshots(g)
-        self.steps_done, self.state_gen = resume, g.gen
+            # Every member, survivors of the other shards too, now holds the snapshots' state:
+            # a lineage of this generation's own.
+            resume, lineage = self.restore_snapshots(g), g.gen
+        self.steps_done, self.state_gen = resume, lineage
         self.verified, self.candidate, self.mismatch = (resume, self.flat_state()), None, False
         if self.cfg.snapshot_every > 0 and g.rank // shards == g.replicas[0]:
             # The state every member holds now, so that losing every holder of a shard before
@@ -358,7 +388,7 @@ class Worker:
                 n = p.numel()
                 p.grad.copy_(flat[offset : offset + n].view_as(p))
                 offset += n
-            self.pending = True
+            self.pending, self.pending_gen = True, g.gen
             flags = (nonfinite, self.mismatch, self.plan_ahead > g.gen)
             vote = torch.tensor([float(flag) for flag in flags])
             g.world.allreduce([vote]).wait()
@@ -373,6 +403,7 @@ class Worker:
                 back, state = self.verified
                 self.load_flat(state)
                 self.steps_done, self.mismatch, self.candidate = back, False, None
+                self.state_gen = g.gen  # every member of the generation rolls back with us
                 why = "rolled back to the last matching fingerprints"
                 if self.rolled_back_to == back:
                     # The same disagreement again from the same state: the saved state itself
@@ -388,7 +419,10 @@ class Worker:
                 continue
             probe.fault_point("optimizer", step)
             opt.step()
-            self.steps_done = step
+            self.steps_done, self.state_gen = step, g.gen
+            if not self.committed:  # fresh processes no longer hold the state of step 0
+                self.committed = True
+                self.store.set("committed", "1")
             probe.step(step, world=self.world_size, rank=g.rank, loss=float(flat[-1]),
                        generation=g.gen, replicas=live)
             if self.candidate is not None:
