@@ -210,6 +210,8 @@ def load_latest(
     for step in listing[0]:
         path = step_dir(root, step)
         payload, reason = verify(path, rank, meta)
+        # This rank knows the step it would restore; the ranks have not agreed on it yet.
+        probe.fault_point("restore", step)
         ok = torch.tensor([1 if payload is not None else 0], dtype=torch.int32)
         dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
         if payload is None:

@@ -318,8 +318,6 @@ def train(cfg: TrainConfig, layout: Layout, world: int, device: torch.device,
     loaded = checkpoint.load_latest(ckpt_root, cfg.fingerprint(), layout.world_group)
     if loaded is not None:
         step, path, state = loaded
-        # Every rank agreed on this checkpoint; none has trained from it yet.
-        probe.fault_point("restore", step)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"]["torch"])

@@ -127,6 +127,25 @@ def _kill_rank_restart(run: Run) -> None:
     assert sorted(e["rank"] for e in first) == run.ranks
 
 
+def _kill_during_restart_recovery(run: Run) -> None:
+    """The relaunched rank 1 died inside the recovery, holding the newest checkpoint's step in
+    view before the ranks agreed on it; the second world never trained. torchrun relaunched
+    once more and every rank of the third world resumed from that same checkpoint."""
+    first, second = run.injection(0), run.injection(1)
+    assert (second["rank"], second["phase"]) == (1, "restore")
+    restored = second["step"]
+    assert restored in [e["step"] for e in run.events("checkpoint_saved") if e["t"] < first["t"]]
+    hellos = run.events("hello")
+    assert {e["generation"] for e in hellos} == {0, 1, 2}
+    second_world = min(e["t"] for e in hellos if e["generation"] == 1)
+    assert first["t"] < second_world < second["t"]
+    assert not [e for e in run.events("step") if second_world < e["t"] < second["t"]]
+    loaded = run.events("checkpoint_loaded")
+    assert sorted(e["rank"] for e in loaded) == run.ranks
+    assert {e["step"] for e in loaded} == {restored}
+    assert all(e["t"] > second["t"] for e in loaded)
+
+
 def _freeze_rank_restart(run: Run) -> None:
     """Nothing errors: only the collective timeout can see the hang, then the world restarts."""
     frozen = run.injection()["t"]
@@ -209,6 +228,25 @@ def _elastic(run: Run) -> None:
     assert not run.events("failure_detected", folder="replay")
 
 
+def _kill_during_elastic_recovery(run: Run) -> None:
+    """The returning rank 1 died inside its recovery, after the rejoining generation agreed
+    on the step and before any state moved; replica 0 was dropped twice and rejoined, and
+    every generation's state came from live members: no snapshot was needed, although one
+    survivor's sync had failed with the dying receiver on its other end."""
+    first, second = run.injection(0), run.injection(1)
+    assert (second["rank"], second["phase"]) == (1, "restore")
+    assert second["t"] > first["t"]
+    rejoins = [e for e in run.events("membership") if e["replicas"] == [0, 1]]
+    assert any(first["t"] < e["t"] < second["t"] for e in rejoins), "killed outside a rejoin"
+    log = run.dir / "output" / "membership.jsonl"
+    generations = [json.loads(line)["replicas"] for line in log.read_text().splitlines()]
+    assert generations.count([1]) >= 2
+    assert generations[-1] == [0, 1]
+    assert not run.events("checkpoint_loaded"), "a state came from the snapshots"
+    assert run.events("params", folder="replay")
+    assert not run.events("failure_detected", folder="replay")
+
+
 def _fingerprints(run: Run) -> None:
     """The flipped weight is caught by the next cross-replica fingerprint (every 10 steps,
     the trainer's default), on the flipped rank's shard only, and the run rolls back to the
@@ -274,10 +312,12 @@ EVIDENCE: dict[str, Callable[[Run], None]] = {
     "training/fault_free": _fault_free,
     "training/kill_rank_restart": _kill_rank_restart,
     "training/freeze_rank_restart": _freeze_rank_restart,
+    "training/kill_during_recovery_restart": _kill_during_restart_recovery,
     "training/kill_rank_hot_spare": _kill_rank_hot_spare,
     "training/nan_gradient_rollback": _nan_gradient_rollback,
     "training/kill_shard_hot_spare": _kill_shard_hot_spare,
     "training/kill_rank_elastic": _elastic,
+    "training/kill_during_recovery_elastic": _kill_during_elastic_recovery,
     "faults/memory_bitflip_param_fingerprint": _fingerprints,
     "faults/storage_corrupt_checkpoint": _skips_newest("sha256 mismatch"),
     "faults/storage_truncate_checkpoint": _skips_newest("size mismatch"),

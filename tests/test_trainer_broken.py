@@ -140,3 +140,22 @@ def test_kill_during_elastic_recovery_catches_a_lineage_moved_by_every_sync(
                    for p in (tmp_path / "run" / "logs").rglob("*.log"))
     assert "no live replica and no complete snapshot for some shard" in logs
     assert not result.passed
+
+
+def test_kill_during_restart_recovery_catches_a_checkpoint_blamed_for_a_dead_peer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shared_cache: Path
+) -> None:
+    """When the ranks fail to agree on the checkpoint to resume from, rank 0 deletes it so
+    that the next restart does not try it again. The second kill lands exactly there, so a
+    good checkpoint (step 20) is thrown away for a dead peer and the third world goes back
+    to step 10. A single kill never fails the agreement and passes this trainer."""
+    result = run_broken(TRAINING / "kill_during_recovery_restart.yaml", tmp_path / "run",
+                        monkeypatch, shared_cache, bug="quarantine_on_failed_agreement",
+                        two_ranks=True)
+    found = checks(result)
+    for name in ("completes", "faults_injected", "params_match", "time_to_detect"):
+        assert found[name].passed, found[name].message
+    assert not found["lost_steps"].passed, found["lost_steps"].message
+    loaded = read_events(tmp_path / "run" / "events.jsonl", "checkpoint_loaded")
+    assert {e["step"] for e in loaded} == {10}
+    assert not result.passed

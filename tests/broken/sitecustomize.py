@@ -51,6 +51,41 @@ def prune_before_commit(checkpoint: ModuleType) -> None:
     checkpoint.save = broken
 
 
+def quarantine_on_failed_agreement(checkpoint: ModuleType) -> None:
+    """When the ranks fail to agree on the checkpoint to resume from, rank 0 blames the
+    checkpoint and deletes it so that the next restart does not try it again. A peer that
+    dies during the agreement then costs a good checkpoint."""
+    load_latest = checkpoint.load_latest
+
+    def broken(root: Path, meta: Any, group: Any) -> Any:
+        import torch.distributed as dist
+
+        try:
+            return load_latest(root, meta, group)
+        except RuntimeError:
+            newest = checkpoint.committed_steps(root)
+            if dist.get_rank(group) == 0 and newest:
+                shutil.rmtree(newest[0][1], ignore_errors=True)
+            raise
+
+    checkpoint.load_latest = broken
+
+
+def lineage_per_sync(resilient: ModuleType) -> None:
+    """A completed sync makes a member's state current in that generation, whether or not the
+    sync changed it. When a second failure interrupts a recovery, the members whose sync
+    completed then outrank their peers whose sync failed while holding the very same state,
+    and a shard whose only holder is such a peer counts as lost."""
+    sync = resilient.Worker.sync
+
+    def broken(self: Any, g: Any) -> int:
+        resume = sync(self, g)
+        self.state_gen = g.gen
+        return resume
+
+    resilient.Worker.sync = broken
+
+
 def vote_alone(trainer: ModuleType) -> None:
     """Each rank decides alone whether its gradients are finite: no vote over the world.
     A NaN in one shard's gradients then makes only that shard skip the step."""
@@ -107,6 +142,9 @@ def snapshot_without_optimizer(resilient: ModuleType) -> None:
 
 BUGS: dict[str, tuple[str, Callable[[ModuleType], None]]] = {
     "prune_before_commit": ("reference_impl.checkpoint", prune_before_commit),
+    "quarantine_on_failed_agreement": ("reference_impl.checkpoint",
+                                       quarantine_on_failed_agreement),
+    "lineage_per_sync": ("reference_impl.resilient", lineage_per_sync),
     "vote_alone": ("reference_impl.trainer", vote_alone),
     "stale_snapshot": ("reference_impl.resilient", stale_snapshot),
     "full_average": ("reference_impl.resilient", full_average),
