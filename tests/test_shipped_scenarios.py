@@ -5,7 +5,8 @@ is a specific reaction of the system (a checkpoint skipped for its checksum, a w
 taking a rank over, survivors training on alone) also has its timeline checked for that
 reaction, so it cannot pass for the wrong reason: these runs are the reference trainer's
 end-to-end tests too. The deliberately broken variants that show each check failing live in
-test_hot_spare.py, test_replay_check.py, test_e2e_command.py and test_cli.py.
+test_trainer_broken.py, test_hot_spare.py, test_replay_check.py, test_e2e_command.py and
+test_cli.py.
 
 Slow by nature: each run launches the reference trainer under torchrun (tens of CPU-seconds
 for 4 ranks, about half that for the 2-rank world of most fault scenarios), and a scenario
