@@ -45,12 +45,16 @@ def test_torn_save_catches_a_save_that_drops_the_previous_checkpoint_first(
     assert not result.passed
 
 
-def _first_commits(events: Path) -> dict[tuple[int, int], float]:
-    """(rank, step) -> when that rank first committed that step."""
-    first: dict[tuple[int, int], float] = {}
+def _last_before_the_break(events: Path) -> dict[int, int]:
+    """Rank -> the last step it committed before the world broke (the first failure other
+    than the NaN itself)."""
+    broke = min(e["t"] for e in read_events(events, "failure_detected")
+                if e["cause"] != "non_finite")
+    last: dict[int, int] = {}
     for e in read_events(events, "step"):
-        first.setdefault((e["rank"], e["step"]), e["t"])
-    return first
+        if e["t"] < broke:
+            last[e["rank"]] = max(last.get(e["rank"], 0), e["step"])
+    return last
 
 
 def test_nan_in_one_shard_catches_ranks_that_vote_alone(
@@ -71,9 +75,10 @@ def test_nan_in_one_shard_catches_ranks_that_vote_alone(
     events = tmp_path / "run" / "events.jsonl"
     nan = [e for e in read_events(events, "failure_detected") if e["cause"] == "non_finite"]
     assert {(e["rank"], e["step"]) for e in nan} == {(1, 25), (3, 25)}
-    # The defect itself: shard 0 went on to step 26 before shard 1 had committed step 25.
-    first = _first_commits(events)
-    assert first[(0, 26)] < first[(1, 25)]
+    # The defect itself: shard 0 applied step 25 and shard 1 computed it again, so shard 0
+    # stayed one step ahead until their collectives stopped matching.
+    last = _last_before_the_break(events)
+    assert last[0] == last[2] == last[1] + 1 == last[3] + 1, last
     assert not result.passed
 
 
@@ -91,8 +96,8 @@ def test_corrupt_gradient_all_reduce_catches_ranks_that_vote_alone(
     events = tmp_path / "run" / "events.jsonl"
     nan = [e for e in read_events(events, "failure_detected") if e["cause"] == "non_finite"]
     assert {(e["rank"], e["step"]) for e in nan} == {(1, 25)}
-    first = _first_commits(events)
-    assert first[(0, 26)] < first[(1, 25)]
+    last = _last_before_the_break(events)
+    assert last[0] == last[1] + 1, last
     assert not result.passed
 
 
