@@ -105,9 +105,10 @@ class Cluster:
         assert self.subnet is not None, "the cluster has not started"
         return f"{self.subnet.split('/')[0].rsplit('.', 1)[0]}.{FIRST_HOST + index}"
 
-    def _network(self) -> None:
+    def make_network(self) -> None:
         """A network on a /24 that no other network of this engine holds: tried at random
-        (concurrent runs), the engine refusing an overlap."""
+        (concurrent runs), the engine refusing an overlap. ``start`` makes it when it was not
+        made before; made first, the nodes' addresses are known before their commands are."""
         import docker
 
         taken = set()
@@ -139,7 +140,8 @@ class Cluster:
         assert len(commands) == self.nodes
         started = time.monotonic()
         image_id, self.timings["image_s"] = image.ensure_base(self.api)
-        self._network()
+        if self.subnet is None:
+            self.make_network()
         self.timings["network_s"] = time.monotonic() - started
         hosts = {f"node{i}": self.address(i) for i in range(self.nodes)}
         binds = [*image.host_mounts(), *self.mounts, f"{self.run_dir}:{self.run_dir}:rw"]
