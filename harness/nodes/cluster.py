@@ -51,9 +51,11 @@ class NodeState:
 
 
 def torchrun_argv(*, nodes: int, nproc: int, rdzv_host: str, run_id: str, max_restarts: int,
-                  log_dir: Path, program: Sequence[str]) -> list[str]:
+                  log_dir: Path, program: Sequence[str], rdzv_conf: str = "") -> list[str]:
     """torchrun on one node of ``nodes``, meeting the others through c10d rendezvous at node
-    0's agent; ranks are given by arrival at each rendezvous round, as torchrun does."""
+    0's agent; ranks are given by arrival at each rendezvous round, as torchrun does.
+    ``rdzv_conf`` is torchrun's ``--rdzv-conf`` (e.g. ``keep_alive_interval=1``): how soon
+    the survivors' agents give up on a lost node's agent."""
     return [
         sys.executable, "-m", "torch.distributed.run",
         f"--nnodes={nodes}",
@@ -63,6 +65,7 @@ def torchrun_argv(*, nodes: int, nproc: int, rdzv_host: str, run_id: str, max_re
         f"--rdzv-id={run_id}",
         f"--max-restarts={max_restarts}",
         "--monitor-interval=0.1",
+        *([f"--rdzv-conf={rdzv_conf}"] if rdzv_conf else []),
         f"--log-dir={log_dir}",
         "--tee=3",
         *program,
