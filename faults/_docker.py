@@ -14,11 +14,12 @@ import os
 import re
 import signal
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from faults._errors import FaultUnavailable
+from faults.journal import UndoContext, UndoRefused
 
 RUN_LABEL = "aftershock.run"  # the run id, on every container, network and image we make
 NODE_LABEL = "aftershock.node"  # a node container's index in its run (0, 1, ...)
@@ -123,6 +124,32 @@ def run_of(api: Any, container_id: str, run_id: str) -> Node | None:
         found = "no aftershock.run label" if node.run is None else f"{RUN_LABEL}={node.run!r}"
         raise FaultUnavailable(f"container {container_id[:12]} is not of run {run_id}: {found}")
     return node
+
+
+def validate_container(undo: Mapping[str, Any], context: UndoContext) -> str:
+    """An undo record's ``container``, if it is a container id, the record names this
+    journal's run, and the container (when it still exists) carries this run's label: the
+    engine is asked, since a record can say anything. Raises UndoRefused otherwise."""
+    container_id = undo.get("container")
+    if not is_container_id(container_id):
+        raise UndoRefused(f"{container_id!r} is not a container id")
+    if undo.get("run") != context.run_id:
+        raise UndoRefused(f"run {undo.get('run')!r} is not this journal's run {context.run_id}")
+    with contextlib.closing(client()) as api:
+        node = inspect(api, str(container_id))
+    if node is not None and node.run != context.run_id:
+        raise UndoRefused(f"container {str(container_id)[:12]} is not labelled "
+                          f"{RUN_LABEL}={context.run_id} (found {node.run!r})")
+    return str(container_id)
+
+
+def member(container_id: str) -> int | None:
+    """A live process of the container (host pid), found by its cgroup without the engine:
+    the way into the container's namespaces when the process a fault hit is gone."""
+    for name in os.listdir("/proc"):
+        if name.isdigit() and container_of(int(name)) == container_id:
+            return int(name)
+    return None
 
 
 def wait_status(api: Any, container_id: str, wanted: Sequence[str], timeout: float) -> Node | None:

@@ -50,22 +50,6 @@ def _preflight_engine() -> list[str]:
     return [] if problem is None else [problem]
 
 
-def _validate_container(undo: Mapping[str, Any], context: UndoContext) -> str:
-    """The record names a container id, and the container, if it still exists, carries this
-    run's label (the engine is asked: a record can say anything)."""
-    container_id = undo.get("container")
-    if not _docker.is_container_id(container_id):
-        raise UndoRefused(f"{container_id!r} is not a container id")
-    if undo.get("run") != context.run_id:
-        raise UndoRefused(f"run {undo.get('run')!r} is not this journal's run {context.run_id}")
-    with contextlib.closing(_docker.client()) as api:
-        node = _docker.inspect(api, str(container_id))
-    if node is not None and node.run != context.run_id:
-        raise UndoRefused(f"container {str(container_id)[:12]} is not labelled "
-                          f"{_docker.RUN_LABEL}={context.run_id} (found {node.run!r})")
-    return str(container_id)
-
-
 class Kill:
     info = KindInfo(
         kind="node.kill",
@@ -129,7 +113,7 @@ class Freeze:
                 api.api.unpause(node.id)
 
     def validate(self, undo: Mapping[str, Any], context: UndoContext) -> None:
-        _validate_container(undo, context)
+        _docker.validate_container(undo, context)
 
 
 def _partition_rules(table: str, direction: str) -> str:
@@ -205,7 +189,7 @@ class Partition:
         context.name(undo.get("table"))
         if not isinstance(undo.get("pid"), int):
             raise UndoRefused(f"pid {undo.get('pid')!r} is not a number")
-        _validate_container(undo, context)
+        _docker.validate_container(undo, context)
 
 
 class Restart:

@@ -26,18 +26,19 @@ from faults.node import FREEZE, KILL, PARTITION, RESTART
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 
-def _heard(cluster: Any, listener: int, sender: int, since: float,
+def _heard(cluster: Any, listener: int, sender: int | str, since: float,
            until: float | None = None) -> int:
-    """How many datagrams ``listener`` got from ``sender`` in [since, until)."""
+    """How many lines ``listener`` logged from ``sender`` in [since, until): a node index for
+    its UDP datagrams, ``t<index>`` for its TCP lines, ``reset`` for broken connections."""
     path = Path(cluster.run_dir) / f"recv-{listener}.log"
     if not path.exists():
         return 0
     count = 0
     for line in path.read_text().splitlines():
-        who, _, when = line.partition(" ")
+        who, _, when = line.rpartition(" ")
         with contextlib.suppress(ValueError):
             t = float(when)
-            if who == str(sender) and t >= since and (until is None or t < until):
+            if who.split()[0] == str(sender) and t >= since and (until is None or t < until):
                 count += 1
     return count
 
@@ -171,3 +172,40 @@ def test_heal_thaws_and_removes_the_run_and_refuses_another_runs_container(
     assert not mine.api.networks.list(filters={"label": f"{_docker.RUN_LABEL}={mine.run_id}"})
     assert _docker.inspect(other_api, other.containers[0]).status == "paused"  # type: ignore[union-attr]
     other_api.api.unpause(other.containers[0])
+
+
+def test_net_partition_of_one_process_in_a_node_cuts_only_its_sockets(udp_nodes: Any) -> None:
+    """net.partition on a process inside a container: its TCP connections to the other node
+    go silent, while the node itself (its UDP, not marked) still talks: a process's partition,
+    not the node's. Reverted, the same connections carry data again."""
+    from faults.net import PARTITION as NET_PARTITION
+
+    cluster = udp_nodes()
+    now = time.monotonic()
+    assert _wait(lambda: _heard(cluster, 1, "t0", now) >= 2), "no TCP from node 0"
+    journal = _journal(cluster)
+    applied = NET_PARTITION.inject(_agent(cluster, 0), {"new_connections": False}, journal)
+    cut = time.monotonic()
+    time.sleep(1.0)
+    assert _heard(cluster, 1, "t0", cut + 0.3) == 0, "node 0's TCP went on"
+    assert _heard(cluster, 1, 0, cut + 0.3) > 0, "the whole node was cut, not the process"
+    assert applied.undo["container"] == cluster.containers[0]
+    NET_PARTITION.revert(applied.undo)
+    journal.done(str(applied.journal_id))
+    healed = time.monotonic()
+    assert _wait(lambda: _heard(cluster, 1, "t0", healed) >= 2), "TCP never resumed"
+
+
+def test_net_reset_of_a_process_in_a_node_resets_its_connections(udp_nodes: Any) -> None:
+    from faults.net import RESET
+
+    cluster = udp_nodes()
+    now = time.monotonic()
+    assert _wait(lambda: _heard(cluster, 1, "t0", now) >= 2), "no TCP from node 0"
+    before = time.monotonic()
+    applied = RESET.inject(_agent(cluster, 0), {"port": 9001}, _journal(cluster))
+    assert "reset" in applied.detail
+    # The agent's own connection to node 1 broke (it logs the reset) and was made again.
+    assert _wait(lambda: _heard(cluster, 0, "reset", before) >= 1, 10), applied.detail
+    again = time.monotonic()
+    assert _wait(lambda: _heard(cluster, 1, "t0", again) >= 2)
