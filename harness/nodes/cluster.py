@@ -224,6 +224,20 @@ class Cluster:
                     found.append(ref)
         return found
 
+    def host_process(self, index: int, ns_pid: int) -> ProcessRef | None:
+        """The host's view of the process that node ``index`` calls ``ns_pid``: what a probe
+        event's ``pid`` names inside a node (its own PID namespace), from the ``NSpid`` line
+        of /proc/PID/status (host pid first, the node's last)."""
+        for ref in self.processes(index):
+            with contextlib.suppress(OSError, ValueError), \
+                    open(f"/proc/{ref.pid}/status") as handle:
+                for line in handle:
+                    if line.startswith("NSpid:"):
+                        if int(line.split()[-1]) == ns_pid:
+                            return ref
+                        break
+        return None
+
     def rank_processes(self) -> dict[int, ProcessRef]:
         """Global rank -> its worker process, from the RANK torchrun gave it; the topmost
         process with that RANK (a rank's own children inherit it)."""

@@ -141,6 +141,19 @@ def test_restart_reboots_the_node_at_the_same_address(udp_nodes: Any) -> None:
     assert _wait(lambda: _heard(cluster, 1, 0, again) >= 2)
 
 
+def test_a_pid_inside_a_node_maps_to_its_host_process(udp_nodes: Any) -> None:
+    """Events from a node carry the pid its own PID namespace gives (1 is the node's init);
+    the cluster finds the host's process for it, and no other node's."""
+    cluster = udp_nodes()
+    init = _docker.inspect(cluster.api, cluster.containers[1])
+    assert init is not None
+    found = cluster.host_process(1, 1)
+    assert found is not None
+    assert found.pid == init.pid
+    assert cluster.host_process(0, 1) != found
+    assert cluster.host_process(1, 99999) is None
+
+
 def test_a_container_of_another_run_or_a_host_process_is_never_hit(udp_nodes: Any) -> None:
     cluster = udp_nodes(nodes=1)
     stranger = Journal.create(uuid.uuid4().hex, folders=[cluster.run_dir])
