@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv demo test test-fast test-scenarios fuzz lint typecheck bench clean
+.PHONY: venv demo test test-fast test-scenarios fuzz lint typecheck bench clean docker-engine
 
 venv: $(STAMP)
 
@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)" numpy
-	$(PY) -m pip install --quiet -e '.[dev,fuse]'
+	$(PY) -m pip install --quiet -e '.[dev,fuse,nodes]'
 	touch $(STAMP)
 
 demo: venv
@@ -28,6 +28,12 @@ test: venv
 # Every shipped scenario, through the CLI and the pytest plugin, with its timeline evidence.
 test-scenarios: venv
 	$(PY) -m pytest -m scenarios
+
+# A Docker engine for the node scenarios (docs/nodes.md): installs docker.io if missing, starts
+# dockerd (no iptables, no default bridge), waits for it and builds the nodes' base image. As
+# root; CI runs it before the tests. Without an engine the node tests skip and say why.
+docker-engine: venv
+	ci/docker-engine $(PY)
 
 test-fast: venv
 	$(PY) -m pytest -m "not slow and not scenarios"

@@ -47,6 +47,9 @@ from faults.journal import (
 )
 
 LAUNCH_KIND = "launch"
+# The launch record of a run's containers (faults/_docker.py LAUNCH_KIND): its undo removes
+# every container and network labelled with the run id.
+NODES_KIND = "nodes"
 Outcome = Literal["undone", "refused", "failed", "skipped"]
 # `aftershock heal` exits with the worst: an undo failed (a fault may still be applied),
 # else something was refused (not proven ours: untouched), else 0.
@@ -102,10 +105,26 @@ def validate_launch(undo: Mapping[str, Any], context: UndoContext) -> None:
         raise UndoRefused(f"cgroup {group!r} is not the cgroup of run {context.run_id}")
 
 
+def validate_nodes(undo: Mapping[str, Any], context: UndoContext) -> None:
+    """A run's containers (faults/_docker.py): only those labelled with this journal's own
+    run id, which the engine filters on; no container id or name is taken from the record."""
+    from faults import _docker
+
+    if undo.get("label") != _docker.RUN_LABEL:
+        raise UndoRefused(f"label {undo.get('label')!r} is not {_docker.RUN_LABEL}")
+    if undo.get("value") != context.run_id:
+        raise UndoRefused(
+            f"value {undo.get('value')!r} is not this journal's run id {context.run_id!r}"
+        )
+
+
 def validate_entry(entry: Pending, context: UndoContext) -> None:
     """Raise UndoRefused unless ``entry`` names only what its run made."""
     if entry.op == "launch":
-        validate_launch(entry.undo, context)
+        if entry.kind == NODES_KIND:
+            validate_nodes(entry.undo, context)
+        else:
+            validate_launch(entry.undo, context)
         return
     try:
         kind = registry.get(entry.kind)
@@ -127,6 +146,11 @@ def validate_entry(entry: Pending, context: UndoContext) -> None:
 
 
 def revert_entry(entry: Pending) -> None:
+    if entry.op == "launch" and entry.kind == NODES_KIND:
+        from faults import _docker
+
+        _docker.remove_run(str(entry.undo["value"]))
+        return
     if entry.op == "launch":
         # The run's cgroup first: it holds even the processes that dropped the run id.
         group = entry.undo.get("cgroup")
@@ -198,7 +222,10 @@ def _heal_locked(path: Path, fd: int, orphans_only: bool) -> list[Healed]:
                 for why in contents.malformed]
     journal = Journal(path=path)
     left = False
-    for entry in sorted(contents.pending, key=lambda e: e.op == "launch"):
+    # Faults first, then the run's containers (removing them thaws and ends their processes,
+    # which a signal cannot while a node is paused), then its processes on this host.
+    for entry in sorted(contents.pending,
+                        key=lambda e: (e.op == "launch", e.kind != NODES_KIND)):
         outcome: Outcome = "undone"
         reason = None
         try:

@@ -2,8 +2,11 @@
 
 Both act on the target's own sockets, found through its fd table and
 /proc/PID/net/tcp{,6}, so traffic among the other processes is left alone.
-Only the host's network namespace is supported (a target in another one,
-e.g. in a container, is refused with FaultUnavailable).
+A target in another network namespace (a rank in a node's container) is hit
+in its own namespace: `ss` and `nft` run there (setns(2) before exec), and a
+partition there drops the target's packets on every interface, not only
+loopback, since its peers on other nodes are reached through the node's
+network. Any other namespace is refused with FaultUnavailable.
 
 There is no ``net.delay``: this kernel has no qdisc support (``tc qdisc add dev
 lo root netem`` answers "Specified qdisc kind is unknown"), so latency is left
@@ -15,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import functools
 import os
 import shutil
 import socket
@@ -24,8 +28,9 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from faults import _cgroup, _nft
+from faults import _cgroup, _docker, _nft
 from faults._errors import FaultUnavailable
+from faults._netns import enter as _netns_enter
 from faults._proc import ProcessRef
 from faults._sockets import CONNECTED, LISTEN, TcpSocket, same_netns, tcp_sockets, tcp_table
 from faults.journal import Journal, UndoContext, UndoRefused, undone_on_error
@@ -35,12 +40,25 @@ from faults.registry import Applied, KindInfo, register
 _NFT_CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
-def _check_netns(target: ProcessRef) -> None:
-    if not same_netns(target.pid):
+def _netns(target: ProcessRef) -> int | None:
+    """None when the target shares the harness's network namespace; else a descriptor of
+    the target's own (the caller closes it), if the target is in a container: a namespace
+    the harness did not make otherwise is not its to touch."""
+    if same_netns(target.pid):
+        return None
+    if _docker.container_of(target.pid) is None:
         raise FaultUnavailable(
-            f"pid {target.pid} is in another network namespace; net faults support only "
-            "processes in the harness's own namespace"
+            f"pid {target.pid} is in another network namespace that is not a container's; "
+            "net faults reach the harness's own namespace and its nodes' containers"
         )
+    return os.open(f"/proc/{target.pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+
+
+def _in_netns(netns: int | None) -> dict[str, Any]:
+    """subprocess arguments that run a tool inside ``netns`` (or here, for None)."""
+    if netns is None:
+        return {}
+    return {"pass_fds": (netns,), "preexec_fn": functools.partial(_netns_enter, netns)}
 
 
 def _ss_binary() -> str:
@@ -69,7 +87,8 @@ class Reset:
         summary="Reset the target's established TCP connections (the peer gets an RST).",
         caused_by="`ss -K` (SOCK_DESTROY through inet_diag) with a filter naming the exact "
         "4-tuple of each TCP connection the process holds (found through /proc/PID/fd and "
-        "/proc/PID/net/tcp{,6}); the process sees ECONNABORTED, its peer ECONNRESET. "
+        "/proc/PID/net/tcp{,6}), run in the process's own network namespace (a node's "
+        "container's, too); the process sees ECONNABORTED, its peer ECONNRESET. "
         "Needs CONFIG_INET_DIAG_DESTROY and CAP_NET_ADMIN.",
         params={
             "port": "reset only connections whose local or remote port is this; default all",
@@ -87,7 +106,14 @@ class Reset:
         return problems
 
     def inject(self, target: ProcessRef, params: Mapping[str, Any], journal: Journal) -> Applied:
-        _check_netns(target)
+        netns = _netns(target)
+        try:
+            return self._reset(target, params, netns)
+        finally:
+            if netns is not None:
+                os.close(netns)
+
+    def _reset(self, target: ProcessRef, params: Mapping[str, Any], netns: int | None) -> Applied:
         port = int(params["port"]) if params.get("port") is not None else None
         socks = _selected(tcp_sockets(target.pid), port)
         if not target.alive():
@@ -105,6 +131,7 @@ class Reset:
             text=True,
             timeout=30,
             check=False,
+            **_in_netns(netns),
         )
         inodes = {s.inode for s in socks}
         left = [s for s in tcp_table(target.pid) if s.inode in inodes and s.state in CONNECTED]
@@ -216,24 +243,45 @@ def _remark(target: ProcessRef, old: int | None, new: int) -> int:
     return len(changed)
 
 
-def _ruleset(table: str, mark: int, cgroup: tuple[str, int] | None) -> str:
+def _ruleset(table: str, mark: int, cgroup: tuple[str, int] | None, *, lo_only: bool = True
+             ) -> str:
     """Drop rules for the sockets tagged ``mark`` and, if ``cgroup`` is (path, level), for
-    every socket created in that group later."""
+    every socket created in that group later; on loopback only (the harness's namespace,
+    where every peer is local) or, ``lo_only`` False, on every interface (a node's)."""
     text = f"table inet {table} {{\n"
     for chain, hook, dev in (("out", "output", "oifname"), ("in", "input", "iifname")):
+        where = f'{dev} "lo" ' if lo_only else ""
         text += f"  chain {chain} {{\n    type filter hook {hook} priority -10; policy accept;\n"
         # On output the packet carries its socket's mark; on input the socket it is
         # delivered to is looked up: a listener's mark drops every new connection to it,
         # and the sockets it accepts inherit the mark.
         which = "meta mark" if hook == "output" else "socket mark"
-        text += f'    {dev} "lo" {which} {mark:#x} drop\n'
+        text += f"    {where}{which} {mark:#x} drop\n"
         if cgroup is not None:
             # Sockets created after the cut carry the target's cgroup. On output the
             # packet's own socket is checked; on input the socket it is delivered to.
             path, level = cgroup
-            text += f'    {dev} "lo" socket cgroupv2 level {level} "{path}" drop\n'
+            text += f'    {where}socket cgroupv2 level {level} "{path}" drop\n'
         text += "  }\n"
     return text + "}\n"
+
+
+def _delete_in_container(container: str, table: str, owner: ProcessRef | None) -> None:
+    """Delete ``table`` from the network namespace of ``container``, reached through the
+    fault's target if it lives, else any live process of the container; none left means
+    the container stopped and its namespace, table included, is gone."""
+    pid = owner.pid if owner is not None and owner.alive() else _docker.member(container)
+    if pid is None:
+        return
+    try:
+        netns = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return  # ended meanwhile
+    try:
+        if _docker.container_of(pid) == container:  # still that container's process
+            _nft.delete_table(table, netns=netns)
+    finally:
+        os.close(netns)
 
 
 class Partition:
@@ -247,6 +295,8 @@ class Partition:
         "`socket cgroupv2` after moving the process into its own cgroup v2 group. Rules "
         "match socket objects, never port numbers: a port the target released is free for "
         "others at once. Packets are dropped silently, so peers see timeouts, not resets. "
+        "For a process in a node's container the table goes into the container's network "
+        "namespace and drops its sockets' packets on every interface, not only loopback. "
         "Needs nftables, CAP_NET_ADMIN and CAP_SYS_PTRACE.",
         params={
             "new_connections": "also cut sockets the process opens after the cut, through a "
@@ -278,12 +328,24 @@ class Partition:
         return problems
 
     def inject(self, target: ProcessRef, params: Mapping[str, Any], journal: Journal) -> Applied:
-        _check_netns(target)
         _nft.nft_binary()
+        netns = _netns(target)
+        try:
+            return self._partition(target, params, journal, netns)
+        finally:
+            if netns is not None:
+                os.close(netns)
+
+    def _partition(self, target: ProcessRef, params: Mapping[str, Any], journal: Journal,
+                   netns: int | None) -> Applied:
         token = uuid.uuid4().hex[:12]
         table = f"{_nft.TABLE_PREFIX}{token}"
         mark = _MARK_BASE | int(token[:4], 16)
         undo: dict[str, Any] = {"table": table, "mark": mark, **target.to_json()}
+        if netns is not None:
+            # The table lives in the node's namespace: revert finds it again through any
+            # process of the same container, even once the target is gone.
+            undo.update({"container": _docker.container_of(target.pid), "run": journal.run_id})
         cgroup: tuple[str, int] | None = None
         group_dir: Path | None = None
         mount = _cgroup.v2_mount()
@@ -328,7 +390,7 @@ class Partition:
                     "needs pidfd_getfd (Linux 5.6) and CAP_SYS_PTRACE and CAP_NET_ADMIN"
                 ) from exc
             socks = tcp_sockets(target.pid)
-            _nft.load(_ruleset(table, mark, cgroup))
+            _nft.load(_ruleset(table, mark, cgroup, lo_only=netns is None), netns=netns)
         listening = sorted({s.local_port for s in socks if s.state == LISTEN})
         connected = sum(1 for s in socks if s.state in CONNECTED)
         detail = (
@@ -339,9 +401,12 @@ class Partition:
         return Applied(self.info.kind, entry, undo, detail)
 
     def revert(self, undo: Mapping[str, Any]) -> None:
-        _nft.delete_table(str(undo["table"]))
-        if undo.get("mark") is not None and undo.get("pid") is not None:
-            owner = ProcessRef(int(undo["pid"]), int(undo["start"]))
+        owner = ProcessRef(int(undo["pid"]), int(undo["start"])) if undo.get("pid") else None
+        if undo.get("container"):
+            _delete_in_container(str(undo["container"]), str(undo["table"]), owner)
+        else:
+            _nft.delete_table(str(undo["table"]))
+        if undo.get("mark") is not None and owner is not None:
             # A listener that kept the mark would pass it on to every connection it
             # accepts from now on; harmless without the table, but not ours to leave.
             with contextlib.suppress(OSError):
@@ -352,6 +417,8 @@ class Partition:
 
     def validate(self, undo: Mapping[str, Any], context: UndoContext) -> None:
         table = context.name(undo.get("table"))
+        if undo.get("container") is not None:
+            _docker.validate_container(undo, context)
         if undo.get("cgroup"):
             group = context.cgroup(undo, _cgroup.v2_mount())
             if group.name != table:

@@ -21,7 +21,7 @@ from faults.journal import Journal, UndoContext
 ENTRY_POINT_GROUP = "aftershock.faults"
 _BUILTIN_MODULES = (
     "faults.process", "faults.xid", "faults.memory", "faults.inproc",
-    "faults.net", "faults.storage", "faults.straggle",
+    "faults.net", "faults.storage", "faults.straggle", "faults.node",
 )
 
 

@@ -1,0 +1,230 @@
+"""Node faults: a whole node (a container of a multi-node run) dies, freezes, drops off the
+network or reboots.
+
+A node is a container on a real Docker engine (`harness/nodes/`, docs/nodes.md). The fault's
+target is any process of the node (its ranks, its torchrun agent): the container that holds
+it is found from the process's cgroup, or named by ``params["container"]``; either way it is
+hit only if its ``aftershock.run`` label names this run (the journal's run id), so a node
+fault never touches a container the run did not make. The engine is reached through the
+Docker SDK (faults/_docker.py), imported only when a node fault is used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+from faults import _docker, _nft
+from faults._errors import FaultUnavailable
+from faults._proc import ProcessRef
+from faults.journal import Journal, UndoContext, UndoRefused, undone_on_error
+from faults.registry import Applied, KindInfo, register
+
+DIRECTIONS = ("both", "in", "out")
+
+
+def _node(target: ProcessRef, params: Mapping[str, Any], journal: Journal) -> tuple[Any, Any]:
+    """(engine client, the node as it is now) for the target's container."""
+    explicit = params.get("container")
+    container_id = explicit if explicit else _docker.container_of(target.pid)
+    if not _docker.is_container_id(container_id):
+        where = (f"container {explicit!r} is not a full container id" if explicit
+                 else f"pid {target.pid} is not in a container")
+        raise FaultUnavailable(f"node faults act on containers: {where}")
+    api = _docker.client()
+    try:
+        node = _docker.run_of(api, str(container_id), journal.run_id)
+    except BaseException:
+        api.close()
+        raise
+    if node is None:
+        api.close()
+        raise FaultUnavailable(f"container {str(container_id)[:12]} is gone")
+    return api, node
+
+
+def _preflight_engine() -> list[str]:
+    problem = _docker.engine_problem()
+    return [] if problem is None else [problem]
+
+
+class Kill:
+    info = KindInfo(
+        kind="node.kill",
+        summary="The node dies: every process in its container at once, as when a host "
+        "loses power. It comes back only if its restart policy (`restart:` of the nodes "
+        "system) brings it back, as a cluster's supervisor would.",
+        caused_by="SIGKILL from the host to the container's init process (the engine's "
+        "State.Pid), which ends its whole PID namespace at once; its sockets close and its "
+        "network namespace goes with it. Not `docker kill`: the engine takes that for a "
+        "manual stop and would not apply the restart policy.",
+        params={"container": "the container (full id) instead of the target's own; default "
+                "the container of the target process"},
+    )
+
+    def preflight(self, params: Mapping[str, Any]) -> list[str]:
+        return _preflight_engine()
+
+    def inject(self, target: ProcessRef, params: Mapping[str, Any], journal: Journal) -> Applied:
+        api, node = _node(target, params, journal)
+        with contextlib.closing(api):
+            killed = _docker.kill_node(node)
+        what = f"node {node.index} (container {node.id[:12]}, init pid {node.pid})"
+        return Applied(self.info.kind, None, {},
+                       f"SIGKILL -> {what}" + ("" if killed else f": not running ({node.status})"))
+
+    def revert(self, undo: Mapping[str, Any]) -> None:
+        return None
+
+
+class Freeze:
+    info = KindInfo(
+        kind="node.freeze",
+        summary="The node freezes: every process in its container stops at once and keeps "
+        "its sockets, as a host wedged in the kernel or a VM paused by its hypervisor.",
+        caused_by="`pause` through the engine: the container's cgroup freezer stops all its "
+        "processes (not a signal: they cannot see or catch it); its network stays up, so "
+        "peers see silence, not a closed connection.",
+        params={"duration": "thaw after this long; default: at the end of the run",
+                "container": "the container (full id) instead of the target's own"},
+        reverted_by="`unpause` through the engine, if the container is still paused; a "
+        "crashed harness's reaper or `aftershock heal` removes the run's containers.",
+    )
+
+    def preflight(self, params: Mapping[str, Any]) -> list[str]:
+        return _preflight_engine()
+
+    def inject(self, target: ProcessRef, params: Mapping[str, Any], journal: Journal) -> Applied:
+        api, node = _node(target, params, journal)
+        with contextlib.closing(api):
+            undo = {"container": node.id, "run": journal.run_id}
+            entry = journal.intend(self.info.kind, undo)
+            with undone_on_error(journal, entry, self.revert, undo):
+                api.api.pause(node.id)
+        return Applied(self.info.kind, entry, undo,
+                       f"paused node {node.index} (container {node.id[:12]})")
+
+    def revert(self, undo: Mapping[str, Any]) -> None:
+        with contextlib.closing(_docker.client()) as api:
+            node = _docker.inspect(api, str(undo["container"]))
+            if node is not None and node.status == "paused":
+                api.api.unpause(node.id)
+
+    def validate(self, undo: Mapping[str, Any], context: UndoContext) -> None:
+        _docker.validate_container(undo, context)
+
+
+def _partition_rules(table: str, direction: str) -> str:
+    """Drop every packet into and/or out of the node on its network interfaces: everything
+    but loopback, so the node's own ranks still talk to each other, as on a host whose
+    uplink died. Silent drops: peers see timeouts, not resets."""
+    chains = {"in": ("input", "iifname"), "out": ("output", "oifname")}
+    text = f"table inet {table} {{\n"
+    for name in (("in", "out") if direction == "both" else (direction,)):
+        hook, dev = chains[name]
+        text += (f"  chain {name} {{\n    type filter hook {hook} priority -10; "
+                 f"policy accept;\n    {dev} != \"lo\" drop\n  }}\n")
+    return text + "}\n"
+
+
+class Partition:
+    info = KindInfo(
+        kind="node.partition",
+        summary="The node drops off the network: nothing reaches it from the other nodes and "
+        "nothing leaves it (direction: both), or one way only (in, out); its own processes "
+        "still talk to each other over loopback.",
+        caused_by="An nftables table `inet aftershock_<id>` inside the container's own "
+        "network namespace (nft run in that namespace through setns(2)) that drops every "
+        "packet on its non-loopback interfaces on the input and/or output hook. Packets are "
+        "dropped silently, as by a failed switch port: peers see timeouts, not resets. One "
+        "way (`in`) also starves the node's own connections of their acknowledgements, as a "
+        "real one-way link failure does.",
+        params={"direction": "both (default), in (nothing reaches the node) or out (nothing "
+                "leaves it)",
+                "duration": "heal after this long; default: at the end of the run",
+                "container": "the container (full id) instead of the target's own"},
+        reverted_by="`nft delete table inet aftershock_<id>` in the container's network "
+        "namespace, if the container still runs in it (a node that restarted has a new, "
+        "clean namespace). Established connections resume on TCP's next retransmission.",
+    )
+
+    def preflight(self, params: Mapping[str, Any]) -> list[str]:
+        problems = _preflight_engine()
+        try:
+            _nft.nft_binary()
+        except FaultUnavailable as exc:
+            problems.append(str(exc))
+        return problems
+
+    def inject(self, target: ProcessRef, params: Mapping[str, Any], journal: Journal) -> Applied:
+        direction = str(params.get("direction", "both"))
+        if direction not in DIRECTIONS:
+            raise ValueError(f"direction {direction!r} is not one of {', '.join(DIRECTIONS)}")
+        _nft.nft_binary()
+        api, node = _node(target, params, journal)
+        table = f"{_nft.TABLE_PREFIX}{uuid.uuid4().hex[:12]}"
+        with contextlib.closing(api), _docker.netns_of(api, node) as netns:
+            # The init pid names the namespace the table goes into; revert deletes it only
+            # from that same namespace, never from a later one of a restarted node.
+            undo = {"container": node.id, "run": journal.run_id, "table": table,
+                    "pid": node.pid}
+            entry = journal.intend(self.info.kind, undo)
+            with undone_on_error(journal, entry, self.revert, undo):
+                _nft.load(_partition_rules(table, direction), netns=netns)
+        return Applied(self.info.kind, entry, undo,
+                       f"node {node.index} (container {node.id[:12]}) partitioned "
+                       f"({direction}, table {table} in its network namespace)")
+
+    def revert(self, undo: Mapping[str, Any]) -> None:
+        with contextlib.closing(_docker.client()) as api:
+            node = _docker.inspect(api, str(undo["container"]))
+            if node is None or node.pid != int(undo["pid"]) or node.pid <= 0:
+                return  # gone or restarted: the namespace that held the table is gone too
+            with _docker.netns_of(api, node) as netns:
+                _nft.delete_table(str(undo["table"]), netns=netns)
+
+    def validate(self, undo: Mapping[str, Any], context: UndoContext) -> None:
+        context.name(undo.get("table"))
+        if not isinstance(undo.get("pid"), int):
+            raise UndoRefused(f"pid {undo.get('pid')!r} is not a number")
+        _docker.validate_container(undo, context)
+
+
+class Restart:
+    info = KindInfo(
+        kind="node.restart",
+        summary="The node reboots: its container is stopped and started again, every process "
+        "in it starts from its command, with a new network namespace and the same address.",
+        caused_by="`restart` through the engine: SIGTERM to the container's init process, "
+        "SIGKILL after `grace`, then the same container (same address, same mounts) started "
+        "again.",
+        params={"grace": "time the node's processes get to exit after SIGTERM; default 0s "
+                "(a hard reset)",
+                "container": "the container (full id) instead of the target's own"},
+    )
+
+    def preflight(self, params: Mapping[str, Any]) -> list[str]:
+        return _preflight_engine()
+
+    def inject(self, target: ProcessRef, params: Mapping[str, Any], journal: Journal) -> Applied:
+        grace = float(params.get("grace", 0.0))
+        api, node = _node(target, params, journal)
+        with contextlib.closing(api):
+            # The engine counts whole seconds: 0 is a hard reset.
+            api.api.restart(node.id, timeout=round(grace))
+            after = _docker.inspect(api, node.id)
+        pid = after.pid if after is not None else 0
+        return Applied(self.info.kind, None, {},
+                       f"restarted node {node.index} (container {node.id[:12]}, init pid "
+                       f"{node.pid} -> {pid})")
+
+    def revert(self, undo: Mapping[str, Any]) -> None:
+        return None
+
+
+KILL = register(Kill())
+FREEZE = register(Freeze())
+PARTITION = register(Partition())
+RESTART = register(Restart())
