@@ -455,6 +455,7 @@ EVIDENCE: dict[str, Callable[[Run], None]] = {
     # Corrupted after the average, on rank 1 alone.
     "faults/collective_corrupt_nan": _vote({1}),
     "faults/collective_error_hot_spare": _regrouped("collective_error"),
+    "faults/collective_hang_elastic": _regrouped("collective_timeout"),
 }
 
 
