@@ -135,3 +135,40 @@ expect:
     # Nobody applied step 8 when it failed: each rank committed every step exactly once.
     committed = sorted((e["rank"], e["step"]) for e in events if e["event"] == "step")
     assert committed == [(rank, step) for rank in (0, 1) for step in range(1, 21)]
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "defect in reference_impl/controller.py: a member wedged inside a collective keeps "
+    "beating (its heartbeat is another thread), so the controller regroups the same members "
+    "and waits forever for it at the next generation's start line; it should fence it as it "
+    "fences a silent member"))
+def test_a_collective_wedged_for_good_is_fenced_under_hot_spare(tmp_path: Path) -> None:
+    """A communicator that never comes back, on a member whose other threads run on. Its
+    peers see the collective time out; recovery needs the wedged member replaced (fenced,
+    then a spare takes its rank), since it will never join another generation."""
+    code, record, events = run_text(tmp_path, """\
+name: inproc-hot-spare-wedged
+system:
+  reference: trainer
+  world: {replicas: 2, shards: 1}
+  recovery: hot_spare
+  spares: 1
+  steps: 20
+  collective_timeout: 3s
+  timeout: 45s
+faults:
+  - kind: collective.hang
+    target: {rank: 1}
+    at: {step: 5, phase: backward}
+    op: all_reduce
+expect:
+  completes: true
+  time_to_detect: {max: 5s, cause: [collective_timeout]}
+  time_to_recover: {max: 15s}
+""")
+    # It fails for the right reason: the wedge landed and the peers saw it time out.
+    (hit,) = [e for e in events if e["event"] == "fault_injected"]
+    assert (hit["rank"], hit["op"]) == (1, "all_reduce")
+    assert any(e["cause"] == "collective_timeout" for e in events
+               if e["event"] == "failure_detected" and e["t"] > hit["t"])
+    assert code == 0, record["checks"]
