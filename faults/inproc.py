@@ -390,6 +390,8 @@ class FaultyGroup:
 
     def __getattr__(self, name: str) -> Any:
         # Only for what the class does not define: the group's own non-collective methods.
+        if name in FaultyGroup.__slots__:  # not set yet (copy, unpickling): no recursion
+            raise AttributeError(name)
         return getattr(self._group, name)
 
     def __repr__(self) -> str:
