@@ -119,19 +119,22 @@ faults:
 expect:
   completes: true
 """)
-    assert code == 0, record["checks"]
+    # What went on, for the message of any assertion below.
+    story = [{k: e.get(k) for k in ("event", "rank", "cause", "why", "role", "generation")}
+             for e in events if e["event"] in ("hello", "failure_detected", "membership")]
+    assert code == 0, (record["checks"], story)
     (hit,) = [e for e in events if e["event"] == "fault_injected"]
     assert (hit["rank"], hit["op"], hit["step"], hit["phase"]) == (1, "all_reduce", 8,
                                                                    "backward")
     seen = [e for e in events if e["event"] == "failure_detected" and e.get("rank") == 1
             and e["t"] >= hit["t"]]
-    assert seen, "rank 1 never reported its failed collective"
-    assert seen[0]["cause"] == "collective_error"
+    assert seen, ("rank 1 never reported its failed collective", story)
+    assert seen[0]["cause"] == "collective_error", story
     assert "injected failure of all_reduce" in seen[0]["error"]
     # The same members regrouped: no spare took a rank over, no survivor said hello again.
     trainers = sorted(e["rank"] for e in events
                       if e["event"] == "hello" and e.get("role") == "trainer")
-    assert trainers == [0, 1]
+    assert trainers == [0, 1], story
     # Nobody applied step 8 when it failed: each rank committed every step exactly once.
     committed = sorted((e["rank"], e["step"]) for e in events if e["event"] == "step")
     assert committed == [(rank, step) for rank in (0, 1) for step in range(1, 21)]
