@@ -8,9 +8,22 @@ environment); the probe in each rank reads new lines at its fault points and
 collective calls, and applies the ones meant for its rank when their condition
 holds. It reports the moment it applied one as a ``fault_injected`` event.
 
-The collective wrapper patches the ``torch.distributed`` functions, so it works
-the same for Gloo and NCCL; code that bound ``dist.all_reduce`` to another
-name before :func:`install_collectives` ran is not affected.
+Collective faults act on process-group objects, whoever calls them. A group the
+target builds itself (the reference trainer's hot_spare and elastic strategies
+build a ``ProcessGroupGloo`` per membership generation and call its methods) is
+opted in with ``harness.probe.wrap_group(group)``, which returns a
+:class:`FaultyGroup`: a wrapper around that object, as torchft's
+``FakeProcessGroupWrapper`` wraps any ProcessGroup, whose collective methods ask
+the engine before calling the group's own. The groups torch.distributed creates
+and keeps in its own tables (``init_process_group``, ``new_group``) cannot be
+swapped for a wrapper once the target holds them, and torch.distributed's
+functions are their only Python entry point, so :func:`install_collectives`
+routes those functions through the same engine. One engine decides for both
+entry points, with the same op names, counts and conditions; a call on a
+wrapped group made through a torch.distributed function counts once. Both work
+the same for Gloo and NCCL. Not reached: C++ callers (DDP's reducer, functional
+collectives) and code that bound ``dist.all_reduce`` to another name before
+:func:`install_collectives` ran.
 
 This module imports torch only inside the functions that run in the target.
 """
@@ -42,6 +55,27 @@ COLLECTIVES = (
     "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier",
     "send", "recv", "gather", "scatter",
 )
+
+#: Collective methods of process-group objects (``ProcessGroup`` and backends such as
+#: ``ProcessGroupGloo``, torch 2.x), by the op name scenarios use for them.
+GROUP_METHODS = {
+    "allreduce": "all_reduce", "allreduce_coalesced": "all_reduce",
+    "allgather": "all_gather", "allgather_coalesced": "all_gather",
+    "all_gather_single": "all_gather_into_tensor", "_allgather_base": "all_gather_into_tensor",
+    "allgather_into_tensor_coalesced": "all_gather_into_tensor",
+    "all_gather_single_coalesced": "all_gather_into_tensor",
+    "broadcast": "broadcast", "reduce": "reduce",
+    "reduce_scatter": "reduce_scatter",
+    "reduce_scatter_single": "reduce_scatter_tensor",
+    "_reduce_scatter_base": "reduce_scatter_tensor",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter_tensor",
+    "reduce_scatter_single_coalesced": "reduce_scatter_tensor",
+    "alltoall": "all_to_all", "alltoall_base": "all_to_all_single",
+    "all_to_all_single": "all_to_all_single",
+    "barrier": "barrier", "monitored_barrier": "barrier",
+    "send": "send", "recv": "recv", "recv_anysource": "recv",
+    "gather": "gather", "scatter": "scatter",
+}
 
 
 def send(path: str, command: Mapping[str, Any]) -> None:
@@ -265,7 +299,10 @@ class Engine:
 
     # -- collectives
     def around(self, op: str, call: Callable[..., Any], args: tuple[Any, ...],
-               kwargs: dict[str, Any]) -> Any:
+               kwargs: dict[str, Any], *, returns_work: bool = False) -> Any:
+        """Run ``call(*args, **kwargs)``, the collective ``op``, unless an armed fault takes
+        this call. ``returns_work``: ``call`` is a process-group method, which returns a
+        ``Work`` to wait for even when the caller did not ask for ``async_op``."""
         with self._lock:
             self.refresh()
             self.calls[op] += 1
@@ -306,21 +343,84 @@ class Engine:
             return call(*args, **kwargs)
         # collective.corrupt: the op completes, then its result is poisoned on this rank.
         result = call(*args, **kwargs)
-        if kwargs.get("async_op") and result is not None:
+        if (returns_work or kwargs.get("async_op")) and result is not None:
             result.wait()
         from faults.memory import poison_tensor
 
-        tensor = args[0] if args else kwargs.get("tensor")
-        if isinstance(tensor, list):
-            tensor = tensor[0] if tensor else None
+        tensor = _first_tensor(args[0] if args else kwargs.get("tensor"))
         if tensor is not None:
             poison_tensor(tensor, str(params.get("mode", "nan")), index=params.get("index"),
                           bit=params.get("bit"), seed=int(params.get("seed", 0)))
         return result
 
 
+def _first_tensor(value: Any) -> Any:
+    """The tensor a collective leaves its result in: its first argument, or the first tensor
+    of its (nested) lists of outputs (``allgather([[out0, out1]], [in])``); None for a call
+    that has none here (a barrier, a gather's non-root rank)."""
+    import torch
+
+    while isinstance(value, list | tuple):
+        value = next((v for v in value if not isinstance(v, list | tuple) or v), None)
+    return value if torch.is_tensor(value) else None
+
+
+class FaultyGroup:
+    """A process group whose collectives ask an :class:`Engine` first.
+
+    Wraps any process-group object (a ``torch.distributed.ProcessGroup``, or a backend such
+    as ``ProcessGroupGloo``) as torchft's ``FakeProcessGroupWrapper`` wraps any
+    ProcessGroup: each collective method (:data:`GROUP_METHODS`) goes through
+    :meth:`Engine.around` and then to the wrapped group's own method; every other attribute
+    is the wrapped group's. It holds the only reference the wrapper adds, so dropping the
+    wrapper drops the group (and, for Gloo, closes its sockets) as dropping the group did.
+    Built by ``harness.probe.wrap_group``.
+    """
+
+    __slots__ = ("__weakref__", "_engine", "_group")
+
+    def __init__(self, group: Any, engine: Engine) -> None:
+        self._group = group
+        self._engine = engine
+
+    @property
+    def wrapped(self) -> Any:
+        """The process group itself."""
+        return self._group
+
+    def __getattr__(self, name: str) -> Any:
+        # Only for what the class does not define: the group's own non-collective methods.
+        if name in FaultyGroup.__slots__:  # not set yet (copy, unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self._group, name)
+
+    def __repr__(self) -> str:
+        return f"FaultyGroup({self._group!r})"
+
+
+def _collective_method(method: str, op: str) -> Callable[..., Any]:
+    def collective(self: FaultyGroup, *args: Any, **kwargs: Any) -> Any:
+        return self._engine.around(op, getattr(self._group, method), args, kwargs,
+                                   returns_work=True)
+
+    collective.__name__ = collective.__qualname__ = method
+    collective.__doc__ = f"The wrapped group's ``{method}`` (``{op}`` in scenarios)."
+    return collective
+
+
+for _method, _op in GROUP_METHODS.items():
+    setattr(FaultyGroup, _method, _collective_method(_method, _op))
+
+
+def wrap_group(group: Any, engine: Engine) -> Any:
+    """``group`` with its collectives routed through ``engine`` (once: a wrapped group is
+    returned as it is)."""
+    return group if isinstance(group, FaultyGroup) else FaultyGroup(group, engine)
+
+
 def install_collectives(engine: Engine) -> None:
-    """Route the torch.distributed collectives through ``engine``."""
+    """Route the torch.distributed collectives through ``engine``: the entry point of the
+    groups torch.distributed keeps in its own tables."""
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
@@ -330,6 +430,10 @@ def install_collectives(engine: Engine) -> None:
             continue
 
         def wrapper(*args: Any, __op: str = name, __call: Any = original, **kwargs: Any) -> Any:
+            if any(isinstance(a, FaultyGroup) for a in (*args, *kwargs.values())):
+                # torch.distributed calls the wrapped group's method, which asks the engine:
+                # one call, counted once.
+                return __call(*args, **kwargs)
             return engine.around(__op, __call, args, kwargs)
 
         wrapper.__aftershock__ = True  # type: ignore[attr-defined]
@@ -367,11 +471,15 @@ def _collective_info(kind: str, summary: str, extra: dict[str, str]) -> KindInfo
     return KindInfo(
         kind=kind,
         summary=summary,
-        caused_by="the probe's wrapper around torch.distributed's collectives (Gloo and NCCL "
-        "alike) acts on the `call`-th matching call of `op` on the target rank, at or after "
+        caused_by="the probe wraps the target's process-group objects (torchft's "
+        "FakeProcessGroupWrapper pattern; groups a trainer builds itself, through "
+        "harness.probe.wrap_group) and torch.distributed's collective functions (the groups "
+        "it keeps in its own tables), Gloo and NCCL alike, and acts on the `call`-th matching "
+        "call of `op` on the target rank, at or after "
         "`at: {step}`; with `at.phase`, only calls made after that fault point of the step "
         "count (`phase: backward`: the gradient all_reduce, not the forward pass's); the "
-        "target must call harness.probe.install().",
+        "target must call harness.probe.install() (torch.distributed's groups) or "
+        "harness.probe.wrap_group() on each group it builds.",
         params={"op": _OP_HELP, "call": "the k-th matching call after arming, default 1",
                 **extra},
         reverted_by="the hang is released" if kind == "collective.hang" else "nothing to undo",

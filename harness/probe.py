@@ -30,7 +30,8 @@ _fd: int | None = None
 _fd_path: str | None = None
 _logical_rank: int | None = None
 _generation: Any = None  # the world this process last named in a hello or step
-_engine: Any = None  # faults.inproc.Engine once install() ran
+_engine: Any = None  # faults.inproc.Engine once install() or wrap_group() ran
+_engine_lock = threading.Lock()
 
 
 def enabled() -> bool:
@@ -131,22 +132,53 @@ def set_rank(rank: int | None) -> None:
 
 def install(*, model: Any = None, optimizer: Any = None,
             tensors: dict[str, Any] | None = None) -> bool:
-    """Opt in to in-process faults: wrap torch.distributed's collectives and name the
-    tensors memory faults may hit (parameters, gradients, optimizer state, extras given
-    as name -> zero-argument getter). A no-op, returning False, unless the harness
-    launched this process. Call again to add tensors (e.g. after rebuilding a model)."""
+    """Opt in to in-process faults: route torch.distributed's collective functions through
+    the fault engine and name the tensors memory faults may hit (parameters, gradients,
+    optimizer state, extras given as name -> zero-argument getter). A no-op, returning
+    False, unless the harness launched this process. Call again to add tensors (e.g. after
+    rebuilding a model). Groups the process builds itself, outside torch.distributed's
+    tables, opt in through :func:`wrap_group`."""
+    engine = _start_engine()
+    if engine is None:
+        return False
+    engine.watch(model, optimizer, tensors)
+    _publish_addresses(model)
+    return True
+
+
+def wrap_group(group: Any) -> Any:
+    """Opt a process group in to in-process collective faults, whoever calls it.
+
+    Returns a wrapper that behaves as ``group`` (any ``torch.distributed.ProcessGroup`` or
+    backend, e.g. a ``ProcessGroupGloo`` built directly) and asks the fault engine before
+    each of its collectives: use it instead of ``group``. Returns ``group`` itself unless
+    the harness launched this process, so production code can keep the call. Needed for
+    groups called directly (``group.allreduce(...)``) that torch.distributed did not create
+    through ``init_process_group`` or ``new_group``; those are covered by :func:`install`.
+    """
+    engine = _start_engine()
+    if engine is None:
+        return group
+    from faults import inproc
+
+    return inproc.wrap_group(group, engine)
+
+
+def _start_engine() -> Any:
+    """The in-process fault engine, started on first use (which also routes
+    torch.distributed's collective functions through it); None outside the harness."""
     global _engine
     path = os.environ.get(COMMANDS_ENV)
     if not enabled() or not path:
-        return False
-    from faults import inproc  # torch and the engine only where faults are wanted
+        return None
+    with _engine_lock:
+        if _engine is None:
+            from faults import inproc  # torch and the engine only where faults are wanted
 
-    if _engine is None:
-        _engine = inproc.Engine(inproc.Inbox(path), rank=_rank, emit=emit)
-        inproc.install_collectives(_engine)
-    _engine.watch(model, optimizer, tensors)
-    _publish_addresses(model)
-    return True
+            engine = inproc.Engine(inproc.Inbox(path), rank=_rank, emit=emit)
+            inproc.install_collectives(engine)
+            _engine = engine
+    return _engine
 
 
 def _publish_addresses(model: Any) -> None:

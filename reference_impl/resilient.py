@@ -271,7 +271,10 @@ class Worker:
 
         def group(name: str, ranks: list[int]) -> Any:
             prefixed = dist.PrefixStore(f"gen{gen}/{name}/", self.store)
-            return dist.ProcessGroupGloo(prefixed, ranks.index(rank), len(ranks), timeout)
+            # Called directly, never through torch.distributed's functions: opted in to
+            # Aftershock's collective faults here (the group itself outside the harness).
+            return probe.wrap_group(
+                dist.ProcessGroupGloo(prefixed, ranks.index(rank), len(ranks), timeout))
 
         shards = self.cfg.shards
         replica, shard = divmod(rank, shards)

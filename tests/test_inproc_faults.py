@@ -1,5 +1,6 @@
 """In-process faults (collective.*, memory.* on named tensors) through the probe,
-on a real 2-rank Gloo job under torchrun."""
+on a real 2-rank Gloo job under torchrun, and on the process groups the reference trainer's
+hot_spare strategy builds itself."""
 
 from __future__ import annotations
 
@@ -16,8 +17,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 
 def run(tmp_path: Path, faults: str, expect: str = "") -> tuple[int, dict, list[dict]]:
-    path = tmp_path / "s.yaml"
-    path.write_text(f"""\
+    return run_text(tmp_path, f"""\
 name: inproc
 system:
   command: [{sys.executable}, -m, torch.distributed.run, --nproc-per-node=2,
@@ -29,6 +29,11 @@ faults:
 {faults}
 {expect}
 """)
+
+
+def run_text(tmp_path: Path, text: str) -> tuple[int, dict, list[dict]]:
+    path = tmp_path / "s.yaml"
+    path.write_text(text)
     out = tmp_path / "out.json"
     proc = cli("run", str(path), "--json", str(out), "--run-dir", str(tmp_path / "runs"),
                "--plain", timeout=230)
@@ -90,3 +95,83 @@ def test_collective_error_on_the_kth_call(tmp_path: Path) -> None:
     assert any("injected failure of all_reduce" in c for c in causes)
     # torchrun restarted the job once, and the fault did not fire again in the restart.
     assert max(e["generation"] for e in events if e["event"] == "hello") == 1
+
+
+def test_a_collective_fault_reaches_the_groups_hot_spare_builds(tmp_path: Path) -> None:
+    """hot_spare never calls torch.distributed's functions: it builds a ProcessGroupGloo per
+    membership generation and calls its methods (``group.allreduce``). The probe wraps those
+    group objects, so the fault lands on the gradient all_reduce all the same; the trainer
+    sees a failed collective, and regroups the same members without restarting anyone."""
+    code, record, events = run_text(tmp_path, """\
+name: inproc-hot-spare
+system:
+  reference: trainer
+  world: {replicas: 2, shards: 1}
+  recovery: hot_spare
+  spares: 1
+  steps: 20
+  collective_timeout: 3s
+faults:
+  - kind: collective.error
+    target: {rank: 1}
+    at: {step: 8, phase: backward}
+    op: all_reduce
+expect:
+  completes: true
+""")
+    # What went on, for the message of any assertion below.
+    story = [{k: e.get(k) for k in ("event", "rank", "cause", "why", "role", "generation")}
+             for e in events if e["event"] in ("hello", "failure_detected", "membership")]
+    assert code == 0, (record["checks"], story)
+    (hit,) = [e for e in events if e["event"] == "fault_injected"]
+    assert (hit["rank"], hit["op"], hit["step"], hit["phase"]) == (1, "all_reduce", 8,
+                                                                   "backward")
+    seen = [e for e in events if e["event"] == "failure_detected" and e.get("rank") == 1
+            and e["t"] >= hit["t"]]
+    assert seen, ("rank 1 never reported its failed collective", story)
+    assert seen[0]["cause"] == "collective_error", story
+    assert "injected failure of all_reduce" in seen[0]["error"]
+    # The same members regrouped: no spare took a rank over, no survivor said hello again.
+    trainers = sorted(e["rank"] for e in events
+                      if e["event"] == "hello" and e.get("role") == "trainer")
+    assert trainers == [0, 1], story
+    # Nobody applied step 8 when it failed: each rank committed every step exactly once.
+    committed = sorted((e["rank"], e["step"]) for e in events if e["event"] == "step")
+    assert committed == [(rank, step) for rank in (0, 1) for step in range(1, 21)]
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "defect in reference_impl/controller.py: a member wedged inside a collective keeps "
+    "beating (its heartbeat is another thread), so the controller regroups the same members "
+    "and waits forever for it at the next generation's start line; it should fence it as it "
+    "fences a silent member"))
+def test_a_collective_wedged_for_good_is_fenced_under_hot_spare(tmp_path: Path) -> None:
+    """A communicator that never comes back, on a member whose other threads run on. Its
+    peers see the collective time out; recovery needs the wedged member replaced (fenced,
+    then a spare takes its rank), since it will never join another generation."""
+    code, record, events = run_text(tmp_path, """\
+name: inproc-hot-spare-wedged
+system:
+  reference: trainer
+  world: {replicas: 2, shards: 1}
+  recovery: hot_spare
+  spares: 1
+  steps: 20
+  collective_timeout: 3s
+  timeout: 45s
+faults:
+  - kind: collective.hang
+    target: {rank: 1}
+    at: {step: 5, phase: backward}
+    op: all_reduce
+expect:
+  completes: true
+  time_to_detect: {max: 5s, cause: [collective_timeout]}
+  time_to_recover: {max: 15s}
+""")
+    # It fails for the right reason: the wedge landed and the peers saw it time out.
+    (hit,) = [e for e in events if e["event"] == "fault_injected"]
+    assert (hit["rank"], hit["op"]) == (1, "all_reduce")
+    assert any(e["cause"] == "collective_timeout" for e in events
+               if e["event"] == "failure_detected" and e["t"] > hit["t"])
+    assert code == 0, record["checks"]

@@ -215,6 +215,31 @@ def _vote(poisoned: set[int]) -> Callable[[Run], None]:
     return check
 
 
+def _regrouped(cause: str) -> Callable[[Run], None]:
+    """A collective fault on the process group the trainer built itself (hot_spare and
+    elastic never call torch.distributed's functions): it landed on the named collective,
+    the first detection after it has ``cause``, and the controller regrouped the very same
+    members. No spare took a rank over, no survivor restarted, and no rank committed a step
+    twice or skipped one."""
+
+    def check(run: Run) -> None:
+        hit = run.injection()
+        assert hit["op"] == "all_reduce", hit
+        found = run.detected(after=hit["t"])
+        assert found, "nobody reported the failed collective"
+        assert found[0]["cause"] == cause, found[0]
+        plans = run.events("membership")
+        assert len(plans) >= 2, "the controller never regrouped"
+        assert all(e["members"] == plans[0]["members"] for e in plans), plans
+        hellos = [e["rank"] for e in run.events("hello") if e.get("role") == "trainer"]
+        assert sorted(hellos) == run.ranks
+        committed = sorted((e["rank"], e["step"]) for e in run.events("step"))
+        steps = range(1, run.system.steps + 1)
+        assert committed == [(rank, k) for rank in run.ranks for k in steps]
+
+    return check
+
+
 def _elastic(run: Run) -> None:
     """Replica 0 drops out, replica 1 trains alone, replica 0 heals and rejoins; the
     params_match check recomputed that membership with the independent oracle."""
@@ -429,6 +454,8 @@ EVIDENCE: dict[str, Callable[[Run], None]] = {
     "faults/memory_nan_gradient": _vote({1, 3}),
     # Corrupted after the average, on rank 1 alone.
     "faults/collective_corrupt_nan": _vote({1}),
+    "faults/collective_error_hot_spare": _regrouped("collective_error"),
+    "faults/collective_hang_elastic": _regrouped("collective_timeout"),
 }
 
 
