@@ -94,10 +94,11 @@ def run(
     ] = None,
 ) -> None:
     """Run scenarios: launch, inject faults, check recovery, report."""
+    from harness import systems
     from harness.errors import AftershockError, HarnessError, RunFailed, SpecError
     from harness.report import LiveObserver, PlainObserver
     from harness.runner import Interrupted, Observer, RunInterrupted, run_scenario
-    from harness.spec import TrainerSystem, discover, load_scenario
+    from harness.spec import discover, load_scenario
 
     try:
         files = discover(list(paths))
@@ -132,8 +133,7 @@ def run(
                     suffix = f"-{attempt + 1}" if repeat > 1 else ""
                     this_dir = run_dir / f"{scenario.spec.name}{suffix}"
                 this_seed = (seed if seed is not None else scenario.spec.seed) + attempt
-                total = (scenario.spec.system.steps
-                         if isinstance(scenario.spec.system, TrainerSystem) else None)
+                total = systems.of(scenario.spec.system).steps(scenario.spec.system)
                 if live:
                     with LiveObserver(console, total_steps=total) as view:
                         result = run_scenario(scenario, run_dir=this_dir, seed=this_seed,

@@ -24,7 +24,6 @@ from typing import Annotated, Any, Literal, Union
 import yaml
 from pydantic import (
     BaseModel,
-    ConfigDict,
     Discriminator,
     Field,
     Tag,
@@ -33,276 +32,59 @@ from pydantic import (
     model_validator,
 )
 
-from harness._duration import Duration
+from harness import systems
 from harness.errors import SpecError
 
+# The system kinds' models and the log probe live with their kinds (harness/systems/,
+# harness/logprobe.py, harness/loadgen.py); they are named here too, where the scenario
+# format is.
+from harness.loadgen import Load as Load
+from harness.loadgen import PromptMix as PromptMix
+from harness.logprobe import LogEventKind as LogEventKind
+from harness.logprobe import LogProbe as LogProbe
+from harness.schema import MAX_SEED as MAX_SEED
+from harness.schema import MAX_STEPS as MAX_STEPS
+from harness.schema import MAX_WORLD as MAX_WORLD
+from harness.schema import Duration
+from harness.schema import Strict as _Strict
+from harness.systems.command import CommandSystem as CommandSystem
+from harness.systems.server import ServerSystem as ServerSystem
+from harness.systems.trainer import TrainerSystem as TrainerSystem
+from harness.systems.trainer import World as World
+
 SCENARIO_SUFFIXES = (".yaml", ".yml")
-
-#: Event kinds a log probe may produce (see docs/events.md).
-LogEventKind = Literal[
-    "step",
-    "failure_detected",
-    "recovery_done",
-    "checkpoint_saved",
-    "checkpoint_loaded",
-    "params",
-]
-
-
-#: Numeric bounds (docs/scenarios.md, "Limits"): what one host can run, with room to spare.
-#: A value past them is a typo or an attack, and was accepted until it broke something later
-#: (10**400 steps; a 64 × 64 world of 4,096 processes).
-MAX_WORLD = 256  # processes of one scenario on one host: replicas × shards, or a command's
-MAX_STEPS = 10_000_000  # steps, and counts of steps, calls or events
-MAX_SEED = 2**32 - 1  # the range every seeded generator in the stack accepts (numpy's)
 _MAX_INDEX = 2**63 - 1  # offsets, sizes and element indexes (a signed 64-bit off_t)
-
-
-class _Strict(BaseModel):
-    # allow_inf_nan: `.inf` and `.nan` are YAML floats, and no float in a scenario means them.
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-
-
-class World(_Strict):
-    """Shape of the reference trainer: data-parallel replicas × sharded ranks."""
-
-    replicas: int = Field(2, ge=1, le=64, description="data-parallel replica groups")
-    shards: int = Field(2, ge=1, le=64, description="tensor-parallel ranks per replica")
-
-    @model_validator(mode="after")
-    def _fits_one_host(self) -> World:
-        if self.size > MAX_WORLD:
-            raise ValueError(f"{self.size} processes (replicas × shards); at most {MAX_WORLD} "
-                             "on one host")
-        return self
-
-    @property
-    def size(self) -> int:
-        return self.replicas * self.shards
-
-
-class TrainerSystem(_Strict):
-    """The reference fault-tolerant trainer (``reference_impl.trainer``) under torchrun."""
-
-    reference: Literal["trainer"]
-    world: World = World()
-    backend: Literal["gloo", "nccl"] = "gloo"
-    recovery: Literal["restart", "hot_spare", "elastic"] = Field(
-        "restart",
-        description="restart: torchrun relaunches the world from a checkpoint; hot_spare: warm "
-        "standby ranks take over from in-memory peer snapshots; elastic: survivors go on with "
-        "fewer replicas and a returning replica heals from a live peer",
-    )
-    spares: int = Field(1, ge=0, le=16, description="warm standby processes (hot_spare)")
-    snapshot_every: int = Field(
-        1, ge=1, le=MAX_STEPS, description="in-memory peer snapshot interval, in steps (hot_spare)"
-    )
-    steps: int = Field(200, ge=1, le=MAX_STEPS, description="optimizer steps to train")
-    checkpoint_every: int = Field(20, ge=1, le=MAX_STEPS,
-                                  description="durable checkpoint interval, in steps")
-    max_restarts: int = Field(3, ge=0, le=1000, description="torchrun --max-restarts")
-    collective_timeout: Duration = Field(
-        timedelta(seconds=3), description="how long a collective may wait before it aborts"
-    )
-    step_sleep: Duration = Field(
-        timedelta(0), description="extra time per step, to make a short run long enough to hit"
-    )
-    timeout: Duration = Field(timedelta(minutes=5), description="limit for the whole run")
-    env: dict[str, str] = Field(default_factory=dict, description="extra environment")
-
-
-class LogProbe(_Strict):
-    """Turns matching output lines of a system that has no probe into timeline events.
-
-    Named groups become event fields: ``step`` (int), ``rank`` (int), ``digest``,
-    ``cause``, and ``generation``: the identity of the world that wrote the line (a
-    restart count, a quorum id; an int when it is digits). Two steps with the same
-    ``generation`` were committed by one world; recovery and ``single_history`` need it
-    on step lines. ``time`` is the moment the line's event happened (for a step: when it
-    was committed), in seconds on ``clock``; without it an event is stamped when the
-    harness reads the line, which only bounds when it was written and never proves a
-    step came after a fault. Lines are matched after torchrun's ``[rank]:`` prefixes are
-    kept, so a pattern can capture the rank from them.
-    """
-
-    pattern: str
-    event: LogEventKind
-    stream: Literal["stdout", "stderr", "both"] = "both"
-    clock: Literal["monotonic", "unix"] = Field(
-        "monotonic",
-        description="what the (?P<time>...) group counts: monotonic: seconds of "
-        "CLOCK_MONOTONIC (Python's time.monotonic(), the clock of the timeline); unix: "
-        "seconds since the epoch (time.time()), converted with the offset between the two "
-        "clocks that the harness records at launch",
-    )
-
-    @field_validator("pattern")
-    @classmethod
-    def _compiles(cls, value: str) -> str:
-        try:
-            compiled = re.compile(value)
-        # re.compile raises OverflowError for a{99999999999} and runs out of stack on a few
-        # hundred nested groups.
-        except (re.error, OverflowError, RecursionError) as exc:
-            raise ValueError(f"not a valid regular expression: {exc}") from None
-        if "world" in compiled.groupindex:
-            raise ValueError("a (?P<world>...) group: name the world's identity "
-                             "(?P<generation>...); `world` is the world's size in events")
-        return value
-
-    @model_validator(mode="after")
-    def _clock_needs_time(self) -> LogProbe:
-        if self.clock != "monotonic" and "time" not in re.compile(self.pattern).groupindex:
-            raise ValueError(f"clock: {self.clock} needs a (?P<time>...) group in pattern")
-        return self
-
-
-class CommandSystem(_Strict):
-    """Any command line (a torchrun job, a user's server), observed through logs.
-
-    ``${run_dir}`` and ``${scenario_dir}`` in ``command`` and ``env`` values are
-    replaced by the run's own folder and the scenario file's folder.
-    """
-
-    command: list[str] = Field(min_length=1)
-    probes: list[LogProbe] = Field(default_factory=list)
-    world: int | None = Field(
-        None, ge=1, le=MAX_WORLD,
-        description="ranks at full strength; default: ranks seen before the fault"
-    )
-    cwd: str | None = Field(None, description="working directory, relative to the scenario file")
-    env: dict[str, str] = Field(default_factory=dict)
-    inputs: list[str] = Field(
-        default_factory=list,
-        description="files, folders or globs the command reads (modules run with -m, configs, "
-        "data), relative to its working directory. With the files named in `command`, their "
-        "content is part of the fault-free twin's cache key; each must exist",
-    )
-    timeout: Duration = Field(timedelta(minutes=5), description="limit for the whole run")
-
-    def workdir(self, scenario_dir: Path) -> Path:
-        """Where the command runs (and where its relative paths point)."""
-        return (scenario_dir / self.cwd).resolve() if self.cwd else scenario_dir.resolve()
-
-    def input_files(self, scenario_dir: Path) -> tuple[list[Path], list[int]]:
-        """The files ``inputs`` names (folders: every file under them), sorted, and the
-        indices of the entries that name nothing."""
-        base = self.workdir(scenario_dir)
-        files: set[Path] = set()
-        missing: list[int] = []
-        for index, pattern in enumerate(self.inputs):
-            if any(c in pattern for c in "*?["):
-                root, relative = (Path(base.anchor), pattern.lstrip("/")) \
-                    if Path(pattern).is_absolute() else (base, pattern)
-                found = list(root.glob(relative))
-            else:
-                found = [base / pattern]
-            found = [f for p in found for f in (sorted(p.rglob("*")) if p.is_dir() else [p])
-                     if f.is_file()]
-            if not found:
-                missing.append(index)
-            files.update(found)
-        return sorted(files), missing
-
-
-class PromptMix(_Strict):
-    """Prompt lengths, in tokens (bytes), drawn uniformly with the run's seed."""
-
-    min: int = Field(16, ge=1, le=1_000_000)
-    max: int = Field(64, ge=1, le=1_000_000)
-
-    @model_validator(mode="after")
-    def _ordered(self) -> PromptMix:
-        if self.max < self.min:
-            raise ValueError(f"max ({self.max}) is below min ({self.min})")
-        return self
-
-
-class Load(_Strict):
-    """The built-in load generator: streaming OpenAI-style completions, as real clients
-    send them (Poisson arrivals, shared system-prompt prefixes, resume on a broken stream).
-    Everything is drawn from the run's seed, so the fault-free twin sends the same load."""
-
-    requests: int = Field(40, ge=1, le=100_000, description="requests in all")
-    rate: float = Field(20.0, gt=0, le=100_000, description="arrivals per second (Poisson)")
-    concurrency: int = Field(16, ge=1, le=1024, description="most requests in flight at once")
-    prompt_tokens: PromptMix = PromptMix()
-    shared_prefixes: int = Field(
-        4, ge=0, le=100_000, description="distinct shared prefixes (system prompts); 0: none"
-    )
-    prefix_tokens: int = Field(32, ge=0, le=1_000_000, description="length of each shared prefix")
-    max_tokens: int = Field(32, ge=1, le=4096, description="tokens generated per request")
-    retries: int = Field(
-        20, ge=0, le=100_000, description="times a client resumes a broken stream (same "
-        "request id, offset = tokens received) before it gives the request up"
-    )
-    request_timeout: Duration = Field(
-        timedelta(seconds=60), description="a request not finished by then is lost"
-    )
-
-
-class ServerSystem(_Strict):
-    """The reference LLM serving stack (``reference_impl.serving.server``): a router and
-    worker processes, driven by the built-in load generator."""
-
-    reference: Literal["server"]
-    workers: int = Field(3, ge=1, le=32, description="worker processes behind the router")
-    recovery: Literal["migrate", "fail_stop"] = Field(
-        "migrate",
-        description="migrate: a failed worker's in-flight requests move to healthy workers "
-        "with the tokens emitted so far; fail_stop: every in-flight request is aborted and "
-        "the stack restarts cold, clients retry (today's common baseline)",
-    )
-    model_seed: int = Field(0, ge=0, le=MAX_SEED, description="seed of the model's weights")
-    journal: bool = Field(True, description="write-ahead journal of requests and tokens")
-    checksums: bool = Field(True, description="KV block checksums")
-    batch_invariant: bool = Field(True, description="batch-invariant kernels")
-    max_batch: int = Field(16, ge=1, le=4096, description="requests decoded together per worker")
-    heartbeat: Duration = Field(timedelta(milliseconds=100), description="worker heartbeat")
-    dead_after: Duration = Field(
-        timedelta(seconds=1), description="no heartbeat for this long: the worker is dead"
-    )
-    wedged_after: Duration = Field(
-        timedelta(seconds=2), description="busy without progress for this long: wedged"
-    )
-    step_sleep: Duration = Field(
-        timedelta(0), description="extra time per engine step, to make a short run long enough"
-    )
-    args: list[str] = Field(
-        default_factory=list,
-        description="extra server options (python -m reference_impl.serving.server --help)",
-    )
-    load: Load = Load()
-    timeout: Duration = Field(timedelta(minutes=5), description="limit for the whole run")
-    env: dict[str, str] = Field(default_factory=dict, description="extra environment")
 
 
 def _system_tag(value: Any) -> str | None:
     if isinstance(value, dict):
-        if "reference" in value:
-            return "server" if value["reference"] == "server" else "trainer"
-        if "command" in value:
-            return "command"
-        return None
-    if isinstance(value, TrainerSystem):
-        return "trainer"
-    if isinstance(value, ServerSystem):
-        return "server"
-    if isinstance(value, CommandSystem):
-        return "command"
-    return None
+        kind = systems.claimed(value)
+    else:
+        try:
+            kind = systems.of(value)
+        except TypeError:
+            return None
+    return None if kind is None else kind.name
 
 
-System = Annotated[
-    Annotated[TrainerSystem, Tag("trainer")] | Annotated[ServerSystem, Tag("server")]
-    | Annotated[CommandSystem, Tag("command")],
-    Discriminator(
-        _system_tag,
-        custom_error_type="system_kind",
-        custom_error_message="system needs `reference: trainer`, `reference: server` or "
-        "`command: [...]`",
-    ),
-]
+def _system_union() -> Any:
+    """The ``system:`` block: one of the system kinds (harness/systems/), told apart by the
+    key and value each one claims."""
+    kinds = systems.kinds()
+    members = tuple(Annotated[k.model, Tag(k.name)] for k in kinds)
+    shapes = [k.shape for k in kinds]
+    named = shapes[0] if len(shapes) == 1 else f"{', '.join(shapes[:-1])} or {shapes[-1]}"
+    return Annotated[
+        Union[members],  # noqa: UP007 (a union of a runtime tuple)
+        Discriminator(_system_tag, custom_error_type="system_kind",
+                      custom_error_message=f"system needs {named}"),
+    ]
+
+
+if typing.TYPE_CHECKING:
+    System = Any  # the union of the system kinds' models, built when this module loads
+else:
+    System = _system_union()
 
 
 class Target(_Strict):
@@ -903,40 +685,24 @@ class Scenario(_Strict):
                          "checkpoint_durable"):
                 if getattr(self.expect, name) not in (None, False):
                     raise ValueError(f"expect.{name} needs at least one fault")
-        serving = isinstance(self.system, ServerSystem)
-        for name in Expect.SERVING if not serving else Expect.TRAINING:
+        kind = systems.of(self.system)
+        for name in Expect.SERVING if kind.family != "serving" else Expect.TRAINING:
             if getattr(self.expect, name) not in (None, False):
-                needs = "`reference: server`" if name in Expect.SERVING else \
-                    "a training system (`reference: trainer` or `command:`)"
+                family = "serving" if name in Expect.SERVING else "training"
+                shapes = [k.shape.strip("`") for k in systems.kinds() if k.family == family]
+                needs = (f"`{shapes[0]}`" if family == "serving" and len(shapes) == 1 else
+                         f"a {family} system (`{'` or `'.join(shapes)}`)")
                 raise ValueError(f"expect.{name} needs {needs}")
-        if self.expect.params_match == "replay" and not (
-            isinstance(self.system, TrainerSystem) and self.system.recovery == "elastic"
-        ):
+        if self.expect.params_match == "replay" and not kind.replays(self.system):
             raise ValueError("expect.params_match: replay needs the reference trainer with "
                              "`recovery: elastic` (the only system that records membership)")
-        if (
-            self.expect.params_match
-            and isinstance(self.system, CommandSystem)
-            and not any(p.event == "params" for p in self.system.probes)
-        ):
-                raise ValueError(
-                    "expect.params_match on a command needs a log probe with `event: params` "
-                    "and a `(?P<digest>...)` group"
-                )
-        if self.expect.checkpoint_durable and isinstance(self.system, CommandSystem):
-            probed = {p.event for p in self.system.probes}
-            missing = [e for e in ("checkpoint_saved", "checkpoint_loaded") if e not in probed]
-            if missing:
-                raise ValueError(
-                    "expect.checkpoint_durable on a command needs log probes with "
-                    + " and ".join(f"`event: {e}`" for e in missing)
-                    + " (and a `(?P<step>...)` group)"
-                )
+        for problem in kind.problems(self):
+            raise ValueError(problem)
         power = [f for f in self.faults if isinstance(f, StorageLoseUnsynced)]
         if len(power) > 1:
             raise ValueError("at most one storage.lose_unsynced fault per scenario (one lazy "
                              "filesystem); repeat it with `every`")
-        if power and isinstance(self.system, CommandSystem) and power[0].root is None \
+        if power and kind.root_is_run_folder(self.system) and power[0].root is None \
                 and PurePosixPath(power[0].dir).parts in ((), (".",)):
             raise ValueError("storage.lose_unsynced on a command needs `dir` (or `root`): the "
                              "folder the job writes its checkpoints to, not the whole run "
@@ -950,8 +716,9 @@ class Scenario(_Strict):
         are faults too, so the twin goes without them.
         """
         system = self.system
-        clean = {k: v for k, v in system.env.items() if not k.startswith("AFTERSHOCK_INJECT_")}
-        if clean != system.env:
+        env: dict[str, str] = getattr(system, "env", {})
+        clean = {k: v for k, v in env.items() if not k.startswith("AFTERSHOCK_INJECT_")}
+        if clean != env:
             system = system.model_copy(update={"env": clean})
         return self.model_copy(update={"faults": [], "expect": Expect(), "system": system})
 
@@ -1183,7 +950,7 @@ def _data_path(loc: tuple[Any, ...], data: Any) -> tuple[Any, ...]:
 
 
 def path_is_tag(part: str) -> bool:
-    return (part in FAULT_MODELS or part in ("reference", "trainer", "server", "command")
+    return (part in FAULT_MODELS or any(part in (k.name, k.tag[0]) for k in systems.kinds())
             or "[" in part)
 
 
@@ -1228,13 +995,9 @@ def _pick(candidates: list[type[BaseModel]], value: Any) -> type[BaseModel] | No
     if isinstance(sample, dict):
         if "kind" in sample and sample["kind"] in FAULT_MODELS:
             return FAULT_MODELS[sample["kind"]]
-        tag = _system_tag(sample)
-        if tag == "trainer":
-            return TrainerSystem
-        if tag == "server":
-            return ServerSystem
-        if tag == "command":
-            return CommandSystem
+        kind = systems.claimed(sample)
+        if kind is not None:
+            return kind.model
     return None
 
 
@@ -1330,15 +1093,12 @@ def parse_scenario(text: str, file: str = "<string>") -> Scenario:
                     probe = probe[:-1]
             problems.append(f"{file}:{position[0]}:{position[1]}: {_describe(error, path, data)}")
         raise SpecError(problems) from None
-    if isinstance(spec.system, CommandSystem) and Path(file).is_file():
+    if Path(file).is_file():
         base = Path(file).parent
-        _, missing = spec.system.input_files(base)
-        for index in missing:
-            line, col = marks.values.get(("system", "inputs", index), (1, 1))
-            problems.append(
-                f"{file}:{line}:{col}: system.inputs.{index}: nothing matches "
-                f"{spec.system.inputs[index]!r} in {spec.system.workdir(base)} (an input the "
-                "command reads must exist: its content keys the fault-free twin)")
+        for where, problem in systems.of(spec.system).file_problems(spec.system, base):
+            line, col = marks.values.get(("system", *where), (1, 1))
+            problems.append(f"{file}:{line}:{col}: system.{'.'.join(map(str, where))}: "
+                            f"{problem}")
         if problems:
             raise SpecError(problems)
     return spec
