@@ -16,13 +16,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+from faults import contract
 from harness import golden, systems
 from harness import metrics as _metrics
 from harness.checks import Outcome
 from harness.records import Event
 from harness.spec import LoadedScenario, Scenario
 
-CACHE_ENV = "AFTERSHOCK_CACHE_DIR"
+CACHE_ENV = contract.CACHE_ENV
 
 
 class Ran(Protocol):

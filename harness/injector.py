@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import faults
-from faults._proc import ProcessRef
+from faults import ProcessRef, contract
 from faults.journal import Journal
 from harness.records import Event, FaultRecord
 from harness.spec import in_process
@@ -27,6 +27,12 @@ from harness.timeline import Timeline
 if TYPE_CHECKING:
     from harness.runner import Observer
     from harness.target import Target
+
+
+def acts_on_files(spec: Any) -> bool:
+    """A fault whose kind names files relative to a ``root`` (faults/params.py): the harness
+    passes that folder, resolved."""
+    return "root" in type(spec).model_fields
 
 
 def fault_params(spec: Any) -> dict[str, Any]:
@@ -145,9 +151,9 @@ class Injector:
         fault (its moment on the timeline), or a rank published its parameters' addresses."""
         if event.source == "harness":
             return
-        if event.event == "fault_injected":
+        if event.event == contract.FAULT_INJECTED:
             self._probe_applied(event)
-        elif event.event == "tensors" and event.rank is not None:
+        elif event.event == contract.TENSORS and event.rank is not None:
             published = event.fields.get("tensors")
             if isinstance(published, dict):
                 self._published[event.rank] = published
@@ -228,7 +234,7 @@ class Injector:
     def _params(self, index: int) -> dict[str, Any]:
         spec = self._faults[index]
         params = fault_params(spec)
-        if str(spec.kind).startswith("storage."):
+        if acts_on_files(spec):
             params["root"] = self._root_of(spec)
         if index in self._prepared:
             params["prepared"] = dict(self._prepared[index].undo)
@@ -263,10 +269,12 @@ class Injector:
         ranks, label = found.ranks, found.label
         for group in ([found.chosen] if together else [[rank] for rank in found.chosen]):
             rank = group[0]
-            if "address_of" in params:
-                params = {**params, "address": self._address_of(rank, params)}
-                params.pop("address_of")
-                params.pop("index", None)
+            resolve = getattr(kind, "resolve", None)
+            if callable(resolve) and label is None:
+                try:
+                    params = resolve(params, self._published.get(rank, {}))
+                except ValueError as exc:
+                    raise ValueError(f"rank {rank} {exc}") from None
             # The fault's moment is when applying it began: `ss -K` or a tmpfs copy take
             # long enough that the system can notice before inject() returns.
             began = time.monotonic()
@@ -285,7 +293,7 @@ class Injector:
             if file is not None:
                 fields["file"] = file
             ev = self._timeline.emit(
-                "fault_injected", kind=spec.kind, detail=applied.detail, fault=index,
+                contract.FAULT_INJECTED, kind=spec.kind, detail=applied.detail, fault=index,
                 at=began, params=params, applied_at=time.monotonic(), **fields,
             )
             self._observer.event(ev)
@@ -303,19 +311,6 @@ class Injector:
                 heal_at = (time.monotonic() + duration.total_seconds()
                            if duration is not None else None)
                 self._active.append(_Active(applied, len(self.records) - 1, heal_at))
-
-    def _address_of(self, rank: int, params: dict[str, Any]) -> int:
-        name = str(params["address_of"])
-        known = self._published.get(rank, {})
-        if name not in known:
-            choices = ", ".join(sorted(known)[:8]) or "none published"
-            raise ValueError(f"rank {rank} published no address for {name!r} ({choices}); "
-                             "the system must call harness.probe.install(model=...)")
-        pointer, numel, size = known[name]
-        index = int(params.get("index") or 0)
-        if not 0 <= index < numel:
-            raise ValueError(f"index {index} is outside {name} ({numel} elements)")
-        return int(pointer) + index * int(size)
 
     def _probe_applied(self, ev: Event) -> None:
         """The probe applied an armed fault: that is the fault's moment on the timeline."""

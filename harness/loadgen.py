@@ -37,6 +37,7 @@ from urllib.parse import urlsplit
 
 from pydantic import Field, model_validator
 
+from faults.contract import SERVING_READY
 from harness.records import Event
 from harness.schema import Duration, Strict
 from harness.timeline import Timeline
@@ -305,7 +306,7 @@ class LoadDriver:
 
     def observe(self, event: Event) -> None:
         url = event.fields.get("url")
-        if event.event == "serving_ready" and self.generator is None and isinstance(url, str):
+        if event.event == SERVING_READY and self.generator is None and isinstance(url, str):
             self.generator = LoadGenerator(url, self.load, seed=self.seed,
                                            timeline=self.timeline)
             self.generator.start()

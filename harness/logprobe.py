@@ -75,6 +75,16 @@ class LogProbe(Strict):
             raise ValueError(f"clock: {self.clock} needs a (?P<time>...) group in pattern")
         return self
 
+    @model_validator(mode="after")
+    def _step_needs_its_number(self) -> LogProbe:
+        # A step event without its number moves no step trigger and counts no step: the
+        # run would fail later with "trigger step N not reached", naming no cause.
+        if self.event == "step" and "step" not in re.compile(self.pattern).groupindex:
+            raise ValueError("an `event: step` probe needs a (?P<step>...) group in pattern: "
+                             "the step number is what `at: {step}`, every step metric and "
+                             "recovery read")
+        return self
+
 
 _RANK_PREFIX = re.compile(r"^\[(?:default)?(\d+)\]:")
 LINE_SHOWN = 300  # characters of the matched line an event keeps

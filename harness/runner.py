@@ -22,7 +22,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
 
-from faults._errors import FaultUnavailable
+from faults import FaultUnavailable, contract
 from faults.heal import heal_orphans, start_reaper
 from faults.journal import Journal, UnsafeFolder
 from faults.registry import preflight as fault_preflight
@@ -33,7 +33,7 @@ from harness.baseline import baseline_key as baseline_key
 from harness.baseline import cache_dir as cache_dir
 from harness.checks import Outcome, evaluate
 from harness.errors import AftershockError, HarnessError, PreflightError, RunFailed
-from harness.injector import Injector, fault_params
+from harness.injector import Injector, acts_on_files, fault_params
 from harness.records import CheckResult, Event, FaultRecord, RunResult
 from harness.schedule import Progress, Schedule
 from harness.spec import LoadedScenario, Scenario, in_process
@@ -137,7 +137,7 @@ def execute(
 
     # What this run may touch: a heal refuses any undo path outside these folders.
     folders = {run_dir, *target.folders()}
-    folders.update(Path(root_of(f)) for f in spec.faults if str(f.kind).startswith("storage."))
+    folders.update(Path(root_of(f)) for f in spec.faults if acts_on_files(f))
     try:
         journal = Journal.create(run_id, folders=sorted(folders))
     except UnsafeFolder as exc:
@@ -275,7 +275,7 @@ class _Loop:
         if ev.source != "harness":
             self.seen[ev.event] = self.seen.get(ev.event, 0) + 1
             self.injector.observe(ev)
-        if ev.event == "step" and isinstance(ev.fields.get("step"), int):
+        if ev.event == contract.STEP and isinstance(ev.fields.get("step"), int):
             self.max_step = max(self.max_step, ev.fields["step"])
         if self.driver is not None:
             self.driver.observe(ev)

@@ -11,15 +11,15 @@ import select
 import time
 from pathlib import Path
 
-from faults._errors import FaultUnavailable
-from faults._inotify import FileWatch, When
+from faults import FaultUnavailable, FileWatch
+from harness.spec import FileWhen
 
 
 class FileTriggers:
     def __init__(self) -> None:
         self._watches: dict[int, FileWatch] = {}
 
-    def watch(self, index: int, root: Path, pattern: str, when: When) -> None:
+    def watch(self, index: int, root: Path, pattern: str, when: FileWhen) -> None:
         """Watch for fault ``index`` (raises FaultUnavailable or OSError if it cannot)."""
         self._watches[index] = FileWatch(root, pattern, when)
 

@@ -104,14 +104,15 @@ class SystemKind(Protocol):
         """The target that runs ``launch``."""
         ...
 
-    def capabilities(self, system: Any) -> frozenset[str]:
+    def capabilities(self, system: Any | None) -> frozenset[str]:
         """What its target lets faults act through (faults.registry.CAPABILITIES), known
-        before anything runs."""
+        before anything runs (``system`` None: one as its defaults make it)."""
         ...
 
-    def probe(self, system: Any, scenario_dir: Path | None) -> str | None:
+    def probe(self, system: Any | None, scenario_dir: Path | None) -> str | None:
         """None if its job calls harness.probe.install() (in-process faults reach it), else
-        why it is not known to (for the error that refuses an in-process fault)."""
+        why it is not known to (for the error that refuses an in-process fault; ``system``
+        None: a plain one, as `aftershock faults --system` asks)."""
         ...
 
     def world(self, system: Any) -> int | None:

@@ -139,18 +139,22 @@ def probe_reason(system: CommandSystem, scenario_dir: Path | None) -> str | None
         files = sorted({Path(a).resolve() for a in system.command
                         if Path(a).is_absolute() and Path(a).is_file()})
         base = None
-    files = [*files, *_module_files(system, base)]
-    for path in files:
+    read: list[Path] = []
+    for path in [*files, *_module_files(system, base)]:
         try:
             with open(path, "rb") as handle:
-                text = handle.read(_READ_LIMIT).decode(errors="replace")
+                data = handle.read(_READ_LIMIT)
         except OSError:
             continue
-        if _calls_install(text):
+        if data.startswith(b"\x7fELF"):
+            continue  # the interpreter, a compiled program: no Python source to read
+        read.append(path)
+        if _calls_install(data.decode(errors="replace")):
             return None
-    shown = ", ".join(str(p) for p in files[:4]) + (" ..." if len(files) > 4 else "")
+    shown = ", ".join(str(p) for p in read[:4]) + (" ..." if len(read) > 4 else "")
     return ("neither its command line nor a file it names calls harness.probe.install()"
-            + (f" (read: {shown})" if files else ""))
+            + (f" (read: {shown})" if read else "") + "; if it calls it from a file the "
+            "harness cannot see, say so with `in_process_probe: true`")
 
 
 class Command:
@@ -184,10 +188,12 @@ class Command:
                timeline: Timeline) -> Target:
         return LocalTarget(launch, run_dir=run_dir, run_id=run_id, timeline=timeline)
 
-    def capabilities(self, system: CommandSystem) -> frozenset[str]:
+    def capabilities(self, system: CommandSystem | None) -> frozenset[str]:
         return LocalTarget.capabilities
 
-    def probe(self, system: CommandSystem, scenario_dir: Path | None) -> str | None:
+    def probe(self, system: CommandSystem | None, scenario_dir: Path | None) -> str | None:
+        if system is None:
+            return "a plain command does not call it"
         return probe_reason(system, scenario_dir)
 
     def world(self, system: CommandSystem) -> int | None:

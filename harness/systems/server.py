@@ -103,10 +103,10 @@ class Server:
                timeline: Timeline) -> Target:
         return LocalTarget(launch, run_dir=run_dir, run_id=run_id, timeline=timeline)
 
-    def capabilities(self, system: ServerSystem) -> frozenset[str]:
+    def capabilities(self, system: ServerSystem | None) -> frozenset[str]:
         return LocalTarget.capabilities
 
-    def probe(self, system: ServerSystem, scenario_dir: Path | None) -> str | None:
+    def probe(self, system: ServerSystem | None, scenario_dir: Path | None) -> str | None:
         return None  # every worker calls harness.probe.install()
 
     def world(self, system: ServerSystem) -> int | None:

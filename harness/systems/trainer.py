@@ -124,10 +124,10 @@ class Trainer:
                timeline: Timeline) -> Target:
         return LocalTarget(launch, run_dir=run_dir, run_id=run_id, timeline=timeline)
 
-    def capabilities(self, system: TrainerSystem) -> frozenset[str]:
+    def capabilities(self, system: TrainerSystem | None) -> frozenset[str]:
         return LocalTarget.capabilities
 
-    def probe(self, system: TrainerSystem, scenario_dir: Path | None) -> str | None:
+    def probe(self, system: TrainerSystem | None, scenario_dir: Path | None) -> str | None:
         return None  # reference_impl calls harness.probe.install() in every rank
 
     def world(self, system: TrainerSystem) -> int | None:
