@@ -1,6 +1,6 @@
-"""A fault kind from another package: installed with pip into a folder of its own, found
-through the `aftershock.faults` entry point, and used by a scenario with no change to
-Aftershock (tests/fixtures/plugin_package)."""
+"""A fault kind and a system kind from another package: installed with pip into a folder of
+its own, found through the `aftershock.faults` and `aftershock.systems` entry points, and
+used by scenarios with no change to Aftershock (tests/fixtures/plugin_package)."""
 
 from __future__ import annotations
 
@@ -105,3 +105,40 @@ def test_an_installed_package_adds_a_fault_kind_a_scenario_can_use(
     events = run_dir / "events.jsonl"
     assert [e["kind"] for e in read_events(events, "fault_injected")] == ["preempt.notice"]
     assert [e["kind"] for e in read_events(events, "fault_healed")] == ["preempt.notice"]
+
+
+def test_an_installed_package_adds_a_system_kind(site: Path, tmp_path: Path) -> None:
+    (tmp_path / "job.py").write_text(textwrap.dedent(JOB))
+    scenario = tmp_path / "script.yaml"
+    scenario.write_text(
+        "name: script\nsystem: {script: job.py, args: ['${run_dir}/NOTICE']}\n"
+        "faults:\n  - {kind: preempt.notice, at: {time: 300ms}, path: NOTICE, grace: 2s}\n")
+    alone = aftershock("validate", str(scenario), site=None, cwd=tmp_path)
+    assert alone.returncode == 2
+    assert "system needs `reference: trainer`, `reference: server` or `command: [...]`" \
+        in alone.stderr
+    # Its own rules and what its target offers are asked like a built-in kind's.
+    missing = scenario.with_name("missing.yaml")
+    missing.write_text(scenario.read_text().replace("job.py", "nowhere.py"))
+    refused = aftershock("validate", str(missing), site=site, cwd=tmp_path)
+    assert refused.returncode == 2
+    assert f"{missing}:2:18: system.script: no such file" in refused.stderr
+    inside = scenario.with_name("inside.yaml")
+    inside.write_text(scenario.read_text().replace(
+        "{kind: preempt.notice, at: {time: 300ms}, path: NOTICE, grace: 2s}",
+        "{kind: collective.error, target: {rank: 0}, at: {step: 1}}"))
+    refused = aftershock("validate", str(inside), site=site, cwd=tmp_path)
+    assert refused.returncode == 2
+    assert "a plain script does not call harness.probe.install()" in refused.stderr
+    listed = aftershock("faults", "--system", "script", "--json", site=site, cwd=tmp_path)
+    kinds = {entry["kind"] for entry in json.loads(listed.stdout)}
+    assert {"process.kill", "preempt.notice"} <= kinds
+    assert "collective.error" not in kinds
+
+    out = tmp_path / "out.json"
+    run = aftershock("run", str(scenario), "--json", str(out), "--run-dir",
+                     str(tmp_path / "runs"), "--plain", site=site, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout + run.stderr
+    (record,) = json.loads(out.read_text())
+    log = Path(record["run_dir"]) / "logs" / "launcher.stdout.log"
+    assert "notice read: 2 s left" in log.read_text()
