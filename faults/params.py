@@ -26,11 +26,17 @@ from typing import Any, Self
 
 from pydantic import BaseModel, ConfigDict
 
-from faults._duration import Duration, format_duration, parse_duration
+from faults._duration import (
+    DURATION_HELP,
+    MAX_DURATION,
+    Duration,
+    format_duration,
+    parse_duration,
+)
 
 __all__ = [
-    "MAX_INDEX", "MAX_SEED", "MAX_STEPS", "MAX_WORLD", "Duration", "FaultParams",
-    "format_duration", "parse_duration", "relative_glob",
+    "DURATION_HELP", "MAX_DURATION", "MAX_INDEX", "MAX_SEED", "MAX_STEPS", "MAX_WORLD",
+    "Duration", "FaultParams", "format_duration", "parse_duration", "relative_glob",
 ]
 
 #: Numeric bounds (docs/scenarios.md, "Limits"): what one host can run, with room to spare.
