@@ -15,7 +15,7 @@ modules whose names start with ``_`` are not. This package imports nothing from
 
 from __future__ import annotations
 
-from faults._cgroup import kill_tree, remove_tree, run_group_dir, subtree_members
+from faults import _cgroup as cgroup  # the run's cgroup v2 group: make, join, kill, remove
 from faults._errors import FaultUnavailable
 from faults._inotify import FileWatch
 from faults._proc import ProcessRef, kill_all, processes_with_env
@@ -38,6 +38,6 @@ from faults.registry import (
 __all__ = [
     "CAPABILITIES", "Applied", "FaultKind", "FaultUnavailable", "FileWatch", "GroupKind",
     "KindInfo", "PreparedKind", "ProcessRef", "Setting", "UndoContext", "UndoRefused",
-    "Validates", "get", "kill_all", "kill_tree", "kinds", "process_environ",
-    "processes_with_env", "register", "remove_tree", "run_group_dir", "subtree_members",
+    "Validates", "cgroup", "get", "kill_all", "kinds", "process_environ", "processes_with_env",
+    "register",
 ]

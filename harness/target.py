@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, ClassVar, Protocol
 
-import faults
 from faults import ProcessRef, contract, kill_all, process_environ, processes_with_env
+from faults import cgroup as _cgroup
 from harness import probe
 from harness.errors import TargetError
 from harness.logprobe import (
@@ -261,7 +261,7 @@ class LocalTarget:
         # this, and Unix times convert with this one offset, fixed for the whole run.
         self._started = time.monotonic()
         self._clock_offset = time.time() - self._started
-        self.cgroup, self.tracking_note = faults.run_group_dir(run_id)
+        self.cgroup, self.tracking_note = _cgroup.run_group_dir(run_id)
 
     def tracking(self) -> dict[str, Any]:
         """How the run's processes are found, as the heal journal records it: the run id
@@ -346,7 +346,7 @@ class LocalTarget:
 
     def _drop_group(self) -> None:
         if self.cgroup is not None:
-            faults.remove_tree(self.cgroup)
+            _cgroup.remove_tree(self.cgroup)
 
     def _line_handler(self, name: str) -> Callable[[bytes, float], None]:
         compiled: CompiledProbes = compile_probes(self.launch.probes, name)
@@ -372,7 +372,7 @@ class LocalTarget:
         cheap), else every process that carries the run id in its environment."""
         if self.cgroup is None:
             return processes_with_env(probe.RUN_ID_ENV, self.run_id)
-        refs = (ProcessRef.of(pid) for pid in faults.subtree_members(self.cgroup))
+        refs = (ProcessRef.of(pid) for pid in _cgroup.subtree_members(self.cgroup))
         return [ref for ref in refs if ref is not None and ref.alive()]
 
     def note_hello(self, pid: int, rank: int | None, role: str | None,
@@ -460,7 +460,7 @@ class LocalTarget:
                     pump.stream.close()
         removed = None
         if self.cgroup is not None:
-            removed = not survivors and faults.remove_tree(self.cgroup)
+            removed = not survivors and _cgroup.remove_tree(self.cgroup)
         return Teardown(
             tracking="env" if self.cgroup is None else "cgroup",
             survivors=survivors,
@@ -474,7 +474,7 @@ class LocalTarget:
         deadline = time.monotonic() + timeout
         while True:
             group_empty = (self.cgroup is None
-                           or faults.kill_tree(self.cgroup, max(0.0, deadline - time.monotonic())))
+                           or _cgroup.kill_tree(self.cgroup, max(0.0, deadline - time.monotonic())))
             refs = processes_with_env(probe.RUN_ID_ENV, self.run_id)
             for ref in refs:
                 ref.signal(signal.SIGCONT)
@@ -484,7 +484,7 @@ class LocalTarget:
             if time.monotonic() >= deadline:
                 left = {ref.pid for ref in refs if ref.alive()}
                 if self.cgroup is not None:
-                    left.update(faults.subtree_members(self.cgroup))
+                    left.update(_cgroup.subtree_members(self.cgroup))
                 return tuple(sorted(left))
             time.sleep(0.05)
 
