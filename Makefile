@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv demo test test-fast test-scenarios fuzz lint typecheck bench clean docker-engine
+.PHONY: venv demo test test-fast test-scenarios fuzz lint typecheck docs bench clean docker-engine
 
 venv: $(STAMP)
 
@@ -49,6 +49,11 @@ fuzz: venv
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
+
+# The generated part of docs/faults.md, from each fault kind's declaration (installed
+# kinds included). tests/test_docs_faults.py fails when it is stale.
+docs: venv
+	$(PY) -m faults.catalogue docs/faults.md
 
 # Side-by-side benchmarks (docs/benchmarks.md, docs/serving.md). torchft is installed without its
 # dependencies so it cannot pull a CUDA build of torch over the pinned CPU one.

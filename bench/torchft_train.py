@@ -35,6 +35,13 @@ from harness import probe
 from reference_impl.model import Layout, ModelConfig, ParallelMLP, synthetic_batch
 
 
+def _grad(param: torch.Tensor) -> torch.Tensor:
+    """A parameter's gradient after backward (every parameter of the model has one)."""
+    grad = param.grad
+    assert grad is not None
+    return grad
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.torchft_train")
     add_model_args(parser)
@@ -85,7 +92,7 @@ def main() -> int:
             x, y = synthetic_batch(cfg, args.seed, step, group_id, args.batch_size)
             loss = F.mse_loss(model(x), y)
             loss.backward()  # tensor-parallel collectives (plain Gloo) run in here
-            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            flat = torch.cat([_grad(p).reshape(-1) for p in params])
             manager.allreduce(flat).wait()  # averages over the participating replicas
             participants = manager.num_participants()
             if not detected and (manager.errored() is not None or participants < full):
@@ -97,7 +104,7 @@ def main() -> int:
                 detected = False
             offset = 0
             for p in params:
-                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
+                _grad(p).copy_(flat[offset : offset + p.numel()].view_as(p))
                 offset += p.numel()
             if manager.should_commit():
                 optimizer.step()

@@ -1,21 +1,37 @@
 """Aftershock's chaos engine: faults applied to real processes, sockets, tensors and files.
 
-A fault kind is a small object with ``inject`` and ``revert`` (and ``validate``
-when it journals an undo record), registered under its dotted name
-(``process.kill``). Built-in kinds live in this package; third
-parties add kinds through the ``aftershock.faults`` entry-point group, loaded on
-first lookup. This package imports nothing from ``harness`` or ``reference_impl``.
+A fault kind is one object that declares its parameters (a pydantic model, faults/params.py),
+where it acts (from outside the target's processes or inside them), what it needs from
+the target, and its steps: ``prepare`` (optional), ``inject`` and ``revert`` (and
+``validate`` when it journals an undo record). It is registered under its dotted name
+(``process.kill``). Built-in kinds live in this package; third parties add kinds through
+the ``aftershock.faults`` entry-point group, loaded on first lookup (docs/extending.md).
+
+The names below are the engine's public API, for the harness and for other packages;
+modules whose names start with ``_`` are not. This package imports nothing from
+``harness`` or ``reference_impl``, and nothing outside the standard library at import
+(the in-process probe imports it in every rank).
 """
 
 from __future__ import annotations
 
+from faults import _cgroup as cgroup  # the run's cgroup v2 group: make, join, kill, remove
+
+# The Docker engine, for nodes (docs/nodes.md); the SDK itself is imported only when used.
+from faults import _docker as docker_engine
+from faults._errors import FaultUnavailable
+from faults._inotify import FileWatch
+from faults._proc import ProcessRef, all_pids, kill_all, processes_with_env
+from faults._proc import environ as process_environ
 from faults.journal import UndoContext, UndoRefused
 from faults.registry import (
+    CAPABILITIES,
     Applied,
     FaultKind,
     GroupKind,
     KindInfo,
     PreparedKind,
+    Setting,
     Validates,
     get,
     kinds,
@@ -23,6 +39,8 @@ from faults.registry import (
 )
 
 __all__ = [
-    "Applied", "FaultKind", "GroupKind", "KindInfo", "PreparedKind", "UndoContext",
-    "UndoRefused", "Validates", "get", "kinds", "register",
+    "CAPABILITIES", "Applied", "FaultKind", "FaultUnavailable", "FileWatch", "GroupKind",
+    "KindInfo", "PreparedKind", "ProcessRef", "Setting", "UndoContext", "UndoRefused",
+    "Validates", "all_pids", "cgroup", "docker_engine", "get", "kill_all", "kinds",
+    "process_environ", "processes_with_env", "register",
 ]

@@ -25,7 +25,11 @@ the same for Gloo and NCCL. Not reached: C++ callers (DDP's reducer, functional
 collectives) and code that bound ``dist.all_reduce`` to another name before
 :func:`install_collectives` ran.
 
-This module imports torch only inside the functions that run in the target.
+The kinds applied this way are declared in faults/collective.py (collective.*,
+process.hang), faults/memory.py (memory.* with ``tensor``) and faults/process.py
+(process.kill with ``at.phase``); this module is what they share, and the engine that runs
+in the target. It imports torch only inside the functions that run in the target, and
+never pydantic.
 """
 
 from __future__ import annotations
@@ -44,10 +48,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from faults._proc import ProcessRef, environ
+from faults.contract import COMMANDS_ENV, FAULT_INJECTED
 from faults.journal import Journal, UndoContext, UndoRefused
-from faults.registry import Applied, KindInfo, register
-
-COMMANDS_ENV = "AFTERSHOCK_COMMANDS"
+from faults.registry import Applied
 
 #: torch.distributed functions the wrapper intercepts, by the name scenarios use.
 COLLECTIVES = (
@@ -213,7 +216,7 @@ class Engine:
         with contextlib.suppress(OSError):
             send(self.inbox.path, {"op": "fired", "id": command["id"], "rank": self.rank()})
         params = command["params"]
-        self.emit("fault_injected", kind=command["kind"], fault=params.get("fault"),
+        self.emit(FAULT_INJECTED, kind=command["kind"], fault=params.get("fault"),
                   step=self.step, phase=self.phase, **fields)
 
     # -- named tensors
@@ -442,103 +445,3 @@ def install_collectives(engine: Engine) -> None:
         setattr(dist, name, wrapper)
         if getattr(c10d, name, None) is original:
             setattr(c10d, name, wrapper)
-
-
-# ---------------------------------------------------------------- the fault kinds
-
-
-_OP_HELP = f"which op: {', '.join(COLLECTIVES[:6])}, ... or any; default all_reduce"
-
-
-class _Collective:
-    info: KindInfo
-    revertible = False
-
-    def inject(self, target: ProcessRef, params: Mapping[str, Any], journal: Journal) -> Applied:
-        op = params.get("op", "all_reduce")
-        if op not in (*COLLECTIVES, "any"):
-            raise ValueError(f"unknown collective {op!r} ({_OP_HELP})")
-        return arm(self.info.kind, target, params, journal, revertible=self.revertible)
-
-    def revert(self, undo: Mapping[str, Any]) -> None:
-        release(undo)
-
-    def validate(self, undo: Mapping[str, Any], context: UndoContext) -> None:
-        validate_release(undo, context)
-
-
-def _collective_info(kind: str, summary: str, extra: dict[str, str]) -> KindInfo:
-    return KindInfo(
-        kind=kind,
-        summary=summary,
-        caused_by="the probe wraps the target's process-group objects (torchft's "
-        "FakeProcessGroupWrapper pattern; groups a trainer builds itself, through "
-        "harness.probe.wrap_group) and torch.distributed's collective functions (the groups "
-        "it keeps in its own tables), Gloo and NCCL alike, and acts on the `call`-th matching "
-        "call of `op` on the target rank, at or after "
-        "`at: {step}`; with `at.phase`, only calls made after that fault point of the step "
-        "count (`phase: backward`: the gradient all_reduce, not the forward pass's); the "
-        "target must call harness.probe.install() (torch.distributed's groups) or "
-        "harness.probe.wrap_group() on each group it builds.",
-        params={"op": _OP_HELP, "call": "the k-th matching call after arming, default 1",
-                **extra},
-        reverted_by="the hang is released" if kind == "collective.hang" else "nothing to undo",
-    )
-
-
-class CollectiveError(_Collective):
-    info = _collective_info("collective.error", "The chosen collective call raises, as a "
-                            "backend error would (RuntimeError).", {})
-
-
-class CollectiveHang(_Collective):
-    info = _collective_info("collective.hang", "The chosen collective call never returns "
-                            "until healed: a wedged communicator.",
-                            {"duration": "release after this long; default: at the end"})
-    revertible = True
-
-
-class CollectiveDelay(_Collective):
-    info = _collective_info("collective.delay", "The chosen collective call starts late: a "
-                            "slow link or a straggling peer, where tc netem is unavailable.",
-                            {"delay": "how long, default 1s"})
-
-
-class CollectiveCorrupt(_Collective):
-    info = _collective_info("collective.corrupt", "The chosen collective completes, then its "
-                            "result is poisoned on the target rank (silent data corruption).",
-                            {"mode": "nan | inf | zero | bitflip, default nan",
-                             "index": "element (flat), default seeded", "bit": "for bitflip"})
-
-
-class ProcessHang:
-    """The target's own loop stops at a fault point while the rest of it runs on."""
-
-    info = KindInfo(
-        kind="process.hang",
-        summary="The target's loop blocks at a fault point (a step and phase) until healed, "
-        "while its other threads (heartbeats, sockets) run on: a wedged decode step, a "
-        "deadlocked loop, a device call that never returns. Unlike process.freeze, a "
-        "heartbeat alone does not see it; progress checks must.",
-        caused_by="the probe blocks the thread that calls harness.probe.fault_point() at the "
-        "first point matching `at` (`step`, `phase`) after arming; the target must call "
-        "harness.probe.install().",
-        params={"duration": "release after this long; default: at the end of the run"},
-        reverted_by="the blocked thread is released",
-    )
-
-    def inject(self, target: ProcessRef, params: Mapping[str, Any], journal: Journal) -> Applied:
-        return arm(self.info.kind, target, params, journal, revertible=True)
-
-    def revert(self, undo: Mapping[str, Any]) -> None:
-        release(undo)
-
-    def validate(self, undo: Mapping[str, Any], context: UndoContext) -> None:
-        validate_release(undo, context)
-
-
-PROCESS_HANG = register(ProcessHang())
-COLLECTIVE_ERROR = register(CollectiveError())
-COLLECTIVE_HANG = register(CollectiveHang())
-COLLECTIVE_DELAY = register(CollectiveDelay())
-COLLECTIVE_CORRUPT = register(CollectiveCorrupt())

@@ -31,11 +31,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from faults import contract
 from faults._proc import ProcessRef, environ, start_time
 
-STATE_ENV = "AFTERSHOCK_STATE_DIR"
+STATE_ENV = contract.STATE_ENV
 # Everything a run launches carries this with the run id (the journal's file name).
-RUN_ID_ENV = "AFTERSHOCK_RUN_ID"
+RUN_ID_ENV = contract.RUN_ID_ENV
 # Names the engine gives what it creates: nftables tables, cgroups, tmpfs sources.
 NAME_PREFIX = "aftershock_"
 # A journal is a few records per fault; anything near this is not one of ours.

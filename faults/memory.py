@@ -19,13 +19,107 @@ import random
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, model_validator
 
 from faults import _procmem
 from faults._errors import FaultUnavailable
 from faults._proc import ProcessRef
 from faults.journal import Journal, UndoContext, UndoRefused
-from faults.registry import Applied, KindInfo, register
+from faults.params import MAX_INDEX, MAX_SEED, FaultParams
+from faults.registry import Acts, Applied, KindInfo, register
+
+MemoryTensor = Annotated[str, Field(pattern=r"^(param|grad|optim|[a-z_]+):.+$")]
+
+
+class _WhereParams(FaultParams):
+    """Where in memory: a named tensor (in process) or an address (from outside)."""
+
+    tensor: MemoryTensor | None = Field(
+        None, description="in process: a named tensor, param:NAME, grad:NAME, "
+        "optim:NAME.STATE (globs allowed), in a process that called harness.probe.install(); "
+        "poisoned at `at: {step, phase}`")
+    address: int | None = Field(None, ge=0, le=2**64 - 1,
+                                description="from outside: a virtual address (e.g. a "
+                                "tensor's data_ptr()), written through /proc/PID/mem")
+    index: int | None = Field(None, ge=0, le=MAX_INDEX,
+                              description="with `tensor` or `address_of`: flat element index")
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="seed for the elements or bits chosen")
+    restore: bool = Field(False, description="write the old bytes back when healed")
+
+    @model_validator(mode="after")
+    def _where(self) -> _WhereParams:
+        region = getattr(self, "region", None)
+        address_of = getattr(self, "address_of", None)
+        given = [x for x in (self.tensor, self.address, region, address_of) if x is not None]
+        if len(given) != 1:
+            allowed = ("`tensor`, `address`, `address_of` or `region: heap`"
+                       if "region" in type(self).model_fields else "`tensor` or `address`")
+            raise ValueError(f"give exactly one of {allowed}")
+        return self
+
+
+class BitflipParams(_WhereParams):
+    region: Literal["heap"] | None = Field(
+        None, description="from outside: seeded random bits in the process's anonymous "
+        "writable memory (rw-p mappings, preferring ones of at least `min_region` bytes)")
+    address_of: str | None = Field(
+        None, pattern=r"^param:.+$",
+        description="from outside: the address of this CPU parameter (param:NAME, element "
+        "`index`), as the probe published it at start-up; written through /proc/PID/mem",
+    )
+    bit: int | None = Field(None, ge=0, le=63, description="the bit, counted from the byte at "
+                            "the address, little-endian; default: the top exponent bit (30 "
+                            "for a float32)")
+    count: int = Field(1, ge=1, le=1_000_000, description="region: bits to flip")
+    min_region: int = Field(1 << 20, ge=1, le=MAX_INDEX,
+                            description="region: mappings at least this large (bytes) are "
+                            "preferred")
+
+
+class FillParams(_WhereParams):
+    nbytes: int | None = Field(None, ge=1, le=2**30, description="with address: bytes to "
+                               "overwrite, a multiple of the dtype's size; default one element")
+    dtype: Literal["float16", "bfloat16", "float32", "float64"] = Field(
+        "float32", description="the element type written")
+
+
+class _Memory:
+    """What the memory kinds share: where they act, what they need."""
+
+    acts: Acts = "either"
+    inside_when = "with `tensor`"
+    needs = frozenset({"memory"})
+
+    def inside(self, params: Any, phase: str | None) -> bool:
+        return getattr(params, "tensor", None) is not None
+
+    def needs_for(self, params: Any, phase: str | None) -> frozenset[str]:
+        if self.inside(params, phase):
+            return frozenset({"probe"})
+        if getattr(params, "address_of", None) is not None:
+            # The address is what the probe published at start-up.
+            return frozenset({"memory", "probe"})
+        return frozenset({"memory"})
+
+    def resolve(self, params: Mapping[str, Any], published: Mapping[str, Any]
+                ) -> dict[str, Any]:
+        """``address_of: param:NAME`` (element ``index``): the address the rank published."""
+        if "address_of" not in params:
+            return dict(params)
+        name = str(params["address_of"])
+        if name not in published:
+            choices = ", ".join(sorted(published)[:8]) or "none published"
+            raise ValueError(f"published no address for {name!r} ({choices}); the system "
+                             "must call harness.probe.install(model=...)")
+        pointer, numel, size = published[name]
+        index = int(params.get("index") or 0)
+        if not 0 <= index < numel:
+            raise ValueError(f"index {index} is outside {name} ({numel} elements)")
+        resolved = {k: v for k, v in params.items() if k not in ("address_of", "index")}
+        resolved["address"] = int(pointer) + index * int(size)
+        return resolved
 
 # Bit patterns of the special values, little-endian as on every Linux target we run on.
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
@@ -121,7 +215,8 @@ def _describe(writes: list[dict[str, Any]], limit: int = 4) -> str:
     return shown + more
 
 
-class BitFlip:
+class BitFlip(_Memory):
+    params = BitflipParams
     info = KindInfo(
         kind="memory.bitflip",
         summary="Flip bits in the target's memory through /proc/PID/mem: at an address, or "
@@ -129,20 +224,6 @@ class BitFlip:
         caused_by="DRAM bit flips from radiation, weak cells or row hammer that ECC does not "
         "catch (or that land in non-ECC memory); silent data corruption. Made here with "
         "pwrite(2) on /proc/PID/mem (root, or ptrace rights over the target).",
-        params={
-            "address": "flip one bit at this address (e.g. a tensor's data_ptr()); "
-            "with `bit`, counted from the byte at `address`, little-endian (default 30: the top "
-            "exponent bit of a float32)",
-            "region": "heap (default when no address): seeded random bits in rw-p anonymous "
-            "mappings, preferring ones of at least `min_region` bytes",
-            "count": "bits to flip in region mode, default 1",
-            "seed": "seed for the choice of bits, default 0",
-            "min_region": "bytes; mappings at least this large are preferred, default 1 MiB",
-            "restore": "write the old bytes back when healed, default false",
-            "tensor": "instead of an address: a named tensor in a process that called "
-            "harness.probe.install(): param:NAME, grad:NAME, optim:NAME.STATE (globs allowed); "
-            "poisoned in process at `at: {step, phase}`",
-        },
         reverted_by="nothing by default (corruption is the point); with restore: true the old "
         "bytes are written back if the process still lives.",
     )
@@ -150,24 +231,15 @@ class BitFlip:
     def inject(self, target: ProcessRef, params: Mapping[str, Any], journal: Journal) -> Applied:
         if params.get("tensor"):
             return _in_process(self.info.kind, target, params, journal)
-        restore = bool(params.get("restore", False))
-        if "address" in params:
-            bit = int(params.get("bit", 30))
-            if bit < 0:
-                raise ValueError(f"bit must be >= 0, got {bit}")
-            chosen = [(int(params["address"]) + bit // 8, bit % 8)]
-        else:
-            region = str(params.get("region", "heap"))
-            if region != "heap":
-                raise ValueError(f"region {region!r} is not supported (allowed: heap)")
-            chosen = _procmem.choose_bits(
-                _procmem.maps(target.pid),
-                int(params.get("count", 1)),
-                int(params.get("seed", 0)),
-                min_region=int(params.get("min_region", 1 << 20)),
-            )
+        p = BitflipParams.bind(params)
+        if p.address is not None:
+            bit = 30 if p.bit is None else p.bit  # the top exponent bit of a float32
+            chosen = [(p.address + bit // 8, bit % 8)]
+        else:  # region: heap
+            chosen = _procmem.choose_bits(_procmem.maps(target.pid), p.count, p.seed,
+                                          min_region=p.min_region)
         writes = _bitflip_writes(target.pid, chosen)
-        return _apply(self.info.kind, target, writes, restore, journal)
+        return _apply(self.info.kind, target, writes, p.restore, journal)
 
     def revert(self, undo: Mapping[str, Any]) -> None:
         _restore(undo)
@@ -200,21 +272,22 @@ def _apply(
     return Applied(kind, entry, undo, detail)
 
 
-class _Fill:
+class _Fill(_Memory):
     value = "zero"
+    params = FillParams
     info: KindInfo
 
     def inject(self, target: ProcessRef, params: Mapping[str, Any], journal: Journal) -> Applied:
         if params.get("tensor"):
             return _in_process(self.info.kind, target, params, journal)
-        if "address" not in params:
-            raise ValueError(f"{self.info.kind} needs `address` (from outside) or `tensor`")
-        dtype = str(params.get("dtype", "float32"))
+        p = FillParams.bind(params)
+        assert p.address is not None  # exactly one of tensor and address (FillParams)
+        dtype = p.dtype
         pattern = _pattern(dtype, self.value)
-        nbytes = int(params.get("nbytes", len(pattern)))
-        if nbytes <= 0 or nbytes % len(pattern):
+        nbytes = len(pattern) if p.nbytes is None else p.nbytes
+        if nbytes % len(pattern):
             raise ValueError(f"nbytes must be a positive multiple of {len(pattern)} for {dtype}")
-        address = int(params["address"])
+        address = p.address
         try:
             old = _procmem.read(target.pid, address, nbytes)
         except PermissionError as exc:
@@ -223,7 +296,7 @@ class _Fill:
             raise ValueError(f"cannot read {nbytes} bytes at {address:#x}: {exc}") from exc
         new = pattern * (nbytes // len(pattern))
         writes = [{"address": address, "old": old.hex(), "new": new.hex()}]
-        return _apply(self.info.kind, target, writes, bool(params.get("restore", False)), journal)
+        return _apply(self.info.kind, target, writes, p.restore, journal)
 
     def revert(self, undo: Mapping[str, Any]) -> None:
         _restore(undo)
@@ -237,15 +310,6 @@ def _fill_info(kind: str, what: str, cause: str) -> KindInfo:
         kind=kind,
         summary=f"Write {what} over `nbytes` at `address` in the target through /proc/PID/mem.",
         caused_by=cause,
-        params={
-            "address": "where to write (required), e.g. a tensor's data_ptr() plus an offset",
-            "nbytes": "bytes to overwrite, a multiple of the dtype's size; default one element",
-            "dtype": "float32 (default), float16, bfloat16, float64",
-            "restore": "write the old bytes back when healed, default false",
-            "tensor": "instead of an address: a named tensor in a process that called "
-            "harness.probe.install(): param:NAME, grad:NAME, optim:NAME.STATE (globs allowed); "
-            "poisoned in process at `at: {step, phase}`",
-        },
         reverted_by="nothing by default; with restore: true the old bytes are written back.",
     )
 

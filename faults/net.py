@@ -28,13 +28,16 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from pydantic import Field
+
 from faults import _cgroup, _docker, _nft
 from faults._errors import FaultUnavailable
 from faults._netns import enter as _netns_enter
 from faults._proc import ProcessRef
 from faults._sockets import CONNECTED, LISTEN, TcpSocket, same_netns, tcp_sockets, tcp_table
 from faults.journal import Journal, UndoContext, UndoRefused, undone_on_error
-from faults.registry import Applied, KindInfo, register
+from faults.params import Duration, FaultParams
+from faults.registry import Acts, Applied, KindInfo, register
 
 # nft resolves `socket cgroupv2` paths relative to this folder (hard-coded in nftables).
 _NFT_CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -81,7 +84,15 @@ def _selected(socks: Iterable[TcpSocket], port: int | None) -> list[TcpSocket]:
     ]
 
 
+class ResetParams(FaultParams):
+    port: int | None = Field(None, ge=1, le=65535, description="only connections whose local "
+                             "or remote port is this; default: every connection")
+
+
 class Reset:
+    params = ResetParams
+    acts: Acts = "outside"
+    needs = frozenset({"network"})
     info = KindInfo(
         kind="net.reset",
         summary="Reset the target's established TCP connections (the peer gets an RST).",
@@ -90,9 +101,6 @@ class Reset:
         "/proc/PID/net/tcp{,6}), run in the process's own network namespace (a node's "
         "container's, too); the process sees ECONNABORTED, its peer ECONNRESET. "
         "Needs CONFIG_INET_DIAG_DESTROY and CAP_NET_ADMIN.",
-        params={
-            "port": "reset only connections whose local or remote port is this; default all",
-        },
     )
 
     def preflight(self, params: Mapping[str, Any]) -> list[str]:
@@ -114,7 +122,7 @@ class Reset:
                 os.close(netns)
 
     def _reset(self, target: ProcessRef, params: Mapping[str, Any], netns: int | None) -> Applied:
-        port = int(params["port"]) if params.get("port") is not None else None
+        port = ResetParams.bind(params).port
         socks = _selected(tcp_sockets(target.pid), port)
         if not target.alive():
             return Applied(self.info.kind, None, {}, f"pid {target.pid} already gone")
@@ -284,7 +292,18 @@ def _delete_in_container(container: str, table: str, owner: ProcessRef | None) -
         os.close(netns)
 
 
+class PartitionParams(FaultParams):
+    duration: Duration | None = Field(None, description="heal after this long; default: at "
+                                      "the end of the run")
+    new_connections: bool = Field(
+        True, description="also cut sockets the process opens after the cut, through a "
+        "cgroup v2 group (needs a cgroup2 mount under /sys/fs/cgroup)")
+
+
 class Partition:
+    params = PartitionParams
+    acts: Acts = "outside"
+    needs = frozenset({"network"})
     info = KindInfo(
         kind="net.partition",
         summary="Cut the target off from its peers over loopback, both ways; others unaffected.",
@@ -298,10 +317,6 @@ class Partition:
         "For a process in a node's container the table goes into the container's network "
         "namespace and drops its sockets' packets on every interface, not only loopback. "
         "Needs nftables, CAP_NET_ADMIN and CAP_SYS_PTRACE.",
-        params={
-            "new_connections": "also cut sockets the process opens after the cut, through a "
-            "cgroup v2 group; default true (needs a cgroup2 mount under /sys/fs/cgroup)",
-        },
         reverted_by="`nft delete table inet aftershock_<id>`; the marks are cleared from the "
         "process's sockets that still carry them; the process is moved back to its cgroup v2 "
         "group and the fault's group removed. Established connections resume on TCP's next "
@@ -321,7 +336,7 @@ class Partition:
             problems.append("needs pidfd_getfd (Linux 5.6 or later) and CAP_SYS_PTRACE to "
                             "reach the target's sockets (run as root)")
         mount = _cgroup.v2_mount()
-        if params.get("new_connections", True) and (
+        if PartitionParams.bind(params).new_connections and (
                 mount is None or not mount.is_relative_to(_NFT_CGROUP_ROOT)):
             problems.append("new_connections needs a cgroup2 mount under /sys/fs/cgroup "
                             "(or set new_connections: false to cut only existing sockets)")
@@ -349,7 +364,7 @@ class Partition:
         cgroup: tuple[str, int] | None = None
         group_dir: Path | None = None
         mount = _cgroup.v2_mount()
-        if params.get("new_connections", True):
+        if PartitionParams.bind(params).new_connections:
             home = _cgroup.group_of(target.pid, None)
             if mount is None or home is None or not mount.is_relative_to(_NFT_CGROUP_ROOT):
                 raise FaultUnavailable(

@@ -14,20 +14,53 @@ from __future__ import annotations
 import contextlib
 import uuid
 from collections.abc import Mapping
-from typing import Any
+from datetime import timedelta
+from typing import Any, Literal
+
+from pydantic import Field
 
 from faults import _docker, _nft
 from faults._errors import FaultUnavailable
 from faults._proc import ProcessRef
 from faults.journal import Journal, UndoContext, UndoRefused, undone_on_error
-from faults.registry import Applied, KindInfo, register
+from faults.params import Duration, FaultParams
+from faults.registry import Acts, Applied, KindInfo, register
 
-DIRECTIONS = ("both", "in", "out")
+
+class NodeParams(FaultParams):
+    container: str | None = Field(
+        None, pattern=r"^[0-9a-f]{64}$", description="the container (full id) instead of the "
+        "target's own; default: the container of the target process")
+
+
+class FreezeParams(NodeParams):
+    duration: Duration | None = Field(None, description="thaw after this long; default: at "
+                                      "the end of the run")
+
+
+class PartitionParams(NodeParams):
+    direction: Literal["both", "in", "out"] = Field(
+        "both", description="both, in (nothing reaches the node) or out (nothing leaves it)")
+    duration: Duration | None = Field(None, description="heal after this long; default: at "
+                                      "the end of the run")
+
+
+class RestartParams(NodeParams):
+    grace: Duration = Field(timedelta(0), description="time the node's processes get to exit "
+                            "after SIGTERM; 0 (the default) is a hard reset")
+
+
+class _NodeKind:
+    """What every node kind declares: it acts from outside, on a node's container."""
+
+    params: type[NodeParams] = NodeParams
+    acts: Acts = "outside"
+    needs = frozenset({"containers"})
 
 
 def _node(target: ProcessRef, params: Mapping[str, Any], journal: Journal) -> tuple[Any, Any]:
     """(engine client, the node as it is now) for the target's container."""
-    explicit = params.get("container")
+    explicit = NodeParams.bind(params).container
     container_id = explicit if explicit else _docker.container_of(target.pid)
     if not _docker.is_container_id(container_id):
         where = (f"container {explicit!r} is not a full container id" if explicit
@@ -50,7 +83,7 @@ def _preflight_engine() -> list[str]:
     return [] if problem is None else [problem]
 
 
-class Kill:
+class Kill(_NodeKind):
     info = KindInfo(
         kind="node.kill",
         summary="The node dies: every process in its container at once, as when a host "
@@ -60,8 +93,6 @@ class Kill:
         "State.Pid), which ends its whole PID namespace at once; its sockets close and its "
         "network namespace goes with it. Not `docker kill`: the engine takes that for a "
         "manual stop and would not apply the restart policy.",
-        params={"container": "the container (full id) instead of the target's own; default "
-                "the container of the target process"},
     )
 
     def preflight(self, params: Mapping[str, Any]) -> list[str]:
@@ -79,7 +110,8 @@ class Kill:
         return None
 
 
-class Freeze:
+class Freeze(_NodeKind):
+    params = FreezeParams
     info = KindInfo(
         kind="node.freeze",
         summary="The node freezes: every process in its container stops at once and keeps "
@@ -87,8 +119,6 @@ class Freeze:
         caused_by="`pause` through the engine: the container's cgroup freezer stops all its "
         "processes (not a signal: they cannot see or catch it); its network stays up, so "
         "peers see silence, not a closed connection.",
-        params={"duration": "thaw after this long; default: at the end of the run",
-                "container": "the container (full id) instead of the target's own"},
         reverted_by="`unpause` through the engine, if the container is still paused; a "
         "crashed harness's reaper or `aftershock heal` removes the run's containers.",
     )
@@ -129,7 +159,8 @@ def _partition_rules(table: str, direction: str) -> str:
     return text + "}\n"
 
 
-class Partition:
+class Partition(_NodeKind):
+    params = PartitionParams
     info = KindInfo(
         kind="node.partition",
         summary="The node drops off the network: nothing reaches it from the other nodes and "
@@ -141,10 +172,6 @@ class Partition:
         "dropped silently, as by a failed switch port: peers see timeouts, not resets. One "
         "way (`in`) also starves the node's own connections of their acknowledgements, as a "
         "real one-way link failure does.",
-        params={"direction": "both (default), in (nothing reaches the node) or out (nothing "
-                "leaves it)",
-                "duration": "heal after this long; default: at the end of the run",
-                "container": "the container (full id) instead of the target's own"},
         reverted_by="`nft delete table inet aftershock_<id>` in the container's network "
         "namespace, if the container still runs in it (a node that restarted has a new, "
         "clean namespace). Established connections resume on TCP's next retransmission.",
@@ -159,9 +186,7 @@ class Partition:
         return problems
 
     def inject(self, target: ProcessRef, params: Mapping[str, Any], journal: Journal) -> Applied:
-        direction = str(params.get("direction", "both"))
-        if direction not in DIRECTIONS:
-            raise ValueError(f"direction {direction!r} is not one of {', '.join(DIRECTIONS)}")
+        direction = PartitionParams.bind(params).direction
         _nft.nft_binary()
         api, node = _node(target, params, journal)
         table = f"{_nft.TABLE_PREFIX}{uuid.uuid4().hex[:12]}"
@@ -192,7 +217,8 @@ class Partition:
         _docker.validate_container(undo, context)
 
 
-class Restart:
+class Restart(_NodeKind):
+    params = RestartParams
     info = KindInfo(
         kind="node.restart",
         summary="The node reboots: its container is stopped and started again, every process "
@@ -200,16 +226,13 @@ class Restart:
         caused_by="`restart` through the engine: SIGTERM to the container's init process, "
         "SIGKILL after `grace`, then the same container (same address, same mounts) started "
         "again.",
-        params={"grace": "time the node's processes get to exit after SIGTERM; default 0s "
-                "(a hard reset)",
-                "container": "the container (full id) instead of the target's own"},
     )
 
     def preflight(self, params: Mapping[str, Any]) -> list[str]:
         return _preflight_engine()
 
     def inject(self, target: ProcessRef, params: Mapping[str, Any], journal: Journal) -> Applied:
-        grace = float(params.get("grace", 0.0))
+        grace = RestartParams.bind(params).grace.total_seconds()
         api, node = _node(target, params, journal)
         with contextlib.closing(api):
             # The engine counts whole seconds: 0 is a hard reset.

@@ -34,7 +34,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-NVML_DIR_ENV = "AFTERSHOCK_NVML_DIR"
+from faults import contract
+
+NVML_DIR_ENV = contract.NVML_DIR_ENV
 GPU_COUNT_ENV = "AFTERSHOCK_NVML_GPUS"  # how many GPUs a fresh folder simulates (default 1)
 POLL_S = 0.01
 

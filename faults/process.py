@@ -5,14 +5,47 @@ from __future__ import annotations
 import signal
 import threading
 from collections.abc import Mapping
+from datetime import timedelta
 from typing import Any
+
+from pydantic import Field, field_validator
 
 from faults._proc import ProcessRef
 from faults.journal import Journal, UndoContext
-from faults.registry import Applied, KindInfo, register
+from faults.params import Duration, FaultParams
+from faults.registry import Acts, Applied, KindInfo, register
+
+_SIGNALS = sorted(s.name for s in signal.Signals if not s.name.startswith("SIG_"))
+
+
+class KillParams(FaultParams):
+    signal: str = Field("SIGKILL", description="the signal, by name (SIGTERM, TERM, ...)")
+
+    @field_validator("signal")
+    @classmethod
+    def _known_signal(cls, value: str) -> str:
+        name = value.upper()
+        if not name.startswith("SIG"):
+            name = "SIG" + name
+        if name not in _SIGNALS:
+            raise ValueError(f"unknown signal {value!r} (allowed: {', '.join(_SIGNALS)})")
+        return name
+
+
+class TermParams(FaultParams):
+    grace: Duration = Field(timedelta(seconds=5), description="time allowed to exit cleanly")
+
+
+class FreezeParams(FaultParams):
+    duration: Duration | None = Field(
+        None, description="thaw after this long; default: at the end of the run")
 
 
 class Kill:
+    params = KillParams
+    acts: Acts = "either"
+    inside_when = "with `at.phase`"
+    needs = frozenset({"signals"})
     info = KindInfo(
         kind="process.kill",
         summary="Send a signal to the target process (SIGKILL by default).",
@@ -21,15 +54,17 @@ class Kill:
         "the target sends it to its own process at that fault point (e.g. `phase: save`, "
         "between a checkpoint's shard writes and its commit), a moment no outside trigger "
         "can hit; the target must call harness.probe.install().",
-        params={"signal": "signal name, default SIGKILL"},
     )
+
+    def inside(self, params: FaultParams, phase: str | None) -> bool:
+        return phase is not None
 
     def inject(self, target: ProcessRef, params: Mapping[str, Any], journal: Journal) -> Applied:
         if params.get("phase"):
             from faults import inproc
 
             return inproc.arm(self.info.kind, target, params, journal)
-        sig = signal.Signals[str(params.get("signal", "SIGKILL"))]
+        sig = signal.Signals[KillParams.bind(params).signal]
         sent = target.signal(sig)
         detail = f"{sig.name} -> pid {target.pid}" + ("" if sent else " (already gone)")
         return Applied(self.info.kind, None, {}, detail)
@@ -39,15 +74,17 @@ class Kill:
 
 
 class Term:
+    params = TermParams
+    acts: Acts = "outside"
+    needs = frozenset({"signals"})
     info = KindInfo(
         kind="process.term",
         summary="SIGTERM, then SIGKILL if the process is still alive after a grace period.",
         caused_by="kill(2) with SIGTERM, and a timer that sends SIGKILL after `grace`.",
-        params={"grace": "time allowed to exit cleanly, default 5s"},
     )
 
     def inject(self, target: ProcessRef, params: Mapping[str, Any], journal: Journal) -> Applied:
-        grace = float(params.get("grace", 5.0))
+        grace = TermParams.bind(params).grace.total_seconds()
         sent = target.signal(signal.SIGTERM)
 
         def escalate() -> None:
@@ -65,11 +102,13 @@ class Term:
 
 
 class Freeze:
+    params = FreezeParams
+    acts: Acts = "outside"
+    needs = frozenset({"signals"})
     info = KindInfo(
         kind="process.freeze",
         summary="Stop the process (SIGSTOP) until healed: a hung rank, as the kernel sees one.",
         caused_by="kill(2) with SIGSTOP; the process keeps its sockets but never answers.",
-        params={"duration": "thaw after this long; default: at the end of the run"},
         reverted_by="SIGCONT to the same process (pid and start time).",
     )
 

@@ -1,5 +1,17 @@
 """The registry of fault kinds and the protocols each kind follows.
 
+A fault kind is one object that declares everything about it (:class:`FaultKind`): its
+name and catalogue text (``info``), its parameters as a pydantic model (``params``,
+faults/params.py), where it acts (``acts``: from outside the target's processes, inside
+them through the in-process probe, or either, depending on its parameters), what the
+target must let it do (``needs``, :data:`CAPABILITIES`), and its steps: ``prepare``
+(optional, before launch), ``inject`` (or ``inject_group``), ``revert``, ``validate``.
+The scenario format, ``aftershock faults`` and docs/faults.md are built from these
+declarations. Built-in kinds live in this package; other packages add kinds through the
+``aftershock.faults`` entry-point group (docs/extending.md).
+
+This module imports the standard library only (the probe imports the package).
+
 A kind that journals an undo record also gives ``validate(undo, context)``
 (:class:`Validates`): a heal, often run as root, calls it on every record before
 ``revert`` and refuses the record unless it names only what the run can be
@@ -13,16 +25,35 @@ import importlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from faults._proc import ProcessRef
 from faults.journal import Journal, UndoContext
 
+if TYPE_CHECKING:
+    from faults.params import FaultParams
+
 ENTRY_POINT_GROUP = "aftershock.faults"
 _BUILTIN_MODULES = (
-    "faults.process", "faults.xid", "faults.memory", "faults.inproc",
+    "faults.process", "faults.xid", "faults.memory", "faults.collective",
     "faults.net", "faults.storage", "faults.straggle", "faults.node",
 )
+
+#: What a target lets faults act through. A kind names those it needs (``needs``); a
+#: target those it offers (harness/target.py); a system's job may add ``probe``. A scenario
+#: whose fault needs what its system lacks is refused when it is validated.
+CAPABILITIES: Mapping[str, str] = {
+    "signals": "signals to the target's processes by pid (kill, stop, continue)",
+    "memory": "the target's memory through /proc/PID/mem",
+    "network": "the target's sockets, in the harness's own network namespace",
+    "files": "the target's files, at the paths the harness sees",
+    "probe": "the in-process probe: the job calls harness.probe.install()",
+    "containers": "the target's nodes are containers of a Docker engine (docs/nodes.md)",
+}
+
+#: Where a kind acts: from outside the target's processes, inside them (the in-process probe
+#: applies it at an exact step, phase or call), or either, depending on its parameters.
+Acts = Literal["outside", "inside", "either"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,8 +63,11 @@ class KindInfo:
     kind: str
     summary: str
     caused_by: str  # how the fault is really caused, in one or two sentences
-    params: Mapping[str, str] = field(default_factory=dict)  # name -> meaning and default
+    #: name -> meaning, for a kind without a ``params`` model (its parameters' own
+    #: descriptions are the text otherwise)
+    params: Mapping[str, str] = field(default_factory=dict)
     reverted_by: str = "nothing to undo"
+    details: str = ""  # more, in Markdown, for docs/faults.md (a section of its own)
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +81,24 @@ class Applied:
 
 
 class FaultKind(Protocol):
-    info: KindInfo
+    """A fault kind. ``params`` may be absent on a kind used only from Python (a test's):
+    it then has no place in scenarios."""
+
+    @property
+    def info(self) -> KindInfo: ...
+
+    @property
+    def params(self) -> type[FaultParams]:
+        """Its parameters (faults/params.py)."""
+        ...
+
+    @property
+    def acts(self) -> Acts: ...
+
+    @property
+    def needs(self) -> frozenset[str]:
+        """The CAPABILITIES it needs when it acts from outside (inside: ``probe``)."""
+        ...
 
     def inject(
         self, target: ProcessRef, params: Mapping[str, Any], journal: Journal
@@ -108,6 +159,58 @@ class GroupKind(Protocol):
     ) -> Applied: ...
 
 
+class ActsEither(Protocol):
+    """A kind that acts inside or outside depending on its parameters (``acts: either``)."""
+
+    inside_when: str  # when it acts inside, for messages: "with `tensor`"
+
+    def inside(self, params: FaultParams, phase: str | None) -> bool:
+        """Whether, with these parameters and the trigger's ``at.phase``, it acts inside."""
+        ...
+
+
+class Resolves(Protocol):
+    """Optional on a kind: parameters that name something a rank published at start-up
+    (the probe's ``tensors`` event: where each parameter lives) become what ``inject``
+    takes, for that rank, just before it is applied."""
+
+    def resolve(self, params: Mapping[str, Any], published: Mapping[str, Any]
+                ) -> dict[str, Any]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """What a kind's scenario check may know about the system it is used against."""
+
+    system: str  # the system kind: trainer, server, command, ...
+    root_is_run_folder: bool  # `root` defaults to the run folder itself (the timeline's)
+
+
+class ChecksScenario(Protocol):
+    """Optional on a kind: its rules across a whole scenario (at most one per scenario,
+    a parameter a system needs); each problem one sentence."""
+
+    def check(self, faults: Sequence[Any], setting: Setting) -> list[str]: ...
+
+
+def acts_inside(kind: FaultKind, params: Any, phase: str | None) -> bool:
+    """Whether ``kind`` with ``params`` (its model, or the fault's) acts inside the target."""
+    acts = getattr(kind, "acts", "outside")
+    if acts == "either":
+        return bool(kind.inside(params, phase))  # type: ignore[attr-defined]
+    return bool(acts == "inside")
+
+
+def needs(kind: FaultKind, params: Any, phase: str | None) -> frozenset[str]:
+    """What ``kind`` with ``params`` needs from the target (CAPABILITIES)."""
+    custom = getattr(kind, "needs_for", None)
+    if callable(custom):
+        return frozenset(custom(params, phase))
+    if acts_inside(kind, params, phase):
+        return frozenset({"probe"})
+    return frozenset(getattr(kind, "needs", frozenset()))
+
+
 _registry: dict[str, FaultKind] = {}
 _loaded = False
 
@@ -145,6 +248,11 @@ def get(kind: str) -> FaultKind:
 def kinds() -> list[FaultKind]:
     _load()
     return [_registry[name] for name in sorted(_registry)]
+
+
+def declared(kind: FaultKind) -> bool:
+    """Whether ``kind`` declares its parameters (and so has a place in scenarios)."""
+    return isinstance(getattr(kind, "params", None), type)
 
 
 def preflight(kind: str, params: Mapping[str, Any]) -> list[str]:

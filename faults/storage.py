@@ -22,8 +22,10 @@ import subprocess
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
+
+from pydantic import Field, field_validator
 
 from faults import lazyfs
 from faults._errors import FaultUnavailable
@@ -37,13 +39,61 @@ from faults.journal import (
     state_dir,
     undone_on_error,
 )
-from faults.registry import Applied, KindInfo, register
+from faults.params import MAX_INDEX, MAX_SEED, Duration, FaultParams, relative_glob
+from faults.registry import Acts, Applied, KindInfo, Setting, register
 
-_PICK = {
-    "root": "folder the glob is relative to (the harness passes the run's folder)",
-    "path": "glob relative to root, e.g. 'ckpt/*.pt' or '**/step_*'; the newest match is hit",
-    "restore": "copy the original aside and put it back on revert; default false",
-}
+_ROOT = ("folder the path is relative to; default the trainer's checkpoint folder "
+         "(reference trainer) or the run folder; ${run_dir} is expanded")
+
+
+class _OnFiles(FaultParams):
+    root: str | None = Field(None, description=_ROOT)
+    restore: bool = Field(False, description="copy the original aside and put it back on "
+                          "revert")
+
+
+class DamageParams(_OnFiles):
+    path: str = Field(description="glob under root, e.g. 'ckpt/*.pt' or '**/step_*'; the "
+                      "newest match is hit")
+    offset: int | None = Field(None, ge=0, le=MAX_INDEX,
+                               description="corrupt: first byte; default: seeded positions")
+    bytes: int = Field(16, ge=1, le=2**30, description="corrupt: how many bytes")
+    size: int | None = Field(None, ge=0, le=MAX_INDEX,
+                             description="truncate: new length in bytes; default: half")
+    seed: int = Field(0, ge=0, le=MAX_SEED,
+                      description="corrupt: seed for the positions and values")
+
+
+class FullParams(_OnFiles):
+    dir: str = Field(".", description="the folder that fills up, under root")
+    free: int = Field(0, ge=0, le=MAX_INDEX, description="bytes of room left before ENOSPC")
+    write_back: bool = Field(True, description="on revert, make the folder hold what was "
+                             "written to it during the fault (new, changed, deleted files)")
+    duration: Duration | None = Field(None, description="heal after this long; default: at "
+                                      "the end of the run")
+
+
+class LoseUnsyncedParams(FaultParams):
+    root: str | None = Field(None, description="folder `dir` is relative to; default the "
+                             "trainer's checkpoint folder (reference trainer) or the run "
+                             "folder; ${run_dir} is expanded")
+    dir: str = Field(".", description="the folder the system writes its checkpoints to, "
+                     "under root; the lazy filesystem is mounted on it before the system "
+                     "starts")
+
+    @field_validator("dir")
+    @classmethod
+    def _under_root(cls, value: str) -> str:
+        return relative_glob(value, "dir")
+
+
+class _Storage:
+    """What the storage kinds share: they act on files, from outside, and hit no rank."""
+
+    acts: Acts = "outside"
+    needs = frozenset({"files"})
+    default_target: Mapping[str, Any] = {"role": "launcher"}
+    target_help = "storage faults act on files, not a rank"
 
 
 def _pick(params: Mapping[str, Any], *, dirs: bool) -> Path:
@@ -77,7 +127,7 @@ def _backup(path: Path, journal: Journal, kind: str) -> tuple[str, dict[str, Any
 def _maybe_backup(
     path: Path, params: Mapping[str, Any], journal: Journal, kind: str
 ) -> tuple[str | None, dict[str, Any]]:
-    if params.get("restore", False):
+    if params.get("restore", _OnFiles.default("restore")):
         return _backup(path, journal, kind)
     return None, {}
 
@@ -113,18 +163,13 @@ def _keep_times(path: Path) -> tuple[int, int]:
     return st.st_atime_ns, st.st_mtime_ns
 
 
-class Corrupt:
+class Corrupt(_Storage):
+    params = DamageParams
     info = KindInfo(
         kind="storage.corrupt",
         summary="Overwrite bytes of a file in place: silent data corruption (bit rot, a bad DMA).",
         caused_by="pwrite(2) of XOR-ed bytes into the file, at `offset` or at seeded random "
         "positions; size and mtime are kept, so only a checksum can tell.",
-        params={
-            **_PICK,
-            "offset": "first byte to corrupt; default: seeded random positions",
-            "bytes": "how many bytes to corrupt; default 16",
-            "seed": "seed for the random positions and values; default 0",
-        },
         reverted_by="not reverted (the system must cope), unless restore: true",
     )
 
@@ -132,10 +177,11 @@ class Corrupt:
         path = _pick(params, dirs=False)
         entry, undo = _maybe_backup(path, params, journal, self.info.kind)
         size = path.stat().st_size
-        count = int(params.get("bytes", 16))
-        rng = random.Random(int(params.get("seed", 0)))
-        if params.get("offset") is not None:
-            start = int(params["offset"])
+        p = DamageParams.bind(params)
+        count = p.bytes
+        rng = random.Random(p.seed)
+        if p.offset is not None:
+            start = p.offset
             positions = list(range(start, min(start + count, size)))
             masks = [0xFF] * len(positions)
         else:
@@ -162,12 +208,12 @@ class Corrupt:
         _validate_restore(undo, context)
 
 
-class Truncate:
+class Truncate(_Storage):
+    params = DamageParams
     info = KindInfo(
         kind="storage.truncate",
         summary="Cut a file short: a torn write, as after a crash during save.",
         caused_by="truncate(2) of the file to `size` bytes; mtime is kept.",
-        params={**_PICK, "size": "new length in bytes; default half the current length"},
         reverted_by="not reverted (the system must cope), unless restore: true",
     )
 
@@ -175,7 +221,8 @@ class Truncate:
         path = _pick(params, dirs=False)
         entry, undo = _maybe_backup(path, params, journal, self.info.kind)
         old = path.stat().st_size
-        new = int(params["size"]) if params.get("size") is not None else old // 2
+        wanted = DamageParams.bind(params).size
+        new = old // 2 if wanted is None else wanted
         times = _keep_times(path)
         os.truncate(path, min(new, old))
         os.utime(path, ns=times)
@@ -190,12 +237,12 @@ class Truncate:
         _validate_restore(undo, context)
 
 
-class Delete:
+class Delete(_Storage):
+    params = DamageParams
     info = KindInfo(
         kind="storage.delete",
         summary="Delete a file or folder (a lost checkpoint).",
         caused_by="unlink(2), or a recursive delete for a folder (sharded checkpoints).",
-        params=dict(_PICK),
         reverted_by="not reverted (the system must cope), unless restore: true",
     )
 
@@ -259,20 +306,14 @@ def _mirror(source: Path, dest: Path) -> None:
     shutil.copytree(source, dest, symlinks=True, dirs_exist_ok=True)
 
 
-class Full:
+class Full(_Storage):
+    params = FullParams
     info = KindInfo(
         kind="storage.full",
         summary="The disk under a folder fills up: writes fail with ENOSPC.",
         caused_by="A tmpfs of just the right size (`mount -t tmpfs -o size=...`) mounted over "
         "the folder, holding a copy of its current files plus `free` bytes of room (rounded "
         "up to whole pages). Files opened before the mount keep writing to the disk below.",
-        params={
-            "root": "folder `dir` is relative to (the harness passes the run's folder)",
-            "dir": "the folder that fills up, relative to root; default root itself",
-            "free": "bytes of room left before ENOSPC; default 0",
-            "write_back": "on revert, make the folder hold what was written to it during the "
-            "fault (new, changed and deleted files); default true",
-        },
         reverted_by="copy the tmpfs contents aside (write_back), unmount (lazily if busy), then "
         "mirror the copy into the folder; the mount never outlives the heal.",
     )
@@ -280,13 +321,14 @@ class Full:
     def inject(self, target: ProcessRef, params: Mapping[str, Any], journal: Journal) -> Applied:
         mount, umount = _tool("mount"), _tool("umount")
         del umount  # checked now: a revert without it could not unmount
+        p = FullParams.bind(params)
         root = Path(str(params["root"])).resolve()
-        folder = (root / str(params.get("dir", "."))).resolve()
+        folder = (root / p.dir).resolve()
         if not folder.is_relative_to(root):
-            raise ValueError(f"dir {params.get('dir')!r} is outside root {root}")
+            raise ValueError(f"dir {p.dir!r} is outside root {root}")
         folder.mkdir(parents=True, exist_ok=True)
         page = os.sysconf("SC_PAGE_SIZE")
-        free = int(params.get("free", 0))
+        free = p.free
         # size=0 would mean "unlimited" to tmpfs, so at least one page.
         size = max(page, _footprint(folder, page) + -(-free // page) * page)
         token = uuid.uuid4().hex[:12]
@@ -296,7 +338,7 @@ class Full:
             "dir": str(folder),
             "source": source,
             "stash": str(state_dir() / "storage" / token),
-            "write_back": bool(params.get("write_back", True)),
+            "write_back": p.write_back,
         }
         below = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)  # still sees the disk after
         entry = journal.intend(self.info.kind, undo)
@@ -383,6 +425,50 @@ def _is_server(ref: ProcessRef, name: str) -> bool:
     return ref.alive() and b"faults.lazyfs" in cmdline and name.encode() in cmdline
 
 
+#: docs/faults.md, under the kind (Markdown).
+_POWER_LOSS = """\
+A filesystem the harness controls sits under the system's checkpoint folder
+from launch on (`faults/lazyfs.py`, after Jepsen's lazyfs: Python over
+libfuse3, the project's `fuse` extra). At the fault every write that was not
+made durable is lost and the targets (default `pick: all`, every rank) are
+SIGKILLed at the same instant; the launcher lives on and restarts them, as a
+job's supervisor would after a node lost power. "Durable" is the weakest
+promise POSIX makes, so a writer that passes here is durable on any POSIX
+filesystem:
+
+- file data (`write`, `truncate`) once `fsync`/`fdatasync` of that file
+  returns (`O_SYNC` writes included); `close` makes nothing durable;
+- a name (create, `mkdir`, `symlink`, `rename`, `unlink`, `rmdir`) once
+  `fsync` of *its folder* returns; a new folder's own name needs its parent's
+  fsync, and a rename between folders both;
+- after the loss every file is as of its last fsync (empty if it never had
+  one) and every folder holds its entries as of its last fsync: a file whose
+  data was fsynced but whose name was not is gone; a name fsynced over data
+  that was not is an empty file.
+
+Real filesystems often keep more (ext4 commits a new file's name with the
+file's fsync), never less. Not modeled: `sync(2)`/`syncfs(2)` (FUSE does not
+pass them on), hard links (EPERM), special files, and attributes (mode,
+owner and times are never lost). Between the loss and the targets' death the
+filesystem answers every request with EIO, so no write still in flight lands
+after the power went. The durable state is kept in the folder under the mount
+(opened before mounting): once the run ends and the mount is gone, the folder
+holds what survived. The rest is held in memory: meant for a test run's
+checkpoints, not terabytes.
+
+The mount and its server are journaled before they are made (mount point,
+the mount's source name `aftershock_lazyfs_<id>`, the server's pid and start
+time) and undone when the run ends, by the reaper, or by `aftershock heal`
+(`fusermount3 -u`, lazily if busy); the server also unmounts itself if the
+harness that started it dies. Only one `storage.lose_unsynced` per scenario
+(one filesystem); repeat it with `every`. On a command, `dir` (or `root`)
+must name the checkpoint folder: the run folder itself holds the timeline.
+Pair it with `expect.checkpoint_durable`
+([metrics.md](metrics.md#checks)): `params_match` cannot see a lost
+checkpoint, since a deterministic trainer that starts over ends bitwise equal.
+"""
+
+
 class LoseUnsynced:
     """``storage.lose_unsynced``: a power loss under a folder.
 
@@ -396,6 +482,12 @@ class LoseUnsynced:
     system's restart. The loss is the point and stays; the mount goes when the run ends.
     """
 
+    params = LoseUnsyncedParams
+    acts: Acts = "outside"
+    needs = frozenset({"files", "signals"})
+    default_target: Mapping[str, Any] = {"pick": "all"}
+    target_help = ("the processes that die with the power; default every rank (the "
+                   "launcher lives on to restart them, as a job's supervisor would)")
     info = KindInfo(
         kind="storage.lose_unsynced",
         summary="A power loss under a folder: every write not yet made durable there is lost "
@@ -406,23 +498,31 @@ class LoseUnsynced:
         "rename, unlink, mkdir) until fsync of their directory. At the fault it drops all of "
         "that at once and answers EIO until the targets are dead (SIGKILL), then serves what "
         "survived.",
-        params={
-            "root": "folder `dir` is relative to (the harness passes the trainer's checkpoint "
-            "folder, or the run folder for a command)",
-            "dir": "the folder the system keeps its checkpoints in, relative to root; the lazy "
-            "filesystem is mounted on it at launch; default root itself",
-        },
         reverted_by="the loss stays (it is the point); when the run ends the filesystem is "
         "unmounted (fusermount3 -u, lazily if busy) and its server stopped, and the folder "
         "holds what survived.",
+        details=_POWER_LOSS,
     )
+
+    def check(self, faults: Sequence[Any], setting: Setting) -> list[str]:
+        if len(faults) > 1:
+            return ["at most one storage.lose_unsynced fault per scenario (one lazy "
+                    "filesystem); repeat it with `every`"]
+        fault = faults[0]
+        if setting.root_is_run_folder and fault.root is None \
+                and PurePosixPath(fault.dir).parts in ((), (".",)):
+            return [f"storage.lose_unsynced on a {setting.system} needs `dir` (or `root`): the "
+                    "folder the job writes its checkpoints to, not the whole run folder "
+                    "(which holds the timeline)"]
+        return []
 
     def __init__(self) -> None:
         self._servers: dict[str, subprocess.Popen[bytes]] = {}  # source -> our child
 
     def prepare(self, params: Mapping[str, Any], journal: Journal) -> Applied:
         root = Path(str(params["root"])).resolve()
-        folder = _under(root, str(params.get("dir", ".")))
+        # The engine's own bound first: a folder outside root is refused as such.
+        folder = _under(root, str(params.get("dir", LoseUnsyncedParams.default("dir"))))
         folder.mkdir(parents=True, exist_ok=True)
         name = lazyfs.SOURCE_PREFIX + uuid.uuid4().hex[:12]
         log = Path(str(params["log"])) if params.get("log") else None

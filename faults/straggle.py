@@ -14,13 +14,16 @@ import threading
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import Field
 
 from faults import _cgroup
 from faults._errors import FaultUnavailable
 from faults._proc import ProcessRef
 from faults.journal import Journal, UndoContext, UndoRefused, undone_on_error
-from faults.registry import Applied, KindInfo, register
+from faults.params import Duration, FaultParams
+from faults.registry import Acts, Applied, KindInfo, register
 
 PERIOD_US = 100_000  # CFS period; 100 ms is the kernel default and keeps stalls short
 MIN_QUOTA_US = 1_000  # the kernel refuses quotas below 1 ms
@@ -42,7 +45,22 @@ def _cycle(target: ProcessRef, run_s: float, stop_s: float, quit_: threading.Eve
         target.signal(signal.SIGCONT)
 
 
+class StraggleParams(FaultParams):
+    factor: float = Field(4.0, gt=1.0, le=1000,
+                          description="how many times slower (4: a quarter of the CPU time)")
+    cpus: float = Field(1.0, gt=0, le=1024,
+                        description="CPUs the process would use unthrottled, for the quota")
+    method: Literal["auto", "cgroup", "signal"] = Field(
+        "auto", description="cgroup: a CPU quota; signal: SIGSTOP/SIGCONT on a duty cycle; "
+        "auto: cgroup where this machine has the controller")
+    duration: Duration | None = Field(
+        None, description="end the slowdown after this long; default: at the end of the run")
+
+
 class Straggle:
+    params = StraggleParams
+    acts: Acts = "outside"
+    needs = frozenset({"signals"})
     info = KindInfo(
         kind="process.straggle",
         summary="Slow the target process down by a factor while it keeps running.",
@@ -50,17 +68,12 @@ class Straggle:
         "starts later) is moved into /sys/fs/cgroup/cpu/<its group>/aftershock_<id> with "
         "cpu.cfs_quota_us = cpu.cfs_period_us × cpus / factor. Fallback (method: signal, or "
         "auto without the controller): SIGSTOP/SIGCONT on a 100 ms duty cycle.",
-        params={
-            "factor": "how many times slower; default 4 (a quarter of the CPU time)",
-            "cpus": "CPUs the process would use unthrottled, for the quota; default 1",
-            "method": "auto | cgroup | signal; default auto (cgroup when available)",
-        },
         reverted_by="move the process back to its original cpu group and remove the fault's "
         "group (cgroup); or stop the duty cycle and SIGCONT (signal).",
     )
 
     def preflight(self, params: Mapping[str, Any]) -> list[str]:
-        if str(params.get("method", "auto")) != "cgroup":
+        if StraggleParams.bind(params).method != "cgroup":
             return []  # auto falls back to SIGSTOP/SIGCONT, which needs nothing
         mount = _cgroup.v1_mount("cpu")
         if mount is None or not _cgroup.writable(mount):
@@ -69,19 +82,15 @@ class Straggle:
         return []
 
     def inject(self, target: ProcessRef, params: Mapping[str, Any], journal: Journal) -> Applied:
-        factor = float(params.get("factor", 4))
-        if factor < 1:
-            raise ValueError(f"factor must be >= 1, got {factor}")
-        method = str(params.get("method", "auto"))
-        if method not in ("auto", "cgroup", "signal"):
-            raise ValueError(f"method must be auto, cgroup or signal, got {method!r}")
+        bound = StraggleParams.bind(params)
+        factor, method = bound.factor, bound.method
         mount = _cgroup.v1_mount("cpu")
         usable = mount is not None and _cgroup.writable(mount)
         if method == "cgroup" and not usable:
             raise FaultUnavailable("no writable cgroup v1 cpu controller (/sys/fs/cgroup/cpu)")
         token = uuid.uuid4().hex[:12]
         if method != "signal" and mount is not None and usable:
-            return self._cgroup(target, factor, float(params.get("cpus", 1)), mount, token, journal)
+            return self._cgroup(target, factor, bound.cpus, mount, token, journal)
         return self._signal(target, factor, token, journal)
 
     def _cgroup(

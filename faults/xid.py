@@ -20,12 +20,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
 
 from faults import nvml_sim
 from faults._proc import ProcessRef, environ
 from faults.journal import Journal, UndoContext, UndoRefused
-from faults.registry import Applied, KindInfo, register
+from faults.params import MAX_SEED, MAX_WORLD, FaultParams
+from faults.registry import Acts, Applied, KindInfo, register
 
 CATALOG_URL = "https://docs.nvidia.com/deploy/xid-errors/analyzing-xid-catalog.html"
 DEBUG_GUIDE_URL = "https://docs.nvidia.com/deploy/gpu-debug-guidelines/index.html"
@@ -356,7 +359,38 @@ def _nvml_dir(target: ProcessRef, params: Mapping[str, Any]) -> str:
     return str(folder)
 
 
+class XidParams(FaultParams):
+    code: int = Field(description="the Xid number; `aftershock faults xid` lists the catalogue")
+    gpu: int | None = Field(None, ge=0, lt=MAX_WORLD,
+                            description="simulated GPU index; default the target's LOCAL_RANK, "
+                            "else 0")
+    effect: Effect | None = Field(None, description="instead of the catalogue's effect")
+    message: str | None = Field(None, max_length=1000,
+                                description="instead of the kernel-log line's message")
+    recovery_action: Literal["none", "gpu_reset", "node_reboot", "drain_p2p",
+                             "drain_and_reset"] | None = Field(
+        None, description="Xid 154 only: the recovery action it announces; default gpu_reset")
+    bitflips: int | None = Field(None, ge=1, le=1_000_000,
+                                 description="poison_memory: also flip this many seeded bits "
+                                 "in the target's anonymous memory through /proc/PID/mem; "
+                                 "default: publish only")
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="seed for bitflips")
+    nvml_dir: str | None = Field(None, description="the NVML simulation folder, when the "
+                                 "target's environment has no AFTERSHOCK_NVML_DIR (it must "
+                                 "match it when it has)")
+
+    @field_validator("code")
+    @classmethod
+    def _known_xid(cls, value: int) -> int:
+        if value not in CATALOG:
+            raise ValueError(f"unknown Xid {value} (allowed: {', '.join(map(str, CATALOG))})")
+        return value
+
+
 class GpuXid:
+    params = XidParams
+    acts: Acts = "outside"
+    needs = frozenset({"signals", "files"})
     info = KindInfo(
         kind="gpu.xid",
         summary="Simulate an NVIDIA Xid on the target's GPU: NVML event, kernel-log line and "
@@ -365,20 +399,6 @@ class GpuXid:
         "PCIe link loss, NVLink errors, GSP firmware timeouts). Here: an event appended to the "
         "NVML simulation's folder (faults.nvml_sim), the driver's `NVRM: Xid` line appended to "
         "its kern.log, then the effect on the process: SIGKILL, SIGSTOP, or device state.",
-        params={
-            "code": "Xid number (required); `aftershock faults xid` lists the catalogue",
-            "gpu": "simulated GPU index; default the target's LOCAL_RANK, else 0",
-            "nvml_dir": "NVML simulation folder when the target's environment has no "
-            "AFTERSHOCK_NVML_DIR (must match it when it has)",
-            "effect": "override the catalogue's effect (kill_process, hang, poison_memory, "
-            "device_lost, link_down, log_only)",
-            "message": "override the kernel-log message text",
-            "recovery_action": "Xid 154 only: none, gpu_reset, node_reboot, drain_p2p, "
-            "drain_and_reset (default gpu_reset)",
-            "bitflips": "poison_memory only: also flip this many seeded bits in the target's "
-            "anonymous memory through /proc/PID/mem (default 0: publish only)",
-            "seed": "seed for bitflips, default 0",
-        },
         reverted_by="hang: SIGCONT; device_lost and link_down: a simulated GPU reset (state "
         "cleared); kill_process, poison_memory and log_only: nothing to undo.",
     )
@@ -387,19 +407,15 @@ class GpuXid:
         if "code" not in params:
             raise ValueError("gpu.xid needs `code` (an Xid number)")
         entry = get(int(params["code"]))
+        p = XidParams.bind(params)
         folder = _nvml_dir(target, params)
         env = environ(target.pid)
-        gpu = int(params.get("gpu", env.get("LOCAL_RANK", 0)))
-        effect = Effect(str(params.get("effect", entry.effect)))
-        message = params.get("message")
+        gpu = p.gpu if p.gpu is not None else int(env.get("LOCAL_RANK", 0))
+        effect = entry.effect if p.effect is None else p.effect
+        message = p.message
         action = entry.action
         if entry.code == 154 and message is None:
-            key = str(params.get("recovery_action", "gpu_reset"))
-            if key not in RECOVERY_ACTIONS:
-                raise ValueError(
-                    f"recovery_action {key!r} is not one of {', '.join(RECOVERY_ACTIONS)}"
-                )
-            value, text, action = RECOVERY_ACTIONS[key]
+            value, text, action = RECOVERY_ACTIONS[p.recovery_action or "gpu_reset"]
             message = f"GPU recovery action changed from 0x0 (None) to 0x{value:x} ({text})"
 
         # Journal first: the device state must be reset even if the harness dies right after.
@@ -434,11 +450,11 @@ class GpuXid:
         elif effect is Effect.LINK_DOWN:
             done = f"GPU {gpu} NVLinks down until reset"
         elif effect is Effect.POISON_MEMORY:
-            flips = int(params.get("bitflips", 0))
+            flips = p.bitflips or 0
             if flips > 0:
                 from faults import memory
 
-                record = memory.flip_heap_bits(target, count=flips, seed=int(params.get("seed", 0)))
+                record = memory.flip_heap_bits(target, count=flips, seed=p.seed)
                 undo["flips"] = record
                 done = f"{len(record)} bits flipped in anonymous memory"
             else:

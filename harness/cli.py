@@ -94,10 +94,11 @@ def run(
     ] = None,
 ) -> None:
     """Run scenarios: launch, inject faults, check recovery, report."""
+    from harness import systems
     from harness.errors import AftershockError, HarnessError, RunFailed, SpecError
     from harness.report import LiveObserver, PlainObserver
     from harness.runner import Interrupted, Observer, RunInterrupted, run_scenario
-    from harness.spec import TrainerSystem, discover, load_scenario
+    from harness.spec import discover, load_scenario
 
     try:
         files = discover(list(paths))
@@ -132,8 +133,7 @@ def run(
                     suffix = f"-{attempt + 1}" if repeat > 1 else ""
                     this_dir = run_dir / f"{scenario.spec.name}{suffix}"
                 this_seed = (seed if seed is not None else scenario.spec.seed) + attempt
-                total = (scenario.spec.system.steps
-                         if isinstance(scenario.spec.system, TrainerSystem) else None)
+                total = systems.of(scenario.spec.system).steps(scenario.spec.system)
                 if live:
                     with LiveObserver(console, total_steps=total) as view:
                         result = run_scenario(scenario, run_dir=this_dir, seed=this_seed,
@@ -314,40 +314,82 @@ def _golden_status(scenario: Any, seed: int | None) -> str:
 def faults(
     kind: Annotated[str | None, typer.Argument(help="a kind, or 'xid' for the Xid table")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable")] = False,
+    system: Annotated[str | None, typer.Option(
+        "--system", help="only the kinds that apply to this kind of system (trainer, server, "
+        "command: a plain job, without the in-process probe)")] = None,
+    for_file: Annotated[Path | None, typer.Option(
+        "--for", help="only the kinds that apply to this scenario's system", readable=False,
+    )] = None,
+    markdown: Annotated[bool, typer.Option(
+        "--markdown", help="the generated part of docs/faults.md")] = False,
 ) -> None:
-    """The fault catalogue: every kind, its parameters, how it is really caused.
+    """The fault catalogue: every kind, where it acts, its parameters, how it is really
+    caused. Built from each kind's own declaration.
 
     `aftershock faults xid` prints NVIDIA's Xid table as the simulation uses it.
     """
-    import faults as catalogue
+    import faults as engine
+    from faults import catalogue, registry
 
     if kind == "xid":
         _xid_table(as_json)
         return
-    kinds = catalogue.kinds()
+    kinds = [k for k in engine.kinds() if registry.declared(k)]
     if kind is not None:
         kinds = [k for k in kinds if k.info.kind == kind or k.info.kind.startswith(kind + ".")]
         if not kinds:
-            known = ", ".join(k.info.kind for k in catalogue.kinds())
+            known = ", ".join(k.info.kind for k in engine.kinds())
             err.print(f"unknown fault kind {kind!r} (known: {known})", markup=False)
             raise typer.Exit(EXIT_INVALID)
+    offered = _offered(system, for_file)
+    if offered is not None:
+        kinds = [k for k in kinds if catalogue.applicable(k, offered)]
+    if markdown:
+        print(catalogue.markdown(kinds), end="")
+        return
     if as_json:
-        rows = [
-            {"kind": k.info.kind, "summary": k.info.summary, "caused_by": k.info.caused_by,
-             "params": dict(k.info.params), "reverted_by": k.info.reverted_by}
-            for k in kinds
-        ]
-        print(json.dumps(rows, indent=2))
+        print(json.dumps([catalogue.describe(k) for k in kinds], indent=2))
         return
     from rich.table import Table
 
     table = Table(title="Aftershock faults")
-    for column in ("kind", "what", "params", "how it is caused", "undone by"):
+    for column in ("kind", "what", "where", "params", "how it is caused", "undone by"):
         table.add_column(column)
     for k in kinds:
-        params = "\n".join(f"{n}: {m}" for n, m in k.info.params.items())
-        table.add_row(k.info.kind, k.info.summary, params, k.info.caused_by, k.info.reverted_by)
+        params = "\n".join(f"{n}: {m}" for n, m in catalogue.parameters(k).items())
+        table.add_row(k.info.kind, k.info.summary, catalogue.where(k), params,
+                      k.info.caused_by, k.info.reverted_by)
     out.print(table)
+
+
+def _offered(system: str | None, for_file: Path | None) -> frozenset[str] | None:
+    """What the system named by ``--system`` or ``--for`` lets faults act through; None
+    without either."""
+    from harness import systems
+    from harness.errors import SpecError
+    from harness.spec import load_scenario
+
+    if system is not None and for_file is not None:
+        raise _fail_invalid(["give --system or --for, not both"])
+    if system is not None:
+        try:
+            kind = systems.get(system)
+        except KeyError as exc:
+            raise _fail_invalid([str(exc.args[0])]) from None
+        model, folder = None, None
+    elif for_file is not None:
+        try:
+            loaded = load_scenario(for_file)
+        except SpecError as exc:
+            raise _fail_invalid(exc.problems) from None
+        kind, model, folder = (systems.of(loaded.spec.system), loaded.spec.system,
+                               loaded.path.parent)
+    else:
+        return None
+    offered = set(kind.capabilities(model))
+    if kind.probe(model, folder) is None:
+        offered.add("probe")
+    return frozenset(offered)
 
 
 def _xid_table(as_json: bool) -> None:

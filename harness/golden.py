@@ -39,43 +39,28 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from harness import systems
 from harness.errors import SpecError
 from harness.records import CheckResult
-from harness.spec import LoadedScenario, Scenario, ServerSystem, TrainerSystem, load_scenario
+from harness.spec import LoadedScenario, Scenario, TrainerSystem, load_scenario
 
 FILE = "golden.json"
 CHECK = "fault_free_golden"
 ABOUT = ("Golden results of the fault-free twins of the scenarios in this folder, recorded on "
          "purpose with `aftershock golden --update`; see docs/scenarios.md (Golden results).")
 
-#: Trainer settings that pace a run, detect failures, or keep what only recovery uses: they
-#: never change a fault-free run's math. The recovery strategy stays: a different runtime.
-_TRAINER_TIMING = ("step_sleep", "timeout", "collective_timeout", "max_restarts",
-                   "checkpoint_every", "spares", "snapshot_every")
-#: Server settings that never change a fault-free run's tokens (the model, the kernels and the
-#: load do).
-_SERVER_TIMING = ("step_sleep", "timeout", "heartbeat", "dead_after", "wedged_after",
-                  "recovery", "journal", "checksums")
-
-
 def twin_system(spec: Scenario) -> dict[str, Any]:
-    """The part of ``spec.system`` that decides its fault-free twin's result, ``env`` aside."""
-    system: dict[str, Any] = spec.system.model_dump(mode="json")
-    dropped = (_TRAINER_TIMING if isinstance(spec.system, TrainerSystem) else
-               _SERVER_TIMING if isinstance(spec.system, ServerSystem) else ())
-    for name in (*dropped, "env"):
-        system.pop(name, None)
-    if isinstance(spec.system, ServerSystem):
-        for name in ("retries", "request_timeout"):  # how long clients insist, not what
-            system["load"].pop(name, None)
-    return system
+    """The part of ``spec.system`` that decides its fault-free twin's result, ``env`` aside
+    (its system kind says which fields only pace, detect or serve recovery)."""
+    return systems.of(spec.system).twin_key(spec.system)
 
 
 def what_of(spec: Scenario) -> str | None:
     """What a golden of this scenario holds: ``digests`` or ``outputs``; None: no golden."""
-    if isinstance(spec.system, TrainerSystem) and spec.expect.params_match == "fault_free":
+    kind = systems.of(spec.system).golden
+    if kind == "digests" and spec.expect.params_match == "fault_free":
         return "digests"
-    if isinstance(spec.system, ServerSystem) and spec.expect.outputs_match == "fault_free":
+    if kind == "outputs" and spec.expect.outputs_match == "fault_free":
         return "outputs"
     return None
 
@@ -123,13 +108,7 @@ print(f"torch {torch.__version__}; {cpu}; {device}")
 
 
 def device_of(spec: Scenario) -> str:
-    system = spec.system
-    if isinstance(system, TrainerSystem):
-        return "cuda" if system.backend == "nccl" else "cpu"
-    if isinstance(system, ServerSystem):
-        args = " ".join(system.args)
-        return "cuda" if "--device=cuda" in args or "--device cuda" in args else "cpu"
-    return "cpu"
+    return systems.of(spec.system).device(spec.system)
 
 
 @functools.cache
@@ -326,7 +305,7 @@ def update(scenarios: Sequence[LoadedScenario], *, seed: int | None, use_cache: 
         what = what_of(loaded.spec)
         if what is None:
             why = ("goldens are for the reference trainer and server"
-                   if not isinstance(loaded.spec.system, TrainerSystem | ServerSystem) else
+                   if systems.of(loaded.spec.system).golden is None else
                    "it compares with no fault-free twin (params_match/outputs_match: "
                    "fault_free)")
             results.append(Update(loaded.path, "skipped", why))
@@ -340,7 +319,6 @@ def update(scenarios: Sequence[LoadedScenario], *, seed: int | None, use_cache: 
             checked_by = "not cross-checked: no oracle for the reference server"
             if found is not None and what == "digests":
                 system = loaded.spec.system
-                assert isinstance(system, TrainerSystem)
                 expected = oracle.trainer_digests(system, seed=this_seed,
                                                   schedule=oracle.full_membership(system))
                 got = {int(k): str(v) for k, v in found.items()}

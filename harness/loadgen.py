@@ -31,11 +31,53 @@ import string
 import threading
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 from urllib.parse import urlsplit
 
-from harness.spec import Load
+from pydantic import Field, model_validator
+
+from faults.contract import SERVING_READY
+from harness.records import Event
+from harness.schema import Duration, Strict
 from harness.timeline import Timeline
+
+
+class PromptMix(Strict):
+    """Prompt lengths, in tokens (bytes), drawn uniformly with the run's seed."""
+
+    min: int = Field(16, ge=1, le=1_000_000)
+    max: int = Field(64, ge=1, le=1_000_000)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> PromptMix:
+        if self.max < self.min:
+            raise ValueError(f"max ({self.max}) is below min ({self.min})")
+        return self
+
+
+class Load(Strict):
+    """The built-in load generator: streaming OpenAI-style completions, as real clients
+    send them (Poisson arrivals, shared system-prompt prefixes, resume on a broken stream).
+    Everything is drawn from the run's seed, so the fault-free twin sends the same load."""
+
+    requests: int = Field(40, ge=1, le=100_000, description="requests in all")
+    rate: float = Field(20.0, gt=0, le=100_000, description="arrivals per second (Poisson)")
+    concurrency: int = Field(16, ge=1, le=1024, description="most requests in flight at once")
+    prompt_tokens: PromptMix = PromptMix()
+    shared_prefixes: int = Field(
+        4, ge=0, le=100_000, description="distinct shared prefixes (system prompts); 0: none"
+    )
+    prefix_tokens: int = Field(32, ge=0, le=1_000_000, description="length of each shared prefix")
+    max_tokens: int = Field(32, ge=1, le=4096, description="tokens generated per request")
+    retries: int = Field(
+        20, ge=0, le=100_000, description="times a client resumes a broken stream (same "
+        "request id, offset = tokens received) before it gives the request up"
+    )
+    request_timeout: Duration = Field(
+        timedelta(seconds=60), description="a request not finished by then is lost"
+    )
+
 
 _ALPHABET = string.ascii_letters + string.digits + " .,"
 _BACKOFF_S = 0.05
@@ -248,3 +290,49 @@ def fetch_json(url: str, path: str, timeout: float = 2.0) -> dict[str, object] |
     finally:
         with contextlib.suppress(OSError):
             conn.close()
+
+
+class LoadDriver:
+    """The load generator as the driver of a run (harness/systems/__init__.py, ``Driver``):
+    it starts when the server says where it listens (a ``serving_ready`` event with its
+    ``url``), and the run ends when the last request has: then the server's own counters
+    (``GET /v1/stats``) go on the timeline as ``serving_stats``."""
+
+    def __init__(self, load: Load, *, seed: int, timeline: Timeline) -> None:
+        self.load = load
+        self.seed = seed
+        self.timeline = timeline
+        self.generator: LoadGenerator | None = None
+
+    def observe(self, event: Event) -> None:
+        url = event.fields.get("url")
+        if event.event == SERVING_READY and self.generator is None and isinstance(url, str):
+            self.generator = LoadGenerator(url, self.load, seed=self.seed,
+                                           timeline=self.timeline)
+            self.generator.start()
+
+    def done(self) -> bool:
+        return self.generator is not None and self.generator.done.is_set()
+
+    def finish(self) -> Event | None:
+        if self.generator is None:
+            return None
+        stats = fetch_json(self.generator.url, "/v1/stats")
+        return self.timeline.emit("serving_stats", source="client", **serving_stats(stats))
+
+    def stop(self) -> None:
+        if self.generator is not None:
+            self.generator.stop()
+
+
+def serving_stats(stats: dict[str, object] | None) -> dict[str, Any]:
+    """The server's own counters (``GET /v1/stats``), flattened for the timeline."""
+    if stats is None:
+        return {"available": False}
+    flat: dict[str, Any] = {"available": True}
+    engine = stats.get("engine")
+    for source in (engine if isinstance(engine, dict) else {}, stats):
+        for key, value in source.items():
+            if isinstance(value, int | float | str | bool) and key not in flat:
+                flat[key] = value
+    return flat

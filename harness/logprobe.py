@@ -12,10 +12,79 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
 
 from harness.records import Event
-from harness.spec import LogProbe
+from harness.schema import Strict
+
+#: Event kinds a log probe may produce (see docs/events.md).
+LogEventKind = Literal[
+    "step",
+    "failure_detected",
+    "recovery_done",
+    "checkpoint_saved",
+    "checkpoint_loaded",
+    "params",
+]
+
+
+class LogProbe(Strict):
+    """Turns matching output lines of a system that has no probe into timeline events.
+
+    Named groups become event fields: ``step`` (int), ``rank`` (int), ``digest``,
+    ``cause``, and ``generation``: the identity of the world that wrote the line (a
+    restart count, a quorum id; an int when it is digits). Two steps with the same
+    ``generation`` were committed by one world; recovery and ``single_history`` need it
+    on step lines. ``time`` is the moment the line's event happened (for a step: when it
+    was committed), in seconds on ``clock``; without it an event is stamped when the
+    harness reads the line, which only bounds when it was written and never proves a
+    step came after a fault. Lines are matched after torchrun's ``[rank]:`` prefixes are
+    kept, so a pattern can capture the rank from them.
+    """
+
+    pattern: str
+    event: LogEventKind
+    stream: Literal["stdout", "stderr", "both"] = "both"
+    clock: Literal["monotonic", "unix"] = Field(
+        "monotonic",
+        description="what the (?P<time>...) group counts: monotonic: seconds of "
+        "CLOCK_MONOTONIC (Python's time.monotonic(), the clock of the timeline); unix: "
+        "seconds since the epoch (time.time()), converted with the offset between the two "
+        "clocks that the harness records at launch",
+    )
+
+    @field_validator("pattern")
+    @classmethod
+    def _compiles(cls, value: str) -> str:
+        try:
+            compiled = re.compile(value)
+        # re.compile raises OverflowError for a{99999999999} and runs out of stack on a few
+        # hundred nested groups.
+        except (re.error, OverflowError, RecursionError) as exc:
+            raise ValueError(f"not a valid regular expression: {exc}") from None
+        if "world" in compiled.groupindex:
+            raise ValueError("a (?P<world>...) group: name the world's identity "
+                             "(?P<generation>...); `world` is the world's size in events")
+        return value
+
+    @model_validator(mode="after")
+    def _clock_needs_time(self) -> LogProbe:
+        if self.clock != "monotonic" and "time" not in re.compile(self.pattern).groupindex:
+            raise ValueError(f"clock: {self.clock} needs a (?P<time>...) group in pattern")
+        return self
+
+    @model_validator(mode="after")
+    def _step_needs_its_number(self) -> LogProbe:
+        # A step event without its number moves no step trigger and counts no step: the
+        # run would fail later with "trigger step N not reached", naming no cause.
+        if self.event == "step" and "step" not in re.compile(self.pattern).groupindex:
+            raise ValueError("an `event: step` probe needs a (?P<step>...) group in pattern: "
+                             "the step number is what `at: {step}`, every step metric and "
+                             "recovery read")
+        return self
+
 
 _RANK_PREFIX = re.compile(r"^\[(?:default)?(\d+)\]:")
 LINE_SHOWN = 300  # characters of the matched line an event keeps

@@ -20,10 +20,12 @@ import threading
 import time
 from typing import Any
 
-EVENTS_ENV = "AFTERSHOCK_EVENTS"
-COMMANDS_ENV = "AFTERSHOCK_COMMANDS"  # in-process faults armed by the harness (faults.inproc)
-OUTPUT_ENV = "AFTERSHOCK_OUTPUT_DIR"
-RUN_ID_ENV = "AFTERSHOCK_RUN_ID"
+# The environment the harness gives every process it launches (faults/contract.py).
+from faults.contract import COMMANDS_ENV as COMMANDS_ENV
+from faults.contract import EVENTS_ENV as EVENTS_ENV
+from faults.contract import HELLO, STEP, TENSORS
+from faults.contract import OUTPUT_ENV as OUTPUT_ENV
+from faults.contract import RUN_ID_ENV as RUN_ID_ENV
 
 _lock = threading.Lock()
 _fd: int | None = None
@@ -66,7 +68,7 @@ def emit(event: str, **fields: Any) -> None:
     # Every event names the world this process is in: the generation of its last hello or
     # step (a survivor that stays in place may name a new generation only in its steps).
     # Recovery counts a step only when every rank committed it in one world.
-    if event in ("hello", "step") and fields.get("generation") is not None:
+    if event in (HELLO, STEP) and fields.get("generation") is not None:
         _generation = fields["generation"]
     if _generation is not None:
         record["generation"] = _generation
@@ -86,14 +88,14 @@ def hello(*, world: int, generation: int | str = 0, **fields: Any) -> None:
     """A rank is up: its pid, rank, world size and generation: the identity of the world
     it is in now (a restart count, a membership plan). Say hello again on joining another
     world, or name the new generation in ``step``; later events carry it."""
-    emit("hello", world=world, generation=generation, **fields)
+    emit(HELLO, world=world, generation=generation, **fields)
 
 
 def step(n: int, *, world: int, **fields: Any) -> None:
     """Step ``n`` was committed by this rank (its parameters now include it). Call it
     after the commit: its time is the proof the step came after a fault. ``world`` is
     the world's size; ``generation=`` names the world, if it changed since hello."""
-    emit("step", step=n, world=world, **fields)
+    emit(STEP, step=n, world=world, **fields)
 
 
 def detected(cause: str, **fields: Any) -> None:
@@ -193,7 +195,7 @@ def _publish_addresses(model: Any) -> None:
         if data.device.type == "cpu" and data.is_contiguous():
             where[f"param:{name}"] = [data.data_ptr(), data.numel(), data.element_size()]
     if where:
-        emit("tensors", tensors=where)
+        emit(TENSORS, tensors=where)
 
 
 def fault_point(phase: str, step: int) -> None:

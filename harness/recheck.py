@@ -20,13 +20,14 @@ from pathlib import Path
 from typing import Any
 
 from harness import metrics as _metrics
+from harness import systems
 from harness.checks import Outcome
 from harness.errors import SpecError
 from harness.logprobe import LINE_SHOWN, compile_probes, line_events
 from harness.records import Event, RunResult
 from harness.rundir import ProcessLog, RecordedRun, load_run
 from harness.runner import NullObserver, assess, baseline_key, cache_dir, replay_digests
-from harness.spec import CommandSystem, LoadedScenario, LogProbe, load_scenario, parse_scenario
+from harness.spec import LoadedScenario, LogProbe, load_scenario, parse_scenario
 from harness.timeline import read_events
 
 
@@ -113,7 +114,7 @@ def _outcome(run: RecordedRun) -> Outcome:
 def _comparable(loaded: LoadedScenario) -> dict[str, Any]:
     """What a re-check cannot change: everything but the checks and the log probes."""
     data = loaded.spec.model_dump(mode="json", exclude={"expect", "description"})
-    if isinstance(loaded.spec.system, CommandSystem):
+    if systems.of(loaded.spec.system).log_probes(loaded.spec.system):
         data["system"].pop("probes", None)
     return data
 
@@ -160,12 +161,10 @@ def _baseline(
 
 
 def _probes_of(loaded: LoadedScenario, what: str) -> list[LogProbe]:
-    system = loaded.spec.system
-    if not isinstance(system, CommandSystem):
-        return []
+    probes = systems.of(loaded.spec.system).log_probes(loaded.spec.system)
     if what == "digests":
-        return [p for p in system.probes if p.event == "params"]
-    return list(system.probes)
+        return [p for p in probes if p.event == "params"]
+    return probes
 
 
 def recheck(run_dir: Path, *, scenario: Path | None = None) -> Recheck:
@@ -191,8 +190,9 @@ def recheck(run_dir: Path, *, scenario: Path | None = None) -> Recheck:
             "(use `aftershock run`)"])
     notes: list[str] = []
     events = run.events
-    if isinstance(fixed.spec.system, CommandSystem):
-        events, notes = reprobe(run_dir, events, fixed.spec.system.probes)
+    probes = systems.of(fixed.spec.system).log_probes(fixed.spec.system)
+    if probes:
+        events, notes = reprobe(run_dir, events, probes)
     seed = run.result.seed
     expect = fixed.spec.expect
     baseline: dict[int, str] | None = None

@@ -12,297 +12,80 @@ import codecs
 import difflib
 import os
 import re
-import signal as _signal
 import stat
 import types
 import typing
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path, PurePosixPath
 from typing import Annotated, Any, Literal, Union
 
 import yaml
 from pydantic import (
     BaseModel,
-    ConfigDict,
     Discriminator,
     Field,
     Tag,
     ValidationError,
+    create_model,
     field_validator,
     model_validator,
 )
 
-from harness._duration import Duration
+import faults
+from faults import contract, registry
+from faults.params import relative_glob
+from harness import systems
 from harness.errors import SpecError
 
+# The system kinds' models and the log probe live with their kinds (harness/systems/,
+# harness/logprobe.py, harness/loadgen.py); they are named here too, where the scenario
+# format is.
+from harness.loadgen import Load as Load
+from harness.loadgen import PromptMix as PromptMix
+from harness.logprobe import LogEventKind as LogEventKind
+from harness.logprobe import LogProbe as LogProbe
+from harness.schema import MAX_SEED as MAX_SEED
+from harness.schema import MAX_STEPS as MAX_STEPS
+from harness.schema import MAX_WORLD as MAX_WORLD
+from harness.schema import Duration
+from harness.schema import Strict as _Strict
+from harness.systems.command import CommandSystem as CommandSystem
+from harness.systems.server import ServerSystem as ServerSystem
+from harness.systems.trainer import TrainerSystem as TrainerSystem
+from harness.systems.trainer import World as World
+
 SCENARIO_SUFFIXES = (".yaml", ".yml")
-
-#: Event kinds a log probe may produce (see docs/events.md).
-LogEventKind = Literal[
-    "step",
-    "failure_detected",
-    "recovery_done",
-    "checkpoint_saved",
-    "checkpoint_loaded",
-    "params",
-]
-
-
-#: Numeric bounds (docs/scenarios.md, "Limits"): what one host can run, with room to spare.
-#: A value past them is a typo or an attack, and was accepted until it broke something later
-#: (10**400 steps; a 64 × 64 world of 4,096 processes).
-MAX_WORLD = 256  # processes of one scenario on one host: replicas × shards, or a command's
-MAX_STEPS = 10_000_000  # steps, and counts of steps, calls or events
-MAX_SEED = 2**32 - 1  # the range every seeded generator in the stack accepts (numpy's)
-_MAX_INDEX = 2**63 - 1  # offsets, sizes and element indexes (a signed 64-bit off_t)
-
-
-class _Strict(BaseModel):
-    # allow_inf_nan: `.inf` and `.nan` are YAML floats, and no float in a scenario means them.
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-
-
-class World(_Strict):
-    """Shape of the reference trainer: data-parallel replicas × sharded ranks."""
-
-    replicas: int = Field(2, ge=1, le=64, description="data-parallel replica groups")
-    shards: int = Field(2, ge=1, le=64, description="tensor-parallel ranks per replica")
-
-    @model_validator(mode="after")
-    def _fits_one_host(self) -> World:
-        if self.size > MAX_WORLD:
-            raise ValueError(f"{self.size} processes (replicas × shards); at most {MAX_WORLD} "
-                             "on one host")
-        return self
-
-    @property
-    def size(self) -> int:
-        return self.replicas * self.shards
-
-
-class TrainerSystem(_Strict):
-    """The reference fault-tolerant trainer (``reference_impl.trainer``) under torchrun."""
-
-    reference: Literal["trainer"]
-    world: World = World()
-    backend: Literal["gloo", "nccl"] = "gloo"
-    recovery: Literal["restart", "hot_spare", "elastic"] = Field(
-        "restart",
-        description="restart: torchrun relaunches the world from a checkpoint; hot_spare: warm "
-        "standby ranks take over from in-memory peer snapshots; elastic: survivors go on with "
-        "fewer replicas and a returning replica heals from a live peer",
-    )
-    spares: int = Field(1, ge=0, le=16, description="warm standby processes (hot_spare)")
-    snapshot_every: int = Field(
-        1, ge=1, le=MAX_STEPS, description="in-memory peer snapshot interval, in steps (hot_spare)"
-    )
-    steps: int = Field(200, ge=1, le=MAX_STEPS, description="optimizer steps to train")
-    checkpoint_every: int = Field(20, ge=1, le=MAX_STEPS,
-                                  description="durable checkpoint interval, in steps")
-    max_restarts: int = Field(3, ge=0, le=1000, description="torchrun --max-restarts")
-    collective_timeout: Duration = Field(
-        timedelta(seconds=3), description="how long a collective may wait before it aborts"
-    )
-    step_sleep: Duration = Field(
-        timedelta(0), description="extra time per step, to make a short run long enough to hit"
-    )
-    timeout: Duration = Field(timedelta(minutes=5), description="limit for the whole run")
-    env: dict[str, str] = Field(default_factory=dict, description="extra environment")
-
-
-class LogProbe(_Strict):
-    """Turns matching output lines of a system that has no probe into timeline events.
-
-    Named groups become event fields: ``step`` (int), ``rank`` (int), ``digest``,
-    ``cause``, and ``generation``: the identity of the world that wrote the line (a
-    restart count, a quorum id; an int when it is digits). Two steps with the same
-    ``generation`` were committed by one world; recovery and ``single_history`` need it
-    on step lines. ``time`` is the moment the line's event happened (for a step: when it
-    was committed), in seconds on ``clock``; without it an event is stamped when the
-    harness reads the line, which only bounds when it was written and never proves a
-    step came after a fault. Lines are matched after torchrun's ``[rank]:`` prefixes are
-    kept, so a pattern can capture the rank from them.
-    """
-
-    pattern: str
-    event: LogEventKind
-    stream: Literal["stdout", "stderr", "both"] = "both"
-    clock: Literal["monotonic", "unix"] = Field(
-        "monotonic",
-        description="what the (?P<time>...) group counts: monotonic: seconds of "
-        "CLOCK_MONOTONIC (Python's time.monotonic(), the clock of the timeline); unix: "
-        "seconds since the epoch (time.time()), converted with the offset between the two "
-        "clocks that the harness records at launch",
-    )
-
-    @field_validator("pattern")
-    @classmethod
-    def _compiles(cls, value: str) -> str:
-        try:
-            compiled = re.compile(value)
-        # re.compile raises OverflowError for a{99999999999} and runs out of stack on a few
-        # hundred nested groups.
-        except (re.error, OverflowError, RecursionError) as exc:
-            raise ValueError(f"not a valid regular expression: {exc}") from None
-        if "world" in compiled.groupindex:
-            raise ValueError("a (?P<world>...) group: name the world's identity "
-                             "(?P<generation>...); `world` is the world's size in events")
-        return value
-
-    @model_validator(mode="after")
-    def _clock_needs_time(self) -> LogProbe:
-        if self.clock != "monotonic" and "time" not in re.compile(self.pattern).groupindex:
-            raise ValueError(f"clock: {self.clock} needs a (?P<time>...) group in pattern")
-        return self
-
-
-class CommandSystem(_Strict):
-    """Any command line (a torchrun job, a user's server), observed through logs.
-
-    ``${run_dir}`` and ``${scenario_dir}`` in ``command`` and ``env`` values are
-    replaced by the run's own folder and the scenario file's folder.
-    """
-
-    command: list[str] = Field(min_length=1)
-    probes: list[LogProbe] = Field(default_factory=list)
-    world: int | None = Field(
-        None, ge=1, le=MAX_WORLD,
-        description="ranks at full strength; default: ranks seen before the fault"
-    )
-    cwd: str | None = Field(None, description="working directory, relative to the scenario file")
-    env: dict[str, str] = Field(default_factory=dict)
-    inputs: list[str] = Field(
-        default_factory=list,
-        description="files, folders or globs the command reads (modules run with -m, configs, "
-        "data), relative to its working directory. With the files named in `command`, their "
-        "content is part of the fault-free twin's cache key; each must exist",
-    )
-    timeout: Duration = Field(timedelta(minutes=5), description="limit for the whole run")
-
-    def workdir(self, scenario_dir: Path) -> Path:
-        """Where the command runs (and where its relative paths point)."""
-        return (scenario_dir / self.cwd).resolve() if self.cwd else scenario_dir.resolve()
-
-    def input_files(self, scenario_dir: Path) -> tuple[list[Path], list[int]]:
-        """The files ``inputs`` names (folders: every file under them), sorted, and the
-        indices of the entries that name nothing."""
-        base = self.workdir(scenario_dir)
-        files: set[Path] = set()
-        missing: list[int] = []
-        for index, pattern in enumerate(self.inputs):
-            if any(c in pattern for c in "*?["):
-                root, relative = (Path(base.anchor), pattern.lstrip("/")) \
-                    if Path(pattern).is_absolute() else (base, pattern)
-                found = list(root.glob(relative))
-            else:
-                found = [base / pattern]
-            found = [f for p in found for f in (sorted(p.rglob("*")) if p.is_dir() else [p])
-                     if f.is_file()]
-            if not found:
-                missing.append(index)
-            files.update(found)
-        return sorted(files), missing
-
-
-class PromptMix(_Strict):
-    """Prompt lengths, in tokens (bytes), drawn uniformly with the run's seed."""
-
-    min: int = Field(16, ge=1, le=1_000_000)
-    max: int = Field(64, ge=1, le=1_000_000)
-
-    @model_validator(mode="after")
-    def _ordered(self) -> PromptMix:
-        if self.max < self.min:
-            raise ValueError(f"max ({self.max}) is below min ({self.min})")
-        return self
-
-
-class Load(_Strict):
-    """The built-in load generator: streaming OpenAI-style completions, as real clients
-    send them (Poisson arrivals, shared system-prompt prefixes, resume on a broken stream).
-    Everything is drawn from the run's seed, so the fault-free twin sends the same load."""
-
-    requests: int = Field(40, ge=1, le=100_000, description="requests in all")
-    rate: float = Field(20.0, gt=0, le=100_000, description="arrivals per second (Poisson)")
-    concurrency: int = Field(16, ge=1, le=1024, description="most requests in flight at once")
-    prompt_tokens: PromptMix = PromptMix()
-    shared_prefixes: int = Field(
-        4, ge=0, le=100_000, description="distinct shared prefixes (system prompts); 0: none"
-    )
-    prefix_tokens: int = Field(32, ge=0, le=1_000_000, description="length of each shared prefix")
-    max_tokens: int = Field(32, ge=1, le=4096, description="tokens generated per request")
-    retries: int = Field(
-        20, ge=0, le=100_000, description="times a client resumes a broken stream (same "
-        "request id, offset = tokens received) before it gives the request up"
-    )
-    request_timeout: Duration = Field(
-        timedelta(seconds=60), description="a request not finished by then is lost"
-    )
-
-
-class ServerSystem(_Strict):
-    """The reference LLM serving stack (``reference_impl.serving.server``): a router and
-    worker processes, driven by the built-in load generator."""
-
-    reference: Literal["server"]
-    workers: int = Field(3, ge=1, le=32, description="worker processes behind the router")
-    recovery: Literal["migrate", "fail_stop"] = Field(
-        "migrate",
-        description="migrate: a failed worker's in-flight requests move to healthy workers "
-        "with the tokens emitted so far; fail_stop: every in-flight request is aborted and "
-        "the stack restarts cold, clients retry (today's common baseline)",
-    )
-    model_seed: int = Field(0, ge=0, le=MAX_SEED, description="seed of the model's weights")
-    journal: bool = Field(True, description="write-ahead journal of requests and tokens")
-    checksums: bool = Field(True, description="KV block checksums")
-    batch_invariant: bool = Field(True, description="batch-invariant kernels")
-    max_batch: int = Field(16, ge=1, le=4096, description="requests decoded together per worker")
-    heartbeat: Duration = Field(timedelta(milliseconds=100), description="worker heartbeat")
-    dead_after: Duration = Field(
-        timedelta(seconds=1), description="no heartbeat for this long: the worker is dead"
-    )
-    wedged_after: Duration = Field(
-        timedelta(seconds=2), description="busy without progress for this long: wedged"
-    )
-    step_sleep: Duration = Field(
-        timedelta(0), description="extra time per engine step, to make a short run long enough"
-    )
-    args: list[str] = Field(
-        default_factory=list,
-        description="extra server options (python -m reference_impl.serving.server --help)",
-    )
-    load: Load = Load()
-    timeout: Duration = Field(timedelta(minutes=5), description="limit for the whole run")
-    env: dict[str, str] = Field(default_factory=dict, description="extra environment")
 
 
 def _system_tag(value: Any) -> str | None:
     if isinstance(value, dict):
-        if "reference" in value:
-            return "server" if value["reference"] == "server" else "trainer"
-        if "command" in value:
-            return "command"
-        return None
-    if isinstance(value, TrainerSystem):
-        return "trainer"
-    if isinstance(value, ServerSystem):
-        return "server"
-    if isinstance(value, CommandSystem):
-        return "command"
-    return None
+        kind = systems.claimed(value)
+    else:
+        try:
+            kind = systems.of(value)
+        except TypeError:
+            return None
+    return None if kind is None else kind.name
 
 
-System = Annotated[
-    Annotated[TrainerSystem, Tag("trainer")] | Annotated[ServerSystem, Tag("server")]
-    | Annotated[CommandSystem, Tag("command")],
-    Discriminator(
-        _system_tag,
-        custom_error_type="system_kind",
-        custom_error_message="system needs `reference: trainer`, `reference: server` or "
-        "`command: [...]`",
-    ),
-]
+def _system_union() -> Any:
+    """The ``system:`` block: one of the system kinds (harness/systems/), told apart by the
+    key and value each one claims."""
+    kinds = systems.kinds()
+    members = tuple(Annotated[k.model, Tag(k.name)] for k in kinds)
+    shapes = [k.shape for k in kinds]
+    named = shapes[0] if len(shapes) == 1 else f"{', '.join(shapes[:-1])} or {shapes[-1]}"
+    return Annotated[
+        Union[members],  # noqa: UP007 (a union of a runtime tuple)
+        Discriminator(_system_tag, custom_error_type="system_kind",
+                      custom_error_message=f"system needs {named}"),
+    ]
+
+
+if typing.TYPE_CHECKING:
+    System = Any  # the union of the system kinds' models, built when this module loads
+else:
+    System = _system_union()
 
 
 class Target(_Strict):
@@ -365,15 +148,6 @@ Phase = Literal["forward", "backward", "optimizer", "save", "restore", "decode"]
 FileWhen = Literal["created", "closed", "deleted"]
 
 
-def _relative_glob(value: str, what: str) -> str:
-    """A path (or glob) that stays under the folder it is relative to."""
-    pure = PurePosixPath(value)
-    if not value or pure.is_absolute() or ".." in pure.parts:
-        raise ValueError(f"{what} must be a relative path under the fault's root, without "
-                         f"'..' (got {value!r})")
-    return value
-
-
 class At(_Strict):
     """When a fault fires: once step N is committed (optionally at a phase of that step,
     for in-process faults), at a time after launch, on the k-th timeline event of a kind, or
@@ -410,7 +184,7 @@ class At(_Strict):
             return None
         if PurePosixPath(value).parts in ((), (".",)):
             raise ValueError("file must name a file (a glob), not the root itself")
-        return _relative_glob(value, "file")
+        return relative_glob(value, "file")
 
     @model_validator(mode="after")
     def _exactly_one(self) -> At:
@@ -435,9 +209,6 @@ class At(_Strict):
         return f"t+{self.time.total_seconds():g}s"
 
 
-_SIGNALS = sorted(s.name for s in _signal.Signals if not s.name.startswith("SIG_"))
-
-
 class Every(_Strict):
     """Repeat a fault: every N committed steps or every DURATION after it first fired."""
 
@@ -452,25 +223,31 @@ class Every(_Strict):
         return self
 
 
-#: Kinds outside collective.* and memory.* that the probe applies at a fault point.
-_PHASED = ("process.kill", "process.hang")
-
-
 class _FaultBase(_Strict):
+    """What every fault of a scenario says besides its kind's own parameters: which process
+    it hits, when, and how often."""
+
+    kind: str  # each kind's model narrows it to its own name
     target: Target
     at: At
     every: Every | None = Field(None, description="repeat the fault")
 
     @model_validator(mode="after")
     def _phase_in_process(self) -> _FaultBase:
-        kind = str(getattr(self, "kind", ""))
-        if self.at.phase is not None and not (
-            kind in _PHASED or kind.startswith(("collective.", "memory."))
-        ):
-            raise ValueError(f"`at.phase` is for faults applied inside the target "
-                             f"({', '.join(_PHASED)}, collective.*, memory.* with `tensor`), "
-                             f"not {kind}")
-        return self
+        phase = self.at.phase
+        kind = faults.get(str(getattr(self, "kind", "")))
+        if phase is None or registry.acts_inside(kind, self, phase):
+            return self
+        if getattr(kind, "acts", "outside") == "either":
+            when = getattr(kind, "inside_when", "")
+            raise ValueError(f"`at.phase` needs {kind.info.kind} applied inside the target "
+                             f"(an in-process fault: {when})")
+        inside = [k for k in faults.kinds() if getattr(k, "acts", "outside") != "outside"]
+        listed = ", ".join(k.info.kind + (f" {k.inside_when}"  # type: ignore[attr-defined]
+                                          if getattr(k, "acts", "") == "either" else "")
+                           for k in inside)
+        raise ValueError(f"`at.phase` is for faults applied inside the target ({listed}), "
+                         f"not {kind.info.kind}")
 
     @model_validator(mode="after")
     def _repeatable(self) -> _FaultBase:
@@ -480,290 +257,53 @@ class _FaultBase(_Strict):
         return self
 
 
-class ProcessKill(_FaultBase):
-    """Send a signal (SIGKILL by default) to the target process; with `at.phase`, the
-    process signals itself at that fault point (e.g. between a checkpoint's shard writes
-    and its commit: `at: {step: 30, phase: save}`)."""
-
-    kind: Literal["process.kill"]
-    signal: str = "SIGKILL"
-
-    @field_validator("signal")
-    @classmethod
-    def _known_signal(cls, value: str) -> str:
-        name = value.upper()
-        if not name.startswith("SIG"):
-            name = "SIG" + name
-        if name not in _SIGNALS:
-            raise ValueError(f"unknown signal {value!r} (allowed: {', '.join(_SIGNALS)})")
-        return name
+def _model_name(kind: str) -> str:
+    """``storage.lose_unsynced`` -> ``StorageLoseUnsynced``: a fault's model, by its kind."""
+    return "".join(part.capitalize() for part in re.split(r"[._-]", kind) if part)
 
 
-class ProcessTerm(_FaultBase):
-    """SIGTERM, then SIGKILL if the process is still alive after the grace period."""
-
-    kind: Literal["process.term"]
-    grace: Duration = timedelta(seconds=5)
-
-
-class ProcessFreeze(_FaultBase):
-    """SIGSTOP; SIGCONT after `duration`, or when the run ends if no duration is given."""
-
-    kind: Literal["process.freeze"]
-    duration: Duration | None = None
-
-
-class GpuXid(_FaultBase):
-    """A simulated NVIDIA Xid error with its real effect (``aftershock faults xid``)."""
-
-    kind: Literal["gpu.xid"]
-    code: int
-    gpu: int | None = Field(None, ge=0, lt=MAX_WORLD,
-                            description="GPU index; default the rank's LOCAL_RANK")
-    bitflips: int | None = Field(None, ge=1, le=1_000_000,
-                                 description="memory Xids: bits flipped in the heap")
-    seed: int = Field(0, ge=0, le=MAX_SEED)
-
-    @field_validator("code")
-    @classmethod
-    def _known_xid(cls, value: int) -> int:
-        from faults.xid import CATALOG
-
-        if value not in CATALOG:
-            raise ValueError(f"unknown Xid {value} (allowed: {', '.join(map(str, CATALOG))})")
-        return value
-
-
-MemoryTensor = Annotated[
-    str,
-    Field(
-        pattern=r"^(param|grad|optim|[a-z_]+):.+$",
-        description="param:NAME, grad:NAME, optim:NAME.STATE (globs allowed), in a process "
-        "that called harness.probe.install()",
-    ),
-]
-
-
-class _MemoryBase(_FaultBase):
-    tensor: MemoryTensor | None = None
-    address: int | None = Field(None, ge=0, le=2**64 - 1,
-                                description="from outside: a virtual address")
-    index: int | None = Field(None, ge=0, le=_MAX_INDEX,
-                              description="with tensor: flat element index")
-    seed: int = Field(0, ge=0, le=MAX_SEED)
-    restore: bool = False
-
-    @model_validator(mode="after")
-    def _where(self) -> _MemoryBase:
-        region = getattr(self, "region", None)
-        address_of = getattr(self, "address_of", None)
-        given = [x for x in (self.tensor, self.address, region, address_of) if x is not None]
-        if len(given) != 1:
-            allowed = ("`tensor`, `address`, `address_of` or `region: heap`"
-                       if hasattr(self, "region") else "`tensor` or `address`")
-            raise ValueError(f"give exactly one of {allowed}")
-        if self.at.phase is not None and self.tensor is None:
-            raise ValueError("`at.phase` needs `tensor` (an in-process fault)")
-        return self
-
-
-class MemoryBitflip(_MemoryBase):
-    """Flip bits: in a named tensor (in process), at an address or in the heap (from outside)."""
-
-    kind: Literal["memory.bitflip"]
-    region: Literal["heap"] | None = None
-    address_of: str | None = Field(
-        None, pattern=r"^param:.+$",
-        description="from outside: the address of this CPU parameter (param:NAME, element "
-        "`index`), as the probe published it at start-up; written through /proc/PID/mem",
+def _fault_model(kind: faults.FaultKind) -> type[_FaultBase]:
+    """A scenario's fault of ``kind``: the kind's own parameters (its ``params`` model) with
+    ``kind``, ``target``, ``at`` and ``every``."""
+    fields: dict[str, Any] = {"kind": (Literal[kind.info.kind], ...)}
+    default_target = getattr(kind, "default_target", None)
+    if default_target is not None:
+        fields["target"] = (Target, Field(Target(**default_target),
+                                          description=getattr(kind, "target_help", None)))
+    model = create_model(
+        _model_name(kind.info.kind), __base__=(kind.params, _FaultBase),
+        __module__=__name__, __doc__=kind.info.summary, **fields,
     )
-    bit: int | None = Field(None, ge=0, le=63, description="default: the top exponent bit")
-    count: int = Field(1, ge=1, le=1_000_000)
+    return typing.cast(type[_FaultBase], model)
 
 
-class MemoryFill(_MemoryBase):
-    """Write NaN, Inf or zeros into a named tensor (in process) or at an address."""
-
-    kind: Literal["memory.nan", "memory.inf", "memory.zero"]
-    nbytes: int | None = Field(None, ge=1, le=2**30,
-                               description="with address: bytes to overwrite")
-    dtype: Literal["float16", "bfloat16", "float32", "float64"] = "float32"
-
-
-Collective = Literal[
-    "all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce",
-    "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier",
-    "send", "recv", "gather", "scatter", "any",
-]
-
-
-class _CollectiveBase(_FaultBase):
-    op: Collective = "all_reduce"
-    call: int = Field(1, ge=1, le=MAX_STEPS,
-                      description="the k-th matching call at or after the trigger")
-
-
-class CollectiveError(_CollectiveBase):
-    """The chosen collective call raises, as a backend error would."""
-
-    kind: Literal["collective.error"]
-
-
-class CollectiveHang(_CollectiveBase):
-    """The chosen collective call never returns until healed."""
-
-    kind: Literal["collective.hang"]
-    duration: Duration | None = None
-
-
-class CollectiveDelay(_CollectiveBase):
-    """The chosen collective call starts `delay` late."""
-
-    kind: Literal["collective.delay"]
-    delay: Duration = timedelta(seconds=1)
-
-
-class CollectiveCorrupt(_CollectiveBase):
-    """The chosen collective completes, then its result is poisoned on the target rank."""
-
-    kind: Literal["collective.corrupt"]
-    mode: Literal["nan", "inf", "zero", "bitflip"] = "nan"
-    index: int | None = Field(None, ge=0, le=_MAX_INDEX)
-    bit: int | None = Field(None, ge=0, le=63)
-    seed: int = Field(0, ge=0, le=MAX_SEED)
-
-
-class NetReset(_FaultBase):
-    """Reset the target's TCP connections for real (`ss -K`)."""
-
-    kind: Literal["net.reset"]
-    port: int | None = Field(None, ge=1, le=65535, description="only connections on this port")
-
-
-class NetPartition(_FaultBase):
-    """Cut the target off from every peer, both ways, with nftables rules on loopback."""
-
-    kind: Literal["net.partition"]
-    duration: Duration | None = Field(None, description="heal after this long; default: end")
-    new_connections: bool = Field(True, description="also block sockets it opens later")
-
-
-_LAUNCHER = Target(role="launcher")
-
-
-class _StorageBase(_FaultBase):
-    target: Target = Field(_LAUNCHER, description="storage faults act on files, not a rank")
-    root: str | None = Field(
-        None, description="folder the path is relative to; default the trainer's checkpoint "
-        "folder (reference trainer) or the run folder; ${run_dir} is expanded"
-    )
-    restore: bool = False
-
-
-class StorageDamage(_StorageBase):
-    """Corrupt, truncate or delete the newest file (or folder) matching a glob."""
-
-    kind: Literal["storage.corrupt", "storage.truncate", "storage.delete"]
-    path: str = Field(description="glob under root; the newest match is hit")
-    offset: int | None = Field(None, ge=0, le=_MAX_INDEX,
-                               description="corrupt: first byte (default seeded)")
-    bytes: int = Field(16, ge=1, le=2**30, description="corrupt: how many bytes")
-    size: int | None = Field(None, ge=0, le=_MAX_INDEX,
-                             description="truncate: new size (default half)")
-    seed: int = Field(0, ge=0, le=MAX_SEED)
-
-
-class StorageFull(_StorageBase):
-    """A real ENOSPC: a size-limited tmpfs over a folder, removed when healed."""
-
-    kind: Literal["storage.full"]
-    dir: str = Field(".", description="folder under root to fill")
-    free: int = Field(0, ge=0, le=_MAX_INDEX, description="bytes left free")
-    write_back: bool = Field(True, description="copy what was written meanwhile back at heal")
-    duration: Duration | None = None
-
-
-class StorageLoseUnsynced(_FaultBase):
-    """A power loss under a folder: every write not yet made durable there is lost, and the
-    target processes die with the power. The folder sits on a filesystem the harness mounts
-    at launch (faults/lazyfs.py)."""
-
-    kind: Literal["storage.lose_unsynced"]
-    target: Target = Field(
-        Target(pick="all"), description="the processes that die with the power; default every "
-        "rank (the launcher lives on to restart them, as a job's supervisor would)"
-    )
-    root: str | None = Field(
-        None, description="folder `dir` is relative to; default the trainer's checkpoint "
-        "folder (reference trainer) or the run folder; ${run_dir} is expanded"
-    )
-    dir: str = Field(
-        ".", description="the folder the system writes its checkpoints to, under root; the "
-        "lazy filesystem is mounted on it before the system starts"
-    )
-
-    @field_validator("dir")
-    @classmethod
-    def _under_root(cls, value: str) -> str:
-        return _relative_glob(value, "dir")
-
-
-class ProcessHang(_FaultBase):
-    """Block the target's loop at a fault point until healed; its other threads run on."""
-
-    kind: Literal["process.hang"]
-    duration: Duration | None = Field(None, description="release after this long; default: end")
-
-
-class ProcessStraggle(_FaultBase):
-    """Slow one process by a factor (cgroup CPU quota, or duty-cycled SIGSTOP/SIGCONT)."""
-
-    kind: Literal["process.straggle"]
-    factor: float = Field(4.0, gt=1.0, le=1000)
-    cpus: float = Field(1.0, gt=0, le=1024)
-    method: Literal["auto", "cgroup", "signal"] = "auto"
-    duration: Duration | None = None
-
-
-Fault = Annotated[
-    ProcessKill | ProcessTerm | ProcessFreeze | ProcessStraggle | ProcessHang | GpuXid
-    | MemoryBitflip
-    | MemoryFill | CollectiveError | CollectiveHang | CollectiveDelay | CollectiveCorrupt
-    | NetReset | NetPartition | StorageDamage | StorageFull | StorageLoseUnsynced,
-    Field(discriminator="kind"),
-]
+#: Every fault kind that declares its parameters, built-in or installed (faults/registry.py):
+#: the model a scenario's fault of that kind is.
 FAULT_MODELS: dict[str, type[_FaultBase]] = {
-    "process.kill": ProcessKill,
-    "process.term": ProcessTerm,
-    "process.freeze": ProcessFreeze,
-    "process.straggle": ProcessStraggle,
-    "process.hang": ProcessHang,
-    "net.reset": NetReset,
-    "net.partition": NetPartition,
-    "storage.corrupt": StorageDamage,
-    "storage.truncate": StorageDamage,
-    "storage.delete": StorageDamage,
-    "storage.full": StorageFull,
-    "storage.lose_unsynced": StorageLoseUnsynced,
-    "gpu.xid": GpuXid,
-    "memory.bitflip": MemoryBitflip,
-    "memory.nan": MemoryFill,
-    "memory.inf": MemoryFill,
-    "memory.zero": MemoryFill,
-    "collective.error": CollectiveError,
-    "collective.hang": CollectiveHang,
-    "collective.delay": CollectiveDelay,
-    "collective.corrupt": CollectiveCorrupt,
+    kind.info.kind: _fault_model(kind) for kind in faults.kinds() if registry.declared(kind)
 }
+
+if typing.TYPE_CHECKING:
+    Fault = _FaultBase
+else:
+    Fault = Annotated[Union[tuple(FAULT_MODELS.values())],  # noqa: UP007 (built at run time)
+                      Field(discriminator="kind")]
+
+
+def __getattr__(name: str) -> type[_FaultBase]:
+    # The fault models by name (ProcessFreeze, StorageLoseUnsynced, ...), as they were
+    # written here before each kind declared its own parameters.
+    for model in FAULT_MODELS.values():
+        if model.__name__ == name:
+            return model
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def in_process(fault: _FaultBase) -> bool:
-    """Faults the probe applies inside the target, at an exact step and phase."""
-    kind = str(getattr(fault, "kind", ""))
+    """Whether the probe applies ``fault`` inside the target, at an exact step and phase."""
     at = getattr(fault, "at", None)
-    return kind.startswith("collective.") or kind == "process.hang" or (
-        kind.startswith("memory.") and getattr(fault, "tensor", None) is not None
-    ) or (kind == "process.kill" and at is not None and at.phase is not None)
+    return registry.acts_inside(faults.get(str(getattr(fault, "kind", ""))), fault,
+                                at.phase if at is not None else None)
 
 
 class Budget(_Strict):
@@ -903,44 +443,25 @@ class Scenario(_Strict):
                          "checkpoint_durable"):
                 if getattr(self.expect, name) not in (None, False):
                     raise ValueError(f"expect.{name} needs at least one fault")
-        serving = isinstance(self.system, ServerSystem)
-        for name in Expect.SERVING if not serving else Expect.TRAINING:
+        kind = systems.of(self.system)
+        for name in Expect.SERVING if kind.family != "serving" else Expect.TRAINING:
             if getattr(self.expect, name) not in (None, False):
-                needs = "`reference: server`" if name in Expect.SERVING else \
-                    "a training system (`reference: trainer` or `command:`)"
+                family = "serving" if name in Expect.SERVING else "training"
+                shapes = [k.shape.strip("`") for k in systems.kinds() if k.family == family]
+                needs = (f"`{shapes[0]}`" if family == "serving" and len(shapes) == 1 else
+                         f"a {family} system (`{'` or `'.join(shapes)}`)")
                 raise ValueError(f"expect.{name} needs {needs}")
-        if self.expect.params_match == "replay" and not (
-            isinstance(self.system, TrainerSystem) and self.system.recovery == "elastic"
-        ):
+        if self.expect.params_match == "replay" and not kind.replays(self.system):
             raise ValueError("expect.params_match: replay needs the reference trainer with "
                              "`recovery: elastic` (the only system that records membership)")
-        if (
-            self.expect.params_match
-            and isinstance(self.system, CommandSystem)
-            and not any(p.event == "params" for p in self.system.probes)
-        ):
-                raise ValueError(
-                    "expect.params_match on a command needs a log probe with `event: params` "
-                    "and a `(?P<digest>...)` group"
-                )
-        if self.expect.checkpoint_durable and isinstance(self.system, CommandSystem):
-            probed = {p.event for p in self.system.probes}
-            missing = [e for e in ("checkpoint_saved", "checkpoint_loaded") if e not in probed]
-            if missing:
-                raise ValueError(
-                    "expect.checkpoint_durable on a command needs log probes with "
-                    + " and ".join(f"`event: {e}`" for e in missing)
-                    + " (and a `(?P<step>...)` group)"
-                )
-        power = [f for f in self.faults if isinstance(f, StorageLoseUnsynced)]
-        if len(power) > 1:
-            raise ValueError("at most one storage.lose_unsynced fault per scenario (one lazy "
-                             "filesystem); repeat it with `every`")
-        if power and isinstance(self.system, CommandSystem) and power[0].root is None \
-                and PurePosixPath(power[0].dir).parts in ((), (".",)):
-            raise ValueError("storage.lose_unsynced on a command needs `dir` (or `root`): the "
-                             "folder the job writes its checkpoints to, not the whole run "
-                             "folder (which holds the timeline)")
+        for problem in kind.problems(self):
+            raise ValueError(problem)
+        setting = faults.Setting(kind.name, kind.root_is_run_folder(self.system))
+        for name in sorted({str(f.kind) for f in self.faults}):
+            check = getattr(faults.get(name), "check", None)
+            if callable(check):
+                for problem in check([f for f in self.faults if f.kind == name], setting):
+                    raise ValueError(problem)
         return self
 
     def without_faults(self) -> Scenario:
@@ -950,8 +471,9 @@ class Scenario(_Strict):
         are faults too, so the twin goes without them.
         """
         system = self.system
-        clean = {k: v for k, v in system.env.items() if not k.startswith("AFTERSHOCK_INJECT_")}
-        if clean != system.env:
+        env: dict[str, str] = getattr(system, "env", {})
+        clean = {k: v for k, v in env.items() if not k.startswith(contract.INJECT_PREFIX)}
+        if clean != env:
             system = system.model_copy(update={"env": clean})
         return self.model_copy(update={"faults": [], "expect": Expect(), "system": system})
 
@@ -1183,7 +705,7 @@ def _data_path(loc: tuple[Any, ...], data: Any) -> tuple[Any, ...]:
 
 
 def path_is_tag(part: str) -> bool:
-    return (part in FAULT_MODELS or part in ("reference", "trainer", "server", "command")
+    return (part in FAULT_MODELS or any(part in (k.name, k.tag[0]) for k in systems.kinds())
             or "[" in part)
 
 
@@ -1228,13 +750,9 @@ def _pick(candidates: list[type[BaseModel]], value: Any) -> type[BaseModel] | No
     if isinstance(sample, dict):
         if "kind" in sample and sample["kind"] in FAULT_MODELS:
             return FAULT_MODELS[sample["kind"]]
-        tag = _system_tag(sample)
-        if tag == "trainer":
-            return TrainerSystem
-        if tag == "server":
-            return ServerSystem
-        if tag == "command":
-            return CommandSystem
+        kind = systems.claimed(sample)
+        if kind is not None:
+            return kind.model
     return None
 
 
@@ -1274,6 +792,34 @@ def _position(text: str, index: int) -> tuple[int, int]:
     breaks = list(re.finditer(r"\r\n|[\r\n\x85\u2028\u2029]", before))
     line_start = breaks[-1].end() if breaks else 0
     return len(breaks) + 1, len(before[line_start:].replace("\ufeff", "")) + 1
+
+
+def unreachable(spec: Scenario, scenario_dir: Path | None) -> list[tuple[int, str]]:
+    """Faults that cannot reach this system, by index, each with why: what the fault needs
+    (faults.registry.CAPABILITIES) that the system's target does not offer, or the
+    in-process probe that its job does not call (``scenario_dir``: where the scenario file
+    is, to read the files its command names; None: only what needs no file is known)."""
+    kind = systems.of(spec.system)
+    offered = set(kind.capabilities(spec.system))
+    no_probe = kind.probe(spec.system, scenario_dir)
+    if no_probe is None:
+        offered.add("probe")
+    found: list[tuple[int, str]] = []
+    for index, fault in enumerate(spec.faults):
+        fault_kind = faults.get(fault.kind)
+        missing = registry.needs(fault_kind, fault, fault.at.phase) - offered
+        if "probe" in missing:
+            how = ""
+            if getattr(fault_kind, "acts", "") == "either":
+                how = f" {getattr(fault_kind, 'inside_when', '')}".rstrip()
+            found.append((index, f"{fault.kind}{how} is applied inside the target by the "
+                          "in-process probe, which the job must start by calling "
+                          f"harness.probe.install() (docs/faults.md); but {no_probe}"))
+        elif missing:
+            what = "; ".join(faults.CAPABILITIES.get(c, c) for c in sorted(missing))
+            found.append((index, f"{fault.kind} needs {what}, which a {kind.shape} system's "
+                          "target does not offer"))
+    return found
 
 
 def parse_scenario(text: str, file: str = "<string>") -> Scenario:
@@ -1330,17 +876,17 @@ def parse_scenario(text: str, file: str = "<string>") -> Scenario:
                     probe = probe[:-1]
             problems.append(f"{file}:{position[0]}:{position[1]}: {_describe(error, path, data)}")
         raise SpecError(problems) from None
-    if isinstance(spec.system, CommandSystem) and Path(file).is_file():
-        base = Path(file).parent
-        _, missing = spec.system.input_files(base)
-        for index in missing:
-            line, col = marks.values.get(("system", "inputs", index), (1, 1))
-            problems.append(
-                f"{file}:{line}:{col}: system.inputs.{index}: nothing matches "
-                f"{spec.system.inputs[index]!r} in {spec.system.workdir(base)} (an input the "
-                "command reads must exist: its content keys the fault-free twin)")
-        if problems:
-            raise SpecError(problems)
+    base = Path(file).parent if Path(file).is_file() else None
+    if base is not None:
+        for where, problem in systems.of(spec.system).file_problems(spec.system, base):
+            line, col = marks.values.get(("system", *where), (1, 1))
+            problems.append(f"{file}:{line}:{col}: system.{'.'.join(map(str, where))}: "
+                            f"{problem}")
+    for index, problem in unreachable(spec, base):
+        line, col = marks.values.get(("faults", index), (1, 1))
+        problems.append(f"{file}:{line}:{col}: faults.{index}: {problem}")
+    if problems:
+        raise SpecError(problems)
     return spec
 
 

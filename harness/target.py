@@ -1,4 +1,14 @@
-"""Local target: launch the system under test as real processes, find its ranks, end it.
+"""Targets: the system under test as the run loop drives it; and the local one.
+
+:class:`Target` is what the run loop (harness/runner.py) and the injector
+(harness/injector.py) need from a system under test, wherever it runs: start it, watch it,
+find the processes a fault names, end it; and what faults can act through there
+(``capabilities``: signals, memory, network, files), so a scenario whose faults need more
+is refused when it is validated. A system kind (harness/systems/) builds its target; the
+run loop never names a class. :class:`LocalTarget`, below, runs the system as local
+processes.
+
+Local target: launch the system under test as real processes, find its ranks, end it.
 
 Everything launched starts inside the run's own cgroup v2 group, where the machine
 allows one, and carries ``AFTERSHOCK_RUN_ID`` in its environment. The group holds
@@ -13,25 +23,28 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import select
 import signal
 import subprocess
-import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, ClassVar, Protocol
 
-from faults import _cgroup
-from faults._proc import ProcessRef, environ, kill_all, processes_with_env
+from faults import ProcessRef, contract, kill_all, process_environ, processes_with_env
+from faults import cgroup as _cgroup
 from harness import probe
 from harness.errors import TargetError
-from harness.logprobe import TIMES_SUFFIX, CompiledProbes, compile_probes, line_events
-from harness.spec import CommandSystem, LogProbe, ServerSystem, TrainerSystem
+from harness.logprobe import (
+    TIMES_SUFFIX,
+    CompiledProbes,
+    LogProbe,
+    compile_probes,
+    line_events,
+)
+from harness.records import Event
 from harness.timeline import Timeline
 
 LINE_LIMIT = 64 * 1024  # bytes of one log line the probes see; a longer line is only logged
@@ -49,90 +62,6 @@ class Launch:
     probes: tuple[LogProbe, ...]
 
 
-def trainer_argv(system: TrainerSystem, run_dir: Path, seed: int) -> list[str]:
-    """torchrun running the reference trainer: the harness reaches it only by command line."""
-    spares = system.spares if system.recovery == "hot_spare" else 0
-    extra = [f"--spares={spares}", f"--snapshot-every={system.snapshot_every}"] if spares else []
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={system.world.size + spares}",
-        f"--max-restarts={system.max_restarts}",
-        # Short monitor interval: the agent's reaction to a dead worker is part of
-        # what `restart` recovery costs; the 0.1 s default is already fine, be explicit.
-        "--monitor-interval=0.1",
-        f"--log-dir={run_dir / 'logs' / 'torchrun'}",
-        "--tee=3",
-        "-m",
-        "reference_impl.trainer",
-        f"--replicas={system.world.replicas}",
-        f"--shards={system.world.shards}",
-        f"--steps={system.steps}",
-        f"--seed={seed}",
-        f"--checkpoint-every={system.checkpoint_every}",
-        f"--checkpoint-dir={run_dir / 'checkpoints'}",
-        f"--collective-timeout={system.collective_timeout.total_seconds():g}",
-        f"--recovery={system.recovery}",
-        f"--backend={system.backend}",
-        f"--step-sleep={system.step_sleep.total_seconds():g}",
-        f"--device={'cuda' if system.backend == 'nccl' else 'cpu'}",
-        *extra,
-    ]
-
-
-def server_argv(system: ServerSystem) -> list[str]:
-    """The reference server's launcher (router + workers); it says where it listens
-    through the probe's ``serving_ready`` event."""
-    def seconds(value: timedelta) -> str:
-        return f"{value.total_seconds():g}"
-
-    flags = [("--no-journal", not system.journal), ("--no-checksums", not system.checksums),
-             ("--no-batch-invariant", not system.batch_invariant)]
-    return [
-        sys.executable, "-m", "reference_impl.serving.server",
-        f"--workers={system.workers}",
-        f"--seed={system.model_seed}",
-        f"--max-batch={system.max_batch}",
-        f"--recovery={system.recovery}",
-        f"--heartbeat={seconds(system.heartbeat)}",
-        f"--dead-after={seconds(system.dead_after)}",
-        f"--wedged-after={seconds(system.wedged_after)}",
-        f"--step-sleep={seconds(system.step_sleep)}",
-        *[flag for flag, on in flags if on],
-        *system.args,
-    ]
-
-
-def plan_launch(
-    system: TrainerSystem | ServerSystem | CommandSystem, *, run_dir: Path, scenario_dir: Path,
-    seed: int, extra_args: tuple[str, ...] = (),
-) -> Launch:
-    if isinstance(system, ServerSystem):
-        return Launch([*server_argv(system), *extra_args], Path.cwd(), dict(system.env),
-                      system.workers, ())
-    if isinstance(system, TrainerSystem):
-        env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **system.env}
-        argv = [*trainer_argv(system, run_dir, seed), *extra_args]
-        return Launch(argv, Path.cwd(), env, system.world.size, ())
-    cwd = (scenario_dir / system.cwd).resolve() if system.cwd else scenario_dir.resolve()
-    variables = {"run_dir": str(run_dir), "scenario_dir": str(scenario_dir.resolve())}
-
-    def expand(text: str) -> str:
-        # Only ${run_dir} and ${scenario_dir}: a fresh folder per run keeps a job's
-        # checkpoints from leaking from the fault-free baseline into the faulted run.
-        return re.sub(r"\$\{(run_dir|scenario_dir)\}", lambda m: variables[m.group(1)], text)
-
-    return Launch(
-        [expand(arg) for arg in system.command],
-        cwd,
-        {key: expand(value) for key, value in system.env.items()},
-        system.world,
-        tuple(system.probes),
-    )
-
-
 @dataclass(frozen=True, slots=True)
 class Teardown:
     """What ending a run's processes achieved, for its timeline and its heal journal."""
@@ -145,6 +74,65 @@ class Teardown:
     @property
     def complete(self) -> bool:
         return not self.survivors and self.cgroup_removed is not False
+
+
+class Target(Protocol):
+    """A system under test as the run loop drives it. Every method returns in bounded time.
+
+    Processes are named by :class:`faults.ProcessRef` (pid and start time, on this host's
+    kernel): what the fault kinds act on.
+    """
+
+    #: What faults can act through on this target (faults.registry.CAPABILITIES): a fault
+    #: kind that needs more is refused at validate time, with what is missing.
+    capabilities: ClassVar[frozenset[str]]
+    @property
+    def coordinates(self) -> Mapping[int, tuple[int, int]]:
+        """rank -> (replica, shard), as the ranks reported them."""
+        ...
+
+    def tracking(self) -> dict[str, Any]:
+        """How the run's processes are found again after a crash: the heal journal's
+        ``launch`` record (faults/heal.py ends what it names)."""
+        ...
+
+    def folders(self) -> list[Path]:
+        """Folders outside the run folder that the run may write to (a heal refuses undo
+        paths outside them and the run folder)."""
+        ...
+
+    def start(self) -> None:
+        """Launch the system (raises TargetError if it cannot be)."""
+        ...
+
+    def launched(self) -> dict[str, Any]:
+        """Fields of the timeline's ``launch`` event: how the run's processes are tracked."""
+        ...
+
+    def observe(self, event: Event) -> None:
+        """An event of the run's timeline (a ``hello``: a process says which rank it is)."""
+        ...
+
+    def poll(self) -> int | None:
+        """The launched command's exit code, or None while it runs."""
+        ...
+
+    def processes(self) -> list[ProcessRef]:
+        """Every live process of the run."""
+        ...
+
+    def rank_processes(self) -> dict[int, ProcessRef]:
+        """Rank -> its process, for the ranks alive now."""
+        ...
+
+    def role_processes(self, role: str) -> list[ProcessRef]:
+        """The live processes that play ``role`` (launcher, spare, router)."""
+        ...
+
+    def stop(self) -> Teardown:
+        """End every process of the run; what could not be ended is reported, not waited
+        for."""
+        ...
 
 
 class _LogPump:
@@ -247,13 +235,17 @@ class _LogPump:
 
 
 class LocalTarget:
-    """The system under test as a local process tree.
+    """The system under test as a local process tree (a :class:`Target`).
 
     Its processes are tracked by the run's own cgroup v2 group where this machine lets
     the harness make one (faults/_cgroup.py), and by ``AFTERSHOCK_RUN_ID`` in their
     environment always: the group catches a process that dropped its environment, the
     scan one that left the group.
     """
+
+    #: Everything: its processes are this host's, in this network namespace, and its files
+    #: are where the harness sees them.
+    capabilities: ClassVar[frozenset[str]] = frozenset({"signals", "memory", "network", "files"})
 
     def __init__(self, launch: Launch, *, run_dir: Path, run_id: str, timeline: Timeline) -> None:
         self.launch = launch
@@ -277,6 +269,25 @@ class LocalTarget:
         return {"env": probe.RUN_ID_ENV, "value": self.run_id,
                 "cgroup": None if self.cgroup is None else str(self.cgroup)}
 
+    def folders(self) -> list[Path]:
+        return [Path(self.env()[contract.NVML_DIR_ENV])]
+
+    def launched(self) -> dict[str, Any]:
+        if self.cgroup is not None:
+            return {"tracking": "cgroup", "cgroup": str(self.cgroup)}
+        return {"tracking": "env", "tracking_note": self.tracking_note}
+
+    def observe(self, event: Event) -> None:
+        fields = event.fields
+        if event.event != contract.HELLO or not isinstance(fields.get("pid"), int):
+            return
+        role, replica, shard = fields.get("role"), fields.get("replica"), fields.get("shard")
+        self.note_hello(
+            fields["pid"], event.rank, role if isinstance(role, str) else None,
+            replica if isinstance(replica, int) else None,
+            shard if isinstance(shard, int) else None,
+        )
+
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
         env.update(self.launch.env)
@@ -285,7 +296,7 @@ class LocalTarget:
         env[probe.RUN_ID_ENV] = self.run_id
         env[probe.COMMANDS_ENV] = str(self.run_dir / "commands.jsonl")
         # The simulated NVML (faults/nvml_sim.py) a rank opts into when it has no real GPU.
-        env.setdefault("AFTERSHOCK_NVML_DIR", str(self.run_dir / "nvml"))
+        env.setdefault(contract.NVML_DIR_ENV, str(self.run_dir / "nvml"))
         env["PYTHONUNBUFFERED"] = "1"
         return env
 
@@ -402,7 +413,7 @@ class LocalTarget:
         """
         by_rank: dict[int, list[ProcessRef]] = {}
         for ref in self.processes():
-            value = environ(ref.pid).get("RANK")
+            value = process_environ(ref.pid).get("RANK")
             if value is not None and value.isdigit():
                 by_rank.setdefault(int(value), []).append(ref)
         result: dict[int, ProcessRef] = {}

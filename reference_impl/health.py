@@ -78,6 +78,8 @@ class XidWatcher:
 
     def _run(self) -> None:
         nvml = self.nvml
+        if nvml is None:
+            return
         try:
             nvml.nvmlInit()
             handle = nvml.nvmlDeviceGetHandleByIndex(self.gpu)

@@ -148,6 +148,8 @@ def _full_init(seed: int, index: int, shape: tuple[int, ...], fan_in: int) -> to
 class ParallelBlock(nn.Module):
     """x + RowParallel(GELU(ColumnParallel(x))), for one shard of the TP group."""
 
+    tp_group: Any  # dist.ProcessGroup of this rank's replica; None once its groups are gone
+
     def __init__(self, cfg: ModelConfig, layout: Layout, seed: int, index: int) -> None:
         super().__init__()
         if cfg.hidden % layout.shards:

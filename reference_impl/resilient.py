@@ -57,7 +57,7 @@ import torch.nn.functional as F
 
 from harness import probe
 from reference_impl import _store, checkpoint, controller
-from reference_impl.model import Layout, ParallelMLP, param_digest, synthetic_batch
+from reference_impl.model import Layout, ParallelBlock, ParallelMLP, param_digest, synthetic_batch
 
 
 class Superseded(Exception):
@@ -111,6 +111,13 @@ def ready_at(held: dict[int, Held], fresh_is_step_0: bool) -> tuple[int, set[int
              if (h.gen == newest and h.steps == top)
              or (h.pending == newest and h.steps == top - 1)}
     return top, ready
+
+
+def _grad(param: torch.Tensor) -> torch.Tensor:
+    """A parameter's gradient after backward (every parameter of the model has one)."""
+    grad = param.grad
+    assert grad is not None
+    return grad
 
 
 class Worker:
@@ -169,8 +176,9 @@ class Worker:
             step, shard, flat = item
             header = json.dumps({"step": step, "shard": shard}).encode()
             with contextlib.suppress(Exception):
+                # torch's annotation says str; the binding takes bytes (a snapshot is binary).
                 store.set(f"snap/{shard}/{(step // every) % 2}",
-                          header + b"\n" + flat.numpy().tobytes())
+                          header + b"\n" + flat.numpy().tobytes())  # type: ignore[arg-type]
 
     def read_snapshot(self, shard: int) -> dict[int, torch.Tensor]:
         found = {}
@@ -382,14 +390,15 @@ class Worker:
             opt.zero_grad(set_to_none=True)
             loss.backward()
             probe.fault_point("backward", step)
-            flat = torch.cat([p.grad.reshape(-1) for p in params] + [loss.detach().reshape(1)])
+            flat = torch.cat([_grad(p).reshape(-1) for p in params]
+                             + [loss.detach().reshape(1)])
             g.dp.allreduce([flat]).wait()
             self.average(flat, live)
             nonfinite = not bool(torch.isfinite(flat).all())
             offset = 0
             for p in params:
                 n = p.numel()
-                p.grad.copy_(flat[offset : offset + n].view_as(p))
+                _grad(p).copy_(flat[offset : offset + n].view_as(p))
                 offset += n
             self.pending, self.pending_gen = True, g.gen
             flags = (nonfinite, self.mismatch, self.plan_ahead > g.gen)
@@ -483,6 +492,7 @@ class Worker:
         self.groups = None
         if self.model is not None:
             for block in self.model.blocks:
+                assert isinstance(block, ParallelBlock)
                 block.tp_group = None
         gc.collect()
 
@@ -498,6 +508,7 @@ class Worker:
                 break
             self.gen = plan["gen"]
             failure = None
+            g: Groups | None = None
             try:
                 g = self.join(plan)
                 self.groups = g

@@ -249,14 +249,14 @@ def average_gradients(model: torch.nn.Module, loss: torch.Tensor, layout: Layout
     so the reported loss is the global one at no extra cost. With two replicas the Gloo sum is
     a + b on every rank, which is bitwise deterministic.
     """
-    params = [p for p in model.parameters() if p.grad is not None]
-    flat = torch.cat([p.grad.reshape(-1) for p in params] + [loss.detach().reshape(1)])
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads] + [loss.detach().reshape(1)])
     dist.all_reduce(flat, group=layout.dp_group)
     flat /= layout.replicas
     offset = 0
-    for p in params:
-        n = p.numel()
-        p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
+    for grad in grads:
+        n = grad.numel()
+        grad.copy_(flat[offset : offset + n].view_as(grad))
         offset += n
     return float(flat[-1])
 

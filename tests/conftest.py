@@ -10,6 +10,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 pytest_plugins = ["pytester"]
 
+# Saved run folders (tests/fixtures/recorded/*/scenario.yaml) are data for the report tests,
+# not scenarios to run: the plugin would collect any YAML with a `system:` key.
+collect_ignore_glob = ["fixtures/*"]
+
 
 @pytest.fixture(autouse=True)
 def _isolated_state(

@@ -27,8 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from faults import _docker
-from faults._proc import ProcessRef, all_pids, environ
+from faults import ProcessRef, all_pids
+from faults import docker_engine as _docker
+from faults import process_environ as environ
 from harness.nodes import image
 
 # 198.18.0.0/15 is reserved for benchmarking networks between devices (RFC 2544): never a

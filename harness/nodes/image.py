@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m harness.nodes.image", description=__doc__)
     parser.add_argument("--rebuild", action="store_true", help="import it even if present")
     args = parser.parse_args(argv)
-    from faults import _docker
+    from faults import docker_engine as _docker
 
     problem = _docker.engine_problem()
     if problem is not None:

@@ -20,8 +20,10 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from harness.spec import TrainerSystem
+if TYPE_CHECKING:
+    from harness.systems.trainer import TrainerSystem
 
 #: The math takes ~1 s for 60 steps on a 2-core machine; this only bounds a hang.
 TIMEOUT_S = 300.0

@@ -314,6 +314,7 @@ def serve(args: argparse.Namespace) -> int:
     link = router.listen("127.0.0.1")
     http = http_server(router, sock=socket.socket(fileno=args.http_fd))
     host, port = http.server_address[:2]
+    assert isinstance(host, str)  # an AF_INET socket: its address is text
     url = f"http://{host}:{port}"
     serving = threading.Thread(target=http.serve_forever, kwargs={"poll_interval": 0.1},
                                name="http", daemon=True)

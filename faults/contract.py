@@ -1,0 +1,46 @@
+"""The contract between the harness, the in-process probe and the fault engine: what a
+launched process finds in its environment, and the timeline events they tell each other.
+
+Standard library only, importing nothing: the probe (harness/probe.py) imports it in every
+rank of every job. docs/events.md describes every event; these are the ones one side
+writes and another side acts on.
+"""
+
+from __future__ import annotations
+
+# ------------------------------------------------------------- environment of a launched job
+
+#: The run's timeline (``events.jsonl``): the probe appends its events there.
+EVENTS_ENV = "AFTERSHOCK_EVENTS"
+#: The run's command file: in-process faults the harness armed (faults/inproc.py).
+COMMANDS_ENV = "AFTERSHOCK_COMMANDS"
+#: A folder where the system under test may leave artifacts (final parameters, logs).
+OUTPUT_ENV = "AFTERSHOCK_OUTPUT_DIR"
+#: The run's id: every process the harness launches carries it, so its processes are found
+#: again even after they left the run's cgroup (and by `aftershock heal` after a crash).
+RUN_ID_ENV = "AFTERSHOCK_RUN_ID"
+#: The simulated NVML a rank without a GPU reads (faults/nvml_sim.py), where gpu.xid writes.
+NVML_DIR_ENV = "AFTERSHOCK_NVML_DIR"
+#: Test hooks that break a system through its environment start with this: they are
+#: faults, so the fault-free twin goes without them.
+INJECT_PREFIX = "AFTERSHOCK_INJECT_"
+
+# ------------------------------------------------------------- the harness's own settings
+
+#: Where heal journals live (faults/journal.py).
+STATE_ENV = "AFTERSHOCK_STATE_DIR"
+#: Where fault-free twins' results are cached (harness/baseline.py).
+CACHE_ENV = "AFTERSHOCK_CACHE_DIR"
+
+# ------------------------------------------------------------- events the other side acts on
+
+#: A process says who it is: pid, rank, role, world, generation (the target maps ranks).
+HELLO = "hello"
+#: A step is committed (the schedule's `at: {step}` and every step metric).
+STEP = "step"
+#: Where each CPU parameter of a rank lives (memory faults with `address_of`).
+TENSORS = "tensors"
+#: A fault was applied: by the harness from outside, or by the probe at its moment.
+FAULT_INJECTED = "fault_injected"
+#: A server listens at ``url`` (the load generator starts).
+SERVING_READY = "serving_ready"

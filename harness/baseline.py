@@ -1,0 +1,105 @@
+"""The fault-free twin of a scenario: its cache key, its cache, and what it produced.
+
+`params_match: fault_free` and `outputs_match: fault_free` compare a run with the same
+scenario run without faults. That twin is itself a run; this module never runs one: it is
+handed the function that does (``run``), so the run loop can depend on it and not the
+other way round. Results are cached by what decides them (:func:`baseline_key`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+from faults import contract
+from harness import golden, systems
+from harness import metrics as _metrics
+from harness.checks import Outcome
+from harness.records import Event
+from harness.spec import LoadedScenario, Scenario
+
+CACHE_ENV = contract.CACHE_ENV
+
+
+class Ran(Protocol):
+    """What a run of the twin left: its timeline and how it ended."""
+
+    @property
+    def events(self) -> list[Event]: ...
+
+    @property
+    def outcome(self) -> Outcome: ...
+
+
+#: Runs a scenario (the twin) to its end.
+RunTwin = Callable[[Scenario], Ran]
+
+
+def cache_dir() -> Path:
+    explicit = os.environ.get(CACHE_ENV)
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "aftershock"
+
+
+def _code_fingerprint(spec: Scenario, scenario_dir: Path) -> str:
+    """The code a fault-free twin runs, by content (its system kind says what that is)."""
+    return systems.of(spec.system).fingerprint(spec.system, scenario_dir)
+
+
+def baseline_key(spec: Scenario, seed: int, *, scenario_dir: Path = Path(".")) -> str:
+    """The cache key of a scenario's fault-free twin: what decides its result (the system
+    without pacing, detection and what only recovery keeps: golden.twin_system), its
+    environment, the seed and the code it runs (``scenario_dir``: where the scenario file
+    is, from which a command's relative paths are found)."""
+    system = golden.twin_system(spec)
+    # The twin's environment: test hooks that break the system through it (AFTERSHOCK_INJECT_*)
+    # are faults, which the twin goes without.
+    system["env"] = dict(spec.without_faults().system.env)
+    material = json.dumps({"system": system, "seed": seed,
+                           "code": _code_fingerprint(spec, scenario_dir)}, sort_keys=True)
+    return hashlib.sha256(material.encode()).hexdigest()[:24]
+
+
+def twin_of(spec: Scenario) -> Scenario:
+    """The scenario the fault-free twin runs: no faults, no checks, and no pacing (pacing
+    never changes the math; the golden run goes at full speed)."""
+    twin = spec.without_faults()
+    return twin.model_copy(update={"system": systems.of(twin.system).twin(twin.system)})
+
+
+def fault_free_result(
+    loaded: LoadedScenario, *, seed: int, run_dir: Path, use_cache: bool, what: str,
+    run: RunTwin,
+) -> tuple[dict[str, Any] | None, str]:
+    """What the fault-free twin produced (``what``: its final parameter ``digests`` or its
+    requests' ``outputs``), from the cache or by running it with ``run``."""
+    spec = loaded.spec
+    key = baseline_key(spec, seed, scenario_dir=loaded.path.parent)
+    cached = cache_dir() / "fault_free" / f"{key}.json"
+    if use_cache and cached.exists():
+        with contextlib.suppress(ValueError, OSError, KeyError):
+            data = json.loads(cached.read_text())
+            return dict(data[what]), f"cached ({cached})"
+    execution = run(twin_of(spec))
+    found: dict[str, Any]
+    if what == "outputs":
+        found = {rid: out.to_json() for rid, out in _metrics.outputs(execution.events).items()}
+        complete = _metrics.serving(execution.events)["lost_requests"] == 0
+    else:
+        found = {str(k): v for k, v in _metrics.final_digests(execution.events).items()}
+        complete = True
+    if execution.outcome.exit_code != 0 or not found or not complete:
+        return None, (f"fault-free run failed (exit {execution.outcome.exit_code}"
+                      f"{'' if complete else ', requests lost'}); see {run_dir}")
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cached.with_suffix(".tmp")
+    tmp.write_text(json.dumps({what: found, "seed": seed, "scenario": spec.name}))
+    os.replace(tmp, cached)
+    return found, f"ran ({run_dir})"

@@ -1,0 +1,346 @@
+"""Apply a scenario's faults to a running target, keep their records, undo them.
+
+The run loop (harness/runner.py) decides *when* (harness/schedule.py); the injector does
+the rest for one fault at a time: find the processes its target names, set up what its
+kind needs before launch (``prepare``), apply it (or arm it in the target's probe), write
+what happened to the timeline and to the fault's record, and heal it when its duration
+is over or the run ends. A fault that cannot be applied is a record, never a crash.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import faults
+from faults import ProcessRef, contract
+from faults.journal import Journal
+from harness.records import Event, FaultRecord
+from harness.spec import in_process
+from harness.timeline import Timeline
+
+if TYPE_CHECKING:
+    from harness.runner import Observer
+    from harness.target import Target
+
+
+def acts_on_files(spec: Any) -> bool:
+    """A fault whose kind names files relative to a ``root`` (faults/params.py): the harness
+    passes that folder, resolved."""
+    return "root" in type(spec).model_fields
+
+
+def fault_params(spec: Any) -> dict[str, Any]:
+    """A fault's own parameters as its kind takes them: JSON values, durations in seconds."""
+    data = spec.model_dump(exclude={"kind", "target", "at"}, exclude_none=True)
+    return {k: (v.total_seconds() if hasattr(v, "total_seconds") else v) for k, v in data.items()}
+
+
+@dataclass(slots=True)
+class _Active:
+    """An applied fault that has something to undo."""
+
+    applied: faults.Applied
+    record_index: int
+    heal_at: float | None
+    duration: timedelta | None = None  # in-process: counted from the probe's report
+    fault: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Chosen:
+    """The processes a fault hits: ``ranks`` by index, the ones ``chosen``, and a label
+    when they were picked by role rather than rank."""
+
+    ranks: dict[int, ProcessRef]
+    chosen: list[int]
+    label: str | None
+
+
+class Injector:
+    """Applies, records and heals the faults of one run.
+
+    ``root_of(fault)``: the folder a fault's files are relative to (its ``root``, else the
+    system's default). ``t0``: the run's start, which records count from.
+    """
+
+    def __init__(
+        self, faults_: Sequence[Any], *, target: Target, journal: Journal, timeline: Timeline,
+        observer: Observer, seed: int, t0: float, root_of: Callable[[Any], str],
+        log_dir: Path,
+    ) -> None:
+        self._faults = list(faults_)
+        self._target = target
+        self._journal = journal
+        self._timeline = timeline
+        self._observer = observer
+        self._rng = random.Random(seed)
+        self._t0 = t0
+        self._root_of = root_of
+        self._log_dir = log_dir
+        self.records: list[FaultRecord] = []
+        self._active: list[_Active] = []
+        # The processes faults hit from outside, until the harness sees them end: what a
+        # process did after a fault (exited, or went on) is evidence for checks (xid_action).
+        self._watched: list[tuple[ProcessRef, dict[str, Any]]] = []
+        self._armed: dict[int, list[int]] = {}  # fault index -> record indices (in-process)
+        self._prepared: dict[int, faults.Applied] = {}  # fault index -> its launch-time setup
+        self._published: dict[int, dict[str, list[int]]] = {}  # rank -> parameter addresses
+
+    # ------------------------------------------------------------------ before launch
+
+    def prepare(self) -> list[int]:
+        """What the faults need in place before the system writes a byte (a filesystem under
+        its checkpoint folder); the faults that could not be prepared (recorded as failed)."""
+        failed: list[int] = []
+        for index, spec in enumerate(self._faults):
+            kind = faults.get(spec.kind)
+            if not isinstance(kind, faults.PreparedKind):
+                continue
+            params = self._params(index)
+            params["log"] = str(self._log_dir / f"fault{index}-{spec.kind}.log")
+            try:
+                applied = kind.prepare(params, self._journal)
+            except Exception as exc:
+                self.failed(index, exc)
+                failed.append(index)
+                continue
+            self._prepared[index] = applied
+            self._observer.event(self._timeline.emit("fault_prepared", kind=spec.kind,
+                                                     fault=index, detail=applied.detail))
+        return failed
+
+    # ------------------------------------------------------------------ while running
+
+    def apply(self, index: int, *, arm_step: int | None = None, file: str | None = None) -> bool:
+        """Apply fault ``index`` now if its target is there (True); False: not yet. Raises
+        what applying it raised (see :meth:`failed`). ``arm_step``: the step an in-process
+        fault is armed for; ``file``: the path that triggered it (`at: {file}`)."""
+        chosen = self._choose(self._faults[index].target)
+        if chosen is None:
+            return False
+        if in_process(self._faults[index]):
+            self._arm(index, chosen, arm_step)
+        else:
+            self._inject(index, chosen, file)
+        return True
+
+    def failed(self, index: int, exc: BaseException) -> None:
+        """A fault that cannot be applied is a record on the timeline, not a crash: the run
+        goes on and `faults_injected` fails with the reason."""
+        spec = self._faults[index]
+        reason = f"{type(exc).__name__}: {exc}"
+        self._observer.event(self._timeline.emit("fault_failed", kind=spec.kind,
+                                                 fault=index, error=reason))
+        self.records.append(FaultRecord(spec.kind, spec.target.describe(), None, None,
+                                        f"could not be applied: {reason}"))
+
+    def unreached(self, index: int) -> None:
+        spec = self._faults[index]
+        self.records.append(FaultRecord(spec.kind, spec.target.describe(), None, None,
+                                        f"trigger {spec.at.describe()} not reached, or the "
+                                        "target never appeared"))
+
+    def observe(self, event: Event) -> None:
+        """What the system's own events mean for the faults: the probe applied an armed
+        fault (its moment on the timeline), or a rank published its parameters' addresses."""
+        if event.source == "harness":
+            return
+        if event.event == contract.FAULT_INJECTED:
+            self._probe_applied(event)
+        elif event.event == contract.TENSORS and event.rank is not None:
+            published = event.fields.get("tensors")
+            if isinstance(published, dict):
+                self._published[event.rank] = published
+
+    def heal_due(self, now: float) -> None:
+        """Heal every fault whose duration is over."""
+        for done in [a for a in self._active if a.heal_at is not None and now >= a.heal_at]:
+            self._active.remove(done)
+            self._heal(done)
+
+    def note_exits(self) -> None:
+        """A process a fault hit has ended: evidence of what it did after the fault. Seen only
+        while the run goes on: the teardown's kills are not evidence."""
+        for gone in [w for w in self._watched if not w[0].alive()]:
+            self._watched.remove(gone)
+            self._observer.event(self._timeline.emit("target_exited", **gone[1]))
+
+    # ------------------------------------------------------------------ teardown
+
+    def heal_all(self) -> list[str]:
+        """Heal every fault still applied; what could not be reverted."""
+        errors: list[str] = []
+        for leftover in list(self._active):
+            self._active.remove(leftover)
+            try:
+                self._heal(leftover)
+            except Exception as exc:  # keep healing the rest
+                errors.append(f"{leftover.applied.kind}: {exc}")
+        return errors
+
+    def unprepare(self) -> list[str]:
+        """Undo what was set up at launch, once nothing of the system can still use it; what
+        could not be (left pending in the journal: a heal tries again)."""
+        errors: list[str] = []
+        for index, setup in self._prepared.items():
+            try:
+                faults.get(setup.kind).revert(setup.undo)
+            except Exception as exc:
+                errors.append(f"{setup.kind}: {exc}")
+            else:
+                if setup.journal_id:
+                    self._journal.done(setup.journal_id)
+                self._timeline.emit("fault_healed", kind=setup.kind, fault=index)
+        return errors
+
+    # ------------------------------------------------------------------ the parts
+
+    def _choose(self, selector: Any) -> _Chosen | None:
+        """The processes ``selector`` (a scenario's ``target``) names now; None while there
+        are none (the fault stays due)."""
+        target = self._target
+        if selector.role is not None:
+            found = target.role_processes(selector.role)
+            if not found:
+                return None
+            return _Chosen(dict(enumerate(found)), [0], f"role {selector.role}")
+        ranks = target.rank_processes()
+        if not ranks:
+            return None
+        if selector.index is not None:
+            if selector.index not in ranks:
+                return None
+            chosen = [selector.index]
+        elif selector.replica is not None or selector.shard is not None:
+            chosen = sorted(
+                r for r, (replica, shard) in target.coordinates.items()
+                if r in ranks
+                and selector.replica in (None, replica) and selector.shard in (None, shard)
+            )
+            if not chosen:
+                return None
+        elif selector.pick == "all":
+            chosen = sorted(ranks)
+        else:
+            chosen = [self._rng.choice(sorted(ranks))]
+        return _Chosen(ranks, chosen, None)
+
+    def _params(self, index: int) -> dict[str, Any]:
+        spec = self._faults[index]
+        params = fault_params(spec)
+        if acts_on_files(spec):
+            params["root"] = self._root_of(spec)
+        if index in self._prepared:
+            params["prepared"] = dict(self._prepared[index].undo)
+        return params
+
+    def _arm(self, index: int, found: _Chosen, arm_step: int | None) -> None:
+        """The probe applies it at the exact step/phase/call and reports the moment; the rank
+        filter travels in the command (a spare may take the rank over)."""
+        spec = self._faults[index]
+        kind = faults.get(spec.kind)
+        rank = found.chosen[0] if len(found.chosen) == 1 and found.label is None else None
+        params = {**fault_params(spec), "at_step": arm_step, "phase": spec.at.phase,
+                  "fault": index, "rank": rank}
+        applied = kind.inject(found.ranks[found.chosen[0]], params, self._journal)
+        self._observer.event(self._timeline.emit("fault_armed", kind=spec.kind, fault=index,
+                                                 detail=applied.detail, rank=rank))
+        where = found.label or (f"rank {rank}" if rank is not None else "all")
+        self.records.append(FaultRecord(spec.kind, where, None, None, applied.detail))
+        if applied.journal_id is not None:
+            self._active.append(_Active(applied, len(self.records) - 1, None,
+                                        getattr(spec, "duration", None), index))
+        self._armed.setdefault(index, []).append(len(self.records) - 1)
+
+    def _inject(self, index: int, found: _Chosen, file: str | None) -> None:
+        spec = self._faults[index]
+        kind = faults.get(spec.kind)
+        duration: timedelta | None = getattr(spec, "duration", None)
+        params = self._params(index)
+        # A kind that hits its targets together gets them in one call (a power loss takes
+        # every process down at one instant); any other kind one target at a time.
+        together = isinstance(kind, faults.GroupKind)
+        ranks, label = found.ranks, found.label
+        for group in ([found.chosen] if together else [[rank] for rank in found.chosen]):
+            rank = group[0]
+            resolve = getattr(kind, "resolve", None)
+            if callable(resolve) and label is None:
+                try:
+                    params = resolve(params, self._published.get(rank, {}))
+                except ValueError as exc:
+                    raise ValueError(f"rank {rank} {exc}") from None
+            # The fault's moment is when applying it began: `ss -K` or a tmpfs copy take
+            # long enough that the system can notice before inject() returns.
+            began = time.monotonic()
+            if together:
+                assert isinstance(kind, faults.GroupKind)
+                applied = kind.inject_group([ranks[r] for r in group], params, self._journal)
+            else:
+                applied = kind.inject(ranks[rank], params, self._journal)
+            fields: dict[str, Any] = {"pid": ranks[rank].pid}
+            if label is not None:
+                fields["role"] = label
+            elif len(group) == 1:
+                fields["rank"] = rank
+            else:
+                fields.update(ranks=group, pids=[ranks[r].pid for r in group])
+            if file is not None:
+                fields["file"] = file
+            ev = self._timeline.emit(
+                contract.FAULT_INJECTED, kind=spec.kind, detail=applied.detail, fault=index,
+                at=began, params=params, applied_at=time.monotonic(), **fields,
+            )
+            self._observer.event(ev)
+            for r in group:
+                extra = {"role": label} if label is not None else {"rank": r}
+                self._watched.append((ranks[r], {"pid": ranks[r].pid, "kind": spec.kind,
+                                                 "fault": index, **extra}))
+            where = label or ("rank " if len(group) == 1 else "ranks ") + ", ".join(
+                str(r) for r in group)
+            self.records.append(FaultRecord(spec.kind, where, round(ev.t - self._t0, 4), None,
+                                            applied.detail))
+            if applied.journal_id is not None:
+                # Counted from the injection, not from the loop's tick: finding the target
+                # can take a while on a loaded machine.
+                heal_at = (time.monotonic() + duration.total_seconds()
+                           if duration is not None else None)
+                self._active.append(_Active(applied, len(self.records) - 1, heal_at))
+
+    def _probe_applied(self, ev: Event) -> None:
+        """The probe applied an armed fault: that is the fault's moment on the timeline."""
+        index = ev.fields.get("fault")
+        if not isinstance(index, int) or index not in self._armed:
+            return
+        # Repetitions of one fault share its index: the earliest still waiting fired.
+        waiting = [i for i in self._armed[index] if self.records[i].injected_at_s is None]
+        if not waiting:
+            return
+        record_index = waiting[0]
+        old = self.records[record_index]
+        detail = str(ev.fields.get("detail") or ev.fields.get("tensor") or old.detail)
+        where = f"rank {ev.rank}" if ev.rank is not None else old.target
+        self.records[record_index] = FaultRecord(old.kind, where, round(ev.t - self._t0, 4),
+                                                 None, detail)
+        for item in self._active:
+            if item.fault == index and item.heal_at is None and item.duration is not None:
+                item.heal_at = time.monotonic() + item.duration.total_seconds()
+
+    def _heal(self, item: _Active) -> None:
+        kind = faults.get(item.applied.kind)
+        try:
+            kind.revert(item.applied.undo)
+        finally:
+            if item.applied.journal_id:
+                self._journal.done(item.applied.journal_id)
+            ev = self._timeline.emit("fault_healed", kind=item.applied.kind)
+            self._observer.event(ev)
+            old = self.records[item.record_index]
+            self.records[item.record_index] = FaultRecord(
+                old.kind, old.target, old.injected_at_s, round(ev.t - self._t0, 4), old.detail
+            )

@@ -1,0 +1,231 @@
+"""System kinds: what a scenario's ``system:`` may be, and how each one is run.
+
+A system kind is one object (:class:`SystemKind`) that declares its ``system:`` block as a
+pydantic model and everything the harness needs to run it: the command line, the target
+that runs it (harness/target.py), its world size, what its job lets faults do (the
+in-process probe), where file faults act by default, what its fault-free twin's result
+depends on, and its own rules for a scenario. The scenario format (harness/spec.py), the
+run loop (harness/runner.py), the baseline cache, goldens and the CLI ask the kind; none
+of them names a system class.
+
+Built-in kinds are the modules of this package (trainer.py, server.py, command.py), each
+registering one kind; every module here whose name does not start with ``_`` is loaded.
+Other packages add kinds through the ``aftershock.systems`` entry-point group (an object,
+or a list of them). docs/extending.md says how to write one.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from collections.abc import Mapping
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
+
+    from harness.logprobe import LogProbe
+    from harness.records import Event
+    from harness.target import Launch, Target
+    from harness.timeline import Timeline
+
+ENTRY_POINT_GROUP = "aftershock.systems"
+
+
+class Driver(Protocol):
+    """Works a system from outside while it runs (the reference server's load generator).
+
+    It sees every event of the run's timeline; the run ends when it is done, and it writes
+    its closing record to the timeline then.
+    """
+
+    def observe(self, event: Event) -> None: ...
+
+    def done(self) -> bool: ...
+
+    def finish(self) -> Event | None:
+        """The run is over because this driver is done: record what it saw."""
+        ...
+
+    def stop(self) -> None:
+        """Stop driving (at teardown, whatever happened); bounded."""
+        ...
+
+
+class SystemKind(Protocol):
+    """One kind of system under test. ``system`` arguments are instances of ``model``."""
+
+    @property
+    def name(self) -> str:
+        """Its tag in the scenario union and in messages: ``trainer``."""
+        ...
+
+    @property
+    def model(self) -> type[BaseModel]:
+        """Its `system:` block."""
+        ...
+
+    @property
+    def tag(self) -> tuple[str, str | None]:
+        """The key and value that say a `system:` block is this kind's (value None: the key
+        alone, e.g. `command:`)."""
+        ...
+
+    @property
+    def shape(self) -> str:
+        """How a scenario writes the tag, for messages: ```reference: trainer```."""
+        ...
+
+    @property
+    def order(self) -> int:
+        """Where it comes in lists and messages (lower first)."""
+        ...
+
+    @property
+    def family(self) -> Literal["training", "serving"]:
+        """Which expect checks mean something for it: training (steps, parameters) or
+        serving (requests, tokens)."""
+        ...
+
+    @property
+    def golden(self) -> Literal["digests", "outputs"] | None:
+        """What a golden of its fault-free twin holds (harness/golden.py); None: no goldens."""
+        ...
+
+    def launch(self, system: Any, *, run_dir: Path, scenario_dir: Path, seed: int,
+               extra_args: tuple[str, ...] = ()) -> Launch:
+        """What to start: command line, working folder, environment, log probes."""
+        ...
+
+    def target(self, launch: Launch, *, run_dir: Path, run_id: str,
+               timeline: Timeline) -> Target:
+        """The target that runs ``launch``."""
+        ...
+
+    def capabilities(self, system: Any | None) -> frozenset[str]:
+        """What its target lets faults act through (faults.registry.CAPABILITIES), known
+        before anything runs (``system`` None: one as its defaults make it)."""
+        ...
+
+    def probe(self, system: Any | None, scenario_dir: Path | None) -> str | None:
+        """None if its job calls harness.probe.install() (in-process faults reach it), else
+        why it is not known to (for the error that refuses an in-process fault; ``system``
+        None: a plain one, as `aftershock faults --system` asks)."""
+        ...
+
+    def world(self, system: Any) -> int | None:
+        """Ranks (or workers) at full strength; None: as seen before the fault."""
+        ...
+
+    def steps(self, system: Any) -> int | None:
+        """How many steps it runs, when known (a progress bar)."""
+        ...
+
+    def default_root(self, system: Any, run_dir: Path) -> Path:
+        """The folder file faults and file triggers act in when they name no ``root``."""
+        ...
+
+    def root_is_run_folder(self, system: Any) -> bool:
+        """Whether that default is the run folder itself (which holds the timeline)."""
+        ...
+
+    def twin(self, system: Any) -> Any:
+        """The system its fault-free twin runs (pacing removed: it never changes the math)."""
+        ...
+
+    def twin_key(self, system: Any) -> dict[str, Any]:
+        """What decides the twin's result, as JSON, ``env`` aside: the fields that only pace
+        the run, detect failures or serve recovery are left out (harness/golden.py)."""
+        ...
+
+    def fingerprint(self, system: Any, scenario_dir: Path) -> str:
+        """A digest of the code its twin runs, so editing it invalidates the twin."""
+        ...
+
+    def device(self, system: Any) -> str:
+        """cpu or cuda: the device its math runs on (goldens are per platform)."""
+        ...
+
+    def driver(self, system: Any, *, seed: int, timeline: Timeline) -> Driver | None:
+        """What works it from outside while it runs, if anything."""
+        ...
+
+    def log_probes(self, system: Any) -> list[LogProbe]:
+        """The log probes that turn its output lines into events (a re-check may change
+        them: harness/recheck.py)."""
+        ...
+
+    def replays(self, system: Any) -> bool:
+        """Whether it records what `params_match: replay` recomputes (the membership of
+        every generation: reference_impl's elastic recovery)."""
+        ...
+
+    def file_problems(self, system: Any, scenario_dir: Path
+                      ) -> list[tuple[tuple[str | int, ...], str]]:
+        """What it names on disk that is not there, relative to the scenario file's folder:
+        (where in its block, the problem); checked when a scenario file is loaded."""
+        ...
+
+    def problems(self, scenario: Any) -> list[str]:
+        """Its own rules for a whole scenario (what its `expect` checks need); each problem
+        one sentence."""
+        ...
+
+
+_registry: dict[str, SystemKind] = {}
+_loaded = False
+
+
+def register(kind: SystemKind) -> SystemKind:
+    if kind.name in _registry and _registry[kind.name] is not kind:
+        raise ValueError(f"system kind {kind.name!r} is registered twice")
+    _registry[kind.name] = kind
+    return kind
+
+
+def _load() -> None:
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    for module in pkgutil.iter_modules(__path__):
+        if not module.name.startswith("_"):
+            importlib.import_module(f"{__name__}.{module.name}")
+    for entry in entry_points(group=ENTRY_POINT_GROUP):
+        loaded = entry.load()
+        for kind in loaded if isinstance(loaded, list | tuple) else [loaded]:
+            register(kind)
+
+
+def kinds() -> list[SystemKind]:
+    """Every system kind, in ``order``."""
+    _load()
+    return sorted(_registry.values(), key=lambda k: (k.order, k.name))
+
+
+def get(name: str) -> SystemKind:
+    _load()
+    try:
+        return _registry[name]
+    except KeyError:
+        raise KeyError(f"unknown system kind {name!r} (known: {', '.join(sorted(_registry))})"
+                       ) from None
+
+
+def of(system: Any) -> SystemKind:
+    """The kind of a ``system:`` model instance."""
+    for kind in kinds():
+        if isinstance(system, kind.model):
+            return kind
+    raise TypeError(f"{type(system).__name__} is not the model of any system kind")
+
+
+def claimed(raw: Mapping[str, Any]) -> SystemKind | None:
+    """The kind a raw ``system:`` mapping names by its tag, or None."""
+    for kind in kinds():
+        key, value = kind.tag
+        if key in raw and (value is None or raw[key] == value):
+            return kind
+    return None

@@ -1,0 +1,266 @@
+"""``command: [...]``: any command line (a torchrun job, a user's server) as local
+processes, observed through its log lines (``probes``) and, if it calls it, the
+in-process probe."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+import re
+import sys
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field
+
+from harness.logprobe import LogProbe
+from harness.schema import MAX_WORLD, Duration, Strict
+from harness.systems import Driver, register
+from harness.target import Launch, LocalTarget, Target
+from harness.timeline import Timeline
+
+
+class CommandSystem(Strict):
+    """Any command line (a torchrun job, a user's server), observed through logs.
+
+    ``${run_dir}`` and ``${scenario_dir}`` in ``command`` and ``env`` values are
+    replaced by the run's own folder and the scenario file's folder.
+    """
+
+    command: list[str] = Field(min_length=1)
+    probes: list[LogProbe] = Field(default_factory=list)
+    world: int | None = Field(
+        None, ge=1, le=MAX_WORLD,
+        description="ranks at full strength; default: ranks seen before the fault"
+    )
+    cwd: str | None = Field(None, description="working directory, relative to the scenario file")
+    env: dict[str, str] = Field(default_factory=dict)
+    inputs: list[str] = Field(
+        default_factory=list,
+        description="files, folders or globs the command reads (modules run with -m, configs, "
+        "data), relative to its working directory. With the files named in `command`, their "
+        "content is part of the fault-free twin's cache key; each must exist",
+    )
+    timeout: Duration = Field(timedelta(minutes=5), description="limit for the whole run")
+    in_process_probe: bool | None = Field(
+        None, description="whether the job calls harness.probe.install(), which in-process "
+        "faults need (collective.*, process.hang, memory.* with `tensor`, process.kill with "
+        "`at.phase`); default: whether the command line, a file it names or an `inputs` "
+        "file calls it",
+    )
+
+    def workdir(self, scenario_dir: Path) -> Path:
+        """Where the command runs (and where its relative paths point)."""
+        return (scenario_dir / self.cwd).resolve() if self.cwd else scenario_dir.resolve()
+
+    def input_files(self, scenario_dir: Path) -> tuple[list[Path], list[int]]:
+        """The files ``inputs`` names (folders: every file under them), sorted, and the
+        indices of the entries that name nothing."""
+        base = self.workdir(scenario_dir)
+        files: set[Path] = set()
+        missing: list[int] = []
+        for index, pattern in enumerate(self.inputs):
+            if any(c in pattern for c in "*?["):
+                root, relative = (Path(base.anchor), pattern.lstrip("/")) \
+                    if Path(pattern).is_absolute() else (base, pattern)
+                found = list(root.glob(relative))
+            else:
+                found = [base / pattern]
+            found = [f for p in found for f in (sorted(p.rglob("*")) if p.is_dir() else [p])
+                     if f.is_file()]
+            if not found:
+                missing.append(index)
+            files.update(found)
+        return sorted(files), missing
+
+
+def command_files(system: CommandSystem, scenario_dir: Path) -> list[Path]:
+    """The files a command names that exist (relative ones from its working directory), and
+    its declared inputs. Arguments naming the run's own folder change every run: skipped."""
+    base = system.workdir(scenario_dir)
+    files, _ = system.input_files(scenario_dir)
+    named = set(files)
+    for arg in system.command:
+        if "${run_dir}" in arg:
+            continue
+        arg = arg.replace("${scenario_dir}", str(scenario_dir.resolve()))
+        value = arg.split("=", 1)[1] if arg.startswith("-") and "=" in arg else None
+        for candidate in (arg, value):
+            if candidate and (base / candidate).is_file():
+                named.add((base / candidate).resolve())
+    return sorted(named)
+
+
+#: A file that uses the probe (`from harness import probe`, `harness.probe.…`) and calls an
+#: `install(`: what in-process faults need.
+_USES_PROBE = re.compile(r"harness\.probe|from\s+harness\s+import\s[^\n]*\bprobe\b")
+_INSTALLS = re.compile(r"\binstall\s*\(")
+_READ_LIMIT = 1 << 20  # bytes of one file looked at: scripts, not data
+
+
+def _calls_install(text: str) -> bool:
+    return bool(_USES_PROBE.search(text) and _INSTALLS.search(text))
+
+
+def _module_files(system: CommandSystem, base: Path | None) -> list[Path]:
+    """The source of each module the command runs with ``-m`` (its own code, found on the
+    job's path without importing it)."""
+    roots = [base] if base is not None else []
+    roots += [Path(p) for p in system.env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    roots += [Path(p) for p in sys.path if p]
+    found: list[Path] = []
+    for flag, name in itertools.pairwise(system.command):
+        if flag != "-m":
+            continue
+        stem = Path(*name.split("."))
+        for root in roots:
+            candidates = [root / stem.with_suffix(".py"), root / stem / "__main__.py"]
+            hit = next((c for c in candidates if c.is_file()), None)
+            if hit is not None:
+                found.append(hit)
+                break
+    return found
+
+
+def probe_reason(system: CommandSystem, scenario_dir: Path | None) -> str | None:
+    """None if the job calls harness.probe.install(), as declared or as its command line and
+    the files it names show; else why it is not known to."""
+    if system.in_process_probe is not None:
+        return None if system.in_process_probe else "the scenario says it does not " \
+            "(`in_process_probe: false`)"
+    if any(_calls_install(arg) for arg in system.command):
+        return None
+    if scenario_dir is not None:
+        files = command_files(system, scenario_dir)
+        base: Path | None = system.workdir(scenario_dir)
+    else:  # parsed from text: only what the command names absolutely can be read
+        files = sorted({Path(a).resolve() for a in system.command
+                        if Path(a).is_absolute() and Path(a).is_file()})
+        base = None
+    read: list[Path] = []
+    for path in [*files, *_module_files(system, base)]:
+        try:
+            with open(path, "rb") as handle:
+                data = handle.read(_READ_LIMIT)
+        except OSError:
+            continue
+        if data.startswith(b"\x7fELF"):
+            continue  # the interpreter, a compiled program: no Python source to read
+        read.append(path)
+        if _calls_install(data.decode(errors="replace")):
+            return None
+    shown = ", ".join(str(p) for p in read[:4]) + (" ..." if len(read) > 4 else "")
+    return ("neither its command line nor a file it names calls harness.probe.install()"
+            + (f" (read: {shown})" if read else "") + "; if it calls it from a file the "
+            "harness cannot see, say so with `in_process_probe: true`")
+
+
+class Command:
+    name = "command"
+    model = CommandSystem
+    tag: tuple[str, str | None] = ("command", None)
+    shape = "`command: [...]`"
+    order = 30
+    family: Literal["training"] = "training"
+    golden = None
+
+    def launch(self, system: CommandSystem, *, run_dir: Path, scenario_dir: Path, seed: int,
+               extra_args: tuple[str, ...] = ()) -> Launch:
+        variables = {"run_dir": str(run_dir), "scenario_dir": str(scenario_dir.resolve())}
+
+        def expand(text: str) -> str:
+            # Only ${run_dir} and ${scenario_dir}: a fresh folder per run keeps a job's
+            # checkpoints from leaking from the fault-free baseline into the faulted run.
+            return re.sub(r"\$\{(run_dir|scenario_dir)\}", lambda m: variables[m.group(1)],
+                          text)
+
+        return Launch(
+            [expand(arg) for arg in system.command],
+            system.workdir(scenario_dir),
+            {key: expand(value) for key, value in system.env.items()},
+            system.world,
+            tuple(system.probes),
+        )
+
+    def target(self, launch: Launch, *, run_dir: Path, run_id: str,
+               timeline: Timeline) -> Target:
+        return LocalTarget(launch, run_dir=run_dir, run_id=run_id, timeline=timeline)
+
+    def capabilities(self, system: CommandSystem | None) -> frozenset[str]:
+        return LocalTarget.capabilities
+
+    def probe(self, system: CommandSystem | None, scenario_dir: Path | None) -> str | None:
+        if system is None:
+            return "a plain command does not call it"
+        return probe_reason(system, scenario_dir)
+
+    def world(self, system: CommandSystem) -> int | None:
+        return system.world
+
+    def steps(self, system: CommandSystem) -> int | None:
+        return None
+
+    def default_root(self, system: CommandSystem, run_dir: Path) -> Path:
+        return run_dir
+
+    def root_is_run_folder(self, system: CommandSystem) -> bool:
+        return True
+
+    def twin(self, system: CommandSystem) -> CommandSystem:
+        return system
+
+    def twin_key(self, system: CommandSystem) -> dict[str, Any]:
+        data: dict[str, Any] = system.model_dump(mode="json")
+        data.pop("env", None)
+        return data
+
+    def fingerprint(self, system: CommandSystem, scenario_dir: Path) -> str:
+        """Every file named in the command line (its script, the interpreter, a
+        ``--config=FILE``) and every declared ``inputs`` file (a module run with ``-m``,
+        data), by content."""
+        digest = hashlib.sha256()
+        for path in command_files(system, scenario_dir):
+            digest.update(str(path).encode() + b"\0")
+            with open(path, "rb") as handle:
+                digest.update(hashlib.file_digest(handle, "sha256").digest())
+        return digest.hexdigest()
+
+    def device(self, system: CommandSystem) -> str:
+        return "cpu"
+
+    def driver(self, system: CommandSystem, *, seed: int, timeline: Timeline) -> Driver | None:
+        return None
+
+    def log_probes(self, system: CommandSystem) -> list[LogProbe]:
+        return list(system.probes)
+
+    def replays(self, system: CommandSystem) -> bool:
+        return False
+
+    def file_problems(self, system: CommandSystem, scenario_dir: Path
+                      ) -> list[tuple[tuple[str | int, ...], str]]:
+        _, missing = system.input_files(scenario_dir)
+        return [(("inputs", index),
+                 f"nothing matches {system.inputs[index]!r} in {system.workdir(scenario_dir)} "
+                 "(an input the command reads must exist: its content keys the fault-free twin)")
+                for index in missing]
+
+    def problems(self, scenario: Any) -> list[str]:
+        system: CommandSystem = scenario.system
+        expect = scenario.expect
+        probed = {p.event for p in system.probes}
+        problems: list[str] = []
+        if expect.params_match and "params" not in probed:
+            problems.append("expect.params_match on a command needs a log probe with "
+                            "`event: params` and a `(?P<digest>...)` group")
+        missing = [e for e in ("checkpoint_saved", "checkpoint_loaded") if e not in probed]
+        if expect.checkpoint_durable and missing:
+            problems.append("expect.checkpoint_durable on a command needs log probes with "
+                            + " and ".join(f"`event: {e}`" for e in missing)
+                            + " (and a `(?P<step>...)` group)")
+        return problems
+
+
+COMMAND = register(Command())

@@ -1,0 +1,161 @@
+"""``reference: server``: the reference LLM serving stack (reference_impl.serving.server),
+a router and worker processes, driven by the built-in load generator."""
+
+from __future__ import annotations
+
+import sys
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field
+
+from harness.loadgen import Load, LoadDriver
+from harness.logprobe import LogProbe
+from harness.schema import MAX_SEED, Duration, Strict
+from harness.systems import Driver, register
+from harness.systems._reference import fingerprint
+from harness.target import Launch, LocalTarget, Target
+from harness.timeline import Timeline
+
+
+class ServerSystem(Strict):
+    """The reference LLM serving stack (``reference_impl.serving.server``): a router and
+    worker processes, driven by the built-in load generator."""
+
+    reference: Literal["server"]
+    workers: int = Field(3, ge=1, le=32, description="worker processes behind the router")
+    recovery: Literal["migrate", "fail_stop"] = Field(
+        "migrate",
+        description="migrate: a failed worker's in-flight requests move to healthy workers "
+        "with the tokens emitted so far; fail_stop: every in-flight request is aborted and "
+        "the stack restarts cold, clients retry (today's common baseline)",
+    )
+    model_seed: int = Field(0, ge=0, le=MAX_SEED, description="seed of the model's weights")
+    journal: bool = Field(True, description="write-ahead journal of requests and tokens")
+    checksums: bool = Field(True, description="KV block checksums")
+    batch_invariant: bool = Field(True, description="batch-invariant kernels")
+    max_batch: int = Field(16, ge=1, le=4096, description="requests decoded together per worker")
+    heartbeat: Duration = Field(timedelta(milliseconds=100), description="worker heartbeat")
+    dead_after: Duration = Field(
+        timedelta(seconds=1), description="no heartbeat for this long: the worker is dead"
+    )
+    wedged_after: Duration = Field(
+        timedelta(seconds=2), description="busy without progress for this long: wedged"
+    )
+    step_sleep: Duration = Field(
+        timedelta(0), description="extra time per engine step, to make a short run long enough"
+    )
+    args: list[str] = Field(
+        default_factory=list,
+        description="extra server options (python -m reference_impl.serving.server --help)",
+    )
+    load: Load = Load()
+    timeout: Duration = Field(timedelta(minutes=5), description="limit for the whole run")
+    env: dict[str, str] = Field(default_factory=dict, description="extra environment")
+
+
+def server_argv(system: ServerSystem) -> list[str]:
+    """The reference server's launcher (router + workers); it says where it listens
+    through the probe's ``serving_ready`` event."""
+    def seconds(value: timedelta) -> str:
+        return f"{value.total_seconds():g}"
+
+    flags = [("--no-journal", not system.journal), ("--no-checksums", not system.checksums),
+             ("--no-batch-invariant", not system.batch_invariant)]
+    return [
+        sys.executable, "-m", "reference_impl.serving.server",
+        f"--workers={system.workers}",
+        f"--seed={system.model_seed}",
+        f"--max-batch={system.max_batch}",
+        f"--recovery={system.recovery}",
+        f"--heartbeat={seconds(system.heartbeat)}",
+        f"--dead-after={seconds(system.dead_after)}",
+        f"--wedged-after={seconds(system.wedged_after)}",
+        f"--step-sleep={seconds(system.step_sleep)}",
+        *[flag for flag, on in flags if on],
+        *system.args,
+    ]
+
+
+#: Settings that never change a fault-free run's tokens (the model, the kernels and the load
+#: do); and, of the load, how long clients insist, not what they ask.
+TIMING = ("step_sleep", "timeout", "heartbeat", "dead_after", "wedged_after", "recovery",
+          "journal", "checksums")
+LOAD_TIMING = ("retries", "request_timeout")
+
+
+class Server:
+    name = "server"
+    model = ServerSystem
+    tag = ("reference", "server")
+    shape = "`reference: server`"
+    order = 20
+    family: Literal["serving"] = "serving"
+    golden: Literal["outputs"] = "outputs"
+
+    def launch(self, system: ServerSystem, *, run_dir: Path, scenario_dir: Path, seed: int,
+               extra_args: tuple[str, ...] = ()) -> Launch:
+        return Launch([*server_argv(system), *extra_args], Path.cwd(), dict(system.env),
+                      system.workers, ())
+
+    def target(self, launch: Launch, *, run_dir: Path, run_id: str,
+               timeline: Timeline) -> Target:
+        return LocalTarget(launch, run_dir=run_dir, run_id=run_id, timeline=timeline)
+
+    def capabilities(self, system: ServerSystem | None) -> frozenset[str]:
+        return LocalTarget.capabilities
+
+    def probe(self, system: ServerSystem | None, scenario_dir: Path | None) -> str | None:
+        return None  # every worker calls harness.probe.install()
+
+    def world(self, system: ServerSystem) -> int | None:
+        return system.workers
+
+    def steps(self, system: ServerSystem) -> int | None:
+        return None
+
+    def default_root(self, system: ServerSystem, run_dir: Path) -> Path:
+        return run_dir
+
+    def root_is_run_folder(self, system: ServerSystem) -> bool:
+        return True
+
+    def twin(self, system: ServerSystem) -> ServerSystem:
+        return system.model_copy(update={"step_sleep": timedelta(0)})
+
+    def twin_key(self, system: ServerSystem) -> dict[str, Any]:
+        data: dict[str, Any] = system.model_dump(mode="json")
+        for name in (*TIMING, "env"):
+            data.pop(name, None)
+        for name in LOAD_TIMING:
+            data["load"].pop(name, None)
+        return data
+
+    def fingerprint(self, system: ServerSystem, scenario_dir: Path) -> str:
+        return fingerprint(("*.py", "serving/*.py"))
+
+    def device(self, system: ServerSystem) -> str:
+        args = " ".join(system.args)
+        return "cuda" if "--device=cuda" in args or "--device cuda" in args else "cpu"
+
+    def driver(self, system: ServerSystem, *, seed: int, timeline: Timeline) -> Driver | None:
+        # The server runs until its load is served: the load generator starts when the
+        # server says where it listens and the run ends when the last request has.
+        return LoadDriver(system.load, seed=seed, timeline=timeline)
+
+    def log_probes(self, system: ServerSystem) -> list[LogProbe]:
+        return []
+
+    def replays(self, system: ServerSystem) -> bool:
+        return False
+
+    def file_problems(self, system: ServerSystem, scenario_dir: Path
+                      ) -> list[tuple[tuple[str | int, ...], str]]:
+        return []
+
+    def problems(self, scenario: Any) -> list[str]:
+        return []
+
+
+SERVER = register(Server())

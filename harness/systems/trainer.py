@@ -1,0 +1,178 @@
+"""``reference: trainer``: the reference fault-tolerant trainer (reference_impl.trainer)
+under torchrun, as local processes."""
+
+from __future__ import annotations
+
+import sys
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from harness.logprobe import LogProbe
+from harness.schema import MAX_STEPS, MAX_WORLD, Duration, Strict
+from harness.systems import Driver, register
+from harness.systems._reference import fingerprint
+from harness.target import Launch, LocalTarget, Target
+from harness.timeline import Timeline
+
+
+class World(Strict):
+    """Shape of the reference trainer: data-parallel replicas × sharded ranks."""
+
+    replicas: int = Field(2, ge=1, le=64, description="data-parallel replica groups")
+    shards: int = Field(2, ge=1, le=64, description="tensor-parallel ranks per replica")
+
+    @model_validator(mode="after")
+    def _fits_one_host(self) -> World:
+        if self.size > MAX_WORLD:
+            raise ValueError(f"{self.size} processes (replicas × shards); at most {MAX_WORLD} "
+                             "on one host")
+        return self
+
+    @property
+    def size(self) -> int:
+        return self.replicas * self.shards
+
+
+class TrainerSystem(Strict):
+    """The reference fault-tolerant trainer (``reference_impl.trainer``) under torchrun."""
+
+    reference: Literal["trainer"]
+    world: World = World()
+    backend: Literal["gloo", "nccl"] = "gloo"
+    recovery: Literal["restart", "hot_spare", "elastic"] = Field(
+        "restart",
+        description="restart: torchrun relaunches the world from a checkpoint; hot_spare: warm "
+        "standby ranks take over from in-memory peer snapshots; elastic: survivors go on with "
+        "fewer replicas and a returning replica heals from a live peer",
+    )
+    spares: int = Field(1, ge=0, le=16, description="warm standby processes (hot_spare)")
+    snapshot_every: int = Field(
+        1, ge=1, le=MAX_STEPS, description="in-memory peer snapshot interval, in steps (hot_spare)"
+    )
+    steps: int = Field(200, ge=1, le=MAX_STEPS, description="optimizer steps to train")
+    checkpoint_every: int = Field(20, ge=1, le=MAX_STEPS,
+                                  description="durable checkpoint interval, in steps")
+    max_restarts: int = Field(3, ge=0, le=1000, description="torchrun --max-restarts")
+    collective_timeout: Duration = Field(
+        timedelta(seconds=3), description="how long a collective may wait before it aborts"
+    )
+    step_sleep: Duration = Field(
+        timedelta(0), description="extra time per step, to make a short run long enough to hit"
+    )
+    timeout: Duration = Field(timedelta(minutes=5), description="limit for the whole run")
+    env: dict[str, str] = Field(default_factory=dict, description="extra environment")
+
+
+def trainer_argv(system: TrainerSystem, run_dir: Path, seed: int) -> list[str]:
+    """torchrun running the reference trainer: the harness reaches it only by command line."""
+    spares = system.spares if system.recovery == "hot_spare" else 0
+    extra = [f"--spares={spares}", f"--snapshot-every={system.snapshot_every}"] if spares else []
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={system.world.size + spares}",
+        f"--max-restarts={system.max_restarts}",
+        # Short monitor interval: the agent's reaction to a dead worker is part of
+        # what `restart` recovery costs; the 0.1 s default is already fine, be explicit.
+        "--monitor-interval=0.1",
+        f"--log-dir={run_dir / 'logs' / 'torchrun'}",
+        "--tee=3",
+        "-m",
+        "reference_impl.trainer",
+        f"--replicas={system.world.replicas}",
+        f"--shards={system.world.shards}",
+        f"--steps={system.steps}",
+        f"--seed={seed}",
+        f"--checkpoint-every={system.checkpoint_every}",
+        f"--checkpoint-dir={run_dir / 'checkpoints'}",
+        f"--collective-timeout={system.collective_timeout.total_seconds():g}",
+        f"--recovery={system.recovery}",
+        f"--backend={system.backend}",
+        f"--step-sleep={system.step_sleep.total_seconds():g}",
+        f"--device={'cuda' if system.backend == 'nccl' else 'cpu'}",
+        *extra,
+    ]
+
+
+#: Settings that pace a run, detect failures, or keep what only recovery uses: they never
+#: change a fault-free run's math. The recovery strategy stays: a different runtime.
+TIMING = ("step_sleep", "timeout", "collective_timeout", "max_restarts", "checkpoint_every",
+          "spares", "snapshot_every")
+
+
+class Trainer:
+    name = "trainer"
+    model = TrainerSystem
+    tag = ("reference", "trainer")
+    shape = "`reference: trainer`"
+    order = 10
+    family: Literal["training"] = "training"
+    golden: Literal["digests"] = "digests"
+
+    def launch(self, system: TrainerSystem, *, run_dir: Path, scenario_dir: Path, seed: int,
+               extra_args: tuple[str, ...] = ()) -> Launch:
+        env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **system.env}
+        argv = [*trainer_argv(system, run_dir, seed), *extra_args]
+        return Launch(argv, Path.cwd(), env, system.world.size, ())
+
+    def target(self, launch: Launch, *, run_dir: Path, run_id: str,
+               timeline: Timeline) -> Target:
+        return LocalTarget(launch, run_dir=run_dir, run_id=run_id, timeline=timeline)
+
+    def capabilities(self, system: TrainerSystem | None) -> frozenset[str]:
+        return LocalTarget.capabilities
+
+    def probe(self, system: TrainerSystem | None, scenario_dir: Path | None) -> str | None:
+        return None  # reference_impl calls harness.probe.install() in every rank
+
+    def world(self, system: TrainerSystem) -> int | None:
+        return system.world.size
+
+    def steps(self, system: TrainerSystem) -> int | None:
+        return system.steps
+
+    def default_root(self, system: TrainerSystem, run_dir: Path) -> Path:
+        return run_dir / "checkpoints"
+
+    def root_is_run_folder(self, system: TrainerSystem) -> bool:
+        return False
+
+    def twin(self, system: TrainerSystem) -> TrainerSystem:
+        return system.model_copy(update={"step_sleep": timedelta(0)})
+
+    def twin_key(self, system: TrainerSystem) -> dict[str, Any]:
+        data: dict[str, Any] = system.model_dump(mode="json")
+        for name in (*TIMING, "env"):
+            data.pop(name, None)
+        return data
+
+    def fingerprint(self, system: TrainerSystem, scenario_dir: Path) -> str:
+        return fingerprint(("*.py",))
+
+    def device(self, system: TrainerSystem) -> str:
+        return "cuda" if system.backend == "nccl" else "cpu"
+
+    def driver(self, system: TrainerSystem, *, seed: int, timeline: Timeline) -> Driver | None:
+        return None
+
+    def log_probes(self, system: TrainerSystem) -> list[LogProbe]:
+        return []
+
+    def replays(self, system: TrainerSystem) -> bool:
+        # Only elastic recovery writes the membership of every generation.
+        return system.recovery == "elastic"
+
+    def file_problems(self, system: TrainerSystem, scenario_dir: Path
+                      ) -> list[tuple[tuple[str | int, ...], str]]:
+        return []
+
+    def problems(self, scenario: Any) -> list[str]:
+        return []
+
+
+TRAINER = register(Trainer())

@@ -1,0 +1,90 @@
+"""The fault-free twin's cache, on its own: it runs the twin only through the function it
+is handed (the run loop is not its business), and keeps what a good twin produced."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from harness import baseline
+from harness.checks import Outcome
+from harness.records import Event
+from harness.spec import LoadedScenario, Scenario, parse_scenario
+
+TEXT = """\
+name: twin
+system: {reference: trainer, step_sleep: 20ms, world: {replicas: 2, shards: 1}}
+faults:
+  - {kind: process.kill, target: {rank: 1}, at: {step: 5}}
+expect: {params_match: fault_free}
+"""
+
+
+def digests_run(calls: list[Scenario], *, exit_code: int = 0) -> Any:
+    def run(twin: Scenario) -> Any:
+        calls.append(twin)
+        events = [Event(2.0, "params", "rank0", {"rank": 0, "digest": "aa"}),
+                  Event(2.0, "params", "rank1", {"rank": 1, "digest": "bb"})]
+        return SimpleNamespace(events=events, outcome=Outcome(exit_code, False, 2.0))
+
+    return run
+
+
+@pytest.fixture
+def loaded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> LoadedScenario:
+    monkeypatch.setenv(baseline.CACHE_ENV, str(tmp_path / "cache"))
+    return LoadedScenario(parse_scenario(TEXT), tmp_path / "twin.yaml", TEXT)
+
+
+def test_the_twin_runs_through_the_function_handed_in_then_comes_from_the_cache(
+    loaded: LoadedScenario, tmp_path: Path,
+) -> None:
+    calls: list[Scenario] = []
+    found, note = baseline.fault_free_result(loaded, seed=3, run_dir=tmp_path / "ff",
+                                             use_cache=True, what="digests",
+                                             run=digests_run(calls))
+    assert found == {"0": "aa", "1": "bb"}
+    assert note == f"ran ({tmp_path / 'ff'})"
+    (twin,) = calls
+    assert twin.faults == []  # the twin goes without faults ...
+    assert twin.system.step_sleep == timedelta(0)  # ... and without pacing
+    assert twin.system.world == loaded.spec.system.world  # but with the same math
+
+    again, note = baseline.fault_free_result(loaded, seed=3, run_dir=tmp_path / "ff",
+                                             use_cache=True, what="digests",
+                                             run=digests_run(calls))
+    assert again == found
+    assert note.startswith("cached (")
+    assert len(calls) == 1
+    # Another seed is another twin.
+    baseline.fault_free_result(loaded, seed=4, run_dir=tmp_path / "ff", use_cache=True,
+                               what="digests", run=digests_run(calls))
+    assert len(calls) == 2
+
+
+def test_a_failed_twin_is_neither_a_result_nor_cached(
+    loaded: LoadedScenario, tmp_path: Path,
+) -> None:
+    calls: list[Scenario] = []
+    found, note = baseline.fault_free_result(loaded, seed=0, run_dir=tmp_path / "ff",
+                                             use_cache=True, what="digests",
+                                             run=digests_run(calls, exit_code=1))
+    assert found is None
+    assert "fault-free run failed (exit 1)" in note
+    baseline.fault_free_result(loaded, seed=0, run_dir=tmp_path / "ff", use_cache=True,
+                               what="digests", run=digests_run(calls))
+    assert len(calls) == 2  # ran again: nothing was kept from the failed one
+
+
+def test_the_baseline_module_does_not_import_the_run_loop() -> None:
+    import ast
+
+    tree = ast.parse(Path(baseline.__file__).read_text())
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+                 for alias in node.names}
+    assert not {m for m in imported if m and m.startswith("harness.runner")}

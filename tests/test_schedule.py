@@ -1,0 +1,104 @@
+"""The fault schedule on a hand-made clock: triggers, counts, repeats, failures."""
+
+from __future__ import annotations
+
+from harness.schedule import Progress, Schedule
+from harness.spec import in_process, parse_scenario
+
+
+def schedule(*faults: str) -> Schedule:
+    text = "name: s\nsystem: {reference: trainer}\nfaults:\n" + "".join(
+        f"  - {f}\n" for f in faults)
+    spec = parse_scenario(text)
+    return Schedule(spec.faults, [in_process(f) for f in spec.faults])
+
+
+def at(now: float, step: int = -1, **seen: int) -> Progress:
+    return Progress(now=now, elapsed=now, max_step=step, seen=seen)
+
+
+KILL = "{kind: process.kill, target: {rank: 0}, "
+
+
+def test_a_step_trigger_waits_for_the_committed_step() -> None:
+    s = schedule(KILL + "at: {step: 5}}")
+    assert s.due(at(1.0, step=4)) == []
+    assert s.due(at(1.1, step=5)) == [0]
+    s.fired(0, at(1.1, step=5))
+    assert s.due(at(9.0, step=50)) == []
+    assert s.never_fired() == []
+
+
+def test_a_fault_not_applied_yet_stays_due_until_it_is() -> None:
+    s = schedule(KILL + "at: {step: 5}}")
+    # The target was not found on this tick: the runner reports nothing and asks again.
+    assert s.due(at(1.0, step=6)) == [0]
+    assert s.due(at(1.2, step=7)) == [0]
+    assert s.never_fired() == [0]
+
+
+def test_time_and_event_counts() -> None:
+    s = schedule(KILL + "at: {time: 2s}}",
+                 KILL + "at: {event: checkpoint_saved, count: 3}}")
+    assert s.due(at(1.99, checkpoint_saved=2)) == []
+    assert s.due(at(2.0, checkpoint_saved=2)) == [0]
+    assert s.due(at(2.0, checkpoint_saved=3)) == [0, 1]
+
+
+def test_a_file_trigger_counts_only_watched_files() -> None:
+    s = schedule(KILL + "at: {file: 'step_*', count: 2}}")
+    assert s.due(Progress(now=1, elapsed=1, file_hits={})) == []  # the watch is gone
+    assert s.due(Progress(now=1, elapsed=1, file_hits={0: 1})) == []
+    assert s.due(Progress(now=1, elapsed=1, file_hits={0: 2})) == [0]
+
+
+def test_every_steps_counts_from_the_step_seen_when_it_fired() -> None:
+    s = schedule(KILL + "at: {step: 10}, every: {steps: 20, times: 3}}")
+    s.fired(0, at(1.0, step=12))  # the loop saw step 12 when it applied it
+    assert s.due(at(2.0, step=31)) == []
+    assert s.due(at(2.1, step=32)) == [0]
+    s.fired(0, at(2.1, step=33))
+    assert s.due(at(3.0, step=52)) == []
+    assert s.due(at(3.1, step=53)) == [0]
+    s.fired(0, at(3.1, step=53))
+    assert s.finished(0)
+    assert s.repetition(0) == 3
+    assert s.due(at(9.0, step=500)) == []
+
+
+def test_every_time_counts_from_when_it_fired() -> None:
+    s = schedule(KILL + "at: {event: checkpoint_saved}, every: {time: 5s, times: 2}}")
+    assert s.due(at(3.0, checkpoint_saved=1)) == [0]
+    s.fired(0, at(3.5, checkpoint_saved=1))
+    assert s.due(at(8.4, checkpoint_saved=9)) == []
+    assert s.due(at(8.5)) == [0]
+    s.fired(0, at(8.5))
+    assert s.finished(0)
+
+
+def test_an_in_process_step_fault_is_armed_ahead_with_its_own_step_each_time() -> None:
+    s = schedule("{kind: collective.error, target: {rank: 1}, at: {step: 10}, "
+                 "every: {steps: 5, times: 3}}")
+    # Armed before step 10 is reached: the probe waits for it.
+    assert s.due(at(0.5)) == [0]
+    assert s.arm_step(0) == 10
+    s.fired(0, at(0.5))
+    assert s.due(at(0.6)) == [0]  # the next repeat is armed at once ...
+    assert s.arm_step(0) == 15  # ... for its own step
+    s.fired(0, at(0.6))
+    assert s.arm_step(0) == 20
+    s.fired(0, at(0.7))
+    assert s.finished(0)
+
+
+def test_an_out_of_process_step_fault_is_armed_at_its_step() -> None:
+    s = schedule(KILL + "at: {step: 10}, every: {steps: 5, times: 2}}")
+    assert s.arm_step(0) == 10
+    assert s.due(at(0.5)) == []
+
+
+def test_give_up_ends_a_fault_and_it_does_not_count_as_never_reached() -> None:
+    s = schedule(KILL + "at: {step: 1}, every: {steps: 1, times: 5}}", KILL + "at: {step: 99}}")
+    s.give_up(0)
+    assert s.due(at(1.0, step=50)) == []
+    assert s.never_fired() == [1]
