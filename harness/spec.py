@@ -111,14 +111,18 @@ class Target(_Strict):
     pick: Literal["random", "all"] | None = Field(
         None, description="random: one rank chosen with the run's seed; all: every rank"
     )
+    node: int | None = Field(None, ge=0, lt=MAX_WORLD, description="a node of a multi-node "
+                             "system (`nodes: N`, docs/nodes.md): its container, named by its "
+                             "init process; what node.* faults act on")
 
     @model_validator(mode="after")
     def _exactly_one(self) -> Target:
         coordinates = self.replica is not None or self.shard is not None
-        given = [x for x in (self.rank, self.worker, self.role, self.pick) if x is not None]
+        given = [x for x in (self.rank, self.worker, self.role, self.pick, self.node)
+                 if x is not None]
         if len(given) + coordinates != 1:
             raise ValueError("give exactly one of `rank: N`, `worker: N`, `replica`/`shard`, "
-                             "`role: launcher|spare|router` or `pick: random|all`")
+                             "`role: launcher|spare|router`, `pick: random|all` or `node: N`")
         return self
 
     @property
@@ -135,6 +139,8 @@ class Target(_Strict):
             parts = [f"replica {self.replica}" if self.replica is not None else "",
                      f"shard {self.shard}" if self.shard is not None else ""]
             return " ".join(p for p in parts if p)
+        if self.node is not None:
+            return f"node {self.node}"
         return f"role {self.role}" if self.role is not None else f"pick {self.pick}"
 
 
@@ -808,6 +814,11 @@ def unreachable(spec: Scenario, scenario_dir: Path | None) -> list[tuple[int, st
     for index, fault in enumerate(spec.faults):
         fault_kind = faults.get(fault.kind)
         missing = registry.needs(fault_kind, fault, fault.at.phase) - offered
+        if fault.target.node is not None and "containers" not in offered:
+            found.append((index, f"target {{node: {fault.target.node}}} names a node of a "
+                          f"multi-node system (`nodes: N`, docs/nodes.md), which a "
+                          f"{kind.shape} system is not"))
+            continue
         if "probe" in missing:
             how = ""
             if getattr(fault_kind, "acts", "") == "either":
