@@ -88,3 +88,23 @@ def test_a_local_target_has_no_nodes(tmp_path: Path) -> None:
     target = kind.target(launch, run_dir=tmp_path, run_id="0" * 32,
                          timeline=Timeline(tmp_path / "events.jsonl"))
     assert target.node_processes(0) == []
+
+
+def test_a_relative_run_folder_is_the_same_absolute_path_in_every_node(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node mounts the run folder at its absolute path and runs from the project's folder:
+    a relative one (`aftershock golden` runs twins under .aftershock/runs) would be refused
+    by the engine, or name another folder inside the node."""
+    monkeypatch.chdir(tmp_path)
+    spec = parse_scenario(scenario(TRAINER))
+    kind = systems.of(spec.system)
+    launch = kind.launch(spec.system, run_dir=Path("r"), scenario_dir=tmp_path, seed=0)
+    assert f"--checkpoint-dir={tmp_path}/r/checkpoints" in launch.argv
+    assert f"--log-dir={tmp_path}/r/logs/torchrun" in launch.argv
+    from harness.timeline import Timeline
+
+    target = kind.target(launch, run_dir=Path("r"), run_id="0" * 32,
+                         timeline=Timeline(tmp_path / "events.jsonl"))
+    assert target.tracking()["value"] == "0" * 32
+    assert target.cluster.run_dir == tmp_path / "r"  # type: ignore[attr-defined]
+    assert target.cluster.env["AFTERSHOCK_EVENTS"] == f"{tmp_path}/r/events.jsonl"  # type: ignore[attr-defined]

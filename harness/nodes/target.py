@@ -30,6 +30,11 @@ from harness.target import Launch, Teardown
 from harness.timeline import Timeline
 
 KILL_S = 5.0  # how long teardown keeps ending processes of the run left on the host
+#: What a node's processes get from the harness's own environment (a node starts from an
+#: empty one): the code under test as the harness imports it, and the vector ISA torch's CPU
+#: kernels use, which decides the bits and the platform a golden is recorded for
+#: (harness/golden.py).
+INHERITED = ("PYTHONPATH", "ATEN_CPU_CAPABILITY")
 
 
 class NodesTarget:
@@ -45,13 +50,15 @@ class NodesTarget:
     def __init__(self, launch: Launch, *, run_dir: Path, run_id: str, timeline: Timeline,
                  nodes: int, restart: str, max_restarts: int,
                  mounts: Sequence[str] = ()) -> None:
+        run_dir = run_dir.absolute()  # the same path in every node: an absolute one
         self.launch = launch
         self.run_dir = run_dir
         self.run_id = run_id
         self.timeline = timeline
         env = {**node_env(run_dir, run_id), **launch.env}
-        if os.environ.get("PYTHONPATH"):  # the code under test, as the harness imports it
-            env.setdefault("PYTHONPATH", os.environ["PYTHONPATH"])
+        for name in INHERITED:
+            if os.environ.get(name):
+                env.setdefault(name, os.environ[name])
         self.cluster = Cluster(run_id=run_id, run_dir=run_dir, nodes=nodes, env=env,
                                cwd=launch.cwd, restart=restart, max_restarts=max_restarts,
                                mounts=mounts)

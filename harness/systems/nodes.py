@@ -124,6 +124,8 @@ class Nodes:
 
     def launch(self, system: NodesSystem, *, run_dir: Path, scenario_dir: Path, seed: int,
                extra_args: tuple[str, ...] = ()) -> Launch:
+        # Mounted at the same path in every node, whose processes run from another folder.
+        run_dir = run_dir.absolute()
         mounts: tuple[str, ...] = ()
         if system.trainer is not None:
             program, cwd = trainer_program(system.as_trainer(), run_dir, seed), PROJECT_ROOT
