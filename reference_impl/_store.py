@@ -8,6 +8,7 @@ rank's death), carries everything the members of a run say to each other outside
 ``plan/{g}``           the membership of generation ``g`` (JSON), written once
 ``latest``             the newest published generation
 ``arrive/{g}``         how many members of generation ``g`` reached its start line
+``arrive/{g}/{rank}``  set by logical rank ``rank`` as it reached it
 ``resume/{g}``         the step generation ``g`` resumed from (set after its sync)
 ``committed``          set by the first commit of each process: from then on a fresh
                        process's seeded init is no longer the state of step 0

@@ -261,7 +261,9 @@ class Worker:
         assert rank is not None
         members = sorted(int(r) for r in plan["members"])
         # Start line: build no group while a member may still be dead or superseded (a Gloo
-        # group's constructor would wait for a missing member until its timeout).
+        # group's constructor would wait for a missing member until its timeout). Who came
+        # is for the controller, which fences a member that never does.
+        self.store.set(f"arrive/{gen}/{rank}", "1")
         self.store.add(f"arrive/{gen}", 1)
         while self.store.add(f"arrive/{gen}", 0) < len(members):
             if _store.latest(self.store) > gen:
