@@ -12,10 +12,11 @@ reads four kinds of evidence and turns each into a ``failure_detected`` event wi
   other end of the socket), so the controller waits for one of the two signals above and
   regroups the same members if none comes within the heartbeat timeout;
 - arrivals: a member that has not reached a generation's start line within the heartbeat
-  timeout of its plan (a collective timeout more for a planned switch) is wedged, however
-  it beats: its heartbeat is another thread, proof that the process lives, not its training
-  loop. It is fenced like a silent member, and left out of the next plan as torchft leaves
-  a replica that misses the quorum; its slot comes back as a fresh process.
+  timeout of its plan (a collective timeout more for a planned switch) and is still inside
+  an older generation is wedged there, however it beats: its heartbeat is another thread,
+  proof that the process lives, not its training loop. It is fenced like a silent member,
+  and left out of the next plan as torchft leaves a replica that misses the quorum; its
+  slot comes back as a fresh process.
 
 A plan for generation ``g`` names which (slot, incarnation) plays which logical rank and which
 data-parallel replicas are live. ``hot_spare`` replaces each dead member by a warm spare;
@@ -160,29 +161,49 @@ class Controller:
             self.replan("collective failure with all members alive")
 
     def check_arrivals(self) -> None:
-        """Fence the members that never reached the current generation's start line.
+        """Fence the members still inside an older generation once the current one's start
+        line is due.
 
         One that still beats is stuck in its training loop: a collective that never returns
         (a wedged communicator). A healthy member blocked in a collective of the previous
         generation leaves it within a collective timeout of the call's start, which is why
-        the deadline is never shorter than that (``publish`` sets it).
+        the deadline is never shorter than that (``publish`` sets it). A late member that
+        has left its generation is on its way (tearing its groups down can take seconds):
+        the heartbeat judges it, and this check again later.
         """
-        if self.join_by is None or time.monotonic() < self.join_by or self.plan is None:
+        now = time.monotonic()
+        if self.join_by is None or now < self.join_by or self.plan is None:
             return
-        self.join_by = None  # one verdict per generation
+        self.join_by = None
         members = self.plan["members"]
         if self.plan.get("waiting") or self.store.add(f"arrive/{self.gen}", 0) >= len(members):
             return
-        late = [p for p in self.members() if p.alive and not _store.has(
-            self.store, f"arrive/{self.gen}/{self.rank_of(p)}")]
+        late = []
+        for proc in self.members():
+            gen, inside = self.whereabouts(proc)
+            if not proc.alive or gen >= self.gen:
+                continue
+            if inside:
+                late.append(proc)
+            else:  # on its way: its heartbeat judges it meanwhile
+                self.join_by = now + self.hb_timeout
         for proc in late:
             probe.detected(cause="join_timeout", rank=self.rank_of(proc), slot=proc.slot,
                            pid=proc.pid, source="controller", generation=self.gen,
-                           waited_s=round(time.monotonic() - self.published_t, 3))
+                           waited_s=round(now - self.published_t, 3))
             self.fence(proc)
         if late:
             who = ", ".join(f"rank {self.rank_of(p)} (slot {p.slot})" for p in late)
             self.replan(f"{who} never joined generation {self.gen}")
+
+    def whereabouts(self, proc: Proc) -> tuple[int, bool]:
+        """(the newest generation whose start line ``proc``'s loop reached, whether it is
+        still inside it); (-1, False) for a process that never reached one."""
+        key = f"loop/{proc.slot}/{proc.inc}"
+        if not _store.has(self.store, key):
+            return -1, False
+        gen, where = self.store.get(key).decode().split()
+        return int(gen), where == "in"
 
     def fence(self, proc: Proc) -> None:
         """SIGKILL a member, so that it can never wake up and act on stale state. Its

@@ -51,6 +51,7 @@ class Job:
         self.store = dist.HashStore()
         self.ctl = controller.Controller(cfg, self.store, replicas + spares)
         self.procs: dict[tuple[int, int], subprocess.Popen[bytes]] = {}
+        self.silent: set[tuple[int, int]] = set()  # processes whose heartbeat stopped
         for slot in range(replicas + spares):
             self.start(slot, 1)
 
@@ -73,14 +74,19 @@ class Job:
     def arrive(self, rank: int) -> None:
         """``rank`` of the newest plan reaches its start line (Worker.join)."""
         gen = self.ctl.gen
-        self.store.set(f"arrive/{gen}/{rank}", "1")
+        slot, inc = self.member(rank)
+        self.store.set(f"loop/{slot}/{inc}", f"{gen} in")
         self.store.add(f"arrive/{gen}", 1)
+
+    def leave(self, slot: int, inc: int, gen: int) -> None:
+        """That process's loop leaves generation ``gen`` (Worker.run, before the teardown)."""
+        self.store.set(f"loop/{slot}/{inc}", f"{gen} out")
 
     def tick(self, seconds: float) -> None:
         end = self.now + seconds
         while self.now < end:
             for (slot, inc), proc in self.procs.items():
-                if proc.poll() is None:
+                if proc.poll() is None and (slot, inc) not in self.silent:
                     self.store.add(f"hb/{slot}/{inc}", 1)
             self.now = min(self.now + TICK, end)
             # As Controller.run does every 20 ms.
@@ -120,8 +126,10 @@ def job_factory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any
 
 def wedge_rank_1(job: Job) -> None:
     """Rank 1 wedges inside a collective of generation 0 and keeps beating; rank 0's
-    collective times out and it says so; after the heartbeat timeout without a death or a
-    silence to explain it, the controller regroups the same members."""
+    collective times out, it leaves the generation and says why; after the heartbeat
+    timeout without a death or a silence to explain it, the controller regroups the same
+    members."""
+    job.leave(0, 1, 0)
     job.ctl.handle({"type": "fail", "slot": 0, "inc": 1, "gen": 0, "cause": "collective_timeout"})
     job.tick(T + 2 * TICK)
     assert job.ctl.gen == 1
@@ -220,3 +228,27 @@ def test_a_planned_switch_gives_members_a_collective_timeout_more_to_arrive(
     job.tick(10 * TICK)
     assert job.fenced() == [(0, 1), (1, 1)]
     assert [e["rank"] for e in job.detected("join_timeout")] == [0]
+
+
+def test_a_late_member_on_its_way_between_generations_is_not_fenced(job_factory: Any) -> None:
+    """A frozen member is fenced for silence; its peers' collectives time out about then, and
+    tearing down their broken groups can take seconds on a loaded host (Gloo destroys them
+    holding the GIL). Late at the new start line but out of their old generation, they are
+    on their way: the arrival check leaves them to their heartbeat."""
+    job = job_factory(recovery="hot_spare", replicas=2, spares=1)
+    job.arrive(0)
+    job.arrive(1)
+    job.tick(T)
+    # Rank 1 freezes: it stops beating ...
+    job.silent.add((1, 1))
+    job.tick(T + 2 * TICK)
+    assert [e["cause"] for e in job.detected()] == ["heartbeat_timeout"]
+    assert (job.ctl.gen, job.member(1)) == (1, (2, 1))
+    # ... rank 0 leaves generation 0 and is still tearing it down long after the deadline.
+    job.leave(0, 1, 0)
+    job.arrive(1)
+    job.tick(2 * T)
+    assert (job.ctl.gen, job.fenced()) == (1, [(1, 1)])
+    job.arrive(0)
+    job.tick(2 * T)
+    assert (job.ctl.gen, job.fenced(), len(job.detected())) == (1, [(1, 1)], 1)
