@@ -8,6 +8,9 @@ rank's death), carries everything the members of a run say to each other outside
 ``plan/{g}``           the membership of generation ``g`` (JSON), written once
 ``latest``             the newest published generation
 ``arrive/{g}``         how many members of generation ``g`` reached its start line
+``loop/{slot}/{inc}``  where that incarnation's loop is: ``{g} in`` from generation
+                       ``g``'s start line on, ``{g} out`` once it left it (before tearing
+                       its groups down)
 ``resume/{g}``         the step generation ``g`` resumed from (set after its sync)
 ``committed``          set by the first commit of each process: from then on a fresh
                        process's seeded init is no longer the state of step 0

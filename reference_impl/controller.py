@@ -2,15 +2,21 @@
 
 It runs as its own small process (forked by slot 0's supervisor before any worker exists), so
 neither a training rank's death nor a spare's takes the store or the decisions with it. It
-reads three kinds of evidence and turns each into a ``failure_detected`` event with its cause:
+reads four kinds of evidence and turns each into a ``failure_detected`` event with its cause:
 
 - ``dead``: a supervisor saw its worker die (process exit: milliseconds after a SIGKILL);
-- heartbeats: a member whose counter stops moving for ``heartbeat_timeout`` is frozen or
-  wedged; it is fenced (SIGKILL, the slot's supervisor then reports it dead), so it can never
+- heartbeats: a member whose counter stops moving for ``heartbeat_timeout`` is frozen; it
+  is fenced (SIGKILL, the slot's supervisor then reports it dead), so it can never
   come back with stale state;
 - ``fail``: a member's collective failed. Alone this names no culprit (the dead peer is on the
   other end of the socket), so the controller waits for one of the two signals above and
-  regroups the same members if none comes within the heartbeat timeout.
+  regroups the same members if none comes within the heartbeat timeout;
+- arrivals: a member that has not reached a generation's start line within the heartbeat
+  timeout of its plan (a collective timeout more for a planned switch) and is still inside
+  an older generation is wedged there, however it beats: its heartbeat is another thread,
+  proof that the process lives, not its training loop. It is fenced like a silent member,
+  and left out of the next plan as torchft leaves a replica that misses the quorum; its
+  slot comes back as a fresh process.
 
 A plan for generation ``g`` names which (slot, incarnation) plays which logical rank and which
 data-parallel replicas are live. ``hot_spare`` replaces each dead member by a warm spare;
@@ -78,6 +84,8 @@ class Controller:
         self.plan: dict[str, Any] | None = None
         self.gen = -1
         self.fail_t: float | None = None  # first unexplained collective failure in this gen
+        self.published_t = 0.0  # when this gen's plan was published
+        self.join_by: float | None = None  # every member of this gen at its start line by then
         self.done: set[int] = set()
         self.resumed = -1  # newest generation whose resume step was logged
         self.replay = read_membership(cfg.replay) if cfg.replay else None
@@ -143,11 +151,7 @@ class Controller:
                 rank = self.rank_of(proc)
                 probe.detected(cause="heartbeat_timeout", rank=rank, slot=proc.slot,
                                source="controller", silent_s=round(now - proc.beat_t, 3))
-                # Fence: a frozen member must never wake up and act on stale state. Its
-                # supervisor sees the death and reports it (and re-forks the slot).
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(proc.pid, signal.SIGKILL)
-                proc.alive = False
+                self.fence(proc)
                 self.replan(f"rank {rank} (slot {proc.slot}) silent")
         if self.fail_t is not None and now - self.fail_t > self.hb_timeout:
             # Collectives fail but every member is alive and beating: regroup the same ones.
@@ -155,6 +159,58 @@ class Controller:
             probe.detected(cause="collective_failure_unexplained", source="controller",
                            generation=self.gen)
             self.replan("collective failure with all members alive")
+
+    def check_arrivals(self) -> None:
+        """Fence the members still inside an older generation once the current one's start
+        line is due.
+
+        One that still beats is stuck in its training loop: a collective that never returns
+        (a wedged communicator). A healthy member blocked in a collective of the previous
+        generation leaves it within a collective timeout of the call's start, which is why
+        the deadline is never shorter than that (``publish`` sets it). A late member that
+        has left its generation is on its way (tearing its groups down can take seconds):
+        the heartbeat judges it, and this check again later.
+        """
+        now = time.monotonic()
+        if self.join_by is None or now < self.join_by or self.plan is None:
+            return
+        self.join_by = None
+        members = self.plan["members"]
+        if self.plan.get("waiting") or self.store.add(f"arrive/{self.gen}", 0) >= len(members):
+            return
+        late = []
+        for proc in self.members():
+            gen, inside = self.whereabouts(proc)
+            if not proc.alive or gen >= self.gen:
+                continue
+            if inside:
+                late.append(proc)
+            else:  # on its way: its heartbeat judges it meanwhile
+                self.join_by = now + self.hb_timeout
+        for proc in late:
+            probe.detected(cause="join_timeout", rank=self.rank_of(proc), slot=proc.slot,
+                           pid=proc.pid, source="controller", generation=self.gen,
+                           waited_s=round(now - self.published_t, 3))
+            self.fence(proc)
+        if late:
+            who = ", ".join(f"rank {self.rank_of(p)} (slot {p.slot})" for p in late)
+            self.replan(f"{who} never joined generation {self.gen}")
+
+    def whereabouts(self, proc: Proc) -> tuple[int, bool]:
+        """(the newest generation whose start line ``proc``'s loop reached, whether it is
+        still inside it); (-1, False) for a process that never reached one."""
+        key = f"loop/{proc.slot}/{proc.inc}"
+        if not _store.has(self.store, key):
+            return -1, False
+        gen, where = self.store.get(key).decode().split()
+        return int(gen), where == "in"
+
+    def fence(self, proc: Proc) -> None:
+        """SIGKILL a member, so that it can never wake up and act on stale state. Its
+        supervisor sees the death and reports it (and re-forks the slot)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.alive = False
 
     # -- decisions ------------------------------------------------------------------------
 
@@ -253,6 +309,13 @@ class Controller:
         now = time.monotonic()
         for proc in self.members():
             proc.beat_t = now  # a new member gets a full timeout to show its first beat
+        # In a planned switch the members first finish their step in the previous generation,
+        # where a collective may hold them for up to its timeout; then the heartbeat timeout
+        # starts. A replay's switches are planned too.
+        timeout = self.cfg.collective_timeout
+        wait = self.hb_timeout + timeout if plan.get("planned") or self.replay is not None \
+            else max(self.hb_timeout, timeout)
+        self.published_t, self.join_by = now, now + wait
         probe.emit("membership", generation=self.gen, replicas=plan["replicas"],
                    members={r: s for r, (s, _) in plan["members"].items()}, why=why,
                    source="controller", rank=None)
@@ -284,6 +347,7 @@ class Controller:
             if now >= next_beat_check:
                 self.check_heartbeats()
                 self.log_resume()
+                self.check_arrivals()
                 next_beat_check = now + 0.02
             if self.plan is not None and not self.plan.get("waiting") and \
                     len(self.done) == len(self.plan["members"]):

@@ -269,7 +269,9 @@ class Worker:
         assert rank is not None
         members = sorted(int(r) for r in plan["members"])
         # Start line: build no group while a member may still be dead or superseded (a Gloo
-        # group's constructor would wait for a missing member until its timeout).
+        # group's constructor would wait for a missing member until its timeout). Where our
+        # loop is, for the controller: it fences a member that stays inside an old generation.
+        self.store.set(f"loop/{self.slot}/{self.inc}", f"{gen} in")
         self.store.add(f"arrive/{gen}", 1)
         while self.store.add(f"arrive/{gen}", 0) < len(members):
             if _store.latest(self.store) > gen:
@@ -531,6 +533,10 @@ class Worker:
             except RuntimeError as exc:  # DistBackendError, DistNetworkError, Gloo errors
                 text = str(exc).strip().splitlines()
                 failure = text[0] if text else type(exc).__name__
+            # Out of the generation, said before the teardown, which can take seconds (Gloo
+            # destroys a broken group holding the GIL: even the heartbeat pauses), so that the
+            # controller never takes a member on its way for one wedged in a collective.
+            self.store.set(f"loop/{self.slot}/{self.inc}", f"{self.gen} out")
             # Out of the handler, so the traceback (and its frames' references) is gone.
             g = None
             self.close_groups()
