@@ -36,7 +36,10 @@ from typing import Any
 from harness import probe
 from reference_impl import _store
 
-CHECK_S = 0.02  # heartbeats and resume steps are looked at this often
+# Heartbeat counters are read every 1/50 of the heartbeat timeout (a silent member is fenced
+# at most 2% late), but at least every 0.1 s and at most every 0.02 s: each read is a store
+# round trip on cores the training ranks share.
+CHECK_FRACTION, CHECK_MIN_S, CHECK_MAX_S = 1 / 50, 0.02, 0.1
 
 
 @dataclass
@@ -76,6 +79,7 @@ class Controller:
         self.world = cfg.replicas * cfg.shards
         self.elastic = cfg.recovery == "elastic"
         self.hb_timeout = cfg.heartbeat_timeout or cfg.collective_timeout
+        self.check_s = min(CHECK_MAX_S, max(CHECK_MIN_S, self.hb_timeout * CHECK_FRACTION))
         self.procs: dict[int, Proc] = {}  # slot -> its newest incarnation
         self.plan: dict[str, Any] | None = None
         self.gen = -1
@@ -118,6 +122,8 @@ class Controller:
                 self.publish(self.replay_plan(self.gen + 1), "replay")
         elif kind == "done":
             self.done.add(ev["rank"])
+        elif kind == "resumed":
+            self.log_resume(ev["gen"], ev["step"])
 
     def rank_of(self, proc: Proc) -> int | None:
         if self.plan is None:
@@ -269,13 +275,11 @@ class Controller:
                    members={r: s for r, (s, _) in plan["members"].items()}, why=why,
                    source="controller", rank=None)
 
-    def log_resume(self) -> None:
-        if self.plan is None or self.resumed == self.gen:
-            return
-        if not _store.has(self.store, f"resume/{self.gen}"):
+    def log_resume(self, gen: int, step: int) -> None:
+        """Generation ``gen`` synced and resumes after ``step`` (its first member says so)."""
+        if self.plan is None or gen != self.gen or self.resumed == self.gen:
             return
         self.resumed = self.gen
-        step = int(self.store.get(f"resume/{self.gen}"))
         if self.log_path:
             line = {"gen": self.gen, "first_step": step + 1, "replicas": self.plan["replicas"]}
             with self.log_path.open("a") as log:
@@ -288,7 +292,7 @@ class Controller:
         next_check = 0.0
         while True:
             # Reports arrive through ``events`` the moment they are written (a thread blocks
-            # on the next one); between them, wake every CHECK_S for the heartbeats.
+            # on the next one); between them, wake every check_s for the heartbeats.
             with contextlib.suppress(queue.Empty):
                 self.handle(events.get(timeout=max(0.0, next_check - time.monotonic())))
                 while True:
@@ -296,8 +300,7 @@ class Controller:
             now = time.monotonic()
             if now >= next_check:
                 self.check_heartbeats()
-                self.log_resume()
-                next_check = now + CHECK_S
+                next_check = now + self.check_s
             if self.plan is not None and not self.plan.get("waiting") and \
                     len(self.done) == len(self.plan["members"]):
                 break

@@ -57,7 +57,7 @@ import torch.nn.functional as F
 
 from harness import probe
 from reference_impl import _store, checkpoint, controller
-from reference_impl.model import Layout, ParallelMLP, param_digest, synthetic_batch
+from reference_impl.model import Layout, ParallelMLP, all_finite, param_digest, synthetic_batch
 
 
 class Superseded(Exception):
@@ -147,8 +147,13 @@ class Worker:
         self.stopping = False
         self.snapshots: queue.Queue[tuple[int, int, torch.Tensor] | None] = queue.Queue(1)
         self.replay = controller.read_membership(cfg.replay) if cfg.replay else None
-        self.hb_interval = min(0.05, (cfg.heartbeat_timeout or cfg.collective_timeout) / 10)
-        for target in (self._heartbeat, self._snapshot_sender):
+        # 20 beats per heartbeat timeout, but no more than 20 a second: each beat is a round
+        # trip to the store, served by the controller's process on the ranks' cores (at 20 a
+        # second from 5 processes, ~1 ms of CPU per training step on the bench's host).
+        timeout = cfg.heartbeat_timeout or cfg.collective_timeout
+        self.hb_interval = min(0.5, max(0.05, timeout / 20))
+        self.gen_changed = threading.Event()  # set whenever self.gen changes
+        for target in (self._heartbeat, self._snapshot_sender, self._plan_watch):
             threading.Thread(target=target, daemon=True, name=target.__name__).start()
 
     # -- background threads: off the step's critical path ---------------------------------
@@ -159,10 +164,27 @@ class Worker:
         while not self.stopping:
             with contextlib.suppress(Exception):
                 store.add(key, 1)
-                gen = self.gen
-                if gen >= 0 and self.replay is None and _store.has(store, f"plan/{gen + 1}"):
-                    self.plan_ahead = max(self.plan_ahead, gen + 1)
             time.sleep(self.hb_interval)
+
+    def _plan_watch(self) -> None:
+        """Set ``plan_ahead`` once the generation after ours is published (the vote then
+        moves every member to it at the end of the step). Blocks on the store; woken by the
+        run loop when this process joins another generation."""
+        if self.replay is not None:
+            return  # a replay switches at recorded steps, never on a plan
+        store = _store.waiter(self.host, self.port)
+        while not self.stopping:
+            gen = self.gen
+            if gen < 0:
+                self.gen_changed.wait()
+                self.gen_changed.clear()
+                continue
+            with contextlib.suppress(Exception):
+                store.wait([f"plan/{gen + 1}"])
+                self.plan_ahead = max(self.plan_ahead, gen + 1)
+            while self.gen == gen and not self.stopping:
+                self.gen_changed.wait()
+                self.gen_changed.clear()
 
     def _snapshot_sender(self) -> None:
         store = _store.connect(self.host, self.port)
@@ -170,9 +192,11 @@ class Worker:
         while (item := self.snapshots.get()) is not None:
             step, shard, flat = item
             header = json.dumps({"step": step, "shard": shard}).encode()
+            # One copy of the state into the message (a tobytes() and a concatenation made
+            # two more, 3 MB each for the bench's model, with the GIL held).
+            payload = b"".join((header, b"\n", memoryview(flat.numpy())))
             with contextlib.suppress(Exception):
-                store.set(f"snap/{shard}/{(step // every) % 2}",
-                          header + b"\n" + flat.numpy().tobytes())
+                store.set(f"snap/{shard}/{(step // every) % 2}", payload)
 
     def read_snapshot(self, shard: int) -> dict[int, torch.Tensor]:
         found = {}
@@ -331,6 +355,7 @@ class Worker:
                 self.snapshots.put_nowait((resume, g.rank % shards, self.verified[1]))
         if g.rank == g.members[0]:
             self.store.set(f"resume/{g.gen}", str(resume))
+            _store.report(self.store, type="resumed", gen=g.gen, step=resume)
         if g.gen > 0:
             probe.recovered(rank=g.rank, generation=g.gen, step=resume,
                             replicas=g.replicas)
@@ -390,7 +415,7 @@ class Worker:
             flat = torch.cat([p.grad.reshape(-1) for p in params] + [loss.detach().reshape(1)])
             g.dp.allreduce([flat]).wait()
             self.average(flat, live)
-            nonfinite = not bool(torch.isfinite(flat).all())
+            nonfinite = not all_finite(flat)
             offset = 0
             for p in params:  # views of the buffer, not copies (trainer.average_gradients)
                 n = p.numel()
@@ -437,10 +462,13 @@ class Worker:
                 self.verified, self.candidate = self.candidate, None
             if cfg.fingerprint_every and step % cfg.fingerprint_every == 0:
                 self.check_fingerprints(g, step)
-            if snapshotter and step % cfg.snapshot_every == 0:
-                # Lazy: if the sender is still busy with the previous one, skip this one.
+            if snapshotter and step % cfg.snapshot_every == 0 and not self.snapshots.full():
+                # Lazy: if the sender is still busy with the previous one, skip this one. The
+                # state just fingerprinted is this step's: share it (both are read-only).
+                fresh = self.candidate if self.candidate and self.candidate[0] == step else None
+                state = fresh[1] if fresh else self.flat_state()
                 with contextlib.suppress(queue.Full):
-                    self.snapshots.put_nowait((step, shard, self.flat_state()))
+                    self.snapshots.put_nowait((step, shard, state))
             if vote[2] > 0:
                 raise Switch
             if cfg.step_sleep:
@@ -502,6 +530,7 @@ class Worker:
             if plan is None:
                 break
             self.gen = plan["gen"]
+            self.gen_changed.set()
             failure = None
             try:
                 g = self.join(plan)
@@ -538,6 +567,7 @@ class Worker:
                               gen=self.gen, cause=cause)
         self.close_groups()
         self.stopping = True
+        self.gen_changed.set()
         self.snapshots.put(None)
         probe.emit("exit", code=0, rank=self.rank)
         self.store.add("exited", 1)

@@ -252,13 +252,13 @@ def average_gradients(model: torch.nn.Module, loss: torch.Tensor, layout: Layout
     a + b on every rank, which is bitwise deterministic. Afterwards each gradient is a view of
     its slice of the buffer (DDP's ``gradient_as_bucket_view``): the same values as a copy
     back, without the copy; ``zero_grad(set_to_none=True)`` drops the views before the next
-    backward. One ``isfinite`` over the whole buffer replaces one per parameter.
+    backward. One finiteness check over the whole buffer replaces one per parameter.
     """
     params = [p for p in model.parameters() if p.grad is not None]
     flat = torch.cat([p.grad.reshape(-1) for p in params] + [loss.detach().reshape(1)])
     dist.all_reduce(flat, group=layout.dp_group)
     flat /= layout.replicas
-    finite = bool(torch.isfinite(flat[:-1]).all())
+    finite = model_lib.all_finite(flat[:-1])
     offset = 0
     for p in params:
         n = p.numel()
