@@ -169,6 +169,20 @@ PEERS: tuple[Peer, ...] = (
          trainer("hot_spare", checkpoint_every=0, nproc=WORLD + 1,
                  extra=("--spares=1", "--snapshot-every=1")), requires="hot_spare",
          default=False),
+    # Ablations (with --only), for the breakdown of hot_spare's failure-free overhead: the
+    # same row without its snapshots, without its fingerprints, and without both.
+    Peer("hot_spare_nosnap", "ours", "`hot_spare` without peer snapshots",
+         trainer("hot_spare", checkpoint_every=0, nproc=WORLD + 1,
+                 extra=("--spares=1", "--snapshot-every=0")), requires="hot_spare",
+         default=False),
+    Peer("hot_spare_nofp", "ours", "`hot_spare` without fingerprints (snapshot every 10)",
+         trainer("hot_spare", checkpoint_every=0, nproc=WORLD + 1,
+                 extra=("--spares=1", "--snapshot-every=10", "--fingerprint-every=0")),
+         requires="hot_spare", default=False),
+    Peer("hot_spare_bare", "ours", "`hot_spare` without snapshots or fingerprints",
+         trainer("hot_spare", checkpoint_every=0, nproc=WORLD + 1,
+                 extra=("--spares=1", "--snapshot-every=0", "--fingerprint-every=0")),
+         requires="hot_spare", default=False),
     # A returning replica heals from a live peer, so elastic needs snapshots no more often
     # than hot_spare does.
     Peer("elastic", "ours",
