@@ -41,15 +41,21 @@ def test_serving_bench_verdicts_are_ratios_of_medians() -> None:
     from bench.serving import summarise, verdicts
 
     runs = {
-        "durable": [{"tokens_per_s": 96.0}, {"tokens_per_s": 97.0}],
-        "bare": [{"tokens_per_s": 100.0}, {"tokens_per_s": 100.0}],
-        "migrate": [{"time_to_recover_s": 0.5}],
-        "fail_stop": [{"time_to_recover_s": 4.0}],
+        "durable": [{"tokens_per_s": 96.0, "passed": True}, {"tokens_per_s": 97.0, "passed": True}],
+        "bare": [{"tokens_per_s": 100.0, "passed": True}, {"tokens_per_s": 100.0, "passed": True}],
+        "migrate": [{"time_to_recover_s": 0.5, "passed": True}],
+        "fail_stop": [{"time_to_recover_s": 4.0, "passed": True}],
     }
     overhead, recovery = verdicts(summarise(runs))
     assert round(overhead["value"], 4) == 0.035
     assert overhead["met"]
     assert recovery["value"] == 0.125
+    assert not recovery["met"]
+    # A migration fast enough but with a run whose outputs failed their checks meets nothing.
+    runs["migrate"] = [{"time_to_recover_s": 0.3, "passed": True},
+                       {"time_to_recover_s": 0.3, "passed": False}]
+    _, recovery = verdicts(summarise(runs))
+    assert recovery["value"] == 0.075
     assert not recovery["met"]
 
 
