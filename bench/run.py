@@ -217,7 +217,7 @@ def run_job(peer: Peer, settings: Settings, model: Model, marker: str, keep: Pat
                                                 "source": "bench", "rank": KILL_RANK,
                                                 "pid": pid, "kind": "process.kill"})
             elif t_kill is not None and not peer.fixed_end:
-                recovered = metrics.time_to_recover(tail.events, WORLD)
+                recovered = full_strength(tail.events, t_kill, peer)
                 if recovered is not None and time.monotonic() > t_kill + recovered + SETTLE_S:
                     outcome = "recovered"
                     break
@@ -239,7 +239,7 @@ def run_job(peer: Peer, settings: Settings, model: Model, marker: str, keep: Pat
             p.wait()
     time.sleep(0.05)
     tail.poll()
-    result = analyse(tail.events, settings, t_kill)
+    result = analyse(tail.events, settings, t_kill, peer)
     result.update(outcome=outcome, wall_s=round(time.monotonic() - t0, 2))
     result.update(cpu_profile(tail.events, cpu, cpu_marks))
     if peer.fault and peer.fixed_end:
@@ -364,7 +364,33 @@ def check_params(peer: Peer, events: list[Event], out: Path, model: Model, steps
 # Metrics (from the job's timeline; definitions in docs/metrics.md and docs/benchmarks.md)
 
 
-def analyse(events: list[Event], settings: Settings, t_kill: float | None) -> dict[str, Any]:
+def full_strength(events: list[Event], t_kill: float, peer: Peer | None = None
+                  ) -> float | None:
+    """Kill -> the first step every rank committed after the detection.
+
+    Ours and torchrun's: ``time_to_recover`` (docs/metrics.md), which also needs those
+    commits to come from one world (one generation). torchft's two replica groups are two
+    torchruns, each with its own restart count, so its ranks never name one generation: for
+    its rows, the first step number that all WORLD ranks committed after the detection, at
+    the time the last of them did."""
+    if peer is None or peer.fixed_end:
+        return metrics.time_to_recover(events, WORLD)
+    t_from = t_kill + (metrics.time_to_detect(events) or 0.0)
+    ranks: dict[int, set[int]] = defaultdict(set)
+    last: dict[int, float] = {}
+    for e in events:
+        step = e.fields.get("step")
+        if e.event != "step" or e.t <= t_from or e.rank is None or not isinstance(step, int):
+            continue
+        ranks[step].add(e.rank)
+        last[step] = max(last.get(step, e.t), e.t)
+        if len(ranks[step]) == WORLD:
+            return last[step] - t_kill
+    return None
+
+
+def analyse(events: list[Event], settings: Settings, t_kill: float | None,
+            peer: Peer | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {"steps_per_s": _rate(events, settings, t_kill)}
     if t_kill is None:
         return out
@@ -388,7 +414,7 @@ def analyse(events: list[Event], settings: Settings, t_kill: float | None) -> di
     out.update(
         detect_s=detect,
         resume_s=None if resumed is None else resumed - t_kill,
-        full_s=metrics.time_to_recover(events, WORLD),
+        full_s=full_strength(events, t_kill, peer),
         lost_steps=max(redone.values(), default=0),
         restarts=metrics.generations(events),
     )

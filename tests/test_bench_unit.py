@@ -100,3 +100,21 @@ def test_cpu_per_step_is_split_by_what_each_process_said_it_is() -> None:
     assert out["cpu_by_role"] == {"controller": 2.0, "rank": 20.0, "spare": 2.0,
                                   "supervisor": 0.2, "torchrun agent": 1.0}
     assert round(out["cpu_ms_per_step"], 6) == 25.2
+
+
+def test_torchft_is_at_full_strength_when_all_ranks_commit_one_step_whatever_their_group() -> None:
+    """torchft's replica groups are two torchruns with their own restart counts, so its ranks
+    never name one generation; the bench times its full strength by step number."""
+    from bench.peers import PEERS
+    from bench.run import full_strength
+
+    torchft = next(p for p in PEERS if p.name == "torchft")
+    events = [Event(t=1.0, event="fault_injected", source="bench", fields={}),
+              Event(t=1.1, event="failure_detected", source="rank0", fields={"rank": 0})]
+    events += [step(1.2 + 0.1 * i, r, 100 + i) for i in range(1, 30) for r in (0, 1)]
+    # The killed group is back at step 120, in its own generation.
+    events += [Event(t=1.2 + 0.1 * i + 0.01, event="step", source=f"rank{r}",
+                     fields={"rank": r, "step": 100 + i, "world": 4, "generation": 1})
+               for i in range(20, 30) for r in (2, 3)]
+    events.sort(key=lambda e: e.t)
+    assert round(full_strength(events, 1.0, torchft) or 0, 3) == 2.21
