@@ -36,8 +36,12 @@ def one_run(scenario: Path, cache: Path, run_dir: Path) -> dict[str, Any]:
                            "--run-dir", str(run_dir)], env=env, cwd=REPO, capture_output=True,
                           text=True, timeout=900, check=False)
     wall = time.monotonic() - started
-    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()
-              if line.strip()]
+    # --run-dir is the parent of the run's own folder (named after the scenario).
+    found = sorted(run_dir.glob("*/events.jsonl"))
+    if not found:
+        raise SystemExit(f"no run folder under {run_dir} (exit {proc.returncode}):\n"
+                         f"{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    events = [json.loads(line) for line in found[0].read_text().splitlines() if line.strip()]
     harness = {e["event"]: e["t"] for e in events if e.get("source") == "harness"}
     job = harness["teardown"] - harness["launch"] if {"launch", "teardown"} <= set(harness) \
         else None
