@@ -55,13 +55,15 @@ lint: venv
 docs: venv
 	$(PY) -m faults.catalogue docs/faults.md
 
-# Side-by-side benchmarks (docs/benchmarks.md, docs/serving.md). torchft is installed without its
+# Side-by-side benchmarks (docs/benchmarks.md, docs/serving.md), then what `aftershock run` costs
+# beyond the job itself on a shipped scenario (bench/harness_overhead.py). torchft is installed without its
 # dependencies so it cannot pull a CUDA build of torch over the pinned CPU one.
 bench: venv
 	$(PY) -m pip install --quiet --no-deps torchft==0.2.0
 	$(PY) -m pip install --quiet opentelemetry-api opentelemetry-sdk opentelemetry-exporter-otlp-proto-http
 	$(PY) -m bench
 	$(PY) -m bench.serving
+	$(PY) -m bench.harness_overhead
 
 clean:
 	rm -rf .aftershock .pytest_cache .mypy_cache .ruff_cache .hypothesis *.egg-info

@@ -91,7 +91,6 @@ class Job:
             self.now = min(self.now + TICK, end)
             # As Controller.run does every 20 ms.
             self.ctl.check_heartbeats()
-            self.ctl.log_resume()
             self.ctl.check_arrivals()
 
     def fenced(self) -> list[tuple[int, int]]:
@@ -196,7 +195,7 @@ def test_elastic_drops_the_replica_of_a_member_that_never_joins_and_takes_it_bac
     job.arrive(0)
     # Slot 1 comes back; replica 1 rejoins at a step boundary once generation 2 resumed.
     job.refork(1, 1)
-    job.store.set("resume/2", "24")
+    job.ctl.handle({"type": "resumed", "gen": 2, "step": 24})  # its first member's report
     job.tick(TICK)
     assert job.ctl.plan["replicas"] == [0, 1]
     assert job.ctl.plan.get("planned") is True
@@ -219,7 +218,7 @@ def test_a_planned_switch_gives_members_a_collective_timeout_more_to_arrive(
     job.refork(1, 1)
     assert (job.ctl.gen, job.ctl.plan is not None and job.ctl.plan["replicas"]) == (1, [0])
     job.arrive(0)
-    job.store.set("resume/1", "10")
+    job.ctl.handle({"type": "resumed", "gen": 1, "step": 10})  # its first member's report
     job.tick(TICK)
     assert job.ctl.gen == 2
     job.arrive(1)  # the returning member waits at the start line; rank 0 is still training
