@@ -24,8 +24,10 @@ from __future__ import annotations
 import contextlib
 import os
 import select
+import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -298,16 +300,40 @@ class LocalTarget:
         # The simulated NVML (faults/nvml_sim.py) a rank opts into when it has no real GPU.
         env.setdefault(contract.NVML_DIR_ENV, str(self.run_dir / "nvml"))
         env["PYTHONUNBUFFERED"] = "1"
+        # What the job writes to the system's temporary folder (torchelastic's
+        # /tmp/torchelastic_*, profiler traces) stays in the run folder, not behind it.
+        env.setdefault("TMPDIR", str(self.run_dir / "tmp"))
+        # As an activated environment would: this interpreter's own bin folder first, so
+        # `torchrun` is the torchrun installed beside the harness.
+        own = interpreter_bin()
+        path = env.get("PATH", os.defpath)
+        if path.split(os.pathsep)[0] != own:
+            env["PATH"] = os.pathsep.join([own, path])
         return env
+
+    def _program(self, env: Mapping[str, str]) -> str:
+        """The program to run, found as a shell of an activated environment finds it."""
+        program = self.launch.argv[0]
+        if os.sep in program:
+            return program
+        found = shutil.which(program, path=env["PATH"])
+        if found is None:
+            raise TargetError(f"cannot launch {program!r}: not found in {interpreter_bin()} "
+                              "(this interpreter's bin folder, searched first as an activated "
+                              f"environment would) nor on PATH ({env['PATH']})")
+        return found
 
     def start(self) -> None:
         self._logs.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "output").mkdir(parents=True, exist_ok=True)
         (self.run_dir / "nvml").mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "tmp").mkdir(parents=True, exist_ok=True)
         cwd = self.launch.cwd
         if not cwd.is_dir():
             raise TargetError(f"cannot launch {self.launch.argv[0]!r}: its working directory "
                               f"{str(cwd)!r} does not exist")
+        env = self.env()
+        program = self._program(env)
         if self.cgroup is not None:
             try:
                 self.cgroup.mkdir()
@@ -317,8 +343,9 @@ class LocalTarget:
         try:
             self.proc = subprocess.Popen(
                 self.launch.argv,
+                executable=program,
                 cwd=cwd,
-                env=self.env(),
+                env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -487,6 +514,12 @@ class LocalTarget:
                     left.update(_cgroup.subtree_members(self.cgroup))
                 return tuple(sorted(left))
             time.sleep(0.05)
+
+
+def interpreter_bin() -> str:
+    """The bin folder of the interpreter running the harness (a virtual environment's
+    ``.venv/bin``; not resolved: a venv's python is a link to the base interpreter)."""
+    return os.path.dirname(os.path.abspath(sys.executable))
 
 
 def _entering(group: Path) -> Callable[[], None]:

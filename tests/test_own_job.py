@@ -1,0 +1,95 @@
+"""What a new user of `command:` met, each as a test (docs/own-job.md).
+
+Each runs a real (tiny, torch-free) job through the harness and reads what the job saw of
+its own launch: where it ran, its temporary folder, the interpreter it got, its arguments.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from harness.runner import run_scenario
+from harness.spec import load_scenario
+from harness.target import interpreter_bin
+
+#: Records what the job saw of its launch in $JOB_OUT, and whether a snapshot from an
+#: earlier run was where it stands.
+JOB = """\
+import json, os, sys, tempfile
+scratch = tempfile.mkdtemp(prefix="torchelastic_")
+found = os.path.exists("snapshot.pt")
+open("snapshot.pt", "w").write("epoch 175")
+json.dump({"cwd": os.getcwd(), "argv": sys.argv, "executable": sys.executable,
+           "scratch": scratch, "found_snapshot": found}, open(os.environ["JOB_OUT"], "w"))
+"""
+
+
+def scenario(folder: Path, *, command: str, extra: str = "") -> Path:
+    (folder / "job.py").write_text(JOB)
+    path = folder / "job.yaml"
+    path.write_text(f"name: own\nsystem:\n  command: {command}\n"
+                    f"  env: {{JOB_OUT: '${{run_dir}}/seen.json'}}\n{extra}"
+                    "expect: {completes: true}\n")
+    return path
+
+
+def seen(path: Path, run_dir: Path, seed: int | None = None) -> dict[str, Any]:
+    result = run_scenario(load_scenario(path), run_dir=run_dir, seed=seed)
+    assert result.passed, result
+    data: dict[str, Any] = json.loads((run_dir / "seen.json").read_text())
+    return data
+
+
+def test_a_command_runs_in_a_fresh_folder_of_its_run(tmp_path: Path) -> None:
+    """A snapshot a fault-free run wrote where it stood resumed the next run at epoch 175."""
+    path = scenario(tmp_path, command=f"[{sys.executable}, job.py]")
+    first = seen(path, tmp_path / "run1")
+    assert Path(first["cwd"]) == (tmp_path / "run1" / "work").resolve()
+    assert not first["found_snapshot"]
+    second = seen(path, tmp_path / "run2")
+    assert not second["found_snapshot"], "a file of the first run reached the second"
+    # The same run folder again: its work folder starts empty too.
+    again = seen(path, tmp_path / "run1")
+    assert not again["found_snapshot"]
+    assert not (tmp_path / "snapshot.pt").exists()
+
+
+def test_cwd_may_name_the_run_folder(tmp_path: Path) -> None:
+    path = scenario(tmp_path, command=f"[{sys.executable}, '${{scenario_dir}}/job.py']",
+                    extra="  cwd: ${run_dir}/here\n")
+    (tmp_path / "run" / "here").mkdir(parents=True)
+    assert Path(seen(path, tmp_path / "run")["cwd"]) == (tmp_path / "run" / "here").resolve()
+
+
+def test_seed_reaches_the_command(tmp_path: Path) -> None:
+    path = scenario(tmp_path, command=f"[{sys.executable}, job.py, '--seed=${{seed}}']")
+    assert seen(path, tmp_path / "run", seed=1234)["argv"][1:] == ["--seed=1234"]
+
+
+def test_a_command_is_found_as_in_an_activated_environment(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`command: [torchrun, ...]` failed unless the venv was activated: the bare name must be
+    the one beside the harness's own interpreter, whatever PATH says."""
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    name = Path(sys.executable).name
+    path = scenario(tmp_path, command=f"[{name}, job.py]")
+    assert os.path.dirname(seen(path, tmp_path / "run")["executable"]) == interpreter_bin()
+
+
+def test_a_missing_program_says_where_it_was_looked_for(tmp_path: Path) -> None:
+    from harness.errors import RunFailed
+    path = scenario(tmp_path, command="[no-such-program-xyz, job.py]")
+    with pytest.raises(RunFailed, match=r"not found in .*this interpreter's bin folder"):
+        run_scenario(load_scenario(path), run_dir=tmp_path / "run")
+
+
+def test_temporary_files_stay_in_the_run_folder(tmp_path: Path) -> None:
+    path = scenario(tmp_path, command=f"[{sys.executable}, job.py]")
+    scratch = Path(seen(path, tmp_path / "run")["scratch"])
+    assert scratch.is_relative_to((tmp_path / "run").resolve()), scratch
