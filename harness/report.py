@@ -26,7 +26,7 @@ NOTABLE = {
     "recovery_done",
     "checkpoint_loaded", "checkpoint_skipped", "timeout", "run_end", "fault_armed",
     "fault_failed", "serving_ready", "load_started", "load_finished", "request_migrated",
-    "request_failed", "teardown",
+    "request_failed", "teardown", "trigger_late",
 }
 
 
@@ -62,6 +62,11 @@ def describe(event: Event) -> str:
             return f"prepared {f.get('kind')}: {f.get('detail', '')}"
         case "fault_armed":
             return f"armed {f.get('kind')}: {f.get('detail', '')}"
+        case "trigger_late":
+            why = (f"; the run's first step was {f.get('first_step')}: did it resume from "
+                   "what an earlier run left?" if f.get("resumed") else "")
+            return (f"WARNING fault {f.get('fault')} ({f.get('kind')}) fired at step "
+                    f"{f.get('step')}, past its trigger `step: {f.get('at_step')}`{why}")
         case "fault_failed":
             return f"FAULT {f.get('kind')} could not be applied: {f.get('error')}"
         case "fault_healed":

@@ -93,3 +93,39 @@ def test_temporary_files_stay_in_the_run_folder(tmp_path: Path) -> None:
     path = scenario(tmp_path, command=f"[{sys.executable}, job.py]")
     scratch = Path(seen(path, tmp_path / "run")["scratch"])
     assert scratch.is_relative_to((tmp_path / "run").resolve()), scratch
+
+
+STEPS = """\
+import sys, time
+for step in range(int(sys.argv[1]), int(sys.argv[1]) + 40):
+    print(f"step {step}", flush=True)
+    time.sleep(0.02)
+"""
+
+
+@pytest.mark.parametrize(("start", "late"), [(175, True), (0, False)])
+def test_a_step_trigger_fired_far_past_its_step_is_a_warning(
+        tmp_path: Path, start: int, late: bool) -> None:
+    """A run that resumed at step 175 fired a `step: 60` trigger there without a word."""
+    (tmp_path / "steps.py").write_text(STEPS)
+    path = tmp_path / "late.yaml"
+    path.write_text(f"""\
+name: late
+system:
+  command: [{sys.executable}, steps.py, "{start}"]
+  probes: [{{pattern: 'step (?P<step>\\d+)', event: step}}]
+faults:
+  - {{kind: process.freeze, target: {{rank: 0}}, at: {{step: {start + 20 if not late else 60}}},
+     duration: 0.1s}}
+expect: {{completes: true}}
+""")
+    run_scenario(load_scenario(path), run_dir=tmp_path / "run")
+    events = [json.loads(line) for line in
+              (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    warned = [e for e in events if e["event"] == "trigger_late"]
+    assert bool(warned) == late, warned
+    if late:
+        assert warned[0]["resumed"]
+        assert warned[0]["at_step"] == 60
+        assert warned[0]["step"] >= 175
+        assert warned[0]["first_step"] >= 175
