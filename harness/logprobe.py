@@ -27,6 +27,7 @@ LogEventKind = Literal[
     "checkpoint_saved",
     "checkpoint_loaded",
     "params",
+    "hello",
 ]
 
 
@@ -79,13 +80,20 @@ class LogProbe(Strict):
     def _step_needs_its_number(self) -> LogProbe:
         # A step event without its number moves no step trigger and counts no step: the
         # run would fail later with "trigger step N not reached", naming no cause.
-        if self.event == "step" and "step" not in re.compile(self.pattern).groupindex:
+        groups = re.compile(self.pattern).groupindex
+        if self.event == "hello" and "pid" not in groups:
+            raise ValueError("an `event: hello` probe needs a (?P<pid>...) group in pattern: "
+                             "it says which process is which rank (and `replica`, `shard`, "
+                             "`role`), so faults can target it")
+        if self.event == "step" and "step" not in groups:
             raise ValueError("an `event: step` probe needs a (?P<step>...) group in pattern: "
                              "the step number is what `at: {step}`, every step metric and "
                              "recovery read")
         return self
 
 
+#: Groups whose digits become integers.
+_INTEGRAL = ("step", "rank", "generation", "pid", "replica", "shard")
 _RANK_PREFIX = re.compile(r"^\[(?:default)?(\d+)\]:")
 LINE_SHOWN = 300  # characters of the matched line an event keeps
 #: Beside each ``logs/<name>.log``: one row per line, ``<offset> <monotonic read time>``.
@@ -129,7 +137,7 @@ def log_event(spec: LogProbe, match: re.Match[str], line: str, *, read_t: float,
         if key == "time":
             raw_time = value
             continue
-        integral = key in ("step", "rank", "generation") and value.isdigit()
+        integral = key in _INTEGRAL and value.isdigit()
         fields[key] = int(value) if integral else value
     if "rank" not in fields:
         prefix = _RANK_PREFIX.match(line)

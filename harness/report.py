@@ -54,10 +54,14 @@ def describe(event: Event) -> str:
         case "launch":
             return f"launched ({f.get('phase', 'run')}, seed {f.get('seed')})"
         case "fault_injected":
-            hit = (f"role {f['role']}" if "role" in f else
+            # A label with a space names its own coordinate ("REPLICA_GROUP_ID=1 role
+            # worker", "role launcher"); the pid says which process that was.
+            hit = ((str(f["role"]) if " " in str(f["role"]) else f"role {f['role']}")
+                   if "role" in f else
                    f"ranks {', '.join(map(str, f['ranks']))}" if "ranks" in f else
                    f"rank {f.get('rank')}")
-            return f"FAULT {f.get('kind')} -> {hit}: {f.get('detail', '')}"
+            pid = f" (pid {f['pid']})" if isinstance(f.get("pid"), int) else ""
+            return f"FAULT {f.get('kind')} -> {hit}{pid}: {f.get('detail', '')}"
         case "fault_prepared":
             return f"prepared {f.get('kind')}: {f.get('detail', '')}"
         case "fault_armed":

@@ -406,17 +406,50 @@ class LocalTarget:
                    replica: int | None = None, shard: int | None = None) -> None:
         """What a process said about itself through the probe outranks its environment."""
         self._reported[pid] = (rank, role)
-        if rank is not None and replica is not None and shard is not None:
-            self.coordinates[rank] = (replica, shard)
+        if rank is not None and replica is not None:
+            self.coordinates[rank] = (replica, shard or 0)
 
     def role_processes(self, role: str) -> list[ProcessRef]:
         if role == "launcher":
             root = ProcessRef.of(self.proc.pid) if self.proc is not None else None
             return [root] if root is not None and root.alive() else []
-        return [
+        reported = [
             ref for ref in self.processes()
             if self._reported.get(ref.pid, (None, None))[1] == role
         ]
+        if reported or role not in ("worker", "agent"):
+            return reported
+        # By the process tree: a worker is a process its launcher started as a rank
+        # (torchrun gives each LOCAL_RANK; its own children inherit it: the topmost is the
+        # worker), an agent the process that started one.
+        live = self.processes()
+        ranked = {ref.pid: ref for ref in live if "LOCAL_RANK" in process_environ(ref.pid)}
+        workers = [ref for pid, ref in ranked.items() if _parent(pid) not in ranked]
+        if role == "worker":
+            return workers
+        parents = {_parent(ref.pid) for ref in workers}
+        return [ref for ref in live if ref.pid in parents]
+
+    def ambiguous_ranks(self) -> dict[int, list[int]]:
+        """Ranks that more than one unrelated process claims through ``RANK`` (each replica
+        group of a torchft job has its own RANK=0), with their pids; none once the job
+        reports its ranks itself (``hello``)."""
+        if self._reported:
+            return {}
+        return {rank: pids for rank, pids in self._rank_claims().items() if len(pids) > 1}
+
+    def _rank_claims(self) -> dict[int, list[int]]:
+        """RANK -> the topmost live processes whose environment says so."""
+        by_rank: dict[int, list[ProcessRef]] = {}
+        for ref in self.processes():
+            value = process_environ(ref.pid).get("RANK")
+            if value is not None and value.isdigit():
+                by_rank.setdefault(int(value), []).append(ref)
+        claims: dict[int, list[int]] = {}
+        for rank, refs in by_rank.items():
+            pids = {r.pid for r in refs}
+            claims[rank] = sorted(r.pid for r in refs if _parent(r.pid) not in pids)
+        return claims
 
     def rank_processes(self) -> dict[int, ProcessRef]:
         """Rank -> process. Once any process of the run has said who it is through the

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from harness.errors import SpecError
 from harness.runner import run_scenario
 from harness.spec import load_scenario
 from harness.target import interpreter_bin
@@ -129,3 +131,99 @@ expect: {{completes: true}}
         assert warned[0]["at_step"] == 60
         assert warned[0]["step"] >= 175
         assert warned[0]["first_step"] >= 175
+
+
+# ---------------------------------------------------------------- targeting by coordinate
+
+GROUPS_JOB = Path(__file__).parent / "fixtures" / "groups_job.py"
+GROUP_LINE = re.compile(r"group (\d+) rank 0 pid (\d+) agent (\d+)")
+
+
+def groups_scenario(folder: Path, target: str, *, hello: bool = False) -> Path:
+    """Two replica groups, both RANK=0 (tests/fixtures/groups_job.py); a 0.3 s freeze of
+    ``target`` once step 5 is seen."""
+    announce = ("    - {pattern: 'group (?P<rank>(?P<replica>\\d+)) rank 0 pid (?P<pid>\\d+)',"
+                " event: hello}\n") if hello else ""
+    path = folder / "groups.yaml"
+    path.write_text(f"""\
+name: groups
+system:
+  command: [{sys.executable}, {GROUPS_JOB}, "30"]
+  probes:
+    - {{pattern: 'group (?P<generation>\\d+) rank 0 pid .* step (?P<step>\\d+)', event: step}}
+{announce}faults:
+  - {{kind: process.freeze, target: {target}, at: {{step: 5}}, duration: 0.3s}}
+expect: {{completes: true}}
+""")
+    return path
+
+
+def group_pids(run_dir: Path, agent: bool = False) -> dict[int, int]:
+    """Replica group -> its worker's pid (or its agent's), as the workers printed them."""
+    text = (run_dir / "logs" / "launcher.stdout.log").read_text()
+    return {int(g): int(a if agent else p) for g, p, a in GROUP_LINE.findall(text)}
+
+
+def injected(run_dir: Path) -> list[dict[str, Any]]:
+    lines = (run_dir / "events.jsonl").read_text().splitlines()
+    return [e for e in map(json.loads, lines) if e["event"] in ("fault_injected", "fault_failed")]
+
+
+@pytest.mark.parametrize("target", [
+    "{env: {REPLICA_GROUP_ID: '1'}, role: worker}",
+    "{cmdline: 'worker 1 '}",
+    "{env: {REPLICA_GROUP_ID: '1'}, cmdline: 'groups_job.py worker'}",
+])
+def test_a_fault_targets_a_process_by_any_coordinate(tmp_path: Path, target: str) -> None:
+    """torchft's replica groups all have RANK=0: `rank: 1` cannot reach group 1."""
+    run_dir = tmp_path / "run"
+    result = run_scenario(load_scenario(groups_scenario(tmp_path, target)), run_dir=run_dir)
+    (fault,) = injected(run_dir)
+    assert fault["event"] == "fault_injected", fault
+    assert fault["pid"] == group_pids(run_dir)[1]
+    assert result.faults[0].target.startswith("REPLICA_GROUP_ID=1" if "env" in target
+                                              else "cmdline")
+
+
+def test_role_agent_is_the_process_that_started_a_worker(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_scenario(load_scenario(groups_scenario(
+        tmp_path, "{env: {REPLICA_GROUP_ID: '0'}, role: agent}")), run_dir=run_dir)
+    (fault,) = injected(run_dir)
+    assert fault["event"] == "fault_injected", fault
+    assert fault["pid"] == group_pids(run_dir, agent=True)[0]
+
+
+def test_a_rank_two_processes_claim_is_refused_not_guessed(tmp_path: Path) -> None:
+    """`rank: 0` hit whichever group had the lower pid."""
+    run_dir = tmp_path / "run"
+    result = run_scenario(load_scenario(groups_scenario(tmp_path, "{rank: 0}")),
+                          run_dir=run_dir)
+    (fault,) = injected(run_dir)
+    assert fault["event"] == "fault_failed"
+    assert "2 processes say RANK=0" in fault["error"]
+    assert not result.passed
+
+
+def test_a_rank_announced_in_a_log_line_is_the_rank(tmp_path: Path) -> None:
+    """A pid announced in a log line (`event: hello`) makes `replica: 1` reach group 1."""
+    run_dir = tmp_path / "run"
+    run_scenario(load_scenario(groups_scenario(tmp_path, "{replica: 1}", hello=True)),
+                 run_dir=run_dir)
+    (fault,) = injected(run_dir)
+    assert fault["event"] == "fault_injected", fault
+    assert fault["pid"] == group_pids(run_dir)[1]
+
+
+def test_validate_refuses_a_coordinate_the_job_never_reports(tmp_path: Path) -> None:
+    """`target: {replica: 1}` validated on a command but could never fire."""
+    with pytest.raises(SpecError, match=r"groups.yaml:\d+:\d+: faults.0: target replica 1 "
+                       r"can never be found: this command's processes have no replica"):
+        load_scenario(groups_scenario(tmp_path, "{replica: 1}"))
+    with pytest.raises(SpecError, match="can never be found"):
+        load_scenario(groups_scenario(tmp_path, "{role: spare}"))
+    with pytest.raises(SpecError, match="not a valid regular expression"):
+        load_scenario(groups_scenario(tmp_path, "{cmdline: '('}"))
+    with pytest.raises(SpecError, match="combine them with each other"):
+        load_scenario(groups_scenario(tmp_path, "{env: {A: '1'}, rank: 1}"))
+    load_scenario(groups_scenario(tmp_path, "{replica: 1}", hello=True))

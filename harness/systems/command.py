@@ -247,6 +247,30 @@ class Command:
             return "a plain command does not call it"
         return probe_reason(system, scenario_dir)
 
+    def unresolved(self, system: CommandSystem, target: Any, probed: bool) -> str | None:
+        """Why ``target`` can never name a process of this job, or None. A command's ranks
+        are its processes' RANK, or what the job reports of itself: through the in-process
+        probe's hello (``probed``) or a log probe's ``event: hello`` line, whose groups say
+        which coordinates it reports."""
+        reported = {"rank", "pid"} if probed else set()
+        for p in system.probes:
+            if p.event == "hello":
+                reported |= set(re.compile(p.pattern).groupindex)
+        if probed:
+            reported |= {"replica", "shard", "role"}
+        needs = []
+        if target.replica is not None or target.shard is not None:
+            needs = [c for c in ("replica",) if c not in reported]
+        elif target.role in ("spare", "router") and "role" not in reported:
+            needs = ["role"]
+        if not needs:
+            return None
+        return (f"this command's processes have no {needs[0]}: only the job can say which "
+                f"process has one, and it says so neither through harness.probe.install() "
+                f"nor a log probe with `event: hello` and a (?P<{needs[0]}>...) group. Name "
+                "the processes by what they have instead: `env: {REPLICA_GROUP_ID: '1'}`, "
+                "`cmdline: ...`, `role: agent|worker` (docs/own-job.md)")
+
     def world(self, system: CommandSystem) -> int | None:
         return system.world
 
