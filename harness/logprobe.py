@@ -47,7 +47,9 @@ class LogProbe(Strict):
 
     pattern: str
     event: LogEventKind
-    stream: Literal["stdout", "stderr", "both"] = "both"
+    stream: Literal["stdout", "stderr", "logs", "both"] = Field(
+        "both", description="which lines it reads: the launcher's stdout or stderr, the "
+        "per-process files a command's `logs` names, or both: every stream")
     clock: Literal["monotonic", "unix"] = Field(
         "monotonic",
         description="what the (?P<time>...) group counts: monotonic: seconds of "
@@ -103,17 +105,40 @@ CompiledProbes = list[tuple[LogProbe, "re.Pattern[str]"]]
 
 
 def compile_probes(probes: Sequence[LogProbe], stream: str) -> CompiledProbes:
-    """The probes that read ``stream`` (stdout or stderr), compiled."""
+    """The probes that read ``stream`` (stdout, stderr, or logs: a per-process file),
+    compiled."""
     return [(p, re.compile(p.pattern)) for p in probes if p.stream in (stream, "both")]
 
 
 def line_events(line: str, compiled: CompiledProbes, *, read_t: float, clock_offset: float,
-                started: float) -> list[Event]:
+                started: float, defaults: dict[str, Any] | None = None) -> list[Event]:
     """Every event ``line`` stands for: each match of each probe, not only the first, so
-    two ranks' reports that one pipe ran together into one line are both counted."""
-    return [log_event(spec, match, line, read_t=read_t, clock_offset=clock_offset,
-                      started=started)
-            for spec, pattern in compiled for match in pattern.finditer(line)]
+    two ranks' reports that one pipe ran together into one line are both counted.
+    ``defaults``: fields the line's stream gives (a per-rank file's rank and attempt) where
+    the pattern gives none."""
+    events = [log_event(spec, match, line, read_t=read_t, clock_offset=clock_offset,
+                        started=started)
+              for spec, pattern in compiled for match in pattern.finditer(line)]
+    for event in events:
+        for key, value in (defaults or {}).items():
+            event.fields.setdefault(key, value)
+    return events
+
+
+#: torchrun's per-process files (``--log-dir D --redirects 3``):
+#: ``D/<run id>/attempt_<restart>/<local rank>/stdout.log``.
+_TORCHRUN_FILE = re.compile(r"attempt_(\d+)/(\d+)/(?:stdout|stderr)\.log$")
+
+
+def file_fields(path: str) -> dict[str, Any]:
+    """What a per-process log file's path says of the lines in it: torchrun's layout gives
+    the (local) rank and the restart count (the world's ``generation``)."""
+    fields: dict[str, Any] = {"stream": path}
+    found = _TORCHRUN_FILE.search(path)
+    if found:
+        fields["generation"] = int(found.group(1))
+        fields["rank"] = int(found.group(2))
+    return fields
 
 
 #: How far a line's own time may lie past the moment it was read (rounding in print, the

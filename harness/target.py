@@ -22,6 +22,7 @@ Both are in the heal journal's ``launch`` record (``LocalTarget.tracking``).
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import select
 import shutil
@@ -44,6 +45,7 @@ from harness.logprobe import (
     CompiledProbes,
     LogProbe,
     compile_probes,
+    file_fields,
     line_events,
 )
 from harness.records import Event
@@ -53,6 +55,7 @@ LINE_LIMIT = 64 * 1024  # bytes of one log line the probes see; a longer line is
 LOG_LIMIT = 1 << 30  # bytes kept per launcher log file (1 GiB); the rest is read and dropped
 KILL_S = 5.0  # how long teardown keeps killing the run's processes before it reports survivors
 DRAIN_S = 1.0  # after the kill, how long the log pumps may still read what the job wrote
+TAIL_S = 0.01  # how often per-process log files are looked at for new lines
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +65,9 @@ class Launch:
     env: dict[str, str]
     world: int | None
     probes: tuple[LogProbe, ...]
+    #: Glob patterns (absolute) of per-process log files the target tails as they appear
+    #: and grow: each file its own stream, so two ranks' lines never run together.
+    tails: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,6 +242,60 @@ class _LogPump:
             self._on_line(raw, read_t)
 
 
+class _Tailer:
+    """Follows per-process log files (torchrun's ``--log-dir``/``--redirects`` files) as
+    they appear and grow, and feeds each whole line to the log probes, stamped when it is
+    read: within TAIL_S of its writing, without the 0.1 s batching of torchrun's ``--tee``.
+    Each file is its own stream, so no two processes' lines can run together."""
+
+    def __init__(self, patterns: tuple[str, ...],
+                 on_line: Callable[[str, bytes, float], None]) -> None:
+        self.patterns = patterns
+        self._on_line = on_line
+        self._files: dict[str, tuple[int, bytearray]] = {}  # path -> (offset read, partial)
+        self._stop_at: float | None = None
+        self.thread = threading.Thread(target=self._run, name="log-tail", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def finish(self, deadline: float) -> None:
+        self._stop_at = deadline
+
+    def _run(self) -> None:
+        while True:
+            last = self._stop_at is not None
+            self._pass()
+            if last:  # one whole pass after the job ended: what it wrote last
+                for path, (_, partial) in self._files.items():
+                    if partial:
+                        self._emit(path, bytes(partial))
+                return
+            time.sleep(TAIL_S)
+
+    def _pass(self) -> None:
+        for pattern in self.patterns:
+            for path in sorted(glob.glob(pattern, recursive=True)):
+                offset, partial = self._files.setdefault(path, (0, bytearray()))
+                try:
+                    with open(path, "rb") as handle:
+                        handle.seek(offset)
+                        chunk = handle.read(1 << 20)
+                except OSError:
+                    continue
+                if not chunk:
+                    continue
+                lines = (bytes(partial) + chunk).split(b"\n")
+                partial[:] = lines.pop()[:LINE_LIMIT]
+                self._files[path] = (offset + len(chunk), partial)
+                for line in lines:
+                    self._emit(path, line[:LINE_LIMIT])
+
+    def _emit(self, path: str, raw: bytes) -> None:
+        with contextlib.suppress(Exception):  # a probe that fails must not stop the tail
+            self._on_line(path, raw, time.monotonic())
+
+
 class LocalTarget:
     """The system under test as a local process tree (a :class:`Target`).
 
@@ -256,6 +316,7 @@ class LocalTarget:
         self.timeline = timeline
         self.proc: subprocess.Popen[bytes] | None = None
         self._pumps: list[_LogPump] = []
+        self._tailer: _Tailer | None = None
         self._logs = run_dir / "logs"
         self._reported: dict[int, tuple[int | None, str | None]] = {}
         self.coordinates: dict[int, tuple[int, int]] = {}  # rank -> (replica, shard)
@@ -370,6 +431,22 @@ class LocalTarget:
                             self._line_handler(name))
             pump.start()
             self._pumps.append(pump)
+        if self.launch.tails:
+            self._tailer = _Tailer(self.launch.tails, self._file_line_handler())
+            self._tailer.start()
+
+    def _file_line_handler(self) -> Callable[[str, bytes, float], None]:
+        compiled: CompiledProbes = compile_probes(self.launch.probes, "logs")
+
+        def on_line(path: str, raw: bytes, read_t: float) -> None:
+            if not compiled:
+                return
+            for event in line_events(raw.decode(errors="replace"), compiled, read_t=read_t,
+                                     clock_offset=self._clock_offset, started=self._started,
+                                     defaults=file_fields(path)):
+                self.timeline.write(event)
+
+        return on_line
 
     def _drop_group(self) -> None:
         if self.cgroup is not None:
@@ -512,6 +589,9 @@ class LocalTarget:
         for pump in self._pumps:
             # The pump polls every 0.1 s and checks its deadline between polls.
             pump.thread.join(timeout=max(0.0, drain_until - time.monotonic()) + 1.0)
+        if self._tailer is not None:
+            self._tailer.finish(drain_until)
+            self._tailer.thread.join(timeout=DRAIN_S + 1.0)
         for pump in self._pumps:
             if not pump.thread.is_alive():
                 # Our end of the pipe; under pytest's warnings-as-errors an unclosed pipe

@@ -227,3 +227,47 @@ def test_validate_refuses_a_coordinate_the_job_never_reports(tmp_path: Path) -> 
     with pytest.raises(SpecError, match="combine them with each other"):
         load_scenario(groups_scenario(tmp_path, "{env: {A: '1'}, rank: 1}"))
     load_scenario(groups_scenario(tmp_path, "{replica: 1}", hello=True))
+
+
+# ---------------------------------------------------------------- one stream per process
+
+TWO_WRITERS = """\
+import os, subprocess, sys
+if len(sys.argv) > 1:  # a rank: its own file, as torchrun --redirects=3 lays them out
+    rank = sys.argv[1]
+    folder = os.path.join(os.environ["OUT"], "attempt_0", rank)
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "stdout.log"), "w", buffering=1) as own:
+        for step in range(400):
+            own.write(f"epoch {step} loss 0.5\\n")
+            sys.stdout.write(f"epoch {step} loss 0.5\\n")  # and the shared pipe
+            sys.stdout.flush()
+else:
+    ranks = [subprocess.Popen([sys.executable, __file__, str(r)]) for r in (0, 1)]
+    sys.exit(max(p.wait() for p in ranks))
+"""
+
+
+def test_each_process_has_its_own_stream(tmp_path: Path) -> None:
+    """Two ranks writing one pipe merged 33 of 400 epoch lines; their own files never do."""
+    (tmp_path / "two.py").write_text(TWO_WRITERS)
+    path = tmp_path / "two.yaml"
+    path.write_text(f"""\
+name: two
+system:
+  command: [{sys.executable}, two.py]
+  env: {{OUT: '${{run_dir}}/ranks'}}
+  logs: ['${{run_dir}}/ranks/**/stdout.log']
+  probes: [{{pattern: 'epoch (?P<step>\\d+) loss', event: step, stream: logs}}]
+expect: {{completes: true}}
+""")
+    run_dir = tmp_path / "run"
+    assert run_scenario(load_scenario(path), run_dir=run_dir).passed
+    lines = (run_dir / "events.jsonl").read_text().splitlines()
+    steps = [e for e in map(json.loads, lines) if e["event"] == "step"]
+    for rank in (0, 1):
+        mine = [e for e in steps if e["rank"] == rank]
+        assert sorted(e["step"] for e in mine) == list(range(400)), rank
+        assert {e["generation"] for e in mine} == {0}
+        # Stamped as read, in the order written.
+        assert [e["step"] for e in sorted(mine, key=lambda e: e["t"])] == list(range(400))

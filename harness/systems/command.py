@@ -33,6 +33,14 @@ class CommandSystem(Strict):
 
     command: list[str] = Field(min_length=1)
     probes: list[LogProbe] = Field(default_factory=list)
+    logs: list[str] = Field(
+        default_factory=list, max_length=16,
+        description="per-process log files the harness follows as they appear and grow "
+        "(globs, `**` too; relative to the working directory; `${run_dir}` expanded), each "
+        "its own stream for the probes (`stream: logs` or `both`): torchrun's "
+        "`--log-dir=${run_dir}/torchrun --redirects=3` files are "
+        "`${run_dir}/torchrun/**/stdout.log`, and give each line its rank and restart count",
+    )
     world: int | None = Field(
         None, ge=1, le=MAX_WORLD,
         description="ranks at full strength; default: ranks seen before the fault"
@@ -233,6 +241,7 @@ class Command:
             env,
             system.world,
             tuple(system.probes),
+            tuple(str(cwd / expand(pattern, values)) for pattern in system.logs),
         )
 
     def target(self, launch: Launch, *, run_dir: Path, run_id: str,
