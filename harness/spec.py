@@ -881,8 +881,10 @@ def unreachable(spec: Scenario, scenario_dir: Path | None) -> list[tuple[int, st
     return found
 
 
-def parse_scenario(text: str, file: str = "<string>") -> Scenario:
-    """Parse and validate scenario YAML; raise SpecError with every problem found."""
+def parse_scenario(text: str, file: str = "<string>", *, folder: Path | None = None) -> Scenario:
+    """Parse and validate scenario YAML; raise SpecError with every problem found.
+    ``folder``: where its relative file names point (default: the folder of ``file``, if it
+    is a file)."""
     if len(text) > MAX_FILE_BYTES:
         raise SpecError([f"{file}:1:1: the scenario is longer than {MAX_FILE_BYTES // 1024} "
                          "KiB, the limit for a scenario file"])
@@ -935,7 +937,7 @@ def parse_scenario(text: str, file: str = "<string>") -> Scenario:
                     probe = probe[:-1]
             problems.append(f"{file}:{position[0]}:{position[1]}: {_describe(error, path, data)}")
         raise SpecError(problems) from None
-    base = Path(file).parent if Path(file).is_file() else None
+    base = folder if folder is not None else Path(file).parent if Path(file).is_file() else None
     if base is not None:
         for where, problem in systems.of(spec.system).file_problems(spec.system, base):
             line, col = marks.values.get(("system", *where), (1, 1))

@@ -271,3 +271,33 @@ expect: {{completes: true}}
         assert {e["generation"] for e in mine} == {0}
         # Stamped as read, in the order written.
         assert [e["step"] for e in sorted(mine, key=lambda e: e["t"])] == list(range(400))
+
+
+# ---------------------------------------------------------------- the Python API
+
+def test_the_python_api_loads_runs_and_checks(tmp_path: Path) -> None:
+    from harness import api
+    (tmp_path / "job.py").write_text(JOB)
+    scenario = api.from_dict({
+        "name": "from-python",
+        "system": {"command": [sys.executable, "job.py", "${seed}"],
+                   "env": {"JOB_OUT": "${run_dir}/seen.json"}},
+        "expect": {"completes": True},
+    }, folder=tmp_path)
+    result = api.check(api.run(scenario, run_dir=tmp_path / "run", seed=5))
+    assert isinstance(result, api.RunResult)
+    assert json.loads((tmp_path / "run" / "seen.json").read_text())["argv"][1:] == ["5"]
+    failing = api.loads("name: f\nsystem: {command: [/bin/false]}\nexpect: {completes: true}\n")
+    with pytest.raises(AssertionError, match="completes"):
+        api.check(api.run(failing, run_dir=tmp_path / "run2"))
+    with pytest.raises(SpecError, match=r"scenario.yaml:2:\d+: system.command"):
+        api.loads("name: f\nsystem: {command: []}\n")
+
+
+def test_the_pytest_fixture_runs_into_the_tests_folder(aftershock: Any, tmp_path: Path) -> None:
+    path = scenario(tmp_path, command=f"[{sys.executable}, job.py]")
+    result = aftershock.run(path, check=True)
+    assert Path(result.run_dir).is_relative_to(aftershock.root)
+    bad = aftershock.loads("name: f\nsystem: {command: [/bin/false]}\nexpect: {completes: true}\n")
+    with pytest.raises(AssertionError, match="completes"):
+        aftershock.run(bad, check=True)
