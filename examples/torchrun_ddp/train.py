@@ -46,7 +46,8 @@ def ddp_setup(timeout_s: float) -> None:
 
 
 class Trainer:
-    def __init__(self, model: torch.nn.Module, train_data: DataLoader[tuple[torch.Tensor, torch.Tensor]],
+    def __init__(self, model: torch.nn.Module,
+                 train_data: DataLoader[tuple[torch.Tensor, torch.Tensor]],
                  optimizer: torch.optim.Optimizer, save_every: int, snapshot_path: str,
                  epoch_sleep: float) -> None:
         self.rank = int(os.environ["RANK"])
