@@ -199,7 +199,10 @@ def execute(
         for ev in timeline.poll():
             if ev.source != "harness":
                 observer.event(ev)
-        timeline.emit("run_end", exit_code=loop.exit_code, timed_out=loop.timed_out)
+        # The live view shows the exit, not "running" after it.
+        with contextlib.suppress(Exception):
+            observer.event(timeline.emit("run_end", exit_code=loop.exit_code,
+                                         timed_out=loop.timed_out))
         timeline.close()
         if errors:
             raise HarnessError("could not revert: " + "; ".join(errors))

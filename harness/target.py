@@ -55,6 +55,7 @@ LINE_LIMIT = 64 * 1024  # bytes of one log line the probes see; a longer line is
 LOG_LIMIT = 1 << 30  # bytes kept per launcher log file (1 GiB); the rest is read and dropped
 KILL_S = 5.0  # how long teardown keeps killing the run's processes before it reports survivors
 DRAIN_S = 1.0  # after the kill, how long the log pumps may still read what the job wrote
+SCAN_S = 0.25  # how often the process tree is looked at for new workers (restarts)
 TAIL_S = 0.01  # how often per-process log files are looked at for new lines
 
 
@@ -317,6 +318,8 @@ class LocalTarget:
         self.proc: subprocess.Popen[bytes] | None = None
         self._pumps: list[_LogPump] = []
         self._tailer: _Tailer | None = None
+        self._workers_seen: set[int] = set()
+        self._next_scan = 0.0
         self._logs = run_dir / "logs"
         self._reported: dict[int, tuple[int | None, str | None]] = {}
         self.coordinates: dict[int, tuple[int, int]] = {}  # rank -> (replica, shard)
@@ -465,7 +468,33 @@ class LocalTarget:
         return on_line
 
     def poll(self) -> int | None:
-        return None if self.proc is None else self.proc.poll()
+        if self.proc is None:
+            return None
+        code = self.proc.poll()
+        now = time.monotonic()
+        if code is None and now >= self._next_scan:
+            self._next_scan = now + SCAN_S
+            self._scan_workers()
+        return code
+
+    def _scan_workers(self) -> None:
+        """Restarts seen from the launcher's side: each worker a launcher starts (a process
+        with LOCAL_RANK, the topmost) is a ``process_started`` event with its pid, its
+        RANK and torchrun's restart count (TORCHELASTIC_RESTART_COUNT) as its
+        generation, so a job that reports no generation of its own still shows its
+        restarts, and the live view its pids."""
+        for ref in self.role_processes("worker"):
+            if ref.pid in self._workers_seen:
+                continue
+            self._workers_seen.add(ref.pid)
+            environ = process_environ(ref.pid)
+            fields: dict[str, Any] = {"pid": ref.pid, "role": "worker"}
+            for key, name in (("rank", "RANK"), ("generation", "TORCHELASTIC_RESTART_COUNT")):
+                value = environ.get(name, "")
+                if value.isdigit():
+                    fields[key] = int(value)
+            self.timeline.write(Event(t=time.monotonic(), event="process_started",
+                                      source="launcher", fields=fields))
 
     @property
     def pid(self) -> int | None:

@@ -301,3 +301,55 @@ def test_the_pytest_fixture_runs_into_the_tests_folder(aftershock: Any, tmp_path
     bad = aftershock.loads("name: f\nsystem: {command: [/bin/false]}\nexpect: {completes: true}\n")
     with pytest.raises(AssertionError, match="completes"):
         aftershock.run(bad, check=True)
+
+
+# ---------------------------------------------------------------- restarts, pids, exit
+
+RESTARTING = """\
+import os, subprocess, sys, time
+if len(sys.argv) > 1:  # a worker: one step line per 50 ms; the first generation fails
+    for step in range(8):
+        print(f"step {step}", flush=True)
+        time.sleep(0.05)
+    sys.exit(1 if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" else 0)
+for restart in range(2):  # a launcher that restarts its failed worker, as torchrun does
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0",
+           "TORCHELASTIC_RESTART_COUNT": str(restart)}
+    if subprocess.call([sys.executable, __file__, "worker"], env=env) == 0:
+        break
+"""
+
+
+def test_restarts_pids_and_exit_are_seen_from_the_launcher(tmp_path: Path) -> None:
+    """torchrun restarted twice, yet `generations` stayed 0 and the live view had no pid
+    and said "running" after the exit."""
+    from io import StringIO
+
+    from rich.console import Console
+
+    from harness.report import LiveObserver
+
+    (tmp_path / "restarting.py").write_text(RESTARTING)
+    path = tmp_path / "restart.yaml"
+    path.write_text(f"""\
+name: restart
+system:
+  command: [{sys.executable}, restarting.py]
+  steps: 8
+  probes: [{{pattern: 'step (?P<step>\\d+)', event: step}}]
+expect: {{completes: true}}
+""")
+    loaded = load_scenario(path)
+    from harness import systems
+    assert systems.of(loaded.spec.system).steps(loaded.spec.system) == 8  # the progress bar
+    view = LiveObserver(Console(file=StringIO(), width=120))
+    result = run_scenario(loaded, run_dir=tmp_path / "run", observer=view)
+    assert result.metrics["generations"] == 1
+    lines = (tmp_path / "run" / "events.jsonl").read_text().splitlines()
+    started = [e for e in map(json.loads, lines) if e["event"] == "process_started"]
+    assert [e["generation"] for e in started] == [0, 1]
+    assert len({e["pid"] for e in started}) == 2
+    row = view.state.ranks[0]
+    assert row.pid == started[-1]["pid"]
+    assert row.generation == 1
+    assert row.status.plain == "exited 0"

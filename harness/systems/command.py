@@ -17,7 +17,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from harness.logprobe import LogProbe
-from harness.schema import MAX_WORLD, Duration, Strict
+from harness.schema import MAX_STEPS, MAX_WORLD, Duration, Strict
 from harness.systems import Driver, register
 from harness.target import Launch, LocalTarget, Target
 from harness.timeline import Timeline
@@ -45,6 +45,9 @@ class CommandSystem(Strict):
         None, ge=1, le=MAX_WORLD,
         description="ranks at full strength; default: ranks seen before the fault"
     )
+    steps: int | None = Field(
+        None, ge=1, le=MAX_STEPS, description="how many steps the job runs (the live "
+        "view's progress bar)")
     cwd: str | None = Field(
         None, description="working directory, relative to the scenario file's folder "
         "(`${run_dir}` expanded); default: a fresh folder `work` in the run folder, so nothing "
@@ -284,7 +287,7 @@ class Command:
         return system.world
 
     def steps(self, system: CommandSystem) -> int | None:
-        return None
+        return system.steps
 
     def default_root(self, system: CommandSystem, run_dir: Path) -> Path:
         return run_dir
