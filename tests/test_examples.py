@@ -40,4 +40,5 @@ def test_example_passes(scenario: Path, tmp_path: Path, cache: Path) -> None:
     if scenario.stem != "fault-free":
         # It recovered: a restart the harness saw from the launcher's side, and a resume.
         assert record["metrics"]["generations"] >= 1, record["metrics"]
-        assert any(e["event"] == "checkpoint_loaded" for e in events)
+        if scenario.parent.name == "torchrun_ddp":  # torchft heals from a peer instead
+            assert any(e["event"] == "checkpoint_loaded" for e in events)
