@@ -60,6 +60,41 @@ def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Col
     return None
 
 
+class AftershockFixture:
+    """What the ``aftershock`` fixture gives a test: harness.api, with each run in the
+    test's own temporary folder and the command line's --aftershock-* options applied."""
+
+    def __init__(self, root: Path, config: pytest.Config) -> None:
+        self.root = root
+        self._config = config
+        self._runs = 0
+
+    def load(self, path: str | Path) -> Any:
+        from harness import api
+        return api.load(path)
+
+    def loads(self, text: str, *, folder: str | Path = ".") -> Any:
+        from harness import api
+        return api.loads(text, folder=folder)
+
+    def run(self, scenario: Any, *, seed: int | None = None, check: bool = False) -> Any:
+        """Run a scenario (a file, or what ``load``/``loads`` gave) into ``root/run-N``;
+        ``check``: fail the test with the check table unless it passed."""
+        from harness import api
+        self._runs += 1
+        option = self._config.getoption("--aftershock-seed")
+        result = api.run(scenario, run_dir=self.root / f"run-{self._runs}",
+                         seed=seed if seed is not None else option,
+                         use_cache=not self._config.getoption("--aftershock-no-cache"))
+        return api.check(result) if check else result
+
+
+@pytest.fixture
+def aftershock(tmp_path: Path, request: pytest.FixtureRequest) -> AftershockFixture:
+    """Run Aftershock scenarios from a test: ``aftershock.run("kill.yaml", check=True)``."""
+    return AftershockFixture(tmp_path, request.config)
+
+
 class ScenarioFile(pytest.File):
     def collect(self) -> list[pytest.Item]:
         text = self.path.read_text(encoding="utf-8")

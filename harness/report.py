@@ -26,7 +26,7 @@ NOTABLE = {
     "recovery_done",
     "checkpoint_loaded", "checkpoint_skipped", "timeout", "run_end", "fault_armed",
     "fault_failed", "serving_ready", "load_started", "load_finished", "request_migrated",
-    "request_failed", "teardown",
+    "request_failed", "teardown", "trigger_late", "process_started",
 }
 
 
@@ -54,14 +54,23 @@ def describe(event: Event) -> str:
         case "launch":
             return f"launched ({f.get('phase', 'run')}, seed {f.get('seed')})"
         case "fault_injected":
-            hit = (f"role {f['role']}" if "role" in f else
+            # A label with a space names its own coordinate ("REPLICA_GROUP_ID=1 role
+            # worker", "role launcher"); the pid says which process that was.
+            hit = ((str(f["role"]) if " " in str(f["role"]) else f"role {f['role']}")
+                   if "role" in f else
                    f"ranks {', '.join(map(str, f['ranks']))}" if "ranks" in f else
                    f"rank {f.get('rank')}")
-            return f"FAULT {f.get('kind')} -> {hit}: {f.get('detail', '')}"
+            pid = f" (pid {f['pid']})" if isinstance(f.get("pid"), int) else ""
+            return f"FAULT {f.get('kind')} -> {hit}{pid}: {f.get('detail', '')}"
         case "fault_prepared":
             return f"prepared {f.get('kind')}: {f.get('detail', '')}"
         case "fault_armed":
             return f"armed {f.get('kind')}: {f.get('detail', '')}"
+        case "trigger_late":
+            why = (f"; the run's first step was {f.get('first_step')}: did it resume from "
+                   "what an earlier run left?" if f.get("resumed") else "")
+            return (f"WARNING fault {f.get('fault')} ({f.get('kind')}) fired at step "
+                    f"{f.get('step')}, past its trigger `step: {f.get('at_step')}`{why}")
         case "fault_failed":
             return f"FAULT {f.get('kind')} could not be applied: {f.get('error')}"
         case "fault_healed":
@@ -79,7 +88,11 @@ def describe(event: Event) -> str:
         case "timeout":
             return f"TIMEOUT after {f.get('after_s')}s"
         case "run_end":
-            return f"run ended (exit {f.get('exit_code')})"
+            return ("run ended: timed out" if f.get("timed_out") else
+                    f"run ended (exit {f.get('exit_code')})")
+        case "process_started":
+            return (f"{who} started (pid {f.get('pid')}, restart {f.get('generation')})"
+                    if f.get("generation") else f"{who} started (pid {f.get('pid')})")
         case "teardown":
             return _describe_teardown(f)
         case "step":
@@ -196,7 +209,7 @@ class LiveObserver:
         rank = event.rank
         if (rank is not None and event.source != "harness") or event.event == "fault_injected":
             r = s.ranks.setdefault(rank if rank is not None else 0, _RankState())
-            if event.event == "hello":
+            if event.event in ("hello", "process_started"):
                 r.pid = event.fields.get("pid")
                 generation = event.fields.get("generation", 0)
                 r.generation = generation if isinstance(generation, int) else 0
@@ -212,6 +225,11 @@ class LiveObserver:
                 r.status = _text(f"resumed @ {event.fields.get('step')}", "cyan")
             elif event.event == "exit":
                 r.status = Text("done", style="green")
+        if event.event == "run_end":
+            code, timed_out = event.fields.get("exit_code"), event.fields.get("timed_out")
+            for r in s.ranks.values():
+                r.status = (Text("timed out", style="red") if timed_out else
+                            Text(f"exited {code}", style="green" if code == 0 else "red"))
         if event.event in NOTABLE:
             s.log.append(f"+{event.t - s.t0:7.3f}s {describe(event)}")
         self._refresh()

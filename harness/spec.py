@@ -89,11 +89,13 @@ else:
 
 
 class Target(_Strict):
-    """Which process a fault hits: a rank, a role, or a seeded pick among the ranks.
+    """Which process a fault hits: a rank, a role, a seeded pick among the ranks, or any
+    coordinate a job has (an environment variable, its command line, its place in the
+    process tree).
 
-    Ranks are the ranks the system reports through the probe's ``hello`` (a warm
-    spare that took over rank 1 *is* rank 1), else the ``RANK`` environment
-    variable of each process.
+    Ranks are the ranks the system reports through the probe's ``hello`` or a log probe's
+    ``event: hello`` line (a warm spare that took over rank 1 *is* rank 1), else the
+    ``RANK`` environment variable of each process.
     """
 
     rank: int | None = Field(None, ge=0, lt=MAX_WORLD)
@@ -103,23 +105,62 @@ class Target(_Strict):
                                 description="every rank of this replica")
     shard: int | None = Field(None, ge=0, lt=MAX_WORLD, description="every rank holding this shard "
                               "(with `replica`: the one rank at both)")
-    role: Literal["launcher", "spare", "router"] | None = Field(
+    env: dict[str, str] | None = Field(
+        None, min_length=1, description="the processes whose environment has each of these "
+        "variables at this value (`{REPLICA_GROUP_ID: '1'}`); of a process and its children "
+        "that all match, the topmost. Combines with `cmdline`, `role` and `pick`",
+    )
+    cmdline: str | None = Field(
+        None, min_length=1, description="the processes whose command line (arguments joined "
+        "by spaces) matches this regular expression (searched, not anchored); of a process "
+        "and its children that all match, the topmost. Combines with `env`, `role`, `pick`",
+    )
+    role: Literal["launcher", "agent", "worker", "spare", "router"] | None = Field(
         None, description="launcher: the launched command itself (e.g. torchrun's agent, the "
-        "reference server's launcher); spare: a warm standby process; router: the reference "
-        "server's router process (HTTP front end, journal), which its launcher restarts"
+        "reference server's launcher); worker: a process a launcher started as a rank (it "
+        "has LOCAL_RANK in its environment, as torchrun's workers do; the topmost); agent: "
+        "the process that started a worker (torchrun's elastic agent, one per replica group "
+        "of a torchft job); spare: a warm standby process; router: the reference server's "
+        "router process (HTTP front end, journal), which its launcher restarts"
     )
     pick: Literal["random", "all"] | None = Field(
-        None, description="random: one rank chosen with the run's seed; all: every rank"
+        None, description="random: one rank (or, with `env`/`cmdline`/`role: agent|worker`, "
+        "one of the processes they name) chosen with the run's seed; all: every one (the "
+        "default for `env`, `cmdline` and `role: agent|worker`)"
     )
+
+    @field_validator("cmdline")
+    @classmethod
+    def _compiles(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                re.compile(value)
+            except (re.error, OverflowError, RecursionError) as exc:
+                raise ValueError(f"not a valid regular expression: {exc}") from None
+        return value
 
     @model_validator(mode="after")
     def _exactly_one(self) -> Target:
         coordinates = self.replica is not None or self.shard is not None
+        if self.filters:
+            if coordinates or self.rank is not None or self.worker is not None:
+                raise ValueError("`env`, `cmdline` and `role: agent|worker` name processes "
+                                 "themselves: combine them with each other and with `role` or "
+                                 "`pick`, not with `rank`, `worker`, `replica` or `shard`")
+            return self
         given = [x for x in (self.rank, self.worker, self.role, self.pick) if x is not None]
         if len(given) + coordinates != 1:
             raise ValueError("give exactly one of `rank: N`, `worker: N`, `replica`/`shard`, "
-                             "`role: launcher|spare|router` or `pick: random|all`")
+                             "`role: launcher|agent|worker|spare|router`, `pick: random|all`, "
+                             "or `env`/`cmdline` (which combine with `role` and `pick`)")
         return self
+
+    @property
+    def filters(self) -> bool:
+        """Whether it names processes by what they are (environment, command line, place in
+        the process tree) rather than by rank."""
+        return (self.env is not None or self.cmdline is not None
+                or self.role in ("agent", "worker"))
 
     @property
     def index(self) -> int | None:
@@ -127,6 +168,15 @@ class Target(_Strict):
         return self.rank if self.rank is not None else self.worker
 
     def describe(self) -> str:
+        if self.filters:
+            parts = [f"{k}={v}" for k, v in (self.env or {}).items()]
+            if self.cmdline is not None:
+                parts.append(f"cmdline /{self.cmdline}/")
+            if self.role is not None:
+                parts.append(f"role {self.role}")
+            if self.pick == "random":
+                parts.append("(one, seeded)")
+            return " ".join(parts)
         if self.rank is not None:
             return f"rank {self.rank}"
         if self.worker is not None:
@@ -797,13 +847,17 @@ def _position(text: str, index: int) -> tuple[int, int]:
 def unreachable(spec: Scenario, scenario_dir: Path | None) -> list[tuple[int, str]]:
     """Faults that cannot reach this system, by index, each with why: what the fault needs
     (faults.registry.CAPABILITIES) that the system's target does not offer, or the
-    in-process probe that its job does not call (``scenario_dir``: where the scenario file
-    is, to read the files its command names; None: only what needs no file is known)."""
+    in-process probe that its job does not call, or a ``target`` coordinate it can never
+    resolve (``replica`` on a job that reports none: ``SystemKind.unresolved``)
+    (``scenario_dir``: where the scenario file is, to read the files its command names;
+    None: only what needs no file is known)."""
     kind = systems.of(spec.system)
     offered = set(kind.capabilities(spec.system))
     no_probe = kind.probe(spec.system, scenario_dir)
     if no_probe is None:
         offered.add("probe")
+    # Optional: why a kind's target can never find the processes a fault's `target` names.
+    unresolved = getattr(kind, "unresolved", None)
     found: list[tuple[int, str]] = []
     for index, fault in enumerate(spec.faults):
         fault_kind = faults.get(fault.kind)
@@ -819,11 +873,18 @@ def unreachable(spec: Scenario, scenario_dir: Path | None) -> list[tuple[int, st
             what = "; ".join(faults.CAPABILITIES.get(c, c) for c in sorted(missing))
             found.append((index, f"{fault.kind} needs {what}, which a {kind.shape} system's "
                           "target does not offer"))
+        elif unresolved is not None:
+            why = unresolved(spec.system, fault.target, no_probe is None)
+            if why is not None:
+                found.append((index, f"target {fault.target.describe()} can never be found: "
+                              f"{why}"))
     return found
 
 
-def parse_scenario(text: str, file: str = "<string>") -> Scenario:
-    """Parse and validate scenario YAML; raise SpecError with every problem found."""
+def parse_scenario(text: str, file: str = "<string>", *, folder: Path | None = None) -> Scenario:
+    """Parse and validate scenario YAML; raise SpecError with every problem found.
+    ``folder``: where its relative file names point (default: the folder of ``file``, if it
+    is a file)."""
     if len(text) > MAX_FILE_BYTES:
         raise SpecError([f"{file}:1:1: the scenario is longer than {MAX_FILE_BYTES // 1024} "
                          "KiB, the limit for a scenario file"])
@@ -876,7 +937,7 @@ def parse_scenario(text: str, file: str = "<string>") -> Scenario:
                     probe = probe[:-1]
             problems.append(f"{file}:{position[0]}:{position[1]}: {_describe(error, path, data)}")
         raise SpecError(problems) from None
-    base = Path(file).parent if Path(file).is_file() else None
+    base = folder if folder is not None else Path(file).parent if Path(file).is_file() else None
     if base is not None:
         for where, problem in systems.of(spec.system).file_problems(spec.system, base):
             line, col = marks.values.get(("system", *where), (1, 1))
