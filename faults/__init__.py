@@ -10,9 +10,19 @@ first lookup. This package imports nothing from ``harness`` or ``reference_impl`
 from __future__ import annotations
 
 from faults.journal import UndoContext, UndoRefused
-from faults.registry import Applied, FaultKind, KindInfo, Validates, get, kinds, register
+from faults.registry import (
+    Applied,
+    FaultKind,
+    GroupKind,
+    KindInfo,
+    PreparedKind,
+    Validates,
+    get,
+    kinds,
+    register,
+)
 
 __all__ = [
-    "Applied", "FaultKind", "KindInfo", "UndoContext", "UndoRefused", "Validates", "get",
-    "kinds", "register",
+    "Applied", "FaultKind", "GroupKind", "KindInfo", "PreparedKind", "UndoContext",
+    "UndoRefused", "Validates", "get", "kinds", "register",
 ]

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from faults import registry
+from faults import _cgroup, registry
 from faults._proc import kill_all, processes_with_env
 from faults.journal import (
     RUN_ID_ENV,
@@ -93,6 +93,13 @@ def validate_launch(undo: Mapping[str, Any], context: UndoContext) -> None:
         raise UndoRefused(
             f"value {undo.get('value')!r} is not this journal's run id {context.run_id!r}"
         )
+    # The run's cgroup (harness/target.py): named for this run id, inside the mounted cgroup2
+    # hierarchy, no `..` to climb out of it; anything else is not provably the run's.
+    group = undo.get("cgroup")
+    if group is not None and not (
+        isinstance(group, str) and _cgroup.is_run_group(Path(group), context.run_id)
+    ):
+        raise UndoRefused(f"cgroup {group!r} is not the cgroup of run {context.run_id}")
 
 
 def validate_entry(entry: Pending, context: UndoContext) -> None:
@@ -121,6 +128,10 @@ def validate_entry(entry: Pending, context: UndoContext) -> None:
 
 def revert_entry(entry: Pending) -> None:
     if entry.op == "launch":
+        # The run's cgroup first: it holds even the processes that dropped the run id.
+        group = entry.undo.get("cgroup")
+        if group and not _cgroup.end_run_group(Path(group), str(entry.undo["value"])):
+            raise RuntimeError(f"processes of cgroup {group} survived SIGKILL")
         _end_run(str(entry.undo["env"]), str(entry.undo["value"]))
         return
     registry.get(entry.kind).revert(entry.undo)

@@ -12,8 +12,12 @@ to the collective wrapper.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import errno
 import os
 import shutil
+import socket
 import subprocess
 import uuid
 from collections.abc import Iterable, Mapping
@@ -72,6 +76,16 @@ class Reset:
         },
     )
 
+    def preflight(self, params: Mapping[str, Any]) -> list[str]:
+        problems: list[str] = []
+        try:
+            _ss_binary()
+        except FaultUnavailable as exc:
+            problems.append(str(exc))
+        if not _capable(CAP_NET_ADMIN):
+            problems.append("needs CAP_NET_ADMIN to destroy sockets (run as root)")
+        return problems
+
     def inject(self, target: ProcessRef, params: Mapping[str, Any], journal: Journal) -> Applied:
         _check_netns(target)
         port = int(params["port"]) if params.get("port") is not None else None
@@ -108,39 +122,111 @@ class Reset:
         return None
 
 
-def _set(name: str, kind: str, elements: list[str]) -> str:
-    body = f"type {kind};"
-    if elements:
-        body += " elements = { " + ", ".join(elements) + " };"
-    return f"  set {name} {{ {body} }}\n"
+# Every socket the partitioned process holds is tagged with this fault's own mark
+# (SO_MARK): the rules match the socket *object*, so a port or 4-tuple the target once
+# used and then released is free again for anyone, at once. The high half says
+# "aftershock", the low half tells concurrent partitions apart.
+_MARK_BASE = 0x41530000
+_SYS_PIDFD_GETFD = 438  # the same number on every architecture that has it (Linux 5.6)
+CAP_NET_ADMIN = 12
+CAP_SYS_PTRACE = 19
 
 
-def _ruleset(table: str, socks: list[TcpSocket], cgroup: tuple[str, int] | None) -> str:
-    """Drop rules for the target's current sockets (by 4-tuple and listening port) and,
-    if ``cgroup`` is (path, level), for every socket it creates later."""
-    conns4: set[str] = set()
-    conns6: set[str] = set()
-    listen: set[str] = set()
-    for s in socks:
-        if s.state == LISTEN:
-            listen.add(str(s.local_port))
-        elif s.state in CONNECTED:
-            both = (
-                f"{s.local_ip} . {s.local_port} . {s.remote_ip} . {s.remote_port}",
-                f"{s.remote_ip} . {s.remote_port} . {s.local_ip} . {s.local_port}",
-            )
-            (conns4 if s.version == 4 else conns6).update(both)
+def _capable(cap: int) -> bool:
+    """Whether this process holds capability ``cap`` (its effective set)."""
+    try:
+        with open("/proc/self/status") as handle:
+            for line in handle:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> cap & 1)
+    except OSError:
+        pass
+    return False
+
+
+def _pidfd_getfd(pidfd: int, fd: int) -> int:
+    """A duplicate of descriptor ``fd`` of the process behind ``pidfd`` (pidfd_getfd(2))."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    dup = int(libc.syscall(_SYS_PIDFD_GETFD, pidfd, fd, 0))
+    if dup < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return dup
+
+
+def _getfd_works() -> bool:
+    """pidfd_getfd exists here (tried on this process's own stdin)."""
+    try:
+        pidfd = os.pidfd_open(os.getpid())
+    except OSError:
+        return False
+    try:
+        os.close(_pidfd_getfd(pidfd, 0))
+        return True
+    except OSError as exc:
+        return exc.errno not in (errno.ENOSYS, errno.EPERM)
+    finally:
+        os.close(pidfd)
+
+
+def _tcp_fds(pid: int) -> dict[int, int]:
+    """fd -> socket inode for every TCP socket in the fd table of ``pid``."""
+    inodes = {s.inode for s in tcp_sockets(pid)}
+    found: dict[int, int] = {}
+    with contextlib.suppress(OSError):
+        for name in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError, ValueError):
+                link = os.readlink(f"/proc/{pid}/fd/{name}")
+                if link.startswith("socket:[") and int(link[8:-1]) in inodes:
+                    found[int(name)] = int(link[8:-1])
+    return found
+
+
+def _remark(target: ProcessRef, old: int | None, new: int) -> int:
+    """Set SO_MARK ``new`` on each TCP socket of ``target`` whose mark is ``old`` (any if
+    None) and not ``new`` already; the number of sockets changed. Each socket is reached
+    through a duplicate of the target's own descriptor, closed at once: holding it would
+    keep the socket alive after the target closed it."""
+    changed: set[int] = set()
+    pidfd = os.pidfd_open(target.pid)
+    try:
+        if not target.alive():  # the pidfd now pins the process the pid names
+            return 0
+        for fd, inode in _tcp_fds(target.pid).items():
+            if inode in changed:
+                continue
+            try:
+                dup = _pidfd_getfd(pidfd, fd)
+            except OSError as exc:
+                if exc.errno in (errno.EBADF, errno.ESRCH):
+                    continue  # closed meanwhile
+                raise
+            sock = socket.socket(fileno=dup)
+            try:
+                if os.fstat(sock.fileno()).st_ino != inode:
+                    continue  # the fd number was reused for another socket meanwhile
+                now = sock.getsockopt(socket.SOL_SOCKET, socket.SO_MARK)
+                if now != new and old in (None, now):
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, new)
+                    changed.add(inode)
+            finally:
+                sock.close()
+    finally:
+        os.close(pidfd)
+    return len(changed)
+
+
+def _ruleset(table: str, mark: int, cgroup: tuple[str, int] | None) -> str:
+    """Drop rules for the sockets tagged ``mark`` and, if ``cgroup`` is (path, level), for
+    every socket created in that group later."""
     text = f"table inet {table} {{\n"
-    text += _set("conns4", "ipv4_addr . inet_service . ipv4_addr . inet_service", sorted(conns4))
-    text += _set("conns6", "ipv6_addr . inet_service . ipv6_addr . inet_service", sorted(conns6))
-    text += _set("listen", "inet_service", sorted(listen))
     for chain, hook, dev in (("out", "output", "oifname"), ("in", "input", "iifname")):
         text += f"  chain {chain} {{\n    type filter hook {hook} priority -10; policy accept;\n"
-        text += f'    {dev} "lo" ip saddr . tcp sport . ip daddr . tcp dport @conns4 drop\n'
-        text += f'    {dev} "lo" ip6 saddr . tcp sport . ip6 daddr . tcp dport @conns6 drop\n'
-        # Connections to the target's listeners, and the target's answers on accepted ones.
-        text += f'    {dev} "lo" tcp dport @listen drop\n'
-        text += f'    {dev} "lo" tcp sport @listen drop\n'
+        # On output the packet carries its socket's mark; on input the socket it is
+        # delivered to is looked up: a listener's mark drops every new connection to it,
+        # and the sockets it accepts inherit the mark.
+        which = "meta mark" if hook == "output" else "socket mark"
+        text += f'    {dev} "lo" {which} {mark:#x} drop\n'
         if cgroup is not None:
             # Sockets created after the cut carry the target's cgroup. On output the
             # packet's own socket is checked; on input the socket it is delivered to.
@@ -155,25 +241,49 @@ class Partition:
         kind="net.partition",
         summary="Cut the target off from its peers over loopback, both ways; others unaffected.",
         caused_by="An nftables table `inet aftershock_<id>` with drop rules on the output and "
-        "input hooks of `lo`: the exact 4-tuples of the process's TCP connections, its "
-        "listening ports, and (new_connections) every socket it creates later, matched with "
-        "`socket cgroupv2` after moving the process into its own cgroup v2 group. Packets are "
-        "dropped silently, so peers see timeouts, not resets.",
+        "input hooks of `lo` for the sockets the process holds, each tagged with the fault's "
+        "own SO_MARK through pidfd_getfd(2) (a listener's mark passes to the connections it "
+        "accepts), and (new_connections) every socket it creates later, matched with "
+        "`socket cgroupv2` after moving the process into its own cgroup v2 group. Rules "
+        "match socket objects, never port numbers: a port the target released is free for "
+        "others at once. Packets are dropped silently, so peers see timeouts, not resets. "
+        "Needs nftables, CAP_NET_ADMIN and CAP_SYS_PTRACE.",
         params={
             "new_connections": "also cut sockets the process opens after the cut, through a "
             "cgroup v2 group; default true (needs a cgroup2 mount under /sys/fs/cgroup)",
         },
-        reverted_by="`nft delete table inet aftershock_<id>`; the process is moved back to "
-        "its cgroup v2 group and the fault's group removed. Established connections resume "
-        "on TCP's next retransmission.",
+        reverted_by="`nft delete table inet aftershock_<id>`; the marks are cleared from the "
+        "process's sockets that still carry them; the process is moved back to its cgroup v2 "
+        "group and the fault's group removed. Established connections resume on TCP's next "
+        "retransmission.",
     )
+
+    def preflight(self, params: Mapping[str, Any]) -> list[str]:
+        problems: list[str] = []
+        try:
+            _nft.nft_binary()
+        except FaultUnavailable as exc:
+            problems.append(str(exc))
+        if not _capable(CAP_NET_ADMIN):
+            problems.append("needs CAP_NET_ADMIN to load nftables rules and mark sockets "
+                            "(run as root)")
+        if not _capable(CAP_SYS_PTRACE) or not _getfd_works():
+            problems.append("needs pidfd_getfd (Linux 5.6 or later) and CAP_SYS_PTRACE to "
+                            "reach the target's sockets (run as root)")
+        mount = _cgroup.v2_mount()
+        if params.get("new_connections", True) and (
+                mount is None or not mount.is_relative_to(_NFT_CGROUP_ROOT)):
+            problems.append("new_connections needs a cgroup2 mount under /sys/fs/cgroup "
+                            "(or set new_connections: false to cut only existing sockets)")
+        return problems
 
     def inject(self, target: ProcessRef, params: Mapping[str, Any], journal: Journal) -> Applied:
         _check_netns(target)
         _nft.nft_binary()
         token = uuid.uuid4().hex[:12]
         table = f"{_nft.TABLE_PREFIX}{token}"
-        undo: dict[str, Any] = {"table": table}
+        mark = _MARK_BASE | int(token[:4], 16)
+        undo: dict[str, Any] = {"table": table, "mark": mark, **target.to_json()}
         cgroup: tuple[str, int] | None = None
         group_dir: Path | None = None
         mount = _cgroup.v2_mount()
@@ -184,6 +294,7 @@ class Partition:
                     "net.partition with new_connections needs a cgroup2 mount under "
                     "/sys/fs/cgroup (set new_connections: false to cut only existing sockets)"
                 )
+            # Inside the target's own group: the run's group, when the harness made one.
             group = f"{home.rstrip('/')}/aftershock_{token}"
             group_dir = _cgroup.directory(mount, group)
             level = len([part for part in group.split("/") if part])
@@ -199,22 +310,43 @@ class Partition:
         with undone_on_error(journal, entry, self.revert, undo):
             if group_dir is not None:
                 group_dir.mkdir()
-                # Move first, then read the sockets: a socket made in between is caught
-                # by the cgroup rule instead of being missed by the port rules.
+                # Move first, then mark: a socket made in between is caught by the cgroup
+                # rule instead of being missed by the marks.
                 _cgroup.move(target.pid, group_dir)
+            try:
+                # Again until nothing new: a connection accepted by a listener before it
+                # was marked is a socket the first pass did not see.
+                marked = 0
+                for _ in range(3):
+                    added = _remark(target, None, mark) if target.alive() else 0
+                    marked += added
+                    if not added:
+                        break
+            except OSError as exc:
+                raise FaultUnavailable(
+                    f"cannot mark the sockets of pid {target.pid} ({exc.strerror}): "
+                    "needs pidfd_getfd (Linux 5.6) and CAP_SYS_PTRACE and CAP_NET_ADMIN"
+                ) from exc
             socks = tcp_sockets(target.pid)
-            _nft.load(_ruleset(table, socks, cgroup))
+            _nft.load(_ruleset(table, mark, cgroup))
         listening = sorted({s.local_port for s in socks if s.state == LISTEN})
         connected = sum(1 for s in socks if s.state in CONNECTED)
         detail = (
-            f"pid {target.pid} partitioned ({table}): {connected} connections, "
-            f"listening ports {listening}"
+            f"pid {target.pid} partitioned ({table}, mark {mark:#x} on {marked} sockets): "
+            f"{connected} connections, listening ports {listening}"
             + (", new sockets by cgroup" if cgroup else ", existing sockets only")
         )
         return Applied(self.info.kind, entry, undo, detail)
 
     def revert(self, undo: Mapping[str, Any]) -> None:
         _nft.delete_table(str(undo["table"]))
+        if undo.get("mark") is not None and undo.get("pid") is not None:
+            owner = ProcessRef(int(undo["pid"]), int(undo["start"]))
+            # A listener that kept the mark would pass it on to every connection it
+            # accepts from now on; harmless without the table, but not ours to leave.
+            with contextlib.suppress(OSError):
+                if owner.alive():
+                    _remark(owner, int(undo["mark"]), 0)
         if undo.get("cgroup"):
             _cgroup.remove(Path(undo["cgroup"]), Path(undo["home"]), Path(undo["root"]))
 

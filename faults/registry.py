@@ -10,10 +10,10 @@ refused: that is the safe default for third-party kinds.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from faults._proc import ProcessRef
 from faults.journal import Journal, UndoContext
@@ -77,6 +77,37 @@ def validator(kind: FaultKind) -> Callable[[Mapping[str, Any], UndoContext], Non
     return check if callable(check) else None
 
 
+class Preflight(Protocol):
+    """Optional on a kind: what this machine lacks to cause the fault with ``params``.
+
+    Each problem is one line naming what is missing and how to get it (a tool and its
+    package, a kernel feature, a privilege). Called before anything is launched, so a
+    scenario that cannot work here fails at once instead of after its system ran.
+    """
+
+    def preflight(self, params: Mapping[str, Any]) -> list[str]: ...
+
+
+@runtime_checkable
+class PreparedKind(Protocol):
+    """A kind that needs something in place before the system starts (a filesystem under its
+    checkpoint folder). The runner calls ``prepare`` before launch, passes the returned
+    ``undo`` to ``inject`` as ``params["prepared"]``, and reverts it (``revert(undo)``) once
+    the system is gone. Journaled before it is made, like any fault."""
+
+    def prepare(self, params: Mapping[str, Any], journal: Journal) -> Applied: ...
+
+
+@runtime_checkable
+class GroupKind(Protocol):
+    """A kind whose targets must all be hit at one instant (a power loss takes every process
+    down together), so the runner hands it every chosen target in one call."""
+
+    def inject_group(
+        self, targets: Sequence[ProcessRef], params: Mapping[str, Any], journal: Journal
+    ) -> Applied: ...
+
+
 _registry: dict[str, FaultKind] = {}
 _loaded = False
 
@@ -114,3 +145,10 @@ def get(kind: str) -> FaultKind:
 def kinds() -> list[FaultKind]:
     _load()
     return [_registry[name] for name in sorted(_registry)]
+
+
+def preflight(kind: str, params: Mapping[str, Any]) -> list[str]:
+    """What this machine lacks for ``kind`` with ``params``: nothing for a kind without a
+    ``preflight`` hook (it says at inject time, through FaultUnavailable)."""
+    check = getattr(get(kind), "preflight", None)
+    return list(check(params)) if callable(check) else []

@@ -1,4 +1,5 @@
-"""Storage faults on real files: corrupt, truncate or delete a checkpoint; a full disk.
+"""Storage faults on real files: corrupt, truncate or delete a checkpoint; a full disk; a
+power loss that takes every write not yet made durable (``storage.lose_unsynced``).
 
 Files are named by ``path``, a glob relative to ``root`` (the harness passes the
 run's folder as ``root``); when several match, the newest (by mtime) is hit,
@@ -16,15 +17,26 @@ import contextlib
 import os
 import random
 import shutil
+import signal
 import subprocess
+import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from faults import lazyfs
 from faults._errors import FaultUnavailable
 from faults._proc import ProcessRef
-from faults.journal import NAME_PREFIX, Journal, UndoContext, UndoRefused, private_dir, state_dir
+from faults.journal import (
+    NAME_PREFIX,
+    Journal,
+    UndoContext,
+    UndoRefused,
+    private_dir,
+    state_dir,
+    undone_on_error,
+)
 from faults.registry import Applied, KindInfo, register
 
 _PICK = {
@@ -344,7 +356,154 @@ class Full:
             raise UndoRefused("write_back is not true or false")
 
 
+def _under(root: Path, rel: str) -> Path:
+    folder = (root / rel).resolve()
+    if not folder.is_relative_to(root):
+        raise ValueError(f"dir {rel!r} is outside root {root}")
+    return folder
+
+
+def _wait_gone(refs: Sequence[ProcessRef], timeout: float) -> list[ProcessRef]:
+    """Wait until none of ``refs`` is alive (a zombie is dead); those still alive."""
+    deadline = time.monotonic() + timeout
+    alive = [r for r in refs if r.alive()]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.01)
+        alive = [r for r in alive if r.alive()]
+    return alive
+
+
+def _is_server(ref: ProcessRef, name: str) -> bool:
+    """Is ``ref`` still the lazy filesystem server called ``name`` (pid and start time, and
+    its command line)?"""
+    try:
+        cmdline = Path(f"/proc/{ref.pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return ref.alive() and b"faults.lazyfs" in cmdline and name.encode() in cmdline
+
+
+class LoseUnsynced:
+    """``storage.lose_unsynced``: a power loss under a folder.
+
+    In two parts, because the filesystem must be under the folder before the system writes
+    to it. ``prepare`` (before launch) mounts the lazy filesystem (faults/lazyfs.py) over the
+    folder: journaled before the server is told to mount, with what undoes it (the folder,
+    the mount's source name, the server's pid and start time). The fault itself
+    (``inject_group``) takes every target down with the power: the filesystem loses all
+    that was not durable and fails every request while the targets are SIGKILLed (so not one
+    more write lands in a world that has lost its power), then serves what survived to the
+    system's restart. The loss is the point and stays; the mount goes when the run ends.
+    """
+
+    info = KindInfo(
+        kind="storage.lose_unsynced",
+        summary="A power loss under a folder: every write not yet made durable there is lost "
+        "and the target processes die (default: every rank; the launcher restarts them).",
+        caused_by="From launch on, the folder is a FUSE filesystem (faults/lazyfs.py, Python "
+        "over libfuse3) that keeps the durable state in the folder below it and the rest in "
+        "memory: file data until fsync/fdatasync of the file, directory entries (create, "
+        "rename, unlink, mkdir) until fsync of their directory. At the fault it drops all of "
+        "that at once and answers EIO until the targets are dead (SIGKILL), then serves what "
+        "survived.",
+        params={
+            "root": "folder `dir` is relative to (the harness passes the trainer's checkpoint "
+            "folder, or the run folder for a command)",
+            "dir": "the folder the system keeps its checkpoints in, relative to root; the lazy "
+            "filesystem is mounted on it at launch; default root itself",
+        },
+        reverted_by="the loss stays (it is the point); when the run ends the filesystem is "
+        "unmounted (fusermount3 -u, lazily if busy) and its server stopped, and the folder "
+        "holds what survived.",
+    )
+
+    def __init__(self) -> None:
+        self._servers: dict[str, subprocess.Popen[bytes]] = {}  # source -> our child
+
+    def prepare(self, params: Mapping[str, Any], journal: Journal) -> Applied:
+        root = Path(str(params["root"])).resolve()
+        folder = _under(root, str(params.get("dir", ".")))
+        folder.mkdir(parents=True, exist_ok=True)
+        name = lazyfs.SOURCE_PREFIX + uuid.uuid4().hex[:12]
+        log = Path(str(params["log"])) if params.get("log") else None
+        try:
+            proc = lazyfs.launch(folder, name, log)
+        except lazyfs.Unavailable as exc:
+            raise FaultUnavailable(f"lazy filesystem on {folder}: {exc}") from None
+        server = ProcessRef.of(proc.pid)
+        if server is None:
+            lazyfs.close(proc)
+            raise FaultUnavailable(f"the lazy filesystem server for {folder} died at start")
+        self._servers[name] = proc
+        undo = {"mount": str(folder), "source": name, "server": server.to_json()}
+        try:
+            entry = journal.intend(self.info.kind, undo)
+        except BaseException:
+            lazyfs.close(self._servers.pop(name))  # not mounted yet: closing ends it
+            raise
+        with undone_on_error(journal, entry, self.revert, undo):
+            try:
+                lazyfs.mount_now(proc, folder, name, log)
+            except lazyfs.Unavailable as exc:
+                raise FaultUnavailable(f"lazy filesystem on {folder}: {exc}") from None
+        return Applied(self.info.kind, entry, undo, f"{folder} is on a lazy filesystem ({name})")
+
+    def inject(self, target: ProcessRef, params: Mapping[str, Any], journal: Journal) -> Applied:
+        return self.inject_group([target], params, journal)
+
+    def inject_group(
+        self, targets: Sequence[ProcessRef], params: Mapping[str, Any], journal: Journal
+    ) -> Applied:
+        prepared = params.get("prepared")
+        if not isinstance(prepared, Mapping) or "source" not in prepared:
+            raise FaultUnavailable("storage.lose_unsynced needs its filesystem, mounted before "
+                                   "launch by the harness (prepare); it was not")
+        name, folder = str(prepared["source"]), str(prepared["mount"])
+        lost = lazyfs.command(name, "lose")  # from here on the filesystem is powered off
+        try:
+            killed = [ref for ref in targets if ref.signal(signal.SIGKILL)]
+            # Dead before the power comes back: a write still in flight must not land.
+            survivors = _wait_gone(killed, timeout=10.0)
+        finally:
+            lazyfs.command(name, "on")
+        loss = lazyfs.Loss(int(lost["files"]), int(lost["bytes"]), int(lost["entries"]))
+        pids = ", ".join(str(r.pid) for r in killed) or "none"
+        detail = f"power loss on {folder}: lost {loss.describe()}; killed pid {pids}"
+        if survivors:
+            detail += f" (still alive after 10s: {', '.join(str(r.pid) for r in survivors)})"
+        return Applied(self.info.kind, None, {}, detail)
+
+    def revert(self, undo: Mapping[str, Any]) -> None:
+        folder, name = Path(str(undo["mount"])), str(undo["source"])
+        if not name.startswith(lazyfs.SOURCE_PREFIX):
+            raise ValueError(f"not a lazy filesystem: {name!r}")
+        try:
+            lazyfs.unmount(folder, name)  # the server ends by itself once unmounted
+        finally:
+            proc = self._servers.pop(name, None)
+            if proc is not None:
+                lazyfs.close(proc)
+            server = ProcessRef.from_json(dict(undo["server"]))
+            if _wait_gone([server], timeout=5.0) and _is_server(server, name):
+                server.signal(signal.SIGKILL)
+
+    def validate(self, undo: Mapping[str, Any], context: UndoContext) -> None:
+        """A mount on one of the run's folders, a source name the engine made, and a server
+        named by pid and start time. The server carries no run id (the run's teardown would
+        kill it before its mount is gone), so revert signals it only while its command line
+        still names that source (`_is_server`)."""
+        context.path(undo.get("mount"))
+        source = context.name(undo.get("source"))
+        if not source.startswith(lazyfs.SOURCE_PREFIX):
+            raise UndoRefused(f"{source!r} is not a lazy filesystem's source name")
+        server = undo.get("server")
+        if not (isinstance(server, Mapping) and isinstance(server.get("pid"), int)
+                and isinstance(server.get("start"), int) and server["pid"] > 1):
+            raise UndoRefused(f"server {server!r} does not name a process (pid and start time)")
+
+
 CORRUPT = register(Corrupt())
 TRUNCATE = register(Truncate())
 DELETE = register(Delete())
 FULL = register(Full())
+LOSE_UNSYNCED = register(LoseUnsynced())

@@ -59,6 +59,15 @@ class Straggle:
         "group (cgroup); or stop the duty cycle and SIGCONT (signal).",
     )
 
+    def preflight(self, params: Mapping[str, Any]) -> list[str]:
+        if str(params.get("method", "auto")) != "cgroup":
+            return []  # auto falls back to SIGSTOP/SIGCONT, which needs nothing
+        mount = _cgroup.v1_mount("cpu")
+        if mount is None or not _cgroup.writable(mount):
+            return ["method: cgroup needs a writable cgroup v1 cpu controller "
+                    "(/sys/fs/cgroup/cpu, as root); method: auto falls back to SIGSTOP/SIGCONT"]
+        return []
+
     def inject(self, target: ProcessRef, params: Mapping[str, Any], journal: Journal) -> Applied:
         factor = float(params.get("factor", 4))
         if factor < 1:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from harness import metrics as _metrics
 from harness._duration import format_duration
+from harness.metrics import Output
 from harness.records import CheckResult, Event, FaultRecord
 from harness.spec import DetectBudget, Expect
 
@@ -45,9 +46,11 @@ def evaluate(
     digests: Mapping[int, str],
     baseline: Mapping[int, str] | None,
     events: Sequence[Event] | None = None,
-    outputs: Mapping[str, Sequence[int]] | None = None,
-    baseline_outputs: Mapping[str, Sequence[int]] | None = None,
+    outputs: Mapping[str, Output] | None = None,
+    baseline_outputs: Mapping[str, Output] | None = None,
+    world: int | None = None,
 ) -> list[CheckResult]:
+    """``world``: the configured world size (for recovery's reason when not observed)."""
     results: list[CheckResult] = []
     if expect.completes:
         if outcome.timed_out:
@@ -80,14 +83,27 @@ def evaluate(
         results.append(_time_to_detect(expect.time_to_detect, _f(metrics.get("time_to_detect_s")),
                                        events or ()))
     if expect.time_to_recover:
-        results.append(_budget("time_to_recover", _f(metrics.get("time_to_recover_s")),
-                               expect.time_to_recover.max.total_seconds(), "recovery"))
+        results.append(_time_to_recover(_f(metrics.get("time_to_recover_s")),
+                                        expect.time_to_recover.max.total_seconds(),
+                                        events, world))
     if expect.lost_steps:
         lost = metrics.get("lost_steps")
         limit = expect.lost_steps.max
         ok = isinstance(lost, int) and lost <= limit
         results.append(CheckResult("lost_steps", ok, lost, f"<= {limit}",
-                                   f"{lost} committed steps were recomputed (at most {limit})"))
+                                   f"{lost} steps were committed more than once (recomputed, "
+                                   f"or by two worlds; at most {limit})"))
+    if expect.skipped_steps:
+        skipped = metrics.get("skipped_steps")
+        limit = expect.skipped_steps.max
+        ok = isinstance(skipped, int) and skipped <= limit
+        results.append(CheckResult(
+            "skipped_steps", ok, skipped, f"<= {limit}",
+            "not observed: no world was seen committing two consecutive steps, so a gap "
+            "cannot be told from sparse reporting" if skipped is None else
+            f"{skipped} steps were jumped over (at most {limit})"))
+    if expect.single_history:
+        results.append(_single_history(metrics.get("forked_steps"), events))
     if expect.step_rate:
         rate = _f(metrics.get("min_step_rate"))
         floor = expect.step_rate.min
@@ -101,6 +117,8 @@ def evaluate(
         results.append(_straggler_named(events or (), faults))
     if expect.xid_action:
         results.append(_xid_action(events or ()))
+    if expect.checkpoint_durable:
+        results.append(_checkpoint_durable(events or ()))
     if expect.no_lost_requests:
         lost, total = metrics.get("lost_requests"), metrics.get("requests")
         tokens = metrics.get("lost_tokens")
@@ -151,25 +169,96 @@ def _time_to_detect(budget: DetectBudget, observed: float | None,
                        f"{result.message}, by {cause}")
 
 
-def _outputs_match(outputs: Mapping[str, Sequence[int]],
-                   baseline: Mapping[str, Sequence[int]] | None) -> CheckResult:
-    expected = "token-identical to the fault-free run"
+def _time_to_recover(observed: float | None, limit_s: float, events: Sequence[Event] | None,
+                     world: int | None) -> CheckResult:
+    result = _budget("time_to_recover", observed, limit_s, "recovery")
+    if observed is not None:
+        return result
+    why = _metrics.recovery(events, world).reason if events else ""
+    return CheckResult(result.name, False, None, result.expected,
+                       "recovery was not observed" + (f": {why}" if why else ""))
+
+
+def _single_history(forked: float | int | None, events: Sequence[Event] | None
+                    ) -> CheckResult:
+    expected = "no step committed by two worlds after the fault"
+    if forked is None:
+        return CheckResult("single_history", False, None, expected,
+                           "not observed: steps after the fault name no world (generation), "
+                           "so two worlds cannot be told apart")
+    if forked == 0:
+        return CheckResult("single_history", True, 0, expected,
+                           "every step after the fault was committed by one history")
+    found = _metrics.forks(events) if events else None
+    detail = ""
+    if found:
+        names = sorted({str(w) for f in found for w in f.worlds})
+        detail = (f": steps {found[0].step}..{found[-1].step} by generations "
+                  f"{', '.join(names)}")
+    return CheckResult("single_history", False, forked, expected,
+                       f"split brain: {forked} steps were committed after the fault by two "
+                       f"worlds that both went on{detail}")
+
+
+def _outputs_match(outputs: Mapping[str, Output],
+                   baseline: Mapping[str, Output] | None) -> CheckResult:
+    """Every request's tokens, and the logits each was chosen from (by the server's digest),
+    equal to the fault-free twin's. Greedy tokens rarely change when the numerics do (a
+    re-prefill through a kernel that is not batch-invariant changed no token), so equal
+    tokens alone prove little; a token whose digest either run lacks was not compared and
+    fails the check as not observed."""
+    expected = "tokens and logits identical to the fault-free run"
     if not baseline:
         return CheckResult("outputs_match", False, None, expected,
                            "the fault-free run produced no outputs to compare with")
+    empty = Output((), ())
     ids = sorted(set(baseline) | set(outputs))
-    differ = [i for i in ids if list(outputs.get(i, ())) != list(baseline.get(i, ()))]
-    observed = f"{len(ids) - len(differ)}/{len(ids)} requests identical"
-    if not differ:
+    tokens_differ: list[tuple[str, int]] = []  # (request, first token that differs)
+    logits_differ: list[tuple[str, int]] = []  # same tokens, a digest differs
+    unverified: list[tuple[str, int]] = []  # same tokens and known digests agree, some unknown
+    for rid in ids:
+        got, want = outputs.get(rid, empty), baseline.get(rid, empty)
+        if got.tokens != want.tokens:
+            tokens_differ.append((rid, _first_difference(got.tokens, want.tokens)))
+            continue
+        pairs = [(_at(got.digests, k), _at(want.digests, k)) for k in range(len(got.tokens))]
+        wrong = [k for k, (a, b) in enumerate(pairs) if a is not None and b is not None
+                 and a != b]
+        unknown = [k for k, (a, b) in enumerate(pairs) if a is None or b is None]
+        if wrong:
+            logits_differ.append((rid, wrong[0]))
+        elif unknown:
+            unverified.append((rid, len(unknown)))
+    bad = len(tokens_differ) + len(logits_differ) + len(unverified)
+    observed = f"{len(ids) - bad}/{len(ids)} requests identical"
+    if not bad:
         return CheckResult("outputs_match", True, observed, expected,
-                           f"all {len(ids)} requests token-identical to the fault-free run")
-    first = differ[0]
-    got, want = list(outputs.get(first, ())), list(baseline.get(first, ()))
-    at = next((k for k, (a, b) in enumerate(zip(got, want, strict=False)) if a != b),
-              min(len(got), len(want)))
-    return CheckResult("outputs_match", False, observed, expected,
-                       f"{len(differ)} requests differ; first {first} at token {at} "
-                       f"(got {len(got)} tokens, fault-free {len(want)})")
+                           f"all {len(ids)} requests identical to the fault-free run: every "
+                           "token, and bitwise the logits it was chosen from")
+    parts = []
+    if tokens_differ:
+        rid, at = tokens_differ[0]
+        got, want = outputs.get(rid, empty), baseline.get(rid, empty)
+        parts.append(f"{len(tokens_differ)} requests differ in their tokens; first {rid} at "
+                     f"token {at} (got {len(got.tokens)} tokens, fault-free {len(want.tokens)})")
+    if logits_differ:
+        rid, at = logits_differ[0]
+        parts.append(f"{len(logits_differ)} requests have the fault-free tokens but not its "
+                     f"logits (the numerics changed); first {rid} at token {at}")
+    if unverified:
+        rid, count = unverified[0]
+        parts.append(f"{len(unverified)} requests could not be compared bitwise: logits "
+                     f"digests not observed (first {rid}, {count} tokens)")
+    return CheckResult("outputs_match", False, observed, expected, "; ".join(parts))
+
+
+def _at(digests: Sequence[str | None], k: int) -> str | None:
+    return digests[k] if k < len(digests) else None
+
+
+def _first_difference(got: Sequence[int], want: Sequence[int]) -> int:
+    return next((k for k, (a, b) in enumerate(zip(got, want, strict=False)) if a != b),
+                min(len(got), len(want)))
 
 
 def _xid_action(events: Sequence[Event]) -> CheckResult:
@@ -232,6 +321,60 @@ def _xid_code(event: Event) -> int | None:
     return code if isinstance(code, int) else None
 
 
+def _checkpoint_durable(events: Sequence[Event]) -> CheckResult:
+    """What the system called committed before the fault survives it, whole.
+
+    The system's own reports are the evidence: the newest step it reported saved
+    (``checkpoint_saved``) before the first fault, and every resume after the fault
+    (``checkpoint_loaded``). Each resume must be from that step or a newer one. And the
+    loader must not have had to reject anything on the way (``checkpoint_skipped``): after a
+    crash or a power loss, a writer that publishes a checkpoint only once it is whole leaves
+    nothing that looks like a checkpoint and is not; a rejection means it did, even when the
+    loader's checksums then saved the day. Without a resume, or without a checkpoint saved
+    before the fault, there is nothing to prove it with: the check fails as not observed.
+    (``params_match`` cannot see a lost checkpoint: a deterministic trainer that resumes from
+    an older one, or from scratch, still ends bitwise equal.)
+    """
+    name = "checkpoint_durable"
+    fault = next((e for e in events if e.event == "fault_injected"), None)
+    if fault is None:
+        return CheckResult(name, False, None, "a fault", "not observed: no fault landed")
+    saved = [(e.t, e.fields["step"]) for e in events if e.event == "checkpoint_saved"
+             and e.t < fault.t and isinstance(e.fields.get("step"), int)]
+    if not saved:
+        return CheckResult(name, False, None, "a checkpoint saved before the fault",
+                           "not observed: the system reported no checkpoint saved before the "
+                           "fault, so none had to survive it")
+    saved_t, last = max(saved, key=lambda item: item[1])
+    expected = f"resume from step >= {last}, none rejected"
+    loads = [e for e in events if e.event == "checkpoint_loaded" and e.t > fault.t
+             and isinstance(e.fields.get("step"), int)]
+    if not loads:
+        return CheckResult(name, False, "no resume", expected,
+                           "not observed: the system reported no checkpoint_loaded after the "
+                           "fault (it started over, or never restarted)")
+    oldest = min(loads, key=lambda e: e.fields["step"])
+    step = oldest.fields["step"]
+    who = f"rank {oldest.rank}" if oldest.rank is not None else oldest.source
+    if step < last:
+        return CheckResult(
+            name, False, f"resumed from step {step}", expected,
+            f"{who} resumed from step {step}, older than step {last}, which the system "
+            f"reported saved {fault.t - saved_t:.2f}s before the fault: a checkpoint it called "
+            "committed did not survive")
+    rejected = [e for e in events if e.event == "checkpoint_skipped" and e.t > fault.t]
+    if rejected:
+        first = rejected[0]
+        by = f"rank {first.rank}" if first.rank is not None else first.source
+        return CheckResult(
+            name, False, f"{len(rejected)} rejected", expected,
+            f"{by} had to reject {first.fields.get('path')} ({first.fields.get('reason')}): "
+            "the writer left a checkpoint behind that was not whole")
+    return CheckResult(name, True, f"resumed from step {step}", expected,
+                       f"resumed from step {step} (the newest saved before the fault: {last}), "
+                       "none rejected")
+
+
 def _straggler_named(events: Sequence[Event], faults: Sequence[FaultRecord]) -> CheckResult:
     slowed = {f.target for f in faults if f.kind == "process.straggle" and f.injected_at_s}
     named = {f"rank {e.fields.get('slow_rank')}" for e in events
@@ -259,6 +402,14 @@ def _params_match(
     if not digests:
         return CheckResult("params_match", False, None, expected,
                            "the run reported no final parameters")
+    missing = sorted(set(baseline) - set(digests))
+    if missing:
+        # Only the final world's digests count (metrics.final_digests): a rank of it that
+        # never reported leaves nothing to compare, whatever the others say.
+        reported = len(baseline) - len(missing)
+        return CheckResult("params_match", False, f"{reported}/{len(baseline)} ranks reported",
+                           expected, "the final world reported no parameters from "
+                           + ", ".join(f"rank {r}" for r in missing))
     ranks = sorted(set(baseline) | set(digests))
     differ = [r for r in ranks if digests.get(r) != baseline.get(r)]
     observed = f"{len(ranks) - len(differ)}/{len(ranks)} ranks equal"

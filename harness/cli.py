@@ -94,9 +94,9 @@ def run(
     ] = None,
 ) -> None:
     """Run scenarios: launch, inject faults, check recovery, report."""
-    from harness.errors import AftershockError, HarnessError, SpecError
+    from harness.errors import AftershockError, HarnessError, RunFailed, SpecError
     from harness.report import LiveObserver, PlainObserver
-    from harness.runner import Interrupted, Observer, run_scenario
+    from harness.runner import Interrupted, Observer, RunInterrupted, run_scenario
     from harness.spec import TrainerSystem, discover, load_scenario
 
     try:
@@ -115,7 +115,8 @@ def run(
     except SpecError as exc:
         raise _fail_invalid(exc.problems) from None
     # Before anything runs: a record that cannot be written is lost after the whole run.
-    unusable = _check_outputs(json_out=json_out, junit=junit, run_dir=run_dir)
+    unusable = _check_outputs(json_out=json_out, junit=junit, run_dir=run_dir, html=html,
+                              trace=trace)
     if unusable:
         raise _fail_invalid(unusable)
 
@@ -143,14 +144,27 @@ def run(
                                           observer=observer, use_cache=not no_cache)
                 results.append(result)
     except KeyboardInterrupt as exc:
+        if isinstance(exc, RunInterrupted):
+            results.append(exc.result)
         err.print("interrupted: every fault was healed and every process of the run ended")
         # The shell's convention: 128 + the signal number (SIGINT 2, SIGTERM 15).
-        raise typer.Exit(143 if isinstance(exc, Interrupted) else 130) from None
+        code = (exc.exit_code if isinstance(exc, RunInterrupted)
+                else 143 if isinstance(exc, Interrupted) else 130)
+        raise typer.Exit(code) from None
+    except RunFailed as exc:
+        results.append(exc.result)
+        err.print(f"aftershock: harness error: {exc}", markup=False)
+        raise typer.Exit(EXIT_HARNESS) from None
     except HarnessError as exc:
         err.print(f"aftershock: harness error: {exc}", markup=False)
         raise typer.Exit(EXIT_HARNESS) from None
     except AftershockError as exc:
         err.print(f"aftershock: {exc}", markup=False)
+        raise typer.Exit(EXIT_HARNESS) from None
+    except Exception as exc:
+        # Exit 1 means "a check failed": a bug of the harness must never read as a verdict.
+        err.print(f"aftershock: harness error: unexpected {type(exc).__name__}: {exc} "
+                  f"(traceback: {_save_traceback()})", markup=False)
         raise typer.Exit(EXIT_HARNESS) from None
     finally:
         _write_records(results, json_out, junit, html)
@@ -259,7 +273,8 @@ def explore(
     except KeyboardInterrupt as exc:
         err.print("interrupted: every fault was healed and every process ended; what was "
                   "found so far is written", markup=False)
-        code = 143 if isinstance(exc, Interrupted) else 130
+        code = (exc.exit_code if isinstance(exc, RunInterrupted)
+                else 143 if isinstance(exc, Interrupted) else 130)
     except SpecError as exc:
         for problem in exc.problems:
             err.print(problem, markup=False, highlight=False)
@@ -269,6 +284,11 @@ def explore(
         code = EXIT_HARNESS
     except AftershockError as exc:
         err.print(f"aftershock: {exc}", markup=False)
+        code = EXIT_HARNESS
+    except Exception as exc:
+        # Exit 1 means "a failing schedule": a bug of the harness must never read as one.
+        err.print(f"aftershock: harness error: unexpected {type(exc).__name__}: {exc} "
+                  f"(traceback: {_save_traceback()})", markup=False)
         code = EXIT_HARNESS
     finally:
         if json_out is not None:
@@ -285,14 +305,28 @@ def explore(
     raise typer.Exit(code)
 
 
-def _check_outputs(*, json_out: str | None, junit: Path | None, run_dir: Path | None) -> list[str]:
+def _save_traceback() -> str:
+    """The current exception's traceback in a file of its own, for the bug report."""
+    import tempfile
+    import traceback
+
+    fd, path = tempfile.mkstemp(prefix="aftershock-error-", suffix=".txt")
+    with open(fd, "w") as handle:
+        handle.write(traceback.format_exc())
+    return path
+
+
+def _check_outputs(*, json_out: str | None, junit: Path | None, run_dir: Path | None,
+                   html: Path | None = None, trace: Path | None = None) -> list[str]:
     """Problems with the paths a run will write to, found by trying them, not by guessing
     from permission bits (root passes every such check, and /proc refuses anyway)."""
     import os
 
     problems: list[str] = []
     files = [("--json", Path(json_out)) if json_out not in (None, "-") else None,
-             ("--junit", junit) if junit is not None else None]
+             ("--junit", junit) if junit is not None else None,
+             ("--html", html) if html is not None else None,
+             ("--trace", trace) if trace is not None else None]
     for option, path in filter(None, files):
         existed = path.exists()
         try:

@@ -3,6 +3,11 @@ these exceptions exist for the boundary (CLI exit codes, pytest failures)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from harness.records import RunResult
+
 
 class AftershockError(Exception):
     """Root of every error Aftershock raises on purpose."""
@@ -22,3 +27,17 @@ class HarnessError(AftershockError):
 
 class TargetError(HarnessError):
     """The system under test could not be launched or observed."""
+
+
+class PreflightError(HarnessError):
+    """This machine lacks what a scenario's faults need (a tool, a kernel feature, a
+    privilege); found before anything is launched. The message says how to get it."""
+
+
+class RunFailed(HarnessError):
+    """A scenario run ended in a harness error; ``result`` is its record, already written
+    to the run folder, so `--json` and JUnit can show the run too."""
+
+    def __init__(self, message: str, result: RunResult) -> None:
+        super().__init__(message)
+        self.result = result

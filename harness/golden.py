@@ -65,6 +65,9 @@ def twin_system(spec: Scenario) -> dict[str, Any]:
                _SERVER_TIMING if isinstance(spec.system, ServerSystem) else ())
     for name in (*dropped, "env"):
         system.pop(name, None)
+    if isinstance(spec.system, ServerSystem):
+        for name in ("retries", "request_timeout"):  # how long clients insist, not what
+            system["load"].pop(name, None)
     return system
 
 

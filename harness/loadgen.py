@@ -13,8 +13,10 @@ client never hides a server's mistakes: a token index it already had is
 counted as a duplicate, a gap as a loss.
 
 Every request ends as one ``request_done`` or ``request_failed`` event on the
-timeline, carrying its tokens and the arrival time of each, so every serving
-metric is a pure function of the timeline (``harness.metrics``). One
+timeline, carrying its tokens, the arrival time of each and the digest of the
+logits row each was chosen from (``logits_digest`` in the chunk, when the server
+sends one), so every serving metric is a pure function of the timeline
+(``harness.metrics``). One
 ``first_token`` event per request lets scenarios trigger on load
 (``at: {event: first_token, count: 10}``).
 """
@@ -67,6 +69,7 @@ def plan(load: Load, seed: int) -> list[Request]:
 class _Progress:
     tokens: list[int] = field(default_factory=list)
     times: list[float] = field(default_factory=list)
+    digests: list[str | None] = field(default_factory=list)  # None: the server sent none
     duplicates: int = 0
     gaps: int = 0
     resumes: int = 0
@@ -156,7 +159,8 @@ class LoadGenerator:
             self._slots.release()
             record: dict[str, Any] = {
                 "request": request.id, "sent": sent, "tokens": progress.tokens,
-                "times": [round(t, 6) for t in progress.times], "max_tokens": request.max_tokens,
+                "times": [round(t, 6) for t in progress.times], "digests": progress.digests,
+                "max_tokens": request.max_tokens,
                 "duplicates": progress.duplicates, "gaps": progress.gaps,
                 "resumes": progress.resumes,
             }
@@ -215,8 +219,10 @@ class LoadGenerator:
         if index > len(progress.tokens):
             progress.gaps += index - len(progress.tokens)
             raise _Broken(f"token {index} arrived while {len(progress.tokens)} was expected")
+        digest = choice.get("logits_digest")
         progress.tokens.append(int(ids[0]))
         progress.times.append(now)
+        progress.digests.append(digest if isinstance(digest, str) and digest else None)
         if choice.get("finish_reason"):
             progress.ended = True
         if len(progress.tokens) == 1:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from harness.records import Event
@@ -18,6 +18,25 @@ from harness.records import Event
 
 def first_fault_time(events: Sequence[Event]) -> float | None:
     return next((e.t for e in events if e.event == "fault_injected"), None)
+
+
+def fault_landed(events: Sequence[Event]) -> float | None:
+    """When the first fault had certainly taken effect: when applying it ended
+    (``applied_at``; a SIGSTOP has landed once kill() returned). The fault's moment is when
+    applying it began, so that a fast reaction is not measured short; a step committed
+    in between may still precede the fault's effect and proves nothing."""
+    first = next((e for e in events if e.event == "fault_injected"), None)
+    if first is None:
+        return None
+    applied = first.fields.get("applied_at")
+    return max(first.t, float(applied)) if isinstance(applied, int | float) else first.t
+
+
+def run_over(events: Sequence[Event]) -> float:
+    """When the harness stopped observing: its timeout, else the end of the run. After it,
+    the harness heals every fault (a frozen rank is thawed) and stops the system, so what
+    the system does then is no evidence of anything it did by itself."""
+    return next((e.t for e in events if e.event in ("timeout", "run_end")), math.inf)
 
 
 def detection(events: Sequence[Event]) -> Event | None:
@@ -48,52 +67,367 @@ def full_world(events: Sequence[Event], configured: int | None) -> int | None:
     return len(ranks) or None
 
 
-def time_to_recover(events: Sequence[Event], world: int | None) -> float | None:
-    """Fault injected -> first step committed by every rank of the full world again.
+# --------------------------------------------------------------------- worlds and commits
 
-    Only step reports after the system noticed the failure (or after the fault,
-    if the system reports no detection) count, so a step the doomed generation
-    finished just after the fault is not mistaken for recovery.
-    """
-    t_fault = first_fault_time(events)
-    if t_fault is None or not world:
+#: A world's identity: a generation (restart count, membership plan), a quorum id, ...
+#: Two steps with the same identity were committed by one world.
+World = int | str
+
+
+@dataclass(frozen=True, slots=True)
+class Commit:
+    """One rank's report that it committed a step, in the world it named."""
+
+    t: float  # on the timeline's clock: the committer's own, or when its log line was read
+    step: int
+    rank: int
+    world: World | None  # None: the report named no world
+    proven: bool  # `t` is the committer's own clock, not only an upper bound
+
+
+def proven_time(event: Event) -> bool:
+    """Whether ``event.t`` is the emitter's own clock. Probe events are stamped by the
+    process that writes them. A log line is stamped when the harness reads it, which is
+    only an upper bound on when it was written (``clock: read``), unless its probe parsed
+    the line's own time (``clock: line``, harness/target.py)."""
+    return event.source != "log" or event.fields.get("clock") == "line"
+
+
+def _identity(value: object) -> World | None:
+    if isinstance(value, bool) or not isinstance(value, int | str) or value == "":
         return None
-    detected = next(
-        (e.t for e in events if e.event == "failure_detected" and e.t >= t_fault), None
-    )
-    t_from = detected if detected is not None else t_fault
-    reporters: dict[int, set[int]] = defaultdict(set)
-    for e in events:
-        if e.event != "step" or e.t <= t_from:
-            continue
-        step = e.fields.get("step")
-        if not isinstance(step, int):
-            continue
-        reporters[step].add(e.rank if e.rank is not None else 0)
-        if len(reporters[step]) >= world:
-            return e.t - t_fault
-    return None
+    return value
 
 
-def lost_steps(events: Sequence[Event]) -> int:
-    """Committed steps that had to be committed again (recomputed), worst rank.
+@dataclass(frozen=True, slots=True)
+class Reading:
+    """A timeline read once for the training metrics: its events in time order, with the
+    rank and the world of each, and every step report as a ``Commit``.
 
-    For each rank, a step reported when that rank had already reported the same
-    or a later step is a recomputation.
+    An event's world is its ``generation``; a probe event without one is in the
+    generation its process (pid) last named in a ``hello`` or ``step``, which is what the
+    probe stamps on later events (older timelines lack the stamp). A log line names its
+    world only through its probe's ``generation`` group."""
+
+    events: list[Event]
+    ranks: list[int | None]
+    worlds: list[World | None]
+    commits: list[Commit]
+
+    @classmethod
+    def of(cls, events: Sequence[Event]) -> Reading:
+        ordered = sorted(events, key=lambda e: e.t)
+        ranks = [e.rank for e in ordered]
+        declared: dict[tuple[object, ...], World] = {}
+        worlds: list[World | None] = []
+        found: list[Commit] = []
+        for e, rank in zip(ordered, ranks, strict=True):
+            world = _identity(e.fields.get("generation"))
+            if e.source != "log":
+                pid = e.fields.get("pid")
+                process = ("pid", pid) if isinstance(pid, int) else ("source", e.source, rank)
+                if world is not None and e.event in ("hello", "step"):
+                    declared[process] = world
+                elif world is None:
+                    world = declared.get(process)
+            worlds.append(world)
+            step = e.fields.get("step")
+            if e.event == "step" and isinstance(step, int) and not isinstance(step, bool):
+                found.append(Commit(e.t, step, rank if rank is not None else 0, world,
+                                    proven_time(e)))
+        return cls(ordered, ranks, worlds, found)
+
+
+def commits(events: Sequence[Event]) -> list[Commit]:
+    """Every step report, in time order, with its world."""
+    return Reading.of(events).commits
+
+
+@dataclass(frozen=True, slots=True)
+class _Worlds:
+    """Who was in which world when: what tells a replaced world from a live one."""
+
+    first_seen: dict[World | None, float]  # first hello or step of each world
+    members: dict[World | None, set[int]]  # ranks that committed a step in it
+    # The last time a member of each world turned up (hello or step) in another named
+    # world: (when, rank, that world).
+    departed: dict[World | None, tuple[float, int, World]]
+
+    @classmethod
+    def of(cls, reading: Reading) -> _Worlds:
+        first_seen: dict[World | None, float] = {}
+        members: dict[World | None, set[int]] = defaultdict(set)
+        moves: list[tuple[float, int, World | None]] = []
+        for e, rank, world in zip(reading.events, reading.ranks, reading.worlds, strict=True):
+            if e.event not in ("hello", "step"):
+                continue
+            first_seen.setdefault(world, e.t)
+            if e.event == "step":
+                rank = 0 if rank is None else rank
+                members[world].add(rank)
+            elif rank is None:
+                continue  # a spare's hello: it plays no rank yet
+            moves.append((e.t, rank, world))
+        departed: dict[World | None, tuple[float, int, World]] = {}
+        for t, rank, other in moves:
+            if other is None:
+                continue
+            for world, ranks in members.items():
+                if world != other and rank in ranks:
+                    departed[world] = (t, rank, other)
+        return cls(first_seen, dict(members), departed)
+
+    def left(self, world: World | None, after: float) -> tuple[float, int, World] | None:
+        """(when, rank, where) a member of ``world`` last turned up in another named world,
+        if that was after ``after``; None if every member stayed after it."""
+        last = self.departed.get(world)
+        return last if last is not None and last[0] > after else None
+
+    def final(self) -> World | None:
+        """The newest world that committed a step."""
+        committed = [w for w in self.first_seen if w in self.members]
+        return max(committed, key=lambda w: self.first_seen[w], default=None)
+
+
+def _ranks(ranks: Iterable[int]) -> str:
+    listed = sorted(ranks)
+    return ("rank " if len(listed) == 1 else "ranks ") + ", ".join(str(r) for r in listed)
+
+
+def _name(world: World | None) -> str:
+    return "the unnamed world" if world is None else f"generation {world}"
+
+
+# ------------------------------------------------------------------------ recovery
+
+
+@dataclass(frozen=True, slots=True)
+class Recovery:
+    """When the system was whole again after the fault, or why that was not observed."""
+
+    seconds: float | None  # fault -> the step that proves it; None: not observed
+    generation: World | None = None  # the world that recovered
+    step: int | None = None
+    reason: str = ""  # why it was not observed
+
+
+def recovery(events: Sequence[Event] | Reading, world: int | None) -> Recovery:
+    """Fault injected -> the first step committed after the fault, by the committers' own
+    clocks, by every rank of the full world in one world (same generation), before the
+    harness stopped observing, where that world was not replaced afterwards (a member
+    turned up in another world) and did not fail (a failure it reported, or the run ending
+    in failure while it was the last).
+
+    A step line whose time is only when the harness read it never proves it was
+    committed after the fault; steps that name no world never prove they were committed
+    by one world."""
+    reading = events if isinstance(events, Reading) else Reading.of(events)
+    ordered = reading.events
+    t_fault = first_fault_time(ordered)
+    if t_fault is None:
+        return Recovery(None, reason="no fault was injected")
+    size = full_world(ordered, world)
+    if not size:
+        return Recovery(None, reason="the world's size is unknown (no rank reported a step "
+                        "before the fault)")
+    landed, over = fault_landed(ordered) or t_fault, run_over(ordered)
+    after = [c for c in reading.commits if landed < c.t < over]
+    if not after:
+        return Recovery(None, reason="no step was reported after the fault")
+    proven = [c for c in after if c.proven]
+    if not proven:
+        return Recovery(None, reason="the steps reported after the fault carry only the time "
+                        "their log lines were read, which cannot prove they were committed "
+                        "after it (give the step probe a (?P<time>...) group)")
+    named = [c for c in proven if c.world is not None]
+    if not named:
+        return Recovery(None, reason="the steps committed after the fault name no world (a "
+                        "generation in the probe's hello, or a (?P<generation>...) group in the "
+                        "step probe), so one world's step cannot be told from another's")
+    # Each rank's first commit of each step in each world; the step is whole once `size`
+    # ranks of that world committed it.
+    first: dict[tuple[World | None, int], dict[int, float]] = defaultdict(dict)
+    for c in named:
+        first[(c.world, c.step)].setdefault(c.rank, c.t)
+    whole = sorted((max(by_rank.values()), w, s) for (w, s), by_rank in first.items()
+                   if len(by_rank) >= size)
+    known = _Worlds.of(reading)
+    failed_at: dict[World | None, float] = {}  # each world's last reported failure
+    for e, w in zip(ordered, reading.worlds, strict=True):
+        if e.event == "failure_detected":
+            failed_at[w] = e.t
+    end = next((e for e in reversed(ordered) if e.event == "run_end"), None)
+    ended_badly = end is not None and end.fields.get("exit_code") not in (0, None) and \
+        not end.fields.get("timed_out")
+    newest = max(known.first_seen, key=lambda w: known.first_seen[w], default=None)
+    doomed: list[str] = []
+    for t, w, s in whole:
+        whole_at = f"{_name(w)} was whole at step {s} {t - t_fault:.3f} s after the fault"
+        moved, failed = known.left(w, t), failed_at.get(w)
+        if moved is not None:
+            when, rank, other = moved
+            doomed.append(f"{whole_at}, but was replaced: rank {rank} turned up in "
+                          f"{_name(other)} {when - t:.3f} s later")
+        elif failed is not None and failed > t:
+            doomed.append(f"{whole_at}, but reported a failure {failed - t:.3f} s later")
+        elif ended_badly and w == newest:
+            assert end is not None
+            doomed.append(f"{whole_at}, but the run ended in failure "
+                          f"(exit {end.fields.get('exit_code')})")
+        else:
+            return Recovery(t - t_fault, w, s)
+    if doomed:
+        return Recovery(None, reason="; ".join(doomed[:2]))
+    # The world that came closest: the most ranks committing one step after the fault.
+    (w, s), by_rank = max(first.items(), key=lambda item: (len(item[1]), -min(item[1].values())))
+    missing = set(range(size)) - set(by_rank)
+    lacking = _ranks(missing) if missing else f"{size - len(by_rank)} more ranks"
+    return Recovery(None, reason=f"no world had every rank commit a step after the fault; "
+                    f"closest: {_name(w)} committed step {s} without {lacking}")
+
+
+def time_to_recover(events: Sequence[Event] | Reading, world: int | None) -> float | None:
+    """Fault injected -> the first step that proves recovery (see ``recovery``)."""
+    return recovery(events, world).seconds
+
+
+# --------------------------------------------------------------- history: forks and gaps
+
+
+@dataclass(frozen=True, slots=True)
+class Fork:
+    """A step committed after the fault by more than one world that kept going."""
+
+    step: int
+    worlds: tuple[World | None, ...]
+
+
+class _Lines:
+    """Each rank's line of descent: its commits, in time order, for as long as each one
+    builds on the one before. A rank breaks its line when it commits a step it already
+    passed (it rolled back, e.g. a restart from a checkpoint) or enters another world
+    further ahead than its next step (its state was replaced, e.g. healed from a peer).
+    Entering another world at its next step carries the line on (a survivor that stays)."""
+
+    def __init__(self, found: Sequence[Commit]) -> None:
+        self.by_rank: dict[int, list[Commit]] = defaultdict(list)
+        for c in found:
+            self.by_rank[c.rank].append(c)
+        self.last: dict[int, Commit] = {}  # id(commit) -> the last commit of its line
+        for run in self.by_rank.values():
+            end = run[-1]
+            for i in range(len(run) - 1, -1, -1):
+                self.last[id(run[i])] = end
+                if i and self._breaks(run[i - 1], run[i]):
+                    end = run[i - 1]
+        self.top = max((c.step for c in found), default=0)
+
+    @staticmethod
+    def _breaks(before: Commit, after: Commit) -> bool:
+        return after.step <= before.step or (after.step > before.step + 1
+                                             and after.world != before.world)
+
+    def progresses_after(self, c: Commit, t: float) -> bool:
+        """Its line goes on with a commit after ``t`` (commits of a rank are in time order)."""
+        last = self.last[id(c)]
+        return last is not c and last.t > t
+
+    def completes(self, c: Commit) -> bool:
+        """Its line runs unbroken to the run's last step: what it built is a result."""
+        last = self.last[id(c)]
+        return last is self.by_rank[c.rank][-1] and last.step >= self.top
+
+
+def forks(events: Sequence[Event] | Reading) -> list[Fork] | None:
+    """Steps committed by two worlds that both went on from them, the second commit after
+    the fault: a split brain. Two commits of one step in different worlds fork when the
+    earlier one's line still made progress after the later one was committed (two worlds
+    advancing at once, a zombie included), or when both lines run unbroken to the run's
+    last step (two results). A world that was given up (its ranks rolled back, or took
+    another world's state) and redone is one history with lost work (``lost_steps``).
+    None when some step after the fault names no world: then two worlds cannot be told
+    apart."""
+    reading = events if isinstance(events, Reading) else Reading.of(events)
+    t_fault = first_fault_time(reading.events)
+    if t_fault is None:
+        return []
+    found = reading.commits
+    if any(c.world is None for c in found if c.t > t_fault):
+        return None
+    lines = _Lines(found)
+    per_step: dict[int, list[Commit]] = defaultdict(list)
+    for c in found:
+        per_step[c.step].append(c)
+    forked = []
+    for step, done in sorted(per_step.items()):
+        # `done` is in time order: in each pair `a` came first.
+        pairs = [(a, b) for a, b in itertools.combinations(done, 2)
+                 if b.t > t_fault and a.world != b.world and a.world is not None]
+        if any(lines.progresses_after(a, b.t) or (lines.completes(a) and lines.completes(b))
+               for a, b in pairs):
+            forked.append(Fork(step, tuple(dict.fromkeys(c.world for c in done))))
+    return forked
+
+
+def forked_steps(events: Sequence[Event] | Reading) -> int | None:
+    """Steps committed after the fault by two histories (see ``forks``)."""
+    found = forks(events)
+    return None if found is None else len(found)
+
+
+def lost_steps(events: Sequence[Event] | Reading) -> int:
+    """Work done twice: for each step, every commit of it after the first, where a world
+    commits a step as often as its most repeating rank did (a world rolled back within
+    itself, or a restarted world, redoes steps; two worlds of a split brain each do them).
     """
-    best: dict[int, int] = {}
-    redone: dict[int, set[int]] = defaultdict(set)
-    for e in events:
-        if e.event != "step":
-            continue
+    reading = events if isinstance(events, Reading) else Reading.of(events)
+    counts: dict[int, dict[World | None, dict[int, int]]] = defaultdict(
+        lambda: defaultdict(lambda: defaultdict(int)))
+    for c in reading.commits:
+        counts[c.step][c.world][c.rank] += 1
+    return sum(max(sum(max(by_rank.values()) for by_rank in by_world.values()) - 1, 0)
+               for by_world in counts.values())
+
+
+def skipped_steps(events: Sequence[Event] | Reading) -> int | None:
+    """Steps the history jumped over: a world going from step a to b > a+1 (its steps in
+    the order any member first committed them), or a new world whose first step is not
+    the one after where it resumed (its ``checkpoint_loaded``/``recovery_done`` step, else
+    the newest step committed before it, if that is below). A world, not each rank: a
+    rank's lost report (two ranks' log lines run together) is no skip when the rest of its
+    world committed the step. None when no world is ever seen committing two consecutive
+    steps: a job that reports every k-th step shows gaps that are not skips."""
+    reading = events if isinstance(events, Reading) else Reading.of(events)
+    found = reading.commits
+    runs: dict[World | None, list[int]] = defaultdict(list)
+    seen: set[tuple[World | None, int]] = set()
+    for c in found:
+        if (c.world, c.step) not in seen:
+            seen.add((c.world, c.step))
+            runs[c.world].append(c.step)
+    pairs = [(a, b) for run in runs.values() for a, b in itertools.pairwise(run)]
+    if not any(b == a + 1 for a, b in pairs):
+        return None
+    skipped: set[int] = set()
+    for a, b in pairs:
+        skipped.update(range(a + 1, b))
+    resumed: dict[World | None, list[tuple[float, int]]] = defaultdict(list)
+    for e, w in zip(reading.events, reading.worlds, strict=True):
         step = e.fields.get("step")
-        if not isinstance(step, int):
+        if e.event in ("checkpoint_loaded", "recovery_done") and isinstance(step, int):
+            resumed[w].append((e.t, step))
+    starts: dict[World | None, Commit] = {}
+    for c in found:
+        starts.setdefault(c.world, c)
+    for start in list(starts.values())[1:]:  # the first world starts where the job does
+        points = [s for t, s in resumed.get(start.world, []) if t <= start.t]
+        if points:
+            skipped.update(range(points[0] + 1, start.step))
             continue
-        rank = e.rank if e.rank is not None else 0
-        if rank in best and step <= best[rank]:
-            redone[rank].add(step)
-        best[rank] = max(best.get(rank, step), step)
-    return max((len(s) for s in redone.values()), default=0)
+        below = [c.step for c in found if c.t < start.t and c.step < start.step]
+        if below:
+            skipped.update(range(max(below) + 1, start.step))
+    return len(skipped)
 
 
 def steps_committed(events: Sequence[Event]) -> int | None:
@@ -102,12 +436,23 @@ def steps_committed(events: Sequence[Event]) -> int | None:
     return max(steps) if steps else None
 
 
-def final_digests(events: Sequence[Event]) -> dict[int, str]:
-    """Each rank's last reported parameter digest."""
+def final_world(events: Sequence[Event] | Reading) -> World | None:
+    """The newest world that committed a step: the one whose parameters are the run's
+    result. None when no step names a world (then every report is of one unnamed world)."""
+    reading = events if isinstance(events, Reading) else Reading.of(events)
+    return _Worlds.of(reading).final()
+
+
+def final_digests(events: Sequence[Event] | Reading) -> dict[int, str]:
+    """Each rank's last reported parameter digest in the final world. A digest another
+    world reported (a survivor of a world that was replaced, as it crashed) is not the
+    run's result."""
+    reading = events if isinstance(events, Reading) else Reading.of(events)
+    final = final_world(reading)
     digests: dict[int, str] = {}
-    for e in events:
-        if e.event == "params" and isinstance(e.fields.get("digest"), str):
-            digests[e.rank if e.rank is not None else 0] = e.fields["digest"]
+    for e, rank, w in zip(reading.events, reading.ranks, reading.worlds, strict=True):
+        if e.event == "params" and isinstance(e.fields.get("digest"), str) and w == final:
+            digests[rank if rank is not None else 0] = e.fields["digest"]
     return digests
 
 
@@ -160,6 +505,9 @@ class RequestRecord:
     times: tuple[float, ...]
     max_tokens: int
     duplicates: int
+    # The server's digest of the logits row each token was chosen from; None where it sent
+    # none (or the event predates digests).
+    digests: tuple[str | None, ...] = ()
 
     @classmethod
     def of(cls, event: Event) -> RequestRecord | None:
@@ -167,10 +515,14 @@ class RequestRecord:
         tokens, times = f.get("tokens"), f.get("times")
         if not isinstance(tokens, list) or not isinstance(times, list):
             return None
+        given = f.get("digests")
+        listed = given if isinstance(given, list) else []
+        digests = tuple(d if isinstance(d, str) and d else None for d in listed[: len(tokens)])
+        digests += (None,) * (len(tokens) - len(digests))
         return cls(str(f.get("request")), event.event == "request_done",
                    float(f.get("sent", event.t)), tuple(int(x) for x in tokens),
                    tuple(float(x) for x in times), int(f.get("max_tokens") or len(tokens)),
-                   int(f.get("duplicates") or 0))
+                   int(f.get("duplicates") or 0), digests)
 
 
 def requests(events: Sequence[Event]) -> list[RequestRecord]:
@@ -187,13 +539,38 @@ def requests(events: Sequence[Event]) -> list[RequestRecord]:
                 ended[record.id] = record
     for rid, t in sent.items():
         if rid not in ended:
-            ended[rid] = RequestRecord(rid, False, t, (), (), 0, 0)
+            ended[rid] = RequestRecord(rid, False, t, (), (), 0, 0, ())
     return sorted(ended.values(), key=lambda r: r.sent)
 
 
-def outputs(events: Sequence[Event]) -> dict[str, list[int]]:
-    """Request id -> the tokens its client received (for `outputs_match`)."""
-    return {r.id: list(r.tokens) for r in requests(events)}
+@dataclass(frozen=True, slots=True)
+class Output:
+    """What the client of one request received: its tokens and, per token, the server's
+    digest of the logits row the token was chosen from (None where it sent none)."""
+
+    tokens: tuple[int, ...]
+    digests: tuple[str | None, ...]
+
+    def to_json(self) -> dict[str, list[int] | list[str | None]]:
+        return {"tokens": list(self.tokens), "digests": list(self.digests)}
+
+    @classmethod
+    def from_json(cls, data: object) -> Output:
+        """Read ``to_json``'s form back; a bare token list (a baseline cached before digests
+        existed) has unknown digests, which `outputs_match` refuses to take on trust."""
+        if isinstance(data, list):
+            return cls(tuple(int(t) for t in data), (None,) * len(data))
+        if not isinstance(data, dict):
+            raise ValueError(f"not a request's output: {data!r:.100}")
+        tokens = tuple(int(t) for t in data.get("tokens") or ())
+        digests = tuple(d if isinstance(d, str) and d else None
+                        for d in data.get("digests") or ())
+        return cls(tokens, (digests + (None,) * len(tokens))[: len(tokens)])
+
+
+def outputs(events: Sequence[Event]) -> dict[str, Output]:
+    """Request id -> what its client received (for `outputs_match`)."""
+    return {r.id: Output(r.tokens, r.digests) for r in requests(events)}
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -270,10 +647,13 @@ def compute(events: Sequence[Event], world: int | None) -> dict[str, float | int
     if is_serving(events):
         return serving(events)
     world = full_world(events, world)
+    reading = Reading.of(events)
     return {
         "time_to_detect_s": time_to_detect(events),
-        "time_to_recover_s": time_to_recover(events, world),
-        "lost_steps": lost_steps(events),
+        "time_to_recover_s": time_to_recover(reading, world),
+        "lost_steps": lost_steps(reading),
+        "skipped_steps": skipped_steps(reading),
+        "forked_steps": forked_steps(reading),
         "steps_committed": steps_committed(events),
         "generations": generations(events),
         "min_step_rate": min_step_rate(events),

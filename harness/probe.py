@@ -29,6 +29,7 @@ _lock = threading.Lock()
 _fd: int | None = None
 _fd_path: str | None = None
 _logical_rank: int | None = None
+_generation: Any = None  # the world this process last named in a hello or step
 _engine: Any = None  # faults.inproc.Engine once install() ran
 
 
@@ -52,7 +53,7 @@ def _rank() -> int | None:
 def emit(event: str, **fields: Any) -> None:
     """Append one event to the run's timeline. Never raises: a probe must not
     break the system it observes."""
-    global _fd, _fd_path
+    global _fd, _fd_path, _generation
     path = os.environ.get(EVENTS_ENV)
     if not path:
         return
@@ -61,6 +62,13 @@ def emit(event: str, **fields: Any) -> None:
     if rank is not None and "rank" not in fields:
         record["rank"] = rank
     record["source"] = f"rank{rank}" if rank is not None else "process"
+    # Every event names the world this process is in: the generation of its last hello or
+    # step (a survivor that stays in place may name a new generation only in its steps).
+    # Recovery counts a step only when every rank committed it in one world.
+    if event in ("hello", "step") and fields.get("generation") is not None:
+        _generation = fields["generation"]
+    if _generation is not None:
+        record["generation"] = _generation
     record.update(fields)
     line = (json.dumps(record, separators=(",", ":"), default=str) + "\n").encode()
     try:
@@ -73,13 +81,17 @@ def emit(event: str, **fields: Any) -> None:
         pass
 
 
-def hello(*, world: int, generation: int = 0, **fields: Any) -> None:
-    """A rank is up: its pid, rank, world size and restart generation."""
+def hello(*, world: int, generation: int | str = 0, **fields: Any) -> None:
+    """A rank is up: its pid, rank, world size and generation: the identity of the world
+    it is in now (a restart count, a membership plan). Say hello again on joining another
+    world, or name the new generation in ``step``; later events carry it."""
     emit("hello", world=world, generation=generation, **fields)
 
 
 def step(n: int, *, world: int, **fields: Any) -> None:
-    """Step ``n`` was committed by this rank (its parameters now include it)."""
+    """Step ``n`` was committed by this rank (its parameters now include it). Call it
+    after the commit: its time is the proof the step came after a fault. ``world`` is
+    the world's size; ``generation=`` names the world, if it changed since hello."""
     emit("step", step=n, world=world, **fields)
 
 

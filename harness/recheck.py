@@ -24,7 +24,7 @@ from harness.checks import Outcome
 from harness.errors import SpecError
 from harness.records import Event, RunResult
 from harness.rundir import ProcessLog, RecordedRun, load_run
-from harness.runner import assess, baseline_key, cache_dir
+from harness.runner import NullObserver, assess, baseline_key, cache_dir, replay_digests
 from harness.spec import CommandSystem, LoadedScenario, LogProbe, load_scenario, parse_scenario
 from harness.timeline import read_events
 
@@ -134,7 +134,8 @@ def _comparable(loaded: LoadedScenario) -> dict[str, Any]:
 
 
 def _cached(loaded: LoadedScenario, seed: int, what: str) -> dict[str, Any] | None:
-    path = cache_dir() / "fault_free" / f"{baseline_key(loaded.spec, seed)}.json"
+    key = baseline_key(loaded.spec, seed, scenario_dir=loaded.path.parent)
+    path = cache_dir() / "fault_free" / f"{key}.json"
     try:
         data = json.loads(path.read_text())
         return dict(data[what])
@@ -165,7 +166,8 @@ def _baseline(
         if end is None or end.fields.get("exit_code") != 0:
             return None, "fault-free baseline not available: its run in fault_free/ failed"
         if what == "outputs":
-            return dict(_metrics.outputs(events)), "fault-free baseline re-read from fault_free/"
+            return ({k: v.to_json() for k, v in _metrics.outputs(events).items()},
+                    "fault-free baseline re-read from fault_free/")
         digests = {str(k): v for k, v in _metrics.final_digests(events).items()}
         return digests or None, "fault-free baseline re-read from fault_free/"
     return None, ("fault-free baseline not available: not in the cache for this scenario and "
@@ -209,20 +211,23 @@ def recheck(run_dir: Path, *, scenario: Path | None = None) -> Recheck:
     seed = run.result.seed
     expect = fixed.spec.expect
     baseline: dict[int, str] | None = None
-    baseline_outputs: dict[str, list[int]] | None = None
+    baseline_outputs: dict[str, _metrics.Output] | None = None
     note = ""
     if expect.params_match == "fault_free":
         found, note = _baseline(run_dir, fixed, recorded_loaded, seed, "digests")
         baseline = None if found is None else {int(k): str(v) for k, v in found.items()}
     elif expect.params_match == "replay":
-        replay = run_dir / "replay" / "events.jsonl"
-        digests = _metrics.final_digests(read_events(replay)) if replay.is_file() else {}
-        baseline = digests or None
-        note = ("membership replay re-read from replay/" if digests else
-                "membership replay not available: the run has no replay/ folder")
+        # The independent oracle recomputes the recorded membership in this process: the
+        # same judgement the run made, and nothing is launched.
+        baseline, note = replay_digests(fixed, seed=seed, run_dir=run_dir,
+                                        observer=NullObserver())
     if expect.outputs_match == "fault_free":
         found, note = _baseline(run_dir, fixed, recorded_loaded, seed, "outputs")
-        baseline_outputs = None if found is None else {k: list(v) for k, v in found.items()}
+        try:
+            baseline_outputs = (None if found is None else
+                                {k: _metrics.Output.from_json(v) for k, v in found.items()})
+        except (TypeError, ValueError) as exc:
+            baseline_outputs, note = None, f"unreadable fault-free outputs ({exc}); {note}"
     if note:
         notes.append(note)
     metrics, checks = assess(

@@ -70,7 +70,8 @@ class RunResult:
     metrics: dict[str, float | int | None]
     faults: tuple[FaultRecord, ...]
     run_dir: str
-    error: str | None = None
+    error: str | None = None  # why the run has no verdict (interrupted, harness error)
+    interrupted: bool = False  # Ctrl-C or SIGTERM ended it before its checks
 
     def failed_checks(self) -> list[CheckResult]:
         return [c for c in self.checks if not c.passed]

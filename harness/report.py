@@ -26,10 +26,11 @@ if TYPE_CHECKING:
 
 #: Events worth a line of their own in the plain and live views.
 NOTABLE = {
-    "launch", "fault_injected", "fault_healed", "failure_detected", "recovery_done",
+    "launch", "fault_prepared", "fault_injected", "fault_healed", "failure_detected",
+    "recovery_done",
     "checkpoint_loaded", "checkpoint_skipped", "timeout", "run_end", "fault_armed",
     "fault_failed", "serving_ready", "load_started", "load_finished", "request_migrated",
-    "request_failed",
+    "request_failed", "teardown",
 }
 
 
@@ -57,7 +58,12 @@ def describe(event: Event) -> str:
         case "launch":
             return f"launched ({f.get('phase', 'run')}, seed {f.get('seed')})"
         case "fault_injected":
-            return f"FAULT {f.get('kind')} -> rank {f.get('rank')}: {f.get('detail', '')}"
+            hit = (f"role {f['role']}" if "role" in f else
+                   f"ranks {', '.join(map(str, f['ranks']))}" if "ranks" in f else
+                   f"rank {f.get('rank')}")
+            return f"FAULT {f.get('kind')} -> {hit}: {f.get('detail', '')}"
+        case "fault_prepared":
+            return f"prepared {f.get('kind')}: {f.get('detail', '')}"
         case "fault_armed":
             return f"armed {f.get('kind')}: {f.get('detail', '')}"
         case "fault_failed":
@@ -78,6 +84,8 @@ def describe(event: Event) -> str:
             return f"TIMEOUT after {f.get('after_s')}s"
         case "run_end":
             return f"run ended (exit {f.get('exit_code')})"
+        case "teardown":
+            return _describe_teardown(f)
         case "step":
             return f"{who} step {f.get('step')}"
         case "serving_ready":
@@ -92,6 +100,19 @@ def describe(event: Event) -> str:
         case "request_failed":
             return f"request {f.get('request')} LOST: {str(f.get('error'))[:120]}"
     return f"{who} {event.event}"
+
+
+def _describe_teardown(f: dict[str, object]) -> str:
+    said = ("ended every process of the run (its cgroup and run id)"
+            if f.get("tracking") == "cgroup" else
+            "ended every process found by the run id (no cgroup: one that dropped it is out "
+            "of reach)")
+    if f.get("survivors"):
+        said = f"could not end processes {f.get('survivors')} of the run"
+    held = f.get("logs_open")
+    if isinstance(held, list) and held:
+        said += f"; a process the harness could not end still holds its {'/'.join(held)}"
+    return said
 
 
 class PlainObserver:
@@ -240,6 +261,12 @@ NARROW = 120
 
 
 def render_result(result: RunResult, console: Console) -> None:
+    if result.error:
+        line = Text("NO VERDICT", style="red bold")
+        line.append(visible(f" {result.name}: {result.error}"))
+        console.print(line, highlight=False)
+        console.print(_text(f"run dir {result.run_dir}"), soft_wrap=True, highlight=False)
+        return
     narrow = console.width < NARROW
     table = Table(title=_text(f"{result.name}  ({result.file})"), title_justify="left")
     table.add_column("check", no_wrap=True)
@@ -304,7 +331,8 @@ def junit_xml(results: Sequence[RunResult], html: Path | None = None) -> str:
         "testsuite",
         name="aftershock",
         tests=str(len(results)),
-        failures=str(sum(1 for r in results if not r.passed)),
+        failures=str(sum(1 for r in results if not r.passed and not r.error)),
+        errors=str(sum(1 for r in results if r.error)),
         time=f"{sum(r.duration_s for r in results):.3f}",
         timestamp=time.strftime("%Y-%m-%dT%H:%M:%S"),
     )
@@ -313,7 +341,11 @@ def junit_xml(results: Sequence[RunResult], html: Path | None = None) -> str:
                              name=visible(r.name), time=f"{r.duration_s:.3f}",
                              file=visible(r.file))
         failed = r.failed_checks()
-        if failed:
+        if r.error:
+            # Not a failed check: the run never got to a verdict (interrupted, harness error).
+            ET.SubElement(case, "error", message=r.error,
+                          type="Interrupted" if r.interrupted else "HarnessError")
+        elif failed:
             failure = ET.SubElement(
                 case, "failure",
                 message=visible("; ".join(f"{c.name}: {c.message}" for c in failed)),

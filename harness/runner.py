@@ -15,9 +15,11 @@ import importlib.util
 import json
 import os
 import random
+import select
 import shlex
 import signal
 import time
+import traceback
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -26,13 +28,16 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import faults
+from faults._errors import FaultUnavailable
+from faults._inotify import FileWatch
 from faults._proc import ProcessRef
 from faults.heal import heal_orphans, start_reaper
-from faults.journal import RUN_ID_ENV, Journal, UnsafeFolder
+from faults.journal import Journal, UnsafeFolder
+from faults.registry import preflight as fault_preflight
 from harness import golden
 from harness import metrics as _metrics
 from harness.checks import Outcome, evaluate
-from harness.errors import HarnessError
+from harness.errors import AftershockError, HarnessError, PreflightError, RunFailed
 from harness.loadgen import LoadGenerator, fetch_json
 from harness.records import CheckResult, Event, FaultRecord, RunResult
 from harness.spec import (
@@ -73,6 +78,16 @@ class NullObserver:
 
 class Interrupted(KeyboardInterrupt):
     """SIGTERM reached the harness; unwinds like Ctrl-C so every `finally` heals."""
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """A scenario run was interrupted (Ctrl-C or SIGTERM) after its teardown; ``result``
+    is its record, marked interrupted and already written to the run folder."""
+
+    def __init__(self, result: RunResult, exit_code: int) -> None:
+        super().__init__(result.error)
+        self.result = result
+        self.exit_code = exit_code  # the shell's convention: 128 + the signal's number
 
 
 @contextlib.contextmanager
@@ -154,7 +169,9 @@ def execute(
     except UnsafeFolder as exc:
         raise HarnessError(f"cannot keep a heal journal: {exc}") from None
     reaper = start_reaper(journal.path)
-    launch_entry = journal.intend("launch", {"env": RUN_ID_ENV, "value": run_id}, op="launch")
+    # Journaled before the run's cgroup exists: a harness killed after making it leaves
+    # a record that lets the reaper or `aftershock heal` end the group and remove it.
+    launch_entry = journal.intend("launch", target.tracking(), op="launch")
     schedule = [_ScheduledFault(i, f) for i, f in enumerate(spec.faults)]
     active: list[_Active] = []
     # The processes faults hit from outside, until the harness sees them end: what a
@@ -163,6 +180,8 @@ def execute(
     records: list[FaultRecord] = []
     armed: dict[int, list[int]] = {}  # fault index -> record indices, in-process faults
     seen: dict[str, int] = {}  # event name -> occurrences, for `at: {event}` triggers
+    watches: dict[int, FileWatch] = {}  # fault index -> its `at: {file}` trigger
+    prepared: dict[int, faults.Applied] = {}  # fault index -> what its kind set up at launch
     addresses: dict[int, dict[str, list[int]]] = {}  # rank -> published parameter addresses
     max_step = -1
     exit_code: int | None = None
@@ -244,10 +263,12 @@ def execute(
                 active.append(_Active(applied, len(records) - 1, None, duration, item.index))
             armed.setdefault(item.index, []).append(len(records) - 1)
             return True
-        params = _params(item.spec)
-        if str(item.spec.kind).startswith("storage."):
-            params["root"] = storage_root(params.get("root"))
-        for rank in chosen:
+        params = fault_params(item)
+        # A kind that hits its targets together gets them in one call (a power loss takes
+        # every process down at one instant); any other kind one target at a time.
+        together = isinstance(kind, faults.GroupKind)
+        for group in ([chosen] if together else [[rank] for rank in chosen]):
+            rank = group[0]
             if "address_of" in params:
                 params = {**params, "address": address_of(rank, params)}
                 params.pop("address_of")
@@ -255,18 +276,33 @@ def execute(
             # The fault's moment is when applying it began: `ss -K` or a tmpfs copy take
             # long enough that the system can notice before inject() returns.
             began = time.monotonic()
-            applied = kind.inject(ranks[rank], params, journal)
-            fields: dict[str, Any] = {"rank": rank} if label is None else {"role": label}
+            if together:
+                assert isinstance(kind, faults.GroupKind)
+                applied = kind.inject_group([ranks[r] for r in group], params, journal)
+            else:
+                applied = kind.inject(ranks[rank], params, journal)
+            fields: dict[str, Any] = {"pid": ranks[rank].pid}
+            if label is not None:
+                fields["role"] = label
+            elif len(group) == 1:
+                fields["rank"] = rank
+            else:
+                fields.update(ranks=group, pids=[ranks[r].pid for r in group])
+            if item.spec.at.file is not None and not item.times:
+                fields["file"] = watches[item.index].hits[item.spec.at.count - 1]
             ev = timeline.emit(
-                "fault_injected", kind=item.spec.kind, pid=ranks[rank].pid,
-                detail=applied.detail, fault=item.index, at=began, params=params, **fields,
+                "fault_injected", kind=item.spec.kind, detail=applied.detail, fault=item.index,
+                at=began, params=params, applied_at=time.monotonic(), **fields,
             )
             observer.event(ev)
-            watched.append((ranks[rank], {"pid": ranks[rank].pid, "kind": item.spec.kind,
-                                          "fault": item.index, **fields}))
+            for r in group:
+                extra = {"role": label} if label is not None else {"rank": r}
+                watched.append((ranks[r], {"pid": ranks[r].pid, "kind": item.spec.kind,
+                                           "fault": item.index, **extra}))
+            where = label or ("rank " if len(group) == 1 else "ranks ") + ", ".join(
+                str(r) for r in group)
             records.append(
-                FaultRecord(item.spec.kind, label or f"rank {rank}", round(ev.t - t0, 4), None,
-                            applied.detail)
+                FaultRecord(item.spec.kind, where, round(ev.t - t0, 4), None, applied.detail)
             )
             if applied.journal_id is not None:
                 # Counted from the injection, not from the loop's tick: finding the target
@@ -276,19 +312,68 @@ def execute(
                 active.append(_Active(applied, len(records) - 1, heal_at))
         return True
 
+    def fault_params(item: _ScheduledFault) -> dict[str, Any]:
+        params = _params(item.spec)
+        if str(item.spec.kind).startswith("storage."):
+            params["root"] = storage_root(params.get("root"))
+        if item.index in prepared:
+            params["prepared"] = dict(prepared[item.index].undo)
+        return params
+
+    def failed(item: _ScheduledFault, exc: Exception) -> None:
+        """A fault that cannot be applied is a record on the timeline, not a crash: the run
+        goes on and `faults_injected` fails with the reason."""
+        reason = f"{type(exc).__name__}: {exc}"
+        observer.event(timeline.emit("fault_failed", kind=item.spec.kind,
+                                     fault=item.index, error=reason))
+        records.append(FaultRecord(item.spec.kind, item.spec.target.describe(), None, None,
+                                   f"could not be applied: {reason}"))
+        item.fired = True
+        item.times = max(item.times, 1)
+
+    def set_up() -> None:
+        """Before launch: what the faults need in place before the system writes a byte
+        (a filesystem under its checkpoint folder), then the file triggers (on top of it)."""
+        for item in schedule:
+            kind = faults.get(item.spec.kind)
+            if not isinstance(kind, faults.PreparedKind):
+                continue
+            params = fault_params(item)
+            params["log"] = str(run_dir / "logs" / f"fault{item.index}-{item.spec.kind}.log")
+            try:
+                applied = kind.prepare(params, journal)
+            except Exception as exc:
+                failed(item, exc)
+                continue
+            prepared[item.index] = applied
+            observer.event(timeline.emit("fault_prepared", kind=item.spec.kind,
+                                         fault=item.index, detail=applied.detail))
+        for item in schedule:
+            at = item.spec.at
+            if at.file is None or item.fired:
+                continue
+            root = Path(storage_root(getattr(item.spec, "root", None)))
+            try:
+                watches[item.index] = FileWatch(root, at.file, at.when)
+            except (FaultUnavailable, OSError) as exc:
+                failed(item, exc)
+
+    def take_file_events() -> None:
+        for index, watch in list(watches.items()):
+            try:
+                watch.poll()
+            except FaultUnavailable as exc:  # events were lost: the count is no longer true
+                watches.pop(index).close()
+                if not schedule[index].fired:
+                    failed(schedule[index], exc)
+
     def fire_safely(item: _ScheduledFault, now: float) -> bool:
         """A fault that cannot be applied is a record on the timeline, not a crash:
         the run goes on and `faults_injected` fails with the reason."""
         try:
             return fire(item, now)
         except Exception as exc:
-            reason = f"{type(exc).__name__}: {exc}"
-            observer.event(timeline.emit("fault_failed", kind=item.spec.kind,
-                                         fault=item.index, error=reason))
-            records.append(FaultRecord(item.spec.kind, item.spec.target.describe(), None, None,
-                                       f"could not be applied: {reason}"))
-            item.fired = True
-            item.times = max(item.times, 1)
+            failed(item, exc)
             return False
 
     def address_of(rank: int, params: dict[str, Any]) -> int:
@@ -341,16 +426,24 @@ def execute(
                 item.heal_at = time.monotonic() + item.duration.total_seconds()
 
     t0 = time.monotonic()
+    ended: float | None = None  # when the run ended, before teardown (its time limit's clock)
     try:
         with _sigterm_unwinds():
             observer.phase(spec.name, phase, shlex.join(launch.argv))
+            set_up()
             target.start()
+            tracking: dict[str, Any] = (
+                {"tracking": "cgroup", "cgroup": str(target.cgroup)}
+                if target.cgroup is not None else
+                {"tracking": "env", "tracking_note": target.tracking_note})
             # wall_offset: wall-clock minus monotonic time now, so the timeline (monotonic) can
             # be lined up with other logs (wall clock) later (docs/report.md).
             observer.event(timeline.emit("launch", argv=launch.argv, phase=phase, seed=seed,
-                                         wall_offset=time.time() - time.monotonic()))
+                                         wall_offset=time.time() - time.monotonic(),
+                                         **tracking))
             while True:
                 now = time.monotonic()
+                take_file_events()
                 for ev in timeline.poll():
                     if ev.source != "harness":
                         seen[ev.event] = seen.get(ev.event, 0) + 1
@@ -391,6 +484,8 @@ def execute(
                         (at.step is not None and (in_process(item.spec) or max_step >= at.step))
                         or (at.time is not None and now - t0 >= at.time.total_seconds())
                         or (at.event is not None and seen.get(at.event, 0) >= at.count)
+                        or (at.file is not None and item.index in watches
+                            and len(watches[item.index].hits) >= at.count)
                     )
                     if due and fire_safely(item, now):
                         reschedule(item, now)
@@ -403,18 +498,24 @@ def execute(
                     observer.event(timeline.emit("target_exited", **gone[1]))
                 exit_code = target.poll()
                 if exit_code is not None:
+                    ended = now
                     break
                 if loadgen is not None and loadgen.done.is_set():
                     stats = fetch_json(loadgen.url, "/v1/stats")
                     observer.event(timeline.emit("serving_stats", source="client",
                                                  **_serving_stats(stats)))
                     load_served = True
+                    ended = now
                     break
                 if now - t0 > timeout_s:
                     timed_out = True
+                    ended = now
                     observer.event(timeline.emit("timeout", after_s=round(now - t0, 3)))
                     break
-                time.sleep(POLL_S)
+                if watches:  # woken the moment a watched file changes, not at the next tick
+                    select.select(list(watches.values()), [], [], POLL_S)
+                else:
+                    time.sleep(POLL_S)
     finally:
         errors: list[str] = []
         for leftover in list(active):
@@ -422,14 +523,32 @@ def execute(
                 heal(leftover)
             except Exception as exc:  # keep healing the rest
                 errors.append(f"{leftover.applied.kind}: {exc}")
+        for watch in watches.values():
+            watch.close()
         if loadgen is not None:
             loadgen.stop()
-        target.stop()
+        teardown = target.stop()
+        # What was set up at launch goes once nothing of the system can still use it.
+        for index, setup in prepared.items():
+            try:
+                faults.get(setup.kind).revert(setup.undo)
+            except Exception as exc:  # left pending in the journal: heal tries again
+                errors.append(f"{setup.kind}: {exc}")
+            else:
+                if setup.journal_id:
+                    journal.done(setup.journal_id)
+                timeline.emit("fault_healed", kind=setup.kind, fault=index)
         if load_served:
             # The server ran until its load was served; how it then shut down (SIGTERM,
             # exit 0 expected) is its exit code.
             exit_code = target.poll()
-        journal.done(launch_entry)
+        observer.event(timeline.emit(
+            "teardown", tracking=teardown.tracking, survivors=list(teardown.survivors),
+            logs_open=list(teardown.logs_open), cgroup_removed=teardown.cgroup_removed))
+        if teardown.complete:
+            journal.done(launch_entry)
+        # else the launch stays pending: the reaper, the next run or `aftershock heal`
+        # tries again to end what survived.
         journal.close()
         with contextlib.suppress(Exception):
             reaper.kill()
@@ -452,7 +571,8 @@ def execute(
         (Event.from_json(e) for e in _read_json_lines(run_dir / "events.jsonl")),
         key=lambda e: e.t,
     )
-    outcome = Outcome(exit_code, timed_out, round(time.monotonic() - t0, 3))
+    # The run's own duration: the time teardown took (its grace period) is not the job's.
+    outcome = Outcome(exit_code, timed_out, round((ended or time.monotonic()) - t0, 3))
     return Execution(events, outcome, records, run_dir)
 
 
@@ -544,7 +664,9 @@ def baseline_key(spec: Scenario, seed: int, *, scenario_dir: Path = Path(".")) -
     environment, the seed and the code it runs (``scenario_dir``: where the scenario file
     is, from which a command's relative paths are found)."""
     system = golden.twin_system(spec)
-    system["env"] = dict(spec.system.env)
+    # The twin's environment: test hooks that break the system through it (AFTERSHOCK_INJECT_*)
+    # are faults, which the twin goes without.
+    system["env"] = dict(spec.without_faults().system.env)
     material = json.dumps({"system": system, "seed": seed,
                            "code": _code_fingerprint(spec, scenario_dir)}, sort_keys=True)
     return hashlib.sha256(material.encode()).hexdigest()[:24]
@@ -574,7 +696,7 @@ def fault_free_result(
     )
     found: dict[str, Any]
     if what == "outputs":
-        found = _metrics.outputs(execution.events)
+        found = {rid: out.to_json() for rid, out in _metrics.outputs(execution.events).items()}
         complete = _metrics.serving(execution.events)["lost_requests"] == 0
     else:
         found = {str(k): v for k, v in _metrics.final_digests(execution.events).items()}
@@ -600,11 +722,16 @@ def fault_free_digests(
 
 def fault_free_outputs(
     loaded: LoadedScenario, *, seed: int, run_dir: Path, observer: Observer, use_cache: bool
-) -> tuple[dict[str, list[int]] | None, str]:
-    """Each request's tokens in the fault-free twin (same load, same seed)."""
+) -> tuple[dict[str, _metrics.Output] | None, str]:
+    """Each request's tokens and logits digests in the fault-free twin (same load, seed)."""
     found, note = fault_free_result(loaded, seed=seed, run_dir=run_dir, observer=observer,
                                     use_cache=use_cache, what="outputs")
-    return (None if found is None else {k: list(v) for k, v in found.items()}), note
+    if found is None:
+        return None, note
+    try:
+        return {k: _metrics.Output.from_json(v) for k, v in found.items()}, note
+    except (TypeError, ValueError) as exc:
+        return None, f"unreadable fault-free outputs ({exc}); {note}"
 
 
 def replay_digests(
@@ -641,6 +768,19 @@ def default_run_dir(name: str) -> Path:
     return Path(".aftershock") / "runs" / f"{stamp}-{name}-{uuid.uuid4().hex[:6]}"
 
 
+def preflight(loaded: LoadedScenario) -> None:
+    """Refuse, before anything is launched, a scenario whose faults this machine cannot
+    cause (a missing tool, kernel feature or privilege), with what to install."""
+    problems = [
+        f"fault {index} ({fault.kind}): {need}"
+        for index, fault in enumerate(loaded.spec.faults)
+        for need in fault_preflight(fault.kind, _params(fault))
+    ]
+    if problems:
+        raise PreflightError(f"{loaded.path}: this machine cannot cause the scenario's faults: "
+                             + "; ".join(problems))
+
+
 def _world(spec: Scenario) -> int | None:
     return (
         spec.system.world.size if isinstance(spec.system, TrainerSystem)
@@ -656,18 +796,19 @@ def assess(
     outcome: Outcome,
     faults: Sequence[FaultRecord],
     baseline: dict[int, str] | None,
-    baseline_outputs: dict[str, list[int]] | None,
+    baseline_outputs: dict[str, _metrics.Output] | None,
     baseline_note: str,
 ) -> tuple[dict[str, float | int | None], list[CheckResult]]:
     """The metrics and checks of one run's timeline. `aftershock run` and `aftershock report
     --recheck` both judge through this one function, so a re-check is the verdict a run
     would have given."""
-    metrics = _metrics.compute(events, _world(spec))
+    world = _world(spec)
+    metrics = _metrics.compute(events, world)
     checks = evaluate(
         spec.expect, outcome=outcome, metrics=metrics, faults=faults,
         digests=_metrics.final_digests(events), baseline=baseline,
         events=events, outputs=_metrics.outputs(events),
-        baseline_outputs=baseline_outputs,
+        baseline_outputs=baseline_outputs, world=world,
     )
     missing = {"params_match": spec.expect.params_match and baseline is None,
                "outputs_match": spec.expect.outputs_match and baseline_outputs is None}
@@ -687,6 +828,12 @@ def run_scenario(
     observer: Observer | None = None,
     use_cache: bool = True,
 ) -> RunResult:
+    """Run one scenario and write its record (``result.json``), whatever happens.
+
+    An interrupted run raises RunInterrupted and a harness failure RunFailed, each
+    carrying the run's record (marked as such) after the teardown healed everything;
+    an unexpected exception's traceback is kept in the run folder (``harness_error.txt``).
+    """
     spec = loaded.spec
     seed = spec.seed if seed is None else seed
     observer = observer or NullObserver()
@@ -694,10 +841,71 @@ def run_scenario(
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "scenario.yaml").write_text(loaded.text)
     started = time.monotonic()
-    # What a crashed earlier run left behind goes first; the user hears what was refused.
-    for item in heal_orphans():
-        observer.phase(spec.name, "heal", item.describe())
 
+    def unfinished(error: str, *, interrupted: bool = False) -> RunResult:
+        result = _unfinished(loaded, seed=seed, run_dir=run_dir, started=started, error=error,
+                             interrupted=interrupted)
+        with contextlib.suppress(Exception):  # the record matters more than its rendering
+            observer.finished(result)
+        return result
+
+    try:
+        with _sigterm_unwinds():
+            preflight(loaded)
+            # What a crashed earlier run left behind goes first; the user hears what was
+            # refused.
+            for item in heal_orphans():
+                observer.phase(spec.name, "heal", item.describe())
+            result = _checked_run(loaded, seed=seed, run_dir=run_dir, observer=observer,
+                                  use_cache=use_cache, started=started)
+    except KeyboardInterrupt as exc:
+        sigterm = isinstance(exc, Interrupted)
+        result = unfinished(
+            f"interrupted by {'SIGTERM' if sigterm else 'SIGINT'} after "
+            f"{time.monotonic() - started:.1f}s; no check was evaluated", interrupted=True)
+        raise RunInterrupted(result, 143 if sigterm else 130) from None
+    except AftershockError as exc:
+        result = unfinished(f"harness error: {exc}")
+        raise RunFailed(str(exc), result) from exc
+    except Exception as exc:
+        # A bug of the harness, not a verdict on the system: say so in one line, keep the
+        # traceback for the bug report.
+        trace = run_dir / "harness_error.txt"
+        with contextlib.suppress(OSError):
+            trace.write_text(traceback.format_exc())
+        message = f"unexpected {type(exc).__name__}: {exc} (traceback: {trace})"
+        result = unfinished(f"harness error: {message}")
+        raise RunFailed(message, result) from exc
+    observer.finished(result)
+    return result
+
+
+def _unfinished(
+    loaded: LoadedScenario, *, seed: int, run_dir: Path, started: float, error: str,
+    interrupted: bool,
+) -> RunResult:
+    """The record of a run that did not get to its checks: what its timeline shows so far,
+    no verdict (``passed`` is false, ``error`` says why)."""
+    metrics: dict[str, float | int | None] = {}
+    with contextlib.suppress(Exception):  # a timeline cut short may be too thin to measure
+        path = run_dir / "events.jsonl"
+        events = sorted((Event.from_json(e) for e in _read_json_lines(path)), key=lambda e: e.t)
+        metrics = _metrics.compute(events, _world(loaded.spec))
+    result = RunResult(
+        name=loaded.spec.name, file=str(loaded.path), passed=False, seed=seed,
+        duration_s=round(time.monotonic() - started, 3), checks=(), metrics=metrics, faults=(),
+        run_dir=str(run_dir), error=error, interrupted=interrupted,
+    )
+    with contextlib.suppress(OSError):
+        (run_dir / "result.json").write_text(json.dumps(result.to_json(), indent=2) + "\n")
+    return result
+
+
+def _checked_run(
+    loaded: LoadedScenario, *, seed: int, run_dir: Path, observer: Observer, use_cache: bool,
+    started: float,
+) -> RunResult:
+    spec = loaded.spec
     baseline: dict[int, str] | None = None
     baseline_note = ""
     if spec.expect.params_match == "fault_free":
@@ -706,7 +914,7 @@ def run_scenario(
             use_cache=use_cache,
         )
 
-    baseline_outputs: dict[str, list[int]] | None = None
+    baseline_outputs: dict[str, _metrics.Output] | None = None
     if spec.expect.outputs_match == "fault_free":
         baseline_outputs, baseline_note = fault_free_outputs(
             loaded, seed=seed, run_dir=run_dir / "fault_free", observer=observer,
@@ -741,5 +949,4 @@ def run_scenario(
         run_dir=str(run_dir),
     )
     (run_dir / "result.json").write_text(json.dumps(result.to_json(), indent=2) + "\n")
-    observer.finished(result)
     return result

@@ -18,7 +18,7 @@ import types
 import typing
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Annotated, Any, Literal, Union
 
 import yaml
@@ -115,24 +115,46 @@ class LogProbe(_Strict):
     """Turns matching output lines of a system that has no probe into timeline events.
 
     Named groups become event fields: ``step`` (int), ``rank`` (int), ``digest``,
-    ``cause``. Lines are matched after torchrun's ``[rank]:`` prefixes are kept,
-    so a pattern can capture the rank from them.
+    ``cause``, and ``generation``: the identity of the world that wrote the line (a
+    restart count, a quorum id; an int when it is digits). Two steps with the same
+    ``generation`` were committed by one world; recovery and ``single_history`` need it
+    on step lines. ``time`` is the moment the line's event happened (for a step: when it
+    was committed), in seconds on ``clock``; without it an event is stamped when the
+    harness reads the line, which only bounds when it was written and never proves a
+    step came after a fault. Lines are matched after torchrun's ``[rank]:`` prefixes are
+    kept, so a pattern can capture the rank from them.
     """
 
     pattern: str
     event: LogEventKind
     stream: Literal["stdout", "stderr", "both"] = "both"
+    clock: Literal["monotonic", "unix"] = Field(
+        "monotonic",
+        description="what the (?P<time>...) group counts: monotonic: seconds of "
+        "CLOCK_MONOTONIC (Python's time.monotonic(), the clock of the timeline); unix: "
+        "seconds since the epoch (time.time()), converted with the offset between the two "
+        "clocks that the harness records at launch",
+    )
 
     @field_validator("pattern")
     @classmethod
     def _compiles(cls, value: str) -> str:
         try:
-            re.compile(value)
+            compiled = re.compile(value)
         # re.compile raises OverflowError for a{99999999999} and runs out of stack on a few
         # hundred nested groups.
         except (re.error, OverflowError, RecursionError) as exc:
             raise ValueError(f"not a valid regular expression: {exc}") from None
+        if "world" in compiled.groupindex:
+            raise ValueError("a (?P<world>...) group: name the world's identity "
+                             "(?P<generation>...); `world` is the world's size in events")
         return value
+
+    @model_validator(mode="after")
+    def _clock_needs_time(self) -> LogProbe:
+        if self.clock != "monotonic" and "time" not in re.compile(self.pattern).groupindex:
+            raise ValueError(f"clock: {self.clock} needs a (?P<time>...) group in pattern")
+        return self
 
 
 class CommandSystem(_Strict):
@@ -298,9 +320,10 @@ class Target(_Strict):
                                 description="every rank of this replica")
     shard: int | None = Field(None, ge=0, lt=MAX_WORLD, description="every rank holding this shard "
                               "(with `replica`: the one rank at both)")
-    role: Literal["launcher", "spare"] | None = Field(
-        None, description="launcher: the launched command itself (e.g. torchrun's agent); "
-        "spare: a warm standby process"
+    role: Literal["launcher", "spare", "router"] | None = Field(
+        None, description="launcher: the launched command itself (e.g. torchrun's agent, the "
+        "reference server's launcher); spare: a warm standby process; router: the reference "
+        "server's router process (HTTP front end, journal), which its launcher restarts"
     )
     pick: Literal["random", "all"] | None = Field(
         None, description="random: one rank chosen with the run's seed; all: every rank"
@@ -312,7 +335,7 @@ class Target(_Strict):
         given = [x for x in (self.rank, self.worker, self.role, self.pick) if x is not None]
         if len(given) + coordinates != 1:
             raise ValueError("give exactly one of `rank: N`, `worker: N`, `replica`/`shard`, "
-                             "`role: launcher|spare` or `pick: random|all`")
+                             "`role: launcher|spare|router` or `pick: random|all`")
         return self
 
     @property
@@ -335,9 +358,22 @@ class Target(_Strict):
 Phase = Literal["forward", "backward", "optimizer", "decode"]
 
 
+FileWhen = Literal["created", "closed", "deleted"]
+
+
+def _relative_glob(value: str, what: str) -> str:
+    """A path (or glob) that stays under the folder it is relative to."""
+    pure = PurePosixPath(value)
+    if not value or pure.is_absolute() or ".." in pure.parts:
+        raise ValueError(f"{what} must be a relative path under the fault's root, without "
+                         f"'..' (got {value!r})")
+    return value
+
+
 class At(_Strict):
     """When a fault fires: once step N is committed (optionally at a phase of that step,
-    for in-process faults), at a time after launch, or on the k-th timeline event of a kind."""
+    for in-process faults), at a time after launch, on the k-th timeline event of a kind, or
+    on the k-th time a file matching a glob is created, closed or deleted."""
 
     step: int | None = Field(None, ge=0, le=MAX_STEPS)
     phase: Phase | None = Field(
@@ -347,16 +383,40 @@ class At(_Strict):
     event: str | None = Field(
         None, pattern=r"^[a-z_]+$", description="a timeline event, e.g. checkpoint_started"
     )
+    file: str | None = Field(
+        None, description="a glob relative to the fault's root (a storage fault's `root`, "
+        "else the reference trainer's checkpoint folder or the run folder), one folder level "
+        "per component (`**`: any number), e.g. 'step_*/COMMIT'; watched with inotify from "
+        "launch on, so it needs no cooperation from the system"
+    )
+    # Not `on`: YAML 1.1 (PyYAML) reads a bare `on` key as the boolean true.
+    when: FileWhen = Field(
+        "created", description="with `file`: created (the name appears: open(O_CREAT), mkdir, "
+        "or a rename onto it, as atomic writers publish), closed (closed after being written) "
+        "or deleted (unlinked, or renamed away)"
+    )
     count: int = Field(1, ge=1, le=MAX_STEPS,
-                       description="with `event`: fire on its k-th occurrence")
+                       description="with `event` or `file`: fire on its k-th occurrence")
+
+    @field_validator("file")
+    @classmethod
+    def _under_root(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        if PurePosixPath(value).parts in ((), (".",)):
+            raise ValueError("file must name a file (a glob), not the root itself")
+        return _relative_glob(value, "file")
 
     @model_validator(mode="after")
     def _exactly_one(self) -> At:
-        given = [x for x in (self.step, self.time, self.event) if x is not None]
+        given = [x for x in (self.step, self.time, self.event, self.file) if x is not None]
         if len(given) != 1:
-            raise ValueError("give exactly one of `step: N`, `time: DURATION` or `event: NAME`")
+            raise ValueError("give exactly one of `step: N`, `time: DURATION`, `event: NAME` "
+                             "or `file: GLOB`")
         if self.phase is not None and self.step is None:
             raise ValueError("`phase` needs `step`")
+        if "when" in self.model_fields_set and self.file is None:
+            raise ValueError("`when` needs `file`")
         return self
 
     def describe(self) -> str:
@@ -364,6 +424,8 @@ class At(_Strict):
             return f"step {self.step}" + (f" {self.phase}" if self.phase else "")
         if self.event is not None:
             return f"event {self.event}" + (f" #{self.count}" if self.count > 1 else "")
+        if self.file is not None:
+            return f"file {self.file} {self.when}" + (f" #{self.count}" if self.count > 1 else "")
         assert self.time is not None
         return f"t+{self.time.total_seconds():g}s"
 
@@ -393,7 +455,7 @@ class _FaultBase(_Strict):
     @model_validator(mode="after")
     def _repeatable(self) -> _FaultBase:
         if self.every is not None and self.every.steps is not None and self.at.step is None \
-                and self.at.event is None and self.at.time is None:
+                and self.at.event is None and self.at.time is None and self.at.file is None:
             raise ValueError("`every` needs `at`")
         return self
 
@@ -599,6 +661,31 @@ class StorageFull(_StorageBase):
     duration: Duration | None = None
 
 
+class StorageLoseUnsynced(_FaultBase):
+    """A power loss under a folder: every write not yet made durable there is lost, and the
+    target processes die with the power. The folder sits on a filesystem the harness mounts
+    at launch (faults/lazyfs.py)."""
+
+    kind: Literal["storage.lose_unsynced"]
+    target: Target = Field(
+        Target(pick="all"), description="the processes that die with the power; default every "
+        "rank (the launcher lives on to restart them, as a job's supervisor would)"
+    )
+    root: str | None = Field(
+        None, description="folder `dir` is relative to; default the trainer's checkpoint "
+        "folder (reference trainer) or the run folder; ${run_dir} is expanded"
+    )
+    dir: str = Field(
+        ".", description="the folder the system writes its checkpoints to, under root; the "
+        "lazy filesystem is mounted on it before the system starts"
+    )
+
+    @field_validator("dir")
+    @classmethod
+    def _under_root(cls, value: str) -> str:
+        return _relative_glob(value, "dir")
+
+
 class ProcessHang(_FaultBase):
     """Block the target's loop at a fault point until healed; its other threads run on."""
 
@@ -620,7 +707,7 @@ Fault = Annotated[
     ProcessKill | ProcessTerm | ProcessFreeze | ProcessStraggle | ProcessHang | GpuXid
     | MemoryBitflip
     | MemoryFill | CollectiveError | CollectiveHang | CollectiveDelay | CollectiveCorrupt
-    | NetReset | NetPartition | StorageDamage | StorageFull,
+    | NetReset | NetPartition | StorageDamage | StorageFull | StorageLoseUnsynced,
     Field(discriminator="kind"),
 ]
 FAULT_MODELS: dict[str, type[_FaultBase]] = {
@@ -635,6 +722,7 @@ FAULT_MODELS: dict[str, type[_FaultBase]] = {
     "storage.truncate": StorageDamage,
     "storage.delete": StorageDamage,
     "storage.full": StorageFull,
+    "storage.lose_unsynced": StorageLoseUnsynced,
     "gpu.xid": GpuXid,
     "memory.bitflip": MemoryBitflip,
     "memory.nan": MemoryFill,
@@ -719,6 +807,14 @@ class Expect(_Strict):
     time_to_detect: DetectBudget | None = None
     time_to_recover: Budget | None = None
     lost_steps: CountBudget | None = None
+    skipped_steps: CountBudget | None = Field(
+        None, description="steps the history jumped over (a world going from step a to b > "
+        "a+1, or resuming past where it loaded); needs every step reported"
+    )
+    single_history: bool = Field(
+        False, description="no step is committed after the fault by two worlds that both "
+        "go on (a split brain); needs steps that name their world (generation)"
+    )
     step_rate: RateFloor | None = Field(
         None, description="the slowest 2 s of the run commits at least this many steps/s"
     )
@@ -743,6 +839,12 @@ class Expect(_Strict):
         "of the same load"
     )
     latency: Latency | None = None
+    checkpoint_durable: bool = Field(
+        False, description="after the first fault, the system resumes (checkpoint_loaded) from "
+        "a checkpoint at least as new as the last one it reported saved (checkpoint_saved) "
+        "before the fault, and rejects none on the way (checkpoint_skipped): what it called "
+        "committed survived, whole"
+    )
 
     @field_validator("time_to_detect", mode="before")
     @classmethod
@@ -757,7 +859,8 @@ class Expect(_Strict):
         "no_lost_requests", "no_duplicated_tokens", "outputs_match", "latency")
     #: Checks that read training steps or parameters.
     TRAINING: typing.ClassVar[tuple[str, ...]] = (
-        "params_match", "lost_steps", "step_rate", "straggler_named")
+        "params_match", "lost_steps", "skipped_steps", "single_history", "step_rate",
+        "straggler_named", "checkpoint_durable")
 
 
 # --------------------------------------------------------------------- explore (search space)
@@ -915,8 +1018,9 @@ class Scenario(_Strict):
     @model_validator(mode="after")
     def _checks_are_possible(self) -> Scenario:
         if not self.faults:
-            for name in ("time_to_detect", "time_to_recover"):
-                if getattr(self.expect, name) is not None:
+            for name in ("time_to_detect", "time_to_recover", "single_history",
+                         "checkpoint_durable"):
+                if getattr(self.expect, name) not in (None, False):
                     raise ValueError(f"expect.{name} needs at least one fault")
         serving = isinstance(self.system, ServerSystem)
         for name in Expect.SERVING if not serving else Expect.TRAINING:
@@ -938,6 +1042,24 @@ class Scenario(_Strict):
                     "expect.params_match on a command needs a log probe with `event: params` "
                     "and a `(?P<digest>...)` group"
                 )
+        if self.expect.checkpoint_durable and isinstance(self.system, CommandSystem):
+            probed = {p.event for p in self.system.probes}
+            missing = [e for e in ("checkpoint_saved", "checkpoint_loaded") if e not in probed]
+            if missing:
+                raise ValueError(
+                    "expect.checkpoint_durable on a command needs log probes with "
+                    + " and ".join(f"`event: {e}`" for e in missing)
+                    + " (and a `(?P<step>...)` group)"
+                )
+        power = [f for f in self.faults if isinstance(f, StorageLoseUnsynced)]
+        if len(power) > 1:
+            raise ValueError("at most one storage.lose_unsynced fault per scenario (one lazy "
+                             "filesystem); repeat it with `every`")
+        if power and isinstance(self.system, CommandSystem) and power[0].root is None \
+                and PurePosixPath(power[0].dir).parts in ((), (".",)):
+            raise ValueError("storage.lose_unsynced on a command needs `dir` (or `root`): the "
+                             "folder the job writes its checkpoints to, not the whole run "
+                             "folder (which holds the timeline)")
         return self
 
     def without_faults(self) -> Scenario:

@@ -1,26 +1,33 @@
 """Local target: launch the system under test as real processes, find its ranks, end it.
 
-Everything launched carries ``AFTERSHOCK_RUN_ID`` in its environment. That is
-how the harness finds every process of the run, including torchrun's workers,
-which start their own sessions and so escape process-group signals, and how a
-later ``aftershock heal`` finds them after a crashed harness.
+Everything launched starts inside the run's own cgroup v2 group, where the machine
+allows one, and carries ``AFTERSHOCK_RUN_ID`` in its environment. The group holds
+every descendant, including one that scrubbed its environment and started a new
+session (``env -i setsid daemon &``); the run id finds torchrun's workers, which
+start their own sessions and so escape process-group signals, where there is no
+group, and lets a later ``aftershock heal`` find a crashed harness's processes.
+Both are in the heal journal's ``launch`` record (``LocalTarget.tracking``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import IO, Any
 
+from faults import _cgroup
 from faults._proc import ProcessRef, environ, kill_all, processes_with_env
 from harness import probe
 from harness.errors import TargetError
@@ -29,6 +36,10 @@ from harness.spec import CommandSystem, LogProbe, ServerSystem, TrainerSystem
 from harness.timeline import Timeline
 
 _RANK_PREFIX = re.compile(r"^\[(?:default)?(\d+)\]:")
+LINE_LIMIT = 64 * 1024  # bytes of one log line the probes see; a longer line is only logged
+LOG_LIMIT = 1 << 30  # bytes kept per launcher log file (1 GiB); the rest is read and dropped
+KILL_S = 5.0  # how long teardown keeps killing the run's processes before it reports survivors
+DRAIN_S = 1.0  # after the kill, how long the log pumps may still read what the job wrote
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,8 +135,112 @@ def plan_launch(
     )
 
 
+@dataclass(frozen=True, slots=True)
+class Teardown:
+    """What ending a run's processes achieved, for its timeline and its heal journal."""
+
+    tracking: str  # "cgroup": the run's own cgroup; "env": the AFTERSHOCK_RUN_ID scan alone
+    survivors: tuple[int, ...]  # pids of the run still alive when the harness gave up
+    logs_open: tuple[str, ...]  # launcher streams still held open by a process not ended
+    cgroup_removed: bool | None  # None: the run had no cgroup
+
+    @property
+    def complete(self) -> bool:
+        return not self.survivors and self.cgroup_removed is not False
+
+
+class _LogPump:
+    """Copies one launcher pipe into its log file and feeds each line to the log probes.
+
+    It reads the raw descriptor with a short poll, so no wait of the harness depends on
+    the pipe's writers: a daemon the harness could not end may hold the pipe open for
+    ever, and after ``finish(deadline)`` the pump stops at end-of-file or at the
+    deadline, whichever comes first. Memory is bounded whatever the job writes: a line
+    longer than LINE_LIMIT is logged whole but only its prefix reaches the probes, and a
+    log file stops growing at LOG_LIMIT, with a note saying how much was dropped.
+    """
+
+    def __init__(self, name: str, stream: IO[bytes], path: Path,
+                 on_line: Callable[[bytes], None]) -> None:
+        self.name = name
+        self.stream = stream
+        self.path = path
+        self.eof = False
+        self._on_line = on_line
+        self._line = bytearray()
+        self._written = 0
+        self._dropped = 0
+        self._stop_at: float | None = None
+        self.thread = threading.Thread(target=self._run, name=f"log-{name}", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def finish(self, deadline: float) -> None:
+        self._stop_at = deadline
+
+    def _run(self) -> None:
+        fd = self.stream.fileno()
+        poller = select.poll()
+        poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
+        with open(self.path, "wb") as log:
+            try:
+                while self._stop_at is None or time.monotonic() < self._stop_at:
+                    if not poller.poll(100):
+                        continue
+                    chunk = os.read(fd, 1 << 16)
+                    if not chunk:
+                        self.eof = True
+                        break
+                    self._log(log, chunk)
+                    self._feed(chunk)
+            finally:
+                if self._line:  # the last line had no newline
+                    self._emit_line()
+                if self._dropped:
+                    log.write(f"\n[aftershock: {self._dropped} more bytes were read and "
+                              "dropped]\n".encode())
+
+    def _log(self, log: IO[bytes], chunk: bytes) -> None:
+        room = max(0, LOG_LIMIT - self._written)
+        if room:
+            log.write(chunk[:room])
+            self._written += min(room, len(chunk))
+        if len(chunk) > room:
+            if not self._dropped:
+                log.write(f"\n[aftershock: log truncated at {LOG_LIMIT} bytes; the rest of "
+                          "this stream is read and dropped]\n".encode())
+            self._dropped += len(chunk) - room
+        log.flush()
+
+    def _feed(self, chunk: bytes) -> None:
+        start = 0
+        while True:
+            end = chunk.find(b"\n", start)
+            piece = chunk[start : len(chunk) if end < 0 else end]
+            room = LINE_LIMIT - len(self._line)
+            if room > 0:
+                self._line += piece[:room]
+            if end < 0:
+                return
+            self._emit_line()
+            start = end + 1
+
+    def _emit_line(self) -> None:
+        raw = bytes(self._line)
+        self._line.clear()
+        with contextlib.suppress(Exception):  # a probe that fails must not stop the log
+            self._on_line(raw)
+
+
 class LocalTarget:
-    """The system under test as a local process tree."""
+    """The system under test as a local process tree.
+
+    Its processes are tracked by the run's own cgroup v2 group where this machine lets
+    the harness make one (faults/_cgroup.py), and by ``AFTERSHOCK_RUN_ID`` in their
+    environment always: the group catches a process that dropped its environment, the
+    scan one that left the group.
+    """
 
     def __init__(self, launch: Launch, *, run_dir: Path, run_id: str, timeline: Timeline) -> None:
         self.launch = launch
@@ -133,10 +248,21 @@ class LocalTarget:
         self.run_id = run_id
         self.timeline = timeline
         self.proc: subprocess.Popen[bytes] | None = None
-        self._threads: list[threading.Thread] = []
+        self._pumps: list[_LogPump] = []
         self._logs = run_dir / "logs"
         self._reported: dict[int, tuple[int | None, str | None]] = {}
         self.coordinates: dict[int, tuple[int, int]] = {}  # rank -> (replica, shard)
+        # Log lines' own times (LogProbe.clock): nothing the run prints can be older than
+        # this, and Unix times convert with this one offset, fixed for the whole run.
+        self._started = time.monotonic()
+        self._clock_offset = time.time() - self._started
+        self.cgroup, self.tracking_note = _cgroup.run_group_dir(run_id)
+
+    def tracking(self) -> dict[str, Any]:
+        """How the run's processes are found, as the heal journal records it: the run id
+        in their environment, and the run's cgroup (None where none could be made)."""
+        return {"env": probe.RUN_ID_ENV, "value": self.run_id,
+                "cgroup": None if self.cgroup is None else str(self.cgroup)}
 
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -154,10 +280,20 @@ class LocalTarget:
         self._logs.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "output").mkdir(parents=True, exist_ok=True)
         (self.run_dir / "nvml").mkdir(parents=True, exist_ok=True)
+        cwd = self.launch.cwd
+        if not cwd.is_dir():
+            raise TargetError(f"cannot launch {self.launch.argv[0]!r}: its working directory "
+                              f"{str(cwd)!r} does not exist")
+        if self.cgroup is not None:
+            try:
+                self.cgroup.mkdir()
+            except OSError as exc:
+                self.tracking_note = f"cannot create {self.cgroup}: {exc.strerror}"
+                self.cgroup = None
         try:
             self.proc = subprocess.Popen(
                 self.launch.argv,
-                cwd=self.launch.cwd,
+                cwd=cwd,
                 env=self.env(),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
@@ -165,45 +301,47 @@ class LocalTarget:
                 # Own session: Ctrl-C in the harness's terminal reaches the harness,
                 # which then tears the target down in order, not the target directly.
                 start_new_session=True,
+                # Into the run's group before exec, so not even the launcher's first
+                # child can start outside it.
+                preexec_fn=None if self.cgroup is None else _entering(self.cgroup),
             )
         except OSError as exc:
+            self._drop_group()
             raise TargetError(f"cannot launch {self.launch.argv[0]!r}: {exc.strerror}") from exc
+        except subprocess.SubprocessError as exc:  # the move into the group failed
+            self._drop_group()
+            raise TargetError(f"cannot launch {self.launch.argv[0]!r} inside its cgroup "
+                              f"{self.cgroup}: {exc}") from exc
         assert self.proc.stdout is not None
         assert self.proc.stderr is not None
         for name, stream in (("stdout", self.proc.stdout), ("stderr", self.proc.stderr)):
-            thread = threading.Thread(
-                target=self._pump, args=(name, stream), name=f"log-{name}", daemon=True
-            )
-            thread.start()
-            self._threads.append(thread)
+            pump = _LogPump(name, stream, self._logs / f"launcher.{name}.log",
+                            self._line_handler(name))
+            pump.start()
+            self._pumps.append(pump)
 
-    def _pump(self, name: str, stream: IO[bytes]) -> None:
+    def _drop_group(self) -> None:
+        if self.cgroup is not None:
+            _cgroup.remove_tree(self.cgroup)
+
+    def _line_handler(self, name: str) -> Callable[[bytes], None]:
         probes = [p for p in self.launch.probes if p.stream in (name, "both")]
         compiled = [(p, re.compile(p.pattern)) for p in probes]
-        with open(self._logs / f"launcher.{name}.log", "wb") as log:
-            for raw in iter(stream.readline, b""):
-                log.write(raw)
-                log.flush()
-                if not compiled:
-                    continue
-                line = raw.decode(errors="replace").rstrip("\n")
-                for spec, pattern in compiled:
-                    match = pattern.search(line)
-                    if match:
-                        self._emit_from_log(spec, match, line)
+
+        def on_line(raw: bytes) -> None:
+            if not compiled:
+                return
+            line = raw.decode(errors="replace")
+            for spec, pattern in compiled:
+                match = pattern.search(line)
+                if match:
+                    self._emit_from_log(spec, match, line)
+
+        return on_line
 
     def _emit_from_log(self, spec: LogProbe, match: re.Match[str], line: str) -> None:
-        fields: dict[str, Any] = {"line": line[:300]}
-        for key, value in match.groupdict().items():
-            if value is None:
-                continue
-            fields[key] = int(value) if key in ("step", "rank") and value.isdigit() else value
-        if "rank" not in fields:
-            prefix = _RANK_PREFIX.match(line)
-            if prefix:
-                fields["rank"] = int(prefix.group(1))
-        self.timeline.write(Event(t=time.monotonic(), event=spec.event, source="log",
-                                  fields=fields))
+        self.timeline.write(log_event(spec, match, line, read_t=time.monotonic(),
+                                      clock_offset=self._clock_offset, started=self._started))
 
     def poll(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
@@ -213,7 +351,12 @@ class LocalTarget:
         return None if self.proc is None else self.proc.pid
 
     def processes(self) -> list[ProcessRef]:
-        return processes_with_env(probe.RUN_ID_ENV, self.run_id)
+        """Every live process of the run: its cgroup's members where it has one (exact and
+        cheap), else every process that carries the run id in its environment."""
+        if self.cgroup is None:
+            return processes_with_env(probe.RUN_ID_ENV, self.run_id)
+        refs = (ProcessRef.of(pid) for pid in _cgroup.subtree_members(self.cgroup))
+        return [ref for ref in refs if ref is not None and ref.alive()]
 
     def note_hello(self, pid: int, rank: int | None, role: str | None,
                    replica: int | None = None, shard: int | None = None) -> None:
@@ -267,10 +410,14 @@ class LocalTarget:
                 result[0] = root
         return result
 
-    def stop(self, grace: float = 3.0) -> None:
-        """End every process of the run: SIGTERM to the launcher, then SIGKILL to all.
+    def stop(self, grace: float = 3.0) -> Teardown:
+        """End every process of the run, within bounded time whatever they do.
 
-        Stopped processes are thawed first so none is left behind in state T.
+        SIGTERM to the launcher's process group first (a job that shuts down cleanly
+        may), then SIGKILL to the whole run: its cgroup, and every process with its run
+        id. Stopped processes are thawed first so none is left behind in state T. No
+        wait here is unbounded: what still lives after KILL_S, and a log pipe still held
+        open after DRAIN_S, is reported in the result instead of waited for.
         """
         if self.proc is not None and self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
@@ -278,26 +425,118 @@ class LocalTarget:
             deadline = time.monotonic() + grace
             while self.proc.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.05)
-        for _ in range(3):
-            refs = self.processes()
-            if not refs:
-                break
+        survivors = self._end_all(KILL_S)
+        if self.proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=1.0)
+        drain_until = time.monotonic() + DRAIN_S
+        for pump in self._pumps:
+            pump.finish(drain_until)
+        for pump in self._pumps:
+            # The pump polls every 0.1 s and checks its deadline between polls.
+            pump.thread.join(timeout=max(0.0, drain_until - time.monotonic()) + 1.0)
+        for pump in self._pumps:
+            if not pump.thread.is_alive():
+                # Our end of the pipe; under pytest's warnings-as-errors an unclosed pipe
+                # is a ResourceWarning that fails the user's scenario item.
+                with contextlib.suppress(OSError):
+                    pump.stream.close()
+        removed = None
+        if self.cgroup is not None:
+            removed = not survivors and _cgroup.remove_tree(self.cgroup)
+        return Teardown(
+            tracking="env" if self.cgroup is None else "cgroup",
+            survivors=survivors,
+            logs_open=tuple(p.name for p in self._pumps if not p.eof),
+            cgroup_removed=removed,
+        )
+
+    def _end_all(self, timeout: float) -> tuple[int, ...]:
+        """SIGKILL the run's cgroup and every process with its run id until none is
+        left or ``timeout`` passes; the pids still alive then."""
+        deadline = time.monotonic() + timeout
+        while True:
+            group_empty = (self.cgroup is None
+                           or _cgroup.kill_tree(self.cgroup, max(0.0, deadline - time.monotonic())))
+            refs = processes_with_env(probe.RUN_ID_ENV, self.run_id)
             for ref in refs:
                 ref.signal(signal.SIGCONT)
             kill_all(refs)
+            if group_empty and not refs:
+                return ()
+            if time.monotonic() >= deadline:
+                left = {ref.pid for ref in refs if ref.alive()}
+                if self.cgroup is not None:
+                    left.update(_cgroup.subtree_members(self.cgroup))
+                return tuple(sorted(left))
             time.sleep(0.05)
-        if self.proc is not None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=grace)
-        for thread in self._threads:
-            thread.join(timeout=2.0)
-        if self.proc is not None:
-            # Close our ends of the pipes: under pytest's warnings-as-errors an unclosed
-            # pipe is a ResourceWarning that fails the user's scenario item.
-            for stream in (self.proc.stdout, self.proc.stderr):
-                if stream is not None:
-                    with contextlib.suppress(OSError):
-                        stream.close()
+
+
+def _entering(group: Path) -> Callable[[], None]:
+    """What the child runs between fork and exec: move itself into ``group``. Only
+    system calls, nothing that could wait on a lock another harness thread held at fork."""
+    procs = str(group / "cgroup.procs")
+
+    def enter() -> None:
+        fd = os.open(procs, os.O_WRONLY)
+        try:
+            os.write(fd, b"0\n")  # 0: the writing process itself
+        finally:
+            os.close(fd)
+
+    return enter
+
+
+#: How far a line's own time may lie past the moment it was read (rounding in print, the
+#: Unix-to-monotonic offset drifting by an NTP slew) before it is taken for the wrong clock.
+LINE_TIME_SLACK_S = 1.0
+
+
+def log_event(spec: LogProbe, match: re.Match[str], line: str, *, read_t: float,
+              clock_offset: float, started: float) -> Event:
+    """The event a matching log line stands for.
+
+    Its time is the line's own ``time`` group when there is one that makes sense (not
+    after the line was read, not before the run began), capped at the read time, which
+    no line can postdate: ``clock: line``. Otherwise it is the read time, only an upper
+    bound on when the line was written: ``clock: read`` (docs/metrics.md)."""
+    fields: dict[str, Any] = {"line": line[:300]}
+    raw_time: str | None = None
+    for key, value in match.groupdict().items():
+        if value is None:
+            continue
+        if key == "time":
+            raw_time = value
+            continue
+        integral = key in ("step", "rank", "generation") and value.isdigit()
+        fields[key] = int(value) if integral else value
+    if "rank" not in fields:
+        prefix = _RANK_PREFIX.match(line)
+        if prefix:
+            fields["rank"] = int(prefix.group(1))
+    t, clock = read_t, "read"
+    if raw_time is not None:
+        try:
+            value = float(raw_time)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value):
+            fields["time_rejected"] = f"not a number: {raw_time!r}"
+        else:
+            own = value - clock_offset if spec.clock == "unix" else value
+            if spec.clock == "unix":
+                fields["clock_offset"] = clock_offset
+            if own > read_t + LINE_TIME_SLACK_S:
+                fields["time_rejected"] = (f"{raw_time} is {own - read_t:.3g} s after the line "
+                                           f"was read: not {spec.clock} time?")
+            elif own < started - LINE_TIME_SLACK_S:
+                fields["time_rejected"] = (f"{raw_time} is {started - own:.3g} s before the run "
+                                           f"began: not {spec.clock} time?")
+            else:
+                t, clock = min(own, read_t), "line"
+    fields["clock"] = clock
+    fields["read_t"] = read_t
+    return Event(t=t, event=spec.event, source="log", fields=fields)
 
 
 def _parent(pid: int) -> int | None:

@@ -9,10 +9,13 @@ Layout on disk::
 
 Every file is written to a temporary name in the same folder, fsynced, renamed over its final
 name and the folder fsynced, so a crash leaves either the old file or the new one, never a
-torn one. The sidecar is written after the payload, so a payload without a matching sidecar
-is never trusted. A step folder without COMMIT is a save that some rank did not finish and is
-ignored. A step is loaded only when every rank has verified its own file (sizes and sha256),
-agreed through an all_reduce(MIN), so no rank ever resumes from a state its peers lack.
+torn one. The commit fsyncs the root too, after the marker, so that the step folder's own
+entry survives a power loss (tested on a filesystem that loses everything not fsynced:
+scenarios/faults/storage_lose_unsynced.yaml). The sidecar is written after the payload, so a
+payload without a matching sidecar is never trusted. A step folder without COMMIT is a save
+that some rank did not finish and is ignored. A step is loaded only when every rank has
+verified its own file (sizes and sha256), agreed through an all_reduce(MIN), so no rank ever
+resumes from a state its peers lack.
 
 Assumes the root is visible to every rank at the same path (one host, or a shared file
 system); with node-local disks rank 0 could not see the other ranks' files to prune them.
@@ -145,6 +148,9 @@ def save(
     if rank == 0:
         try:
             write_atomic(path / COMMIT, json.dumps({"step": step}).encode())
+            # The step folder's own name in the root is durable only once the root is fsynced:
+            # without it a power loss takes the whole committed step (mkdir is not durable).
+            _fsync_dir(path.parent)
         except OSError as exc:
             # The files are whole but uncommitted: start-up ignores the folder, prune drops it.
             code = errno.errorcode.get(exc.errno or 0, type(exc).__name__)

@@ -276,33 +276,89 @@ def gradients_finite(model: torch.nn.Module, layout: Layout) -> tuple[bool, bool
     return mine, bad.item() == 0
 
 
-def report_stragglers(compute_s: float, layout: Layout, step: int) -> None:
-    """Compare the ranks' compute times of the last window; rank 0 names a slow rank.
+# A straggler must cost the job, not merely jitter: besides STRAGGLER_RATIO × the median, a
+# rank is named only when its busy time exceeds the median's by this share of the window,
+# over a window of at least STRAGGLER_WINDOW_S. Measured on a 2-core host shared with other
+# test runs (4 ranks, load average 6 to 20): a rank held to a twentieth of a CPU exceeded
+# the median by 0.35 to 0.68 of each window it spent throttled (not more: its Gloo threads
+# are throttled too, while the training thread sleeps in the collective); fault-free ranks
+# by at most 0.16 up to a load of 13. Beyond that the host itself starved one rank by up to
+# 0.48 of a window, a real straggler, and it is named as one.
+STRAGGLER_SHARE = 0.3
+STRAGGLER_WINDOW_S = 1.0
+# Rank 0's view of the previous window: its clock, and every rank's cumulative busy and
+# compute seconds. Per process, so a restarted world starts afresh (its first call only
+# takes the baseline: start-up is nobody's straggling).
+_straggler_window: list[tuple[float, list[float], list[float]]] = []
+_compute_total = [0.0]  # this rank's compute seconds since it started
 
-    Compute time is forward+backward wall time minus the time spent in the model's
-    collectives: a straggler's peers wait for it inside those collectives, so their wall
-    time grows too, but their compute time does not.
+
+def _busy_seconds() -> float | None:
+    """CPU time of this (the training) thread plus the time it waited for a CPU while ready
+    to run, from /proc/thread-self/schedstat; None where the kernel does not say.
+
+    Waiting for a CPU is where a throttled (CFS quota) or oversubscribed rank loses its
+    time, wherever in the step it falls; the peers that wait for it in collectives are
+    asleep meanwhile, which counts as neither.
     """
+    try:
+        with open("/proc/thread-self/schedstat") as handle:
+            on_cpu, waiting, _ = handle.read().split()
+    except (OSError, ValueError):
+        return None
+    return (int(on_cpu) + int(waiting)) / 1e9
+
+
+def report_stragglers(compute_s: float, layout: Layout, step: int) -> None:
+    """Compare how long each rank was busy with its own work since the last comparison;
+    rank 0 names a straggler.
+
+    A rank's busy time is the larger of two measures: its CPU time plus its wait for a CPU
+    (``_busy_seconds``; catches a rank starved of CPU wherever in the step it happens), and
+    its compute time, forward+backward wall time minus the model's collectives (catches a
+    rank stopped outright while computing, e.g. by SIGSTOP, which schedstat does not
+    count). A straggler's peers wait for it inside collectives, asleep, so neither measure
+    grows for them. Every rank calls this at the same steps (it is a collective).
+    """
+    _compute_total[0] += compute_s
+    busy = _busy_seconds()
     world = dist.get_world_size(layout.world_group)
-    times = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
-    dist.all_gather(times, torch.tensor([compute_s], dtype=torch.float64),
-                    group=layout.world_group)
+    totals = [torch.zeros(2, dtype=torch.float64) for _ in range(world)]
+    mine = torch.tensor([-1.0 if busy is None else busy, _compute_total[0]], dtype=torch.float64)
+    dist.all_gather(totals, mine, group=layout.world_group)
     if layout.rank != 0:
         return
-    values = [float(t) for t in times]
-    for rank, ratio in stragglers(values):
+    now = time.monotonic()
+    busy_totals = [float(t[0]) for t in totals]
+    compute_totals = [float(t[1]) for t in totals]
+    if not _straggler_window:
+        _straggler_window.append((now, busy_totals, compute_totals))
+        return
+    since, busy_before, compute_before = _straggler_window[0]
+    window = now - since
+    if window < STRAGGLER_WINDOW_S:
+        return  # too short to tell a straggler from scheduling noise: keep accumulating
+    _straggler_window[0] = (now, busy_totals, compute_totals)
+    values = [
+        max(compute - compute_was, busy - busy_was if busy >= 0 and busy_was >= 0 else 0.0)
+        for busy, busy_was, compute, compute_was
+        in zip(busy_totals, busy_before, compute_totals, compute_before, strict=True)
+    ]
+    for rank, ratio in stragglers(values, window):
         probe.emit("straggler_detected", slow_rank=rank, ratio=round(ratio, 2), step=step,
-                   compute_s=round(values[rank], 4),
-                   median_s=round(statistics.median(values), 4))
+                   busy_s=round(values[rank], 4), median_s=round(statistics.median(values), 4),
+                   window_s=round(window, 3))
 
 
-def stragglers(values: list[float]) -> list[tuple[int, float]]:
-    """(rank, times the median) of every rank slower than STRAGGLER_RATIO × the median."""
+def stragglers(values: list[float], window: float | None = None) -> list[tuple[int, float]]:
+    """(rank, times the median) of every rank slower than STRAGGLER_RATIO × the median and,
+    given the window's wall time, busier than the median by STRAGGLER_SHARE of it."""
     median = statistics.median(values)
     if median <= 0:
         return []
+    floor = 0.0 if window is None else STRAGGLER_SHARE * window
     return [(rank, value / median) for rank, value in enumerate(values)
-            if value > STRAGGLER_RATIO * median]
+            if value > STRAGGLER_RATIO * median and value - median > floor]
 
 
 def train(cfg: TrainConfig, layout: Layout, world: int, device: torch.device,

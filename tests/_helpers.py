@@ -41,16 +41,17 @@ def read_events(path: Path, kind: str | None = None) -> list[dict[str, Any]]:
 
 
 def quick_scenario(name: str, rest: str, *, ranks: int = 2, duration: float = 1.0) -> str:
-    """A scenario on ``ranks_job.py``: torch-free rank processes printing ``rank R step N``
-    every 50 ms for ``duration`` seconds. ``rest`` is the YAML after ``system`` (faults,
-    expect)."""
+    """A scenario on ``ranks_job.py``: torch-free rank processes printing ``rank R step N
+    gen 0 t=T`` every 50 ms for ``duration`` seconds. ``rest`` is the YAML after ``system``
+    (faults, expect)."""
     return f"""\
 name: {name}
 system:
   command: [{sys.executable}, {RANKS_JOB}]
   env: {{JOB_RANKS: "{ranks}", JOB_DURATION: "{duration}"}}
   probes:
-    - {{pattern: 'rank (?P<rank>\\d+) step (?P<step>\\d+)', event: step}}
+    - event: step
+      pattern: 'rank (?P<rank>\\d+) step (?P<step>\\d+) gen (?P<generation>\\d+) t=(?P<time>\\S+)'
 {rest}"""
 
 

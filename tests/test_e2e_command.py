@@ -1,5 +1,6 @@
 """End to end: a plain torchrun job that knows nothing about Aftershock, attacked
-through a command-kind scenario and measured from its log lines alone."""
+through a command-kind scenario and measured from its log lines alone; and a job that
+splits into two worlds, which the recovery checks must not mistake for recovery."""
 
 from __future__ import annotations
 
@@ -12,6 +13,14 @@ import pytest
 from _helpers import ROOT, cli
 
 JOB = ROOT / "tests" / "fixtures" / "plain_ddp_job.py"
+SPLIT_JOB = ROOT / "tests" / "fixtures" / "split_brain_job.py"
+
+# The job's step lines carry the world that committed them (torchrun's restart count) and
+# the moment of the commit (CLOCK_MONOTONIC): what a log probe needs to prove recovery.
+STEP_PROBE = ("{pattern: '\\[rank (?P<rank>\\d+)\\] step (?P<step>\\d+) .* "
+              "gen (?P<generation>\\d+) t=(?P<time>[\\d.]+)', event: step}")
+PARAMS_PROBE = ("{pattern: '\\[rank (?P<rank>\\d+)\\] params sha256=(?P<digest>[0-9a-f]+) "
+                "gen (?P<generation>\\d+)', event: params}")
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -29,9 +38,9 @@ system:
     JOB_BROKEN_RESUME_IF: ${{scenario_dir}}/BROKEN_RESUME
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE: "1"
   probes:
-    - {{pattern: '\\[rank (?P<rank>\\d+)\\] step (?P<step>\\d+)', event: step}}
+    - {STEP_PROBE}
     - {{pattern: 'failed \\(exitcode: (?P<cause>-?\\d+)\\)', event: failure_detected}}
-    - {{pattern: '\\[rank (?P<rank>\\d+)\\] params sha256=(?P<digest>[0-9a-f]+)', event: params}}
+    - {PARAMS_PROBE}
   timeout: 4m
 faults:
   - kind: process.kill
@@ -112,3 +121,88 @@ expect:
     (fault,) = json.loads(out.read_text())[0]["faults"]
     assert fault["injected_at_s"] is not None
     assert "64 write(s)" in fault["detail"], fault["detail"]
+
+
+def test_a_frozen_rank_that_never_comes_back_is_not_recovery(tmp_path: Path) -> None:
+    # The user's report: rank 1 of a plain DDP job is SIGSTOPped and never resumed (Gloo
+    # would wait for it until its timeout). torchrun's --tee copies the ranks' output in
+    # batches, so step lines written just before the freeze reach the harness just after
+    # it; they must not pass for recovery. The run ends at its own timeout (then the harness
+    # thaws the rank to kill it; whatever it commits then is no recovery either). The
+    # timeout leaves a loaded machine time to start torch in three processes.
+    path = tmp_path / "freeze.yaml"
+    path.write_text(f"""\
+name: plain-torchrun-freeze-forever
+system:
+  command: [{sys.executable}, -m, torch.distributed.run, --nproc-per-node=2,
+            --max-restarts=0, --tee=3, '--log-dir=${{run_dir}}/torchrun', {JOB}]
+  world: 2
+  env: {{JOB_CKPT: "${{run_dir}}/ckpt", JOB_STEPS: "2000", JOB_STEP_SLEEP: "0.01",
+         TORCH_DISABLE_SHARE_RDZV_TCP_STORE: "1"}}
+  probes:
+    - {STEP_PROBE}
+  timeout: 35s
+faults:
+  - kind: process.freeze
+    target: {{rank: 1}}
+    at: {{step: 10}}
+expect:
+  completes: false
+  time_to_recover: {{max: 60s}}
+""")
+    out = tmp_path / "freeze.json"
+    proc = cli("run", str(path), "--json", str(out), "--run-dir", str(tmp_path / "runs"),
+               timeout=120)
+    (record,) = json.loads(out.read_text())
+    checks = {c["name"]: c for c in record["checks"]}
+    assert checks["faults_injected"]["passed"], proc.stdout + proc.stderr
+    assert not checks["time_to_recover"]["passed"], checks["time_to_recover"]
+    assert record["metrics"]["time_to_recover_s"] is None
+    assert "not observed" in checks["time_to_recover"]["message"]
+    assert proc.returncode == 1
+
+
+def test_a_job_that_splits_into_two_worlds_has_no_single_history(tmp_path: Path) -> None:
+    # Rank 1 is frozen for a second at step 10: rank 0 goes on alone in a world of its own,
+    # and rank 1, thawed, does too. Both commit steps 11.. from the same state.
+    probe = ("{pattern: 'rank (?P<rank>\\d+) world (?P<generation>\\w+) step (?P<step>\\d+) "
+             "t=(?P<time>[\\d.]+)', event: step}")
+    path = tmp_path / "split.yaml"
+    path.write_text(f"""\
+name: split-brain
+system:
+  command: [{sys.executable}, {SPLIT_JOB}]
+  world: 2
+  env: {{JOB_DIR: "${{run_dir}}/job", JOB_STEPS: "40"}}
+  probes:
+    - {probe}
+  timeout: 60s
+faults:
+  - kind: process.freeze
+    target: {{rank: 1}}
+    at: {{step: 10}}
+    duration: 1s
+expect:
+  completes: true
+  single_history: true
+  time_to_recover: {{max: 30s}}
+  lost_steps: {{max: 0}}
+""")
+    out = tmp_path / "split.json"
+    proc = cli("run", str(path), "--json", str(out), "--run-dir", str(tmp_path / "runs"),
+               timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    (record,) = json.loads(out.read_text())
+    checks = {c["name"]: c for c in record["checks"]}
+    assert checks["completes"]["passed"]
+    assert checks["faults_injected"]["passed"]
+    assert not checks["single_history"]["passed"]
+    assert "solo0" in checks["single_history"]["message"]
+    assert "solo1" in checks["single_history"]["message"]
+    # Each world redid the steps after the freeze alone: ~30 steps computed twice.
+    metrics = record["metrics"]
+    assert metrics["forked_steps"] >= 20
+    assert metrics["lost_steps"] >= metrics["forked_steps"]
+    assert not checks["lost_steps"]["passed"]
+    assert not checks["time_to_recover"]["passed"]
+    assert metrics["time_to_recover_s"] is None

@@ -1,4 +1,5 @@
-"""Nothing survives a run: not on Ctrl-C, not on SIGTERM, not when the harness is SIGKILLed.
+"""Nothing survives a run: not on Ctrl-C, not on SIGTERM, not when the harness is SIGKILLed;
+and an interrupted run still leaves its record, marked interrupted.
 
 The target is a torch-free job whose ranks are ordinary processes, one of them
 frozen (SIGSTOP) when the harness is interrupted.
@@ -6,12 +7,14 @@ frozen (SIGSTOP) when the harness is interrupted.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from xml.etree import ElementTree as ET
 
 import pytest
 
@@ -53,7 +56,8 @@ def start(tmp_path: Path) -> tuple[subprocess.Popen[str], Path]:
     runs = tmp_path / "runs"
     harness = subprocess.Popen(
         [sys.executable, "-m", "harness", "run", str(write_scenario(tmp_path)),
-         "--run-dir", str(runs), "--plain"],
+         "--run-dir", str(runs), "--plain", "--json", str(tmp_path / "out.json"),
+         "--junit", str(tmp_path / "out.xml")],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "AFTERSHOCK_STATE_DIR": str(tmp_path / "state")},
     )
@@ -87,6 +91,19 @@ def test_interrupt_heals_and_ends_everything(tmp_path: Path, sig: int, code: int
     # The harness waits for its teardown before exiting: nothing is left, at once.
     assert run_processes(runs) == []
     assert not list((tmp_path / "state" / "journal").glob("*.jsonl"))
+    # The run is on record, marked interrupted, in its folder, in --json and in JUnit.
+    name = signal.Signals(sig).name
+    record = json.loads((runs / "freeze-then-interrupt" / "result.json").read_text())
+    assert record["interrupted"] is True
+    assert record["passed"] is False
+    assert record["error"].startswith(f"interrupted by {name}")
+    assert record["metrics"]["steps_committed"] >= 5  # what the timeline showed so far
+    assert json.loads((tmp_path / "out.json").read_text()) == [record]
+    (case,) = ET.parse(tmp_path / "out.xml").getroot().iter("testcase")
+    assert case.get("name") == "freeze-then-interrupt"
+    (error,) = case.iter("error")
+    assert error.get("type") == "Interrupted"
+    assert name in str(error.get("message"))
 
 
 def test_sigkilled_harness_is_cleaned_up_by_its_reaper(tmp_path: Path) -> None:

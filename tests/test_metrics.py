@@ -2,37 +2,71 @@
 
 from __future__ import annotations
 
+import json
+import os
+import re
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from harness import metrics
 from harness.checks import Outcome, evaluate
 from harness.records import Event, FaultRecord
-from harness.spec import Budget, CountBudget, Expect
+from harness.spec import Budget, CountBudget, Expect, LogProbe
 
 
 def ev(t: float, event: str, **fields: object) -> Event:
     return Event(t=t, event=event, source="test", fields=dict(fields))
 
 
-def steps(t0: float, first: int, last: int, ranks: int = 2, dt: float = 0.1) -> list[Event]:
+def step(t: float, n: int, rank: int, gen: object = 0, **fields: object) -> Event:
+    """Step ``n`` committed by ``rank`` in world ``gen``, stamped by the probe (its own clock)."""
+    return ev(t, "step", step=n, rank=rank, generation=gen, **fields)
+
+
+def steps(t0: float, first: int, last: int, ranks: int | list[int] = 2, dt: float = 0.1,
+          gen: object = 0) -> list[Event]:
+    who = range(ranks) if isinstance(ranks, int) else ranks
     out = []
     for i, n in enumerate(range(first, last + 1)):
-        out += [ev(t0 + i * dt, "step", step=n, rank=r) for r in range(ranks)]
+        out += [step(t0 + i * dt, n, r, gen) for r in who]
     return out
 
 
+def log_step(t: float, n: int, rank: int, clock: str | None, gen: object = 0) -> Event:
+    """A step read from a log line: ``clock: line`` when ``t`` was parsed from the line,
+    ``read`` (or absent, as in timelines recorded before) when ``t`` is the read time."""
+    fields: dict[str, object] = {"step": n, "rank": rank, "generation": gen}
+    if clock is not None:
+        fields["clock"] = clock
+    return Event(t=t, event="step", source="log", fields=fields)
+
+
+def timeline(*parts: Event | list[Event]) -> list[Event]:
+    flat = [e for p in parts for e in (p if isinstance(p, list) else [p])]
+    return sorted(flat, key=lambda e: e.t)
+
+
 def restart_timeline() -> list[Event]:
-    """Steps 1..10, fault at t=1.05, detection at 1.2, resume from 6, finish at 20."""
-    return [
-        *steps(0.0, 1, 10),
+    """Generation 0 commits steps 1..10; fault at t=1.05, detection at 1.2; generation 1
+    loads the checkpoint of step 6 and commits 7..20."""
+    return timeline(
+        steps(0.0, 1, 10),
         ev(1.05, "fault_injected", rank=1),
-        ev(1.2, "failure_detected", rank=0),
-        *steps(3.0, 7, 20),
-        ev(5.0, "params", rank=0, digest="aa"),
-        ev(5.0, "params", rank=1, digest="bb"),
-    ]
+        ev(1.2, "failure_detected", rank=0, generation=0),
+        [ev(2.9, "hello", rank=r, generation=1) for r in range(2)],
+        [ev(2.95, "checkpoint_loaded", rank=r, step=6, generation=1) for r in range(2)],
+        steps(3.0, 7, 20, gen=1),
+        ev(5.0, "params", rank=0, digest="aa", generation=1),
+        ev(5.0, "params", rank=1, digest="bb", generation=1),
+    )
+
+
+def without_identity(events: list[Event]) -> list[Event]:
+    return [Event(e.t, e.event, e.source, {k: v for k, v in e.fields.items()
+                                           if k != "generation"}) for e in events]
 
 
 def test_time_to_detect() -> None:
@@ -44,39 +78,247 @@ def test_time_to_detect_none_without_acknowledgement() -> None:
     assert metrics.time_to_detect(events) is None
 
 
+# ------------------------------------------------------------------- time_to_recover
+
+
 def test_time_to_recover_needs_every_rank() -> None:
     events = restart_timeline()
     assert metrics.time_to_recover(events, 2) == pytest.approx(3.0 - 1.05)
     # With one rank missing after the restart the world is never whole again.
     partial = [e for e in events if not (e.event == "step" and e.t >= 3.0 and e.rank == 1)]
     assert metrics.time_to_recover(partial, 2) is None
+    assert "rank 1" in metrics.recovery(partial, 2).reason
+
+
+def test_a_frozen_rank_that_never_commits_again_is_not_recovery() -> None:
+    # Rank 1 is frozen after step 10 and never thawed; rank 0 finishes the step it was in.
+    events = timeline(steps(0.0, 1, 10), ev(1.05, "fault_injected", rank=1),
+                      step(1.08, 11, 0))
+    found = metrics.recovery(events, 2)
+    assert found.seconds is None
+    assert "rank 1" in found.reason
+
+
+def test_a_step_after_the_run_timed_out_proves_nothing() -> None:
+    # The frozen rank is thawed by the harness's teardown (it heals every fault, and thaws
+    # stopped processes before it kills them) and finishes its step: not recovery.
+    events = timeline(steps(0.0, 1, 10), ev(1.05, "fault_injected", rank=1), step(1.08, 11, 0),
+                      ev(25.0, "timeout", after_s=25.0), ev(25.01, "fault_healed"),
+                      step(25.02, 11, 1), ev(25.5, "run_end", exit_code=None, timed_out=True))
+    assert metrics.time_to_recover(events, 2) is None
+
+
+def test_read_time_never_proves_a_step_came_after_the_fault() -> None:
+    # torchrun --tee batches output: both ranks' lines of step 11, written before the
+    # freeze, are read 50 ms after it. Read time is only an upper bound on when a line was
+    # written: it cannot prove anything came after the fault.
+    before = [log_step(0.1 * n, n, r, "line") for n in range(1, 11) for r in range(2)]
+    fault = ev(1.05, "fault_injected", rank=1)
+    for clock in ("read", None):  # None: a timeline recorded before lines had a clock
+        late = [log_step(1.1, 11, r, clock) for r in range(2)]
+        found = metrics.recovery(timeline(before, fault, late), 2)
+        assert found.seconds is None
+        assert "time" in found.reason
+    # The same lines carrying their own time (written 22 ms before the freeze): not recovery.
+    written = [log_step(1.028, 11, r, "line") for r in range(2)]
+    assert metrics.time_to_recover(timeline(before, fault, written), 2) is None
+    # Lines whose own time is after the fault do prove it, at that time (not the read time).
+    resumed = [log_step(1.5, 11, 0, "line"), log_step(1.6, 11, 1, "line")]
+    assert metrics.time_to_recover(timeline(before, fault, resumed), 2) == pytest.approx(0.55)
+
+
+def test_a_step_committed_while_the_fault_was_being_applied_proves_nothing() -> None:
+    # The fault's moment is when applying it began (t=1.05); SIGSTOP landed by 1.06. Both
+    # ranks committed step 11 in between, then the world never committed again.
+    events = timeline(steps(0.0, 1, 10), ev(1.05, "fault_injected", rank=1, applied_at=1.06),
+                      step(1.055, 11, 0), step(1.056, 11, 1))
+    assert metrics.time_to_recover(events, 2) is None
+    # Steps after it had landed prove recovery, timed from the fault's moment.
+    events = timeline(events, step(1.1, 12, 0), step(1.2, 12, 1))
+    assert metrics.time_to_recover(events, 2) == pytest.approx(0.15)
 
 
 def test_steps_of_the_doomed_generation_are_not_recovery() -> None:
-    # Both ranks report step 11 just after the fault but before detection.
-    late = [ev(1.1, "step", step=11, rank=0), ev(1.1, "step", step=11, rank=1)]
-    events = [*restart_timeline(), *late]
-    events.sort(key=lambda e: e.t)
+    # Both ranks commit step 11 just after the fault; the world is then replaced anyway.
+    late = [step(1.1, 11, 0), step(1.1, 11, 1)]
+    events = timeline(restart_timeline(), late)
     assert metrics.time_to_recover(events, 2) == pytest.approx(3.0 - 1.05)
+    # Even when the system reports no detection at all (net_reset on a loaded machine).
+    quiet = [e for e in events if e.event != "failure_detected"]
+    assert metrics.time_to_recover(quiet, 2) == pytest.approx(3.0 - 1.05)
+
+
+def test_a_world_that_failed_did_not_recover() -> None:
+    late = [step(1.1, 11, 0), step(1.1, 11, 1)]
+    base = timeline(steps(0.0, 1, 10), ev(1.05, "fault_injected", rank=1), late)
+    # Its own members report the failure after the step...
+    failed = timeline(base, ev(1.3, "failure_detected", rank=0, generation=0))
+    assert metrics.time_to_recover(failed, 2) is None
+    # ... or the run ends in failure with that world last.
+    crashed = timeline(base, ev(1.4, "run_end", exit_code=1, timed_out=False))
+    assert metrics.time_to_recover(crashed, 2) is None
+    # A fault the world rides through (nothing replaced it, the run succeeded): recovered.
+    fine = timeline(base, ev(1.4, "run_end", exit_code=0, timed_out=False))
+    assert metrics.time_to_recover(fine, 2) == pytest.approx(0.05)
+
+
+def test_steps_without_world_identity_prove_nothing() -> None:
+    found = metrics.recovery(without_identity(restart_timeline()), 2)
+    assert found.seconds is None
+    assert "world" in found.reason
+
+
+def test_a_step_belongs_to_the_world_its_process_last_declared() -> None:
+    # Probe events without `generation` (timelines recorded before the probe stamped it):
+    # the generation of the process's last hello (same pid) is theirs.
+    def probe_event(t: float, event: str, rank: int, pid: int, **fields: object) -> Event:
+        return Event(t, event, f"rank{rank}", {"rank": rank, "pid": pid, **fields})
+
+    events = timeline(
+        [probe_event(0.0, "hello", r, 10 + r, generation=0) for r in range(2)],
+        [probe_event(0.1 * n, "step", r, 10 + r, step=n) for n in range(1, 11) for r in (0, 1)],
+        ev(1.05, "fault_injected", rank=1),
+        [probe_event(2.9, "hello", r, 20 + r, generation=1) for r in range(2)],
+        [probe_event(3.0 + 0.1 * i, "step", r, 20 + r, step=n)
+         for i, n in enumerate(range(7, 21)) for r in (0, 1)],
+    )
+    found = metrics.recovery(events, 2)
+    assert found.seconds == pytest.approx(3.0 - 1.05)
+    assert found.generation == 1
+
+
+def test_a_world_with_a_member_missing_does_not_count() -> None:
+    # Elastic: replica 0 (ranks 0, 1) is dropped; ranks 2, 3 go on alone in generation 1;
+    # the world is whole again only when generation 2 brings replica 0 back.
+    events = timeline(
+        steps(0.0, 1, 10, ranks=4),
+        ev(1.05, "fault_injected", rank=1),
+        steps(1.5, 11, 20, ranks=[2, 3], gen=1),
+        [ev(2.45, "recovery_done", rank=r, step=20, generation=2) for r in range(4)],
+        steps(2.5, 21, 30, ranks=4, gen=2),
+    )
+    assert metrics.time_to_recover(events, 4) == pytest.approx(2.5 - 1.05)
+    assert metrics.skipped_steps(events) == 0  # ranks 0, 1 caught up from their peers
+    assert metrics.lost_steps(events) == 0
+
+
+# ----------------------------------------------------------------- split brain, lost steps
+
+
+def split_brain(zombie: bool) -> list[Event]:
+    """Ranks 0 and 1 are one replica group each. Group 1 is frozen after step 25; group 0
+    goes on alone in world "q2" (steps 26..79); group 1 is thawed and redoes 26..79 alone,
+    in a world of its own ("q3") or, as a zombie, still in the old world "q1"."""
+    return timeline(
+        steps(0.0, 1, 25, gen="q1", dt=0.05),
+        ev(1.26, "fault_injected", rank=1),
+        steps(5.0, 26, 79, ranks=[0], gen="q2"),
+        steps(20.0, 26, 79, ranks=[1], gen="q1" if zombie else "q3"),
+    )
+
+
+@pytest.mark.parametrize("zombie", [False, True])
+def test_a_split_brain_is_no_recovery_and_its_duplicated_work_is_lost(zombie: bool) -> None:
+    events = split_brain(zombie)
+    assert metrics.time_to_recover(events, 2) is None
+    assert metrics.forked_steps(events) == 54
+    assert metrics.lost_steps(events) == 54  # 54 steps were computed twice
+
+
+def test_a_rollback_is_not_a_split_brain() -> None:
+    late = [step(1.1, 11, 0), step(1.1, 11, 1)]  # the doomed world's last step
+    events = timeline(restart_timeline(), late)
+    assert metrics.forked_steps(events) == 0
+    assert metrics.lost_steps(events) == 5  # 7..11 committed again by generation 1
+
+
+def test_a_zombie_world_that_later_rejoins_still_forked() -> None:
+    # Group 1 thaws and commits 26, 27 in the old world while group 0's world "q2" has
+    # already committed them; then it rejoins ("q4", both groups). The final history is
+    # consistent, but two worlds made progress on the same steps at the same time.
+    events = timeline(
+        steps(0.0, 1, 25, gen="q1", dt=0.05),
+        ev(1.26, "fault_injected", rank=1),
+        steps(5.0, 26, 30, ranks=[0], gen="q2"),
+        steps(6.0, 26, 27, ranks=[1], gen="q1"),
+        steps(8.0, 31, 40, gen="q4"),
+    )
+    assert metrics.forked_steps(events) == 2
+    assert metrics.time_to_recover(events, 2) == pytest.approx(8.0 - 1.26)
+
+
+def test_single_history_cannot_be_proven_without_world_identity() -> None:
+    assert metrics.forked_steps(without_identity(split_brain(False))) is None
+    assert metrics.forked_steps(steps(0.0, 1, 10)) == 0  # no fault: one history
 
 
 def test_lost_steps_counts_recomputed_steps() -> None:
     assert metrics.lost_steps(restart_timeline()) == 4  # steps 7, 8, 9, 10 ran twice
     assert metrics.lost_steps(steps(0.0, 1, 10)) == 0
+    # Rolled back within one world (e.g. to the last matching fingerprints): 8..10 again.
+    assert metrics.lost_steps(timeline(steps(0.0, 1, 10), steps(1.1, 8, 12))) == 3
+    # Without world identity each rank's own repeats still count.
+    assert metrics.lost_steps(without_identity(restart_timeline())) == 4
 
 
-def test_full_world_defaults_to_ranks_seen_before_the_fault() -> None:
-    assert metrics.full_world(restart_timeline(), None) == 2
+# ------------------------------------------------------------------------ skipped steps
+
+
+def test_skipped_steps() -> None:
+    assert metrics.skipped_steps(restart_timeline()) == 0
+    # Generation 1 loaded the checkpoint of step 6 but its first step is 8: 7 was skipped.
+    jumped = [e for e in restart_timeline() if not (e.event == "step" and e.fields["step"] == 7
+                                                    and e.t > 2)]
+    assert metrics.skipped_steps(jumped) == 1
+    # No resume point reported: generation 1 starts at 12 although nobody committed 11.
+    no_ckpt = [e for e in restart_timeline() if e.event != "checkpoint_loaded"]
+    late_start = [e for e in no_ckpt if not (e.event == "step" and e.t > 2
+                                             and e.fields["step"] <= 11)]
+    assert metrics.skipped_steps(late_start) == 1
+    # Within one world the ranks jump from 10 to 12.
+    assert metrics.skipped_steps(timeline(steps(0.0, 1, 10), steps(1.0, 12, 20))) == 1
+    # One rank's report of step 5 is missing (two ranks' log lines ran together and only
+    # the first matched) while its world committed it: no skip.
+    lost_line = [e for e in steps(0.0, 1, 10) if (e.fields["step"], e.rank) != (5, 1)]
+    assert metrics.skipped_steps(lost_line) == 0
+
+
+def test_skipped_steps_are_unobservable_when_not_every_step_is_reported() -> None:
+    sparse = [step(0.1 * n, n, r) for n in range(10, 101, 10) for r in range(2)]
+    assert metrics.skipped_steps(sparse) is None
+    assert metrics.skipped_steps([]) is None
+
+
+# -------------------------------------------------------------------------- final params
 
 
 def test_final_digests_take_the_last_report() -> None:
-    events = [*restart_timeline(), ev(6.0, "params", rank=0, digest="cc")]
+    events = [*restart_timeline(), ev(6.0, "params", rank=0, digest="cc", generation=1)]
     assert metrics.final_digests(events) == {0: "cc", 1: "bb"}
 
 
+def test_final_digests_come_from_the_final_world_only() -> None:
+    # A survivor of generation 0 reports a digest as it crashes; generation 1 hangs and
+    # only rank 1 reports. Rank 0's generation-0 digest is not the run's result.
+    events = timeline(
+        [e for e in restart_timeline() if not (e.event == "params" and e.rank == 0)],
+        ev(1.3, "params", rank=0, digest="aa", generation=0),
+    )
+    assert metrics.final_digests(events) == {1: "bb"}
+    (check,) = [c for c in evaluate(Expect(completes=False, params_match="fault_free"),
+                                    outcome=Outcome(None, True, 6.0), metrics={}, faults=[],
+                                    digests=metrics.final_digests(events),
+                                    baseline={0: "aa", 1: "bb"}, events=events, world=2)
+                if c.name == "params_match"]
+    assert not check.passed
+    assert check.observed == "1/2 ranks reported"
+    assert "rank 0" in check.message
+
+
 def run_checks(expect: Expect, *, exit_code: int = 0, digests: dict[int, str] | None = None,
-               baseline: dict[int, str] | None = None, timed_out: bool = False):
-    events = restart_timeline()
+               baseline: dict[int, str] | None = None, timed_out: bool = False,
+               events: list[Event] | None = None):
+    events = restart_timeline() if events is None else events
     return {
         c.name: c
         for c in evaluate(
@@ -86,6 +328,8 @@ def run_checks(expect: Expect, *, exit_code: int = 0, digests: dict[int, str] | 
             faults=[FaultRecord("process.kill", "rank 1", 1.05, None)],
             digests=digests if digests is not None else metrics.final_digests(events),
             baseline=baseline,
+            events=events,
+            world=2,
         )
     }
 
@@ -182,3 +426,124 @@ def test_xid_action_check_wants_nvidias_action() -> None:
     assert not wrong.passed
     assert "expected reset_gpu, got restart_app" in wrong.message
     assert not check().passed  # a system that ignores the Xid fails
+
+
+def test_single_history_check_fails_a_split_brain() -> None:
+    expect = Expect(completes=False, single_history=True)
+    assert run_checks(expect)["single_history"].passed
+    split = run_checks(expect, events=split_brain(False))["single_history"]
+    assert not split.passed
+    assert split.observed == 54
+    assert "q2" in split.message
+    assert "q3" in split.message
+    blind = run_checks(expect, events=without_identity(split_brain(False)))["single_history"]
+    assert not blind.passed
+    assert "not observed" in blind.message
+
+
+def test_skipped_steps_check() -> None:
+    expect = Expect(completes=False, skipped_steps=CountBudget(max=0))
+    assert run_checks(expect)["skipped_steps"].passed
+    jumped = timeline(steps(0.0, 1, 10), steps(1.0, 12, 20))
+    bad = run_checks(expect, events=jumped)["skipped_steps"]
+    assert not bad.passed
+    assert bad.observed == 1
+    sparse = [step(0.1 * n, n, r) for n in range(10, 101, 10) for r in range(2)]
+    blind = run_checks(expect, events=sparse)["skipped_steps"]
+    assert not blind.passed
+    assert "not observed" in blind.message
+
+
+def test_time_to_recover_check_says_why_recovery_was_not_observed() -> None:
+    expect = Expect(completes=False, time_to_recover=Budget(max=timedelta(seconds=60)))
+    events = timeline(steps(0.0, 1, 10), ev(1.05, "fault_injected", rank=1),
+                      [log_step(1.1, 11, r, "read") for r in range(2)])
+    check = run_checks(expect, events=events)["time_to_recover"]
+    assert not check.passed
+    assert check.observed is None
+    assert "not observed" in check.message
+    assert "time" in check.message
+
+
+# ----------------------------------------------------------------- log lines and their time
+
+
+def log_event(pattern: str, line: str, *, read_t: float = 101.0, offset: float = 1.7e9,
+              started: float = 50.0, clock: str = "monotonic") -> Event:
+    from harness.target import log_event as make
+
+    spec = LogProbe(pattern=pattern, event="step", clock=clock)  # type: ignore[arg-type]
+    match = re.search(spec.pattern, line)
+    assert match is not None
+    return make(spec, match, line, read_t=read_t, clock_offset=offset, started=started)
+
+
+TIMED = r"\[rank (?P<rank>\d+)\] gen (?P<generation>\w+) step (?P<step>\d+) t=(?P<time>[\d.]+)"
+
+
+def test_a_log_line_carries_its_own_monotonic_time() -> None:
+    e = log_event(TIMED, "[rank 1] gen 2 step 7 t=100.500")
+    assert e.t == pytest.approx(100.5)
+    assert e.fields["clock"] == "line"
+    assert e.fields["read_t"] == pytest.approx(101.0)
+    assert (e.rank, e.fields["step"], e.fields["generation"]) == (1, 7, 2)
+    assert "time" not in e.fields
+    # World identities need not be numbers (a quorum id).
+    assert log_event(TIMED, "[rank 1] gen q7 step 7 t=100.5").fields["generation"] == "q7"
+    # Rounded up in print, a hair past the moment it was read: the read time bounds it.
+    assert log_event(TIMED, "[rank 1] gen 0 step 7 t=101.0004").t == pytest.approx(101.0)
+
+
+def test_a_log_line_may_carry_unix_time() -> None:
+    e = log_event(TIMED, "[rank 1] gen 0 step 7 t=1700000100.25", clock="unix")
+    assert e.t == pytest.approx(100.25)  # minus the offset the harness recorded at launch
+    assert e.fields["clock"] == "line"
+
+
+def test_a_log_time_on_the_wrong_clock_is_not_evidence() -> None:
+    # Unix time read as monotonic lies far after the read time; monotonic time read as
+    # Unix time lies before the launch. Either way the line proves nothing: read time only.
+    for line, clock in (("[rank 1] gen 0 step 7 t=1700000100.25", "monotonic"),
+                        ("[rank 1] gen 0 step 7 t=100.25", "unix")):
+        e = log_event(TIMED, line, clock=clock)
+        assert e.t == pytest.approx(101.0)
+        assert e.fields["clock"] == "read"
+        assert "time_rejected" in e.fields
+    nan = log_event(r"step (?P<step>\d+) t=(?P<time>\S+)", "step 7 t=nan")
+    assert (nan.t, nan.fields["clock"]) == (pytest.approx(101.0), "read")
+
+
+def test_a_log_line_without_time_is_stamped_when_read() -> None:
+    e = log_event(r"\[rank (?P<rank>\d+)\] step (?P<step>\d+)", "[rank 0] step 3")
+    assert e.t == pytest.approx(101.0)
+    assert e.fields["clock"] == "read"
+
+
+def test_log_probe_groups_are_checked() -> None:
+    with pytest.raises(ValidationError, match="generation"):
+        LogProbe(pattern=r"step (?P<step>\d+) world (?P<world>\d+)", event="step")
+    with pytest.raises(ValidationError, match="time"):
+        LogProbe(pattern=r"step (?P<step>\d+)", event="step", clock="unix")
+
+
+def test_the_probe_stamps_the_world_of_its_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from harness import probe
+
+    path = tmp_path / "events.jsonl"
+    monkeypatch.setenv(probe.EVENTS_ENV, str(path))
+    monkeypatch.setattr(probe, "_generation", None)
+    monkeypatch.setattr(probe, "_fd", None)
+    monkeypatch.setattr(probe, "_fd_path", None)
+    probe.emit("exit", code=0)  # before any hello: no world to name
+    probe.hello(world=2, generation=3)
+    probe.step(1, world=2)
+    probe.step(2, world=2, generation=4)  # a survivor names its new world in its steps
+    probe.params("ab")
+    probe.detected("peer died", generation=7)  # an explicit generation is kept, not adopted
+    probe.params("cd")
+    assert probe._fd is not None
+    os.close(probe._fd)
+    found = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [e.get("generation") for e in found] == [None, 3, 3, 4, 4, 7, 4]

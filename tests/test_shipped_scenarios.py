@@ -30,6 +30,8 @@ from typing import Any
 import pytest
 from _helpers import ROOT, cli, read_events
 
+from harness.errors import PreflightError
+from harness.runner import preflight
 from harness.spec import TrainerSystem, load_scenario
 
 # The scenario that goes through the pytest plugin instead of the CLI: a cheap one.
@@ -223,6 +225,98 @@ def _full_disk(run: Run) -> None:
     assert {e["generation"] for e in run.events("hello")} == {0}
 
 
+def _straggler(run: Run) -> None:
+    """The slowed rank is named while it is slowed (or by the window that ends just after),
+    not merely at some moment of the run."""
+    slowed = run.injection()
+    (healed,) = run.events("fault_healed")
+    named = [e["t"] for e in run.events("straggler_detected")
+             if e["slow_rank"] == slowed["rank"] and slowed["t"] <= e["t"] <= healed["t"] + 5]
+    assert named, run.events("straggler_detected")
+
+
+def _resumed_from_the_last_save(run: Run, fault_t: float) -> None:
+    """Every rank resumed from the newest checkpoint saved before ``fault_t``, and nothing
+    had to be rejected on the way."""
+    saved = [e["step"] for e in run.events("checkpoint_saved") if e["t"] < fault_t]
+    loaded = [e for e in run.events("checkpoint_loaded") if e["t"] > fault_t]
+    assert sorted(e["rank"] for e in loaded) == run.ranks
+    assert {e["step"] for e in loaded} == {max(saved)}
+    assert not run.events("checkpoint_skipped")
+
+
+def _power_loss(run: Run) -> None:
+    """The lazy filesystem was under the checkpoint folder from launch to the end; the power
+    loss landed inside the save after the last committed one (its payload's name had just
+    appeared), really lost something, and took every rank down at once."""
+    (prepared,) = run.events("fault_prepared")
+    hit = run.injection()
+    assert prepared["t"] < min(e["t"] for e in run.events("hello"))
+    inside = re.fullmatch(r"step_(\d{6})/rank_0\.pt", hit["file"])
+    assert inside is not None, hit["file"]
+    saved = [e["step"] for e in run.events("checkpoint_saved") if e["t"] < hit["t"]]
+    assert int(inside.group(1)) == max(saved) + run.system.checkpoint_every
+    lost = re.search(r"\((\d+) bytes\) and (\d+) dir", hit["detail"])
+    assert lost is not None, hit["detail"]
+    assert int(lost.group(1)) > 0  # the payload it was writing
+    assert int(lost.group(2)) > 0  # the new step folder's name
+    assert hit["ranks"] == run.ranks
+    _resumed_from_the_last_save(run, hit["t"])
+    (healed,) = run.events("fault_healed")
+    assert healed["t"] > max(e["t"] for e in run.events("params"))
+    # Unmounted, the folder itself holds what survived: committed steps only.
+    folders = sorted((run.dir / "checkpoints").iterdir())
+    assert folders
+    assert all((f / "COMMIT").is_file() for f in folders), folders
+
+
+def _kill_on_file(run: Run) -> None:
+    """Rank 0 was killed the moment the third step folder appeared (seen on the disk, not
+    reported by the trainer), before that save could commit."""
+    hit = run.injection()
+    third = 3 * run.system.checkpoint_every
+    assert hit["file"] == f"step_{third:06d}"
+    assert not [e for e in run.events("checkpoint_saved") if e["t"] < hit["t"]
+                and e["step"] == third]
+    _resumed_from_the_last_save(run, hit["t"])
+
+
+def _router_restarted(run: Run) -> None:
+    """The launcher saw the router die and started generation 1, which resumed requests
+    from the journal; clients resumed their broken streams by request id and offset."""
+    killed = run.injection()["t"]
+    assert [(e["cause"], e["role"]) for e in run.detected(after=killed)][:1] == [
+        ("router_exit", "router")]
+    routers = [e for e in run.events("hello") if e.get("role") == "router"]
+    assert [e["generation"] for e in routers] == [0, 1]
+    assert run.injection()["pid"] == routers[0]["pid"]
+    (recovered,) = [e for e in run.events("recovery_done") if e.get("role") == "router"]
+    assert recovered["resumed"] > 0
+    assert any(e["resumes"] for e in run.events("request_done"))
+
+
+def _caught_on_a_hit(run: Run) -> None:
+    """The poisoned block was idle: only a prefix-cache hit read it, and was caught there."""
+    injected = run.injection()
+    assert injected["tensor"] == "kv:idle_prefix"
+    found = [e for e in run.detected(after=injected["t"]) if e["cause"] == "kv_checksum"]
+    assert found
+    assert {(e["on"], e["worker"]) for e in found} == {("hit", 0)}
+
+
+def _clients_resumed_after_fail_stop(run: Run) -> None:
+    """Fail-stop errored the in-flight requests; their clients re-POSTed them (resumes) and
+    the server started them again (retried), streaming each from the client's offset."""
+    killed = run.injection()["t"]
+    assert any(e["cause"] == "worker_exit" and e["worker"] == 0
+               for e in run.detected(after=killed))
+    assert [e.get("recovery") for e in run.events("recovery_done")] == ["fail_stop"]
+    assert not run.events("request_migrated")
+    assert any(e["resumes"] for e in run.events("request_done"))
+    (stats,) = [e for e in run.events("serving_stats") if e["source"] == "process"]
+    assert stats["requests"]["retried"] > 0
+
+
 EVIDENCE: dict[str, Callable[[Run], None]] = {
     "training/fault_free": _fault_free,
     "training/kill_rank_restart": _kill_rank_restart,
@@ -236,6 +330,12 @@ EVIDENCE: dict[str, Callable[[Run], None]] = {
     "faults/storage_delete_checkpoint": _skips_newest("unreadable: FileNotFoundError"),
     "faults/storage_crash_during_save": _crash_during_save,
     "faults/storage_full_checkpoint": _full_disk,
+    "faults/straggle_rank": _straggler,
+    "faults/storage_lose_unsynced": _power_loss,
+    "faults/storage_kill_on_file": _kill_on_file,
+    "serving/kill_router": _router_restarted,
+    "serving/poison_idle_prefix_block": _caught_on_a_hit,
+    "serving/fail_stop_resume": _clients_resumed_after_fail_stop,
 }
 
 
@@ -271,6 +371,10 @@ SCENARIOS = sorted(p for p in (ROOT / "scenarios").rglob("*.yaml") if p != VIA_P
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=[key(p) for p in SCENARIOS])
 def test_shipped_scenario_passes(scenario: Path, tmp_path: Path, shared_cache: Path) -> None:
+    try:
+        preflight(load_scenario(scenario))
+    except PreflightError as exc:  # a machine without nftables, root, ...: say what is missing
+        pytest.skip(str(exc))
     out = tmp_path / "out.json"
     proc = cli("run", str(scenario), "--json", str(out), "--run-dir", str(tmp_path / "r"),
                cache=shared_cache, timeout=580)

@@ -198,3 +198,47 @@ def test_bitflip_by_parameter_name_from_outside() -> None:
         "target: {rank: 1}, at: {step: 4}, address_of: 'param:w', region: heap}]\n"
     )
     assert "give exactly one of `tensor`, `address`, `address_of` or `region: heap`" in problem
+
+
+def test_file_triggers_are_checked() -> None:
+    def at(value: str, system: str = "{reference: trainer}") -> list[str]:
+        return problems(f"name: x\nsystem: {system}\nfaults:\n  - kind: process.kill\n"
+                        f"    target: {{rank: 0}}\n    at: {value}\n")
+
+    spec = parse_scenario("name: x\nsystem: {reference: trainer}\nfaults:\n"
+                          "  - {kind: process.kill, target: {rank: 0},\n"
+                          "     at: {file: 'step_*/COMMIT', count: 2}}\n")
+    assert (spec.faults[0].at.file, spec.faults[0].at.when) == ("step_*/COMMIT", "created")
+    assert spec.faults[0].at.describe() == "file step_*/COMMIT created #2"
+    (problem,) = at("{file: '../escape'}")
+    assert "s.yaml:6:" in problem
+    assert "relative path under the fault's root" in problem
+    assert "'../escape'" in problem
+    (problem,) = at("{file: /abs/COMMIT}")
+    assert "relative path" in problem
+    (problem,) = at("{file: x, when: written}")
+    assert "'created', 'closed' or 'deleted'" in problem
+    (problem,) = at("{step: 3, when: closed}")
+    assert "`when` needs `file`" in problem
+    (problem,) = at("{file: x, step: 3}")
+    assert "`file: GLOB`" in problem
+
+
+def test_lose_unsynced_defaults_and_limits() -> None:
+    spec = parse_scenario("name: x\nsystem: {reference: trainer}\nfaults:\n"
+                          "  - {kind: storage.lose_unsynced, at: {step: 5}}\n")
+    fault = spec.faults[0]
+    assert fault.target.pick == "all"  # a power loss takes every rank
+    assert fault.dir == "."  # type: ignore[union-attr]
+    twice = ("name: x\nsystem: {reference: trainer}\nfaults:\n"
+             "  - {kind: storage.lose_unsynced, at: {step: 5}}\n"
+             "  - {kind: storage.lose_unsynced, at: {step: 9}}\n")
+    (problem,) = problems(twice)
+    assert "at most one storage.lose_unsynced" in problem
+    command = ("name: x\nsystem: {command: [/bin/true]}\nfaults:\n"
+               "  - {kind: storage.lose_unsynced, at: {step: 5}}\n")
+    (problem,) = problems(command)
+    assert "needs `dir` (or `root`)" in problem
+    assert parse_scenario(command.replace("at: {step: 5}", "dir: ckpt, at: {step: 5}"))
+    (problem,) = problems(command.replace("at: {step: 5}", "dir: ../x, at: {step: 5}"))
+    assert "dir must be a relative path" in problem

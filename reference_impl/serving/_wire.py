@@ -54,10 +54,12 @@ class Heartbeat:
 
 @dataclass(frozen=True, slots=True)
 class Outputs:
-    """Tokens of one engine step: ``(request_id, epoch, index, token, finished)`` each."""
+    """Tokens of one engine step: ``(request_id, epoch, index, token, digest, finished)``
+    each; ``digest`` names the logits row the token was chosen from (``engine.logits_digest``).
+    """
 
     op: ClassVar[str] = "out"
-    items: tuple[tuple[str, int, int, int, bool], ...]
+    items: tuple[tuple[str, int, int, int, str, bool], ...]
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,12 +37,19 @@ checksums took 0.2% of the engine's time with ``"hit"`` and 1.3% with ``"read"``
 faster, non-invariant kernel). The cost of ``"read"`` grows with the context the batch holds:
 with 448-token prompts it was 7% of decode time, where ``"hit"`` may be the better trade.
 
+Logits digests. Every output carries :func:`logits_digest` of the logits row its token was
+chosen from. Greedy tokens hide most numerics changes: re-prefilling 20 migrated requests
+through the kernel that is not batch-invariant changed none of their tokens, and the logits
+of every one. The digest shows such a change, so a client can check that a recovered request
+was computed exactly as it would have been without the failure, not only that its bytes are.
+
 Call ``torch.set_num_threads(1)`` in a serving process on a small CPU: the tiles are small
 and OpenMP threads spin against each other.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -86,7 +93,17 @@ class Output:
     request_id: str
     index: int  # position of this token in the request's output (0 = first generated token)
     token: int
+    digest: str  # logits_digest of the logits row the token was chosen from
     finished: bool  # True on the request's last token (max_tokens reached)
+
+
+def logits_digest(rows: torch.Tensor) -> list[str]:
+    """A short name for the exact bits of each ``[vocab]`` row of ``rows`` ``[n, vocab]``:
+    BLAKE2b with an 8-byte digest over the row's float32 values in little-endian order, as
+    16 hex digits. Rows differing in any bit get different digests (but for a 2**-64 chance).
+    """
+    data = rows.detach().to(device="cpu", dtype=torch.float32).numpy().astype("<f4", copy=False)
+    return [hashlib.blake2b(row.tobytes(), digest_size=8).hexdigest() for row in data]
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,8 +186,10 @@ class Engine:
             model, config.num_blocks, config.block_size, device, checksums=config.verify != "off"
         )
         self.kv = self.cache.kv
-        # Called with (block_id, request_id or "") for each corrupt block found.
-        self.on_checksum_failure: Callable[[int, str], None] | None = None
+        # Called with (block_id, request_id or "", where) for each corrupt block found;
+        # where: "read" (a running sequence's block, before a step) or "hit" (a prefix-cache
+        # hit, before a new sequence uses it).
+        self.on_checksum_failure: Callable[[int, str, str], None] | None = None
         # Called with (request_id, index, logits) for each token sampled: the [vocab] row
         # the token was taken from. For tests of bitwise invariance; None costs nothing.
         self.on_logits: Callable[[str, int, torch.Tensor], None] | None = None
@@ -254,6 +273,12 @@ class Engine:
         block = self.cache.most_shared()
         return None if block is None else self.kv[block]
 
+    def idle_prefix_block(self) -> torch.Tensor | None:
+        """A view into ``kv`` of the cached block no request holds that the most prefix-cache
+        hits went to: the next request with that prefix reads it, unless verified first."""
+        block = self.cache.most_hit_idle()
+        return None if block is None else self.kv[block]
+
     # -- the scheduler -------------------------------------------------------------------
 
     @torch.no_grad()
@@ -272,9 +297,9 @@ class Engine:
         blocks = (b for s in self._running for b in self.cache.table(s.id))
         for block in self.cache.verify(blocks):
             holders = self.cache.holders(block)
-            self._poisoned(block, holders[0] if holders else "")
+            self._poisoned(block, holders[0] if holders else "", "read")
 
-    def _poisoned(self, block: int, request_id: str) -> None:
+    def _poisoned(self, block: int, request_id: str, where: str) -> None:
         """A checksum mismatch: evict the block and its descendants, repair its holders."""
         self._n.checksum_failures += 1
         holders = self.cache.holders(block)
@@ -285,7 +310,7 @@ class Engine:
             self.cache.truncate(seq_id, keep)
             seq.computed = min(seq.computed, keep * self.config.block_size)
         if self.on_checksum_failure is not None:
-            self.on_checksum_failure(block, request_id)
+            self.on_checksum_failure(block, request_id, where)
 
     def _blocks_needed(self, seq: _Seq) -> int:
         """Blocks ``seq`` lacks to hold the KV of all its tokens (what this step computes)."""
@@ -298,13 +323,7 @@ class Engine:
             seq = self._waiting[0]
             # The last token is always computed: its logits give the next token.
             hashes = chain_hashes(self.model_id, seq.tokens[: len(seq.tokens) - 1], size)
-            hits = self.cache.lookup(hashes)
-            if hits and self.config.verify != "off":
-                bad = self.cache.verify(hits)
-                for block in bad:
-                    self._poisoned(block, seq.id)
-                if bad:
-                    hits = hits[: min(hits.index(b) for b in bad)]
+            hits = self._verified_hits(seq, self.cache.lookup(hashes))
             reserved = sum(self._blocks_needed(s) for s in self._running)
             need = -(-len(seq.tokens) // size) - len(hits)
             if need > self.cache.available() - self.cache.idle(hits) - reserved:
@@ -315,6 +334,18 @@ class Engine:
             self._running.append(seq)
             self._n.prompt_tokens += len(seq.tokens)
             self._n.prefix_hit_tokens += seq.computed
+
+    def _verified_hits(self, seq: _Seq, hits: list[int]) -> list[int]:
+        """The prefix-cache ``hits`` for ``seq`` that may be used: those before the first
+        block failing its checksum (that block and its descendants leave the cache). A
+        cached block no running sequence holds is verified here or never: it is what
+        ``verify="read"`` does not reach."""
+        if not hits or self.config.verify == "off":
+            return hits
+        bad = self.cache.verify(hits)
+        for block in bad:
+            self._poisoned(block, seq.id, "hit")
+        return hits[: min(hits.index(b) for b in bad)] if bad else hits
 
     def _reserve(self) -> None:
         i = 0
@@ -365,6 +396,7 @@ class Engine:
             keep = [i for i, (s, end) in enumerate(plan) if end == len(s.tokens)]
             logits = rows[keep]
         tokens = logits.argmax(dim=-1).tolist() if sampling else []
+        digests = logits_digest(logits) if sampling else []
         n = self._n
         for seq, end in plan:
             start = seq.computed
@@ -376,13 +408,13 @@ class Engine:
             seq.seen = max(seq.seen, end)
         self.cache.seal((s.id, s.tokens, s.computed) for s, _ in plan)
         outputs = []
-        for seq, token, row in zip(sampling, tokens, logits, strict=True):
+        for seq, token, digest, row in zip(sampling, tokens, digests, logits, strict=True):
             index = seq.generated
             if self.on_logits is not None:
                 self.on_logits(seq.id, index, row)
             seq.tokens.append(token)
             finished = seq.generated == seq.max_tokens
-            outputs.append(Output(seq.id, index, token, finished))
+            outputs.append(Output(seq.id, index, token, digest, finished))
             if finished:
                 self._running.remove(seq)
                 self.cache.free(seq.id)

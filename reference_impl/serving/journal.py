@@ -12,10 +12,13 @@ Records:
   request is accepted (before the client gets a response), so an acknowledged
   request survives a router crash; written again when a request that ended in an
   error is retried under its id (it starts from scratch);
-- ``{"r": "tok", "id", "i": first index, "t": [tokens]}``, or several such runs in one
-  record, ``{"r": "toks", "runs": [[id, i, [tokens]], ...]}`` (one per engine step of a
-  worker: one write for the whole batch): written *before* the tokens are streamed to
-  anyone, so a client never saw a token the journal lacks;
+- ``{"r": "tok", "id", "i": first index, "t": [tokens], "d": [digests]}``, or several
+  such runs in one record, ``{"r": "toks", "runs": [[id, i, [tokens], [digests]], ...]}``
+  (one per engine step of a worker: one write for the whole batch): written *before* the
+  tokens are streamed to anyone, so a client never saw a token the journal lacks. ``d``
+  holds each token's logits digest (``engine.logits_digest``), so a request served from the
+  journal carries the same digests as it did live; a record without it (an older journal)
+  replays with unknown digests (empty strings);
 - ``{"r": "fin", "id", "reason": "length" | "error", "error"?}``.
 
 Durability, and why it is split this way: every record is one ``write(2)`` on an
@@ -61,6 +64,7 @@ class JournaledRequest:
     prompt: tuple[int, ...]
     max_tokens: int
     tokens: list[int] = field(default_factory=list)
+    digests: list[str] = field(default_factory=list)  # per token; "" where unknown
     finished: bool = False
     error: str | None = None
 
@@ -126,15 +130,18 @@ def _apply(requests: dict[str, JournaledRequest], record: dict[str, Any]) -> boo
             return True
         if kind == "toks":
             runs = record["runs"]
-            return all(_apply(requests, {"r": "tok", "id": r[0], "i": r[1], "t": r[2]})
+            return all(_apply(requests, {"r": "tok", "id": r[0], "i": r[1], "t": r[2],
+                                         "d": r[3] if len(r) > 3 else None})
                        for r in runs)
         request = requests[rid]
         if kind == "tok":
             start = int(record["i"])
             tokens = [int(t) for t in record["t"]]
-            if start > len(request.tokens):
-                return False  # a gap: the journal never skips tokens
+            digests = [str(d) for d in record.get("d") or [""] * len(tokens)]
+            if start > len(request.tokens) or len(digests) != len(tokens):
+                return False  # a gap (the journal never skips tokens), or a garbled record
             request.tokens[start : start + len(tokens)] = tokens
+            request.digests[start : start + len(tokens)] = digests
             return True
         if kind == "fin":
             request.finished = True
@@ -199,15 +206,20 @@ class Journal:
         self._append({"r": "req", "id": request_id, "prompt": list(prompt),
                       "max_tokens": max_tokens})
 
-    def tokens(self, request_id: str, start: int, tokens: Sequence[int]) -> None:
-        self._append({"r": "tok", "id": request_id, "i": start, "t": list(tokens)})
+    def tokens(self, request_id: str, start: int, tokens: Sequence[int],
+               digests: Sequence[str]) -> None:
+        """Tokens ``start``.. of a request, with the logits digest of each."""
+        self._append({"r": "tok", "id": request_id, "i": start, "t": list(tokens),
+                      "d": list(digests)})
 
-    def token_runs(self, runs: Sequence[tuple[str, int, Sequence[int]]]) -> None:
-        """Several ``(request_id, start, tokens)`` runs in one record (one write)."""
+    def token_runs(self, runs: Sequence[tuple[str, int, Sequence[int], Sequence[str]]]
+                   ) -> None:
+        """Several ``(request_id, start, tokens, digests)`` runs in one record (one write)."""
         if len(runs) == 1:
             self.tokens(*runs[0])
         elif runs:
-            self._append({"r": "toks", "runs": [[r, i, list(t)] for r, i, t in runs]})
+            self._append({"r": "toks", "runs": [[r, i, list(t), list(d)]
+                                                for r, i, t, d in runs]})
 
     def finish(self, request_id: str, error: str | None = None) -> None:
         record: dict[str, object] = {"r": "fin", "id": request_id,
@@ -282,7 +294,7 @@ def bench(folder: str, *, records: int = 5000) -> dict[str, float]:
         count = records if interval else max(records // 10, 100)
         began = time.perf_counter()
         for i in range(count):
-            journal.tokens("cmpl-bench-000000", i, [i % 256])
+            journal.tokens("cmpl-bench-000000", i, [i % 256], ["0123456789abcdef"])
         elapsed = time.perf_counter() - began
         journal.close()
         path.unlink()

@@ -77,6 +77,7 @@ class PagedKVCache:
         self._checksum = torch.zeros(num_blocks, dtype=torch.int64, device=device)
         self._sealed = [False] * num_blocks
         self._ref = [0] * num_blocks
+        self._hits = [0] * num_blocks  # prefix-cache hits on a block since it was last handed out
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: block 0 is handed out first
         # Cached blocks that nobody holds, least recently released first: the evictable ones.
         self._lru: OrderedDict[int, None] = OrderedDict()
@@ -119,6 +120,7 @@ class PagedKVCache:
         # and masks, hold finite values (0 * NaN would leak through the mask).
         self.kv[block].zero_()
         self._ref[block] = 1
+        self._hits[block] = 0
         self.table(seq).append(block)
         return True
 
@@ -130,6 +132,7 @@ class PagedKVCache:
             if self._ref[block] == 0:
                 del self._lru[block]
             self._ref[block] += 1
+            self._hits[block] += 1
         table.extend(blocks)
         self._hashes[seq] = list(hashes[: len(blocks)])
 
@@ -300,6 +303,17 @@ class PagedKVCache:
             if refs < 2 or not self._sealed[block]:
                 continue
             if best is None or (refs, -block) > (self._ref[best], -best):
+                best = block
+        return best
+
+    def most_hit_idle(self) -> int | None:
+        """The sealed cached block that no sequence holds and that the most prefix-cache hits
+        went to (>= 1; ties: the most recently released). Such a block is read again only
+        by a new request's hit, so only hit verification can catch it going bad."""
+        best: int | None = None
+        for block in self._lru:  # least recently released first: a later tie wins
+            if self._sealed[block] and self._hits[block] and (
+                    best is None or self._hits[block] >= self._hits[best]):
                 best = block
         return best
 

@@ -16,7 +16,7 @@ prompt shorter than one block has no cacheable prefix.
 
 Health. A worker is declared failed, with ``cause``:
 
-- ``worker_exit``: its process ended (the launcher sees it, or its link hits EOF and the
+- ``worker_exit``: its process ended (the worker keeper sees it, or its link hits EOF and the
   process is gone);
 - ``link_lost``: its link hit EOF or a reset while the process lives (``ss -K``), or the
   worker reconnected before the router noticed the break;
@@ -33,14 +33,14 @@ Health. A worker is declared failed, with ``cause``:
 - ``xid``: the worker's GPU reported an Xid whose NVIDIA action is not ``none``
   (``reference_impl.health.XidWatcher``); the worker reports it and exits. Xids with action
   ``none`` (63, 92, ...) are only logged by the worker. For ``drain_node`` (Xid 79: the GPU
-  fell off the bus) the worker index is *drained*: the launcher does not respawn it and the
+  fell off the bus) the worker index is *drained*: the keeper does not respawn it and the
   router never assigns work to it again; in a real cluster that GPU needs a reboot or RMA,
   so capacity is down one worker until an operator acts. ``restart_app`` and ``reset_gpu``
   Xids are treated like a crash (the new process gets the GPU after the node agent reset it).
 
 What happens to the failed worker's process: after ``heartbeat`` it is left alone (it may
 be frozen or partitioned and come back; the router tells it to drop everything and it
-rejoins as a fresh worker, with an empty engine); after ``wedged`` the launcher kills it
+rejoins as a fresh worker, with an empty engine); after ``wedged`` the keeper kills it
 (its engine loop is stuck, it would never act on that message) and respawns it.
 
 Recovery ``migrate``: every in-flight request of the failed worker is re-sent to a healthy
@@ -71,14 +71,10 @@ request that is running or finished; it streams that request from ``offset``. On
 request that ended in an *error* (fail_stop, an engine refusal) is started again from
 scratch by a re-POST: its first generation is over, and a retry is what the client asks.
 
-``broken`` variants exist to show that the harness's checks catch a broken server. Never
-use them for anything else:
-
-- ``drop_inflight``: a failed worker's in-flight requests are silently ended: their streams
-  finish early with ``[DONE]``, without error, and tokens are lost;
-- ``replay_from_zero``: migrate, but restart the request at token 0 and stream it again,
-  so clients see every index up to the failure twice;
-- ``no_fencing``: accept every token from any link and any assignment, in arrival order.
+The decisions the checks exist to police are small methods (``_refusal_locked``: which
+tokens count; ``_move_locked``: what happens to a failed worker's request; ``_restore``:
+what a restarted router resumes). Deliberately broken variants of them, which show the
+harness's checks failing, live in the tests (``tests/serving/broken/``), never here.
 
 The journal (``journal.py``): a request is journaled before it is accepted, tokens before
 they are visible to any stream; see there for fsync. A router started on an existing
@@ -107,7 +103,6 @@ from reference_impl.serving import _wire
 from reference_impl.serving.journal import Journal, Replay
 
 RECOVERIES = ("migrate", "fail_stop")
-BROKEN = ("drop_inflight", "replay_from_zero", "no_fencing")
 AFFINITY_KEYS = 4096  # prefixes remembered for affinity; more than any worker's cache holds
 AFFINITY_SLACK = 2  # affinity yields when its worker has this many more requests than the least
 
@@ -128,7 +123,6 @@ class RouterConfig:
     dead_after: float = 1.0  # no heartbeat for this long: the worker is dead
     wedged_after: float = 2.0  # busy, step counter unchanged this long: wedged
     recovery: str = "migrate"  # migrate | fail_stop
-    broken: str | None = None  # one of BROKEN: a deliberately wrong server, for checks
     check_every: float = 0.05  # how often the health monitor looks
 
     def __post_init__(self) -> None:
@@ -136,8 +130,6 @@ class RouterConfig:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
         if self.recovery not in RECOVERIES:
             raise ValueError(f"recovery {self.recovery!r} is not one of {RECOVERIES}")
-        if self.broken is not None and self.broken not in BROKEN:
-            raise ValueError(f"broken {self.broken!r} is not one of {BROKEN}")
 
 
 class ApiError(Exception):
@@ -155,11 +147,13 @@ class ApiError(Exception):
 @dataclass(frozen=True, slots=True)
 class Chunk:
     """One streamed token: ``position`` in the request's delivery log (== ``index`` unless
-    the server is broken), the token's output ``index``, and whether it is the last."""
+    the server is broken), the token's output ``index``, the digest of the logits row it was
+    chosen from (``engine.logits_digest``; "" where unknown), and whether it is the last."""
 
     position: int
     index: int
     token: int
+    digest: str
     last: bool
 
 
@@ -176,7 +170,8 @@ class _Request:
         self.id = request_id
         self.prompt = prompt
         self.max_tokens = max_tokens
-        self.log: list[tuple[int, int]] = []  # (index, token) in the order streamed
+        # (index, token, logits digest) in the order streamed
+        self.log: list[tuple[int, int, str]] = []
         self.expected = 0  # the next token index this request accepts
         self.finished = False
         self.error: str | None = None
@@ -188,7 +183,7 @@ class _Request:
 
     @property
     def tokens(self) -> list[int]:
-        return [token for _, token in self.log]
+        return [token for _, token, _ in self.log]
 
 
 class _Link:
@@ -311,7 +306,8 @@ class Router:
     def _restore(self, replayed: Replay) -> None:
         for old in replayed.requests.values():
             request = _Request(old.request_id, old.prompt, old.max_tokens, self._lock)
-            request.log = list(enumerate(old.tokens))
+            request.log = [(index, token, digest) for index, (token, digest)
+                           in enumerate(zip(old.tokens, old.digests, strict=True))]
             request.expected = len(old.tokens)
             request.finished = old.finished or len(old.tokens) >= old.max_tokens
             request.error = old.error
@@ -407,7 +403,10 @@ class Router:
                     f"worker {hello.worker} serves {hello.model_id}, the others "
                     f"{self._model_id}")
             slot = self._slots[hello.worker]
-            if slot.state == "drained" or self._stopping:
+            # "restarting": fail_stop has condemned this worker's process and the keeper is
+            # about to kill it; its link broke, so it reconnects, but work given to it now
+            # would only fail a second time. Its replacement says hello once spawned.
+            if slot.state in ("drained", "restarting") or self._stopping:
                 link.fenced = True
                 link.shutdown()
                 return
@@ -451,38 +450,42 @@ class Router:
             slot.requests.discard(request.id)
             self._finish_locked(request, error=f"the engine refused it: {message.message}")
 
+    def _refusal_locked(self, link: _Link, request: _Request, epoch: int,
+                        index: int) -> str | None:
+        """Why a token is not accepted (the counter it goes to), or None to accept it.
+        Fencing: it must come on the link of the request's current assignment, with that
+        assignment's epoch; and it must be the next index of an unfinished request."""
+        if link.fenced or request.link is not link or epoch != request.epoch:
+            return "fenced_tokens"
+        if request.finished or index != request.expected:
+            return "dropped_tokens"
+        return None
+
     def _on_outputs(self, link: _Link, message: _wire.Outputs) -> None:
-        broken = self.config.broken
         with self._lock:
             now = time.monotonic()
-            accepted: dict[str, list[tuple[int, int, bool]]] = {}
-            for request_id, epoch, index, token, finished in message.items:
+            accepted: dict[str, list[tuple[int, int, str, bool]]] = {}
+            for request_id, epoch, index, token, digest, finished in message.items:
                 request = self._requests.get(request_id)
-                if request is None:
-                    self._counters["dropped_tokens"] += 1
-                    continue
-                current = (not link.fenced and request.link is link
-                           and epoch == request.epoch)
-                if broken == "no_fencing":
-                    ok = not request.finished  # trusts whoever sends: the bug under test
-                else:
-                    ok = current and not request.finished and index == request.expected
-                if not ok:
-                    self._counters["fenced_tokens" if not current else "dropped_tokens"] += 1
+                refused = ("dropped_tokens" if request is None
+                           else self._refusal_locked(link, request, epoch, index))
+                if request is None or refused is not None:
+                    self._counters[refused or "dropped_tokens"] += 1
                     continue
                 request.expected = index + 1
-                accepted.setdefault(request_id, []).append((index, token, finished))
+                accepted.setdefault(request_id, []).append((index, token, digest, finished))
             if self.journal is not None and accepted:  # journaled before any stream sees them
-                self.journal.token_runs([(rid, items[0][0], [t for _, t, _ in items])
+                self.journal.token_runs([(rid, items[0][0], [t for _, t, _, _ in items],
+                                          [d for _, _, d, _ in items])
                                          for rid, items in accepted.items()])
             for request_id, items in accepted.items():
                 request = self._requests[request_id]
                 if request.moved_at is not None:
                     self._resume_latency.append(now - request.moved_at)
                     request.moved_at = None
-                request.log.extend((index, token) for index, token, _ in items)
-                done = any(f for _, _, f in items) or (
-                    broken is None and request.expected >= request.max_tokens)
+                request.log.extend((index, token, digest) for index, token, digest, _ in items)
+                done = (any(f for _, _, _, f in items)
+                        or request.expected >= request.max_tokens)
                 if done:
                     if request.worker is not None:
                         self._slots[request.worker].requests.discard(request_id)
@@ -507,9 +510,9 @@ class Router:
             if self._slot_of(link) is slot:
                 self._fail_locked(slot, "worker_exit" if gone else "link_lost")
 
-    # ------------------------------------------------------------------ launcher hooks
+    # ------------------------------------------------------------------ worker keeper hooks
     def worker_started(self, index: int, pid: int, generation: int) -> None:
-        """The launcher spawned a process for ``index``."""
+        """The worker keeper (``server.WorkerKeeper``) spawned a process for ``index``."""
         probe.emit("worker_started", worker=index, pid=pid, generation=generation)
         with self._lock:
             slot = self._slots[index]
@@ -518,7 +521,7 @@ class Router:
                 slot.pid, slot.generation = pid, generation
 
     def worker_exited(self, index: int, returncode: int) -> None:
-        """The launcher saw the process of ``index`` end."""
+        """The worker keeper saw the process of ``index`` end."""
         with self._lock:
             link = self._slots[index].link
         if link is not None:
@@ -581,16 +584,15 @@ class Router:
         now = time.monotonic()
         self._recovering[slot.index] = self._recovering.get(slot.index, set()) | set(in_flight)
         for request_id in in_flight:
-            request = self._requests[request_id]
-            request.worker, request.link, request.epoch = None, None, 0
-            if self.config.broken == "drop_inflight":
-                self._finish_locked(request)  # the bug under test: a silent, short answer
-                continue
-            if self.config.broken == "replay_from_zero":
-                request.expected = 0  # the bug under test: the stream starts over
-            request.moved_at = now
-            self._assign_locked(request, moved_from=slot.index)
+            self._move_locked(self._requests[request_id], slot.index, now)
         self._check_recovered_locked(slot.index)
+
+    def _move_locked(self, request: _Request, failed: int, now: float) -> None:
+        """Migrate ``request`` off failed worker ``failed``: to a healthy worker, with the
+        tokens it has emitted, or to the pending queue until one is ready."""
+        request.worker, request.link, request.epoch = None, None, 0
+        request.moved_at = now
+        self._assign_locked(request, moved_from=failed)
 
     def _fail_stop_locked(self, failed: _Slot, cause: str) -> None:
         """The baseline: error out everything, restart every worker cold."""
@@ -666,7 +668,9 @@ class Router:
         self._epoch += 1
         request.worker, request.link, request.epoch = slot.index, slot.link, self._epoch
         slot.requests.add(request.id)
-        emitted = tuple(request.tokens) if self.config.broken != "replay_from_zero" else ()
+        # What the new worker re-prefills after the prompt: the tokens before the next index
+        # the request expects, i.e. all it has emitted (none for a new request).
+        emitted = tuple(request.tokens[: request.expected])
         slot.link.post(_wire.Add(request.id, self._epoch, request.prompt, request.max_tokens,
                                  emitted))
         moved_from = self._moved_from.pop(request.id, moved_from)
@@ -747,9 +751,9 @@ class Router:
                 done, error = request.finished, request.error
                 if self._stopping and not done:
                     done, error = True, "the server is shutting down"
-            for n, (index, token) in enumerate(chunk):
+            for n, (index, token, digest) in enumerate(chunk):
                 last = done and error is None and n == len(chunk) - 1
-                yield Chunk(position, index, token, last)
+                yield Chunk(position, index, token, digest, last)
                 position += 1
             if done:
                 yield End(error)
@@ -779,7 +783,6 @@ class Router:
             return {
                 "model": self._model_id,
                 "recovery": self.config.recovery,
-                "broken": self.config.broken,
                 "workers": [
                     {"worker": s.index, "state": s.state, "pid": s.pid,
                      "generation": s.generation, "requests": len(s.requests),
@@ -948,6 +951,7 @@ class _Handler(BaseHTTPRequestHandler):
                 "model": model,
                 "choices": [{"index": 0, "text": decode([chunk.token]),
                              "token_ids": [chunk.token], "token_index": chunk.index,
+                             "logits_digest": chunk.digest or None,
                              "finish_reason": "length" if chunk.last else None}]}
         return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
 
@@ -972,10 +976,12 @@ class _Handler(BaseHTTPRequestHandler):
     def _whole(self, router: Router, request: _Request, offset: int) -> None:
         tokens: list[int] = []
         indices: list[int] = []
+        digests: list[str | None] = []
         for item in router.stream(request, offset):
             if isinstance(item, Chunk):
                 tokens.append(item.token)
                 indices.append(item.index)
+                digests.append(item.digest or None)
             elif item.error is not None:
                 self._json(503, ApiError(503, item.error, kind="worker_failed").body())
                 return
@@ -983,7 +989,8 @@ class _Handler(BaseHTTPRequestHandler):
             "id": request.id, "object": "text_completion", "created": int(time.time()),
             "model": router.model_id(),
             "choices": [{"index": 0, "text": decode(tokens), "token_ids": tokens,
-                         "token_indices": indices, "offset": offset,
+                         "token_indices": indices, "logits_digests": digests,
+                         "offset": offset,
                          "finish_reason": "length"}],
             "usage": {"prompt_tokens": len(request.prompt), "completion_tokens": len(tokens),
                       "total_tokens": len(request.prompt) + len(tokens)},
@@ -996,8 +1003,16 @@ class _HttpServer(ThreadingHTTPServer):
     router: Router
 
 
-def http_server(router: Router, host: str = "127.0.0.1", port: int = 0) -> _HttpServer:
-    """The HTTP API on ``host:port`` (0: a free port); call ``serve_forever`` on it."""
-    server = _HttpServer((host, port), _Handler)
+def http_server(router: Router, host: str = "127.0.0.1", port: int = 0, *,
+                sock: socket.socket | None = None) -> _HttpServer:
+    """The HTTP API on ``host:port`` (0: a free port), or on ``sock``, a socket already
+    listening (the launcher's, which outlives any one router); call ``serve_forever``."""
+    if sock is None:
+        server = _HttpServer((host, port), _Handler)
+    else:
+        server = _HttpServer(sock.getsockname(), _Handler, bind_and_activate=False)
+        server.socket.close()
+        server.socket = sock
+        server.server_address = sock.getsockname()
     server.router = router
     return server

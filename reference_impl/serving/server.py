@@ -1,16 +1,32 @@
 """The reference server's launcher: ``python -m reference_impl.serving.server``.
 
-One process runs the router (HTTP API, worker links, health monitor, journal) and keeps
-``--workers`` engine worker processes alive: it spawns them, respawns one that died (a new
-process for the same worker index, generation + 1; not for a drained index), kills one the
-router found wedged, and in ``--recovery fail_stop`` restarts them all. When every worker is
-ready it prints ``AFTERSHOCK_SERVING_READY <url>`` on stdout (the only line it writes there;
-logs go to stderr) and emits the probe event ``serving_ready``.
+Two levels of supervision, so that any part of the server can crash and come back:
 
-SIGTERM / SIGINT: stop accepting, end the streams, kill the workers, flush the journal,
-emit ``serving_stats``, exit 0. No worker outlives the launcher, even a SIGKILLed one:
-workers die with it (``PR_SET_PDEATHSIG``, set by the worker) and exit when the router's
-link is gone.
+- The launcher (the process users start) binds the HTTP socket once and keeps one *router
+  process* alive on it: it starts it, and when it dies (a crash, a kill) starts it again,
+  generation + 1, on the same socket and the same journal. Clients that connect meanwhile
+  wait in the socket's backlog rather than being refused; the new router replays the
+  journal, serves finished requests from it and resumes unfinished ones, so a client that
+  re-POSTs its ``request_id`` with ``offset`` = tokens received gets exactly the rest.
+  It reports a router death as ``failure_detected`` with ``cause: router_exit``.
+- The router process (``--router-process``: started by the launcher, never by hand) runs
+  the router (HTTP API, worker links, health monitor, journal) and keeps ``--workers``
+  engine worker processes alive: it spawns them, respawns one that died (a new process for
+  the same worker index, generation + 1; not for a drained index), kills one the router
+  found wedged, and in ``--recovery fail_stop`` restarts them all. When every worker is
+  ready it prints ``AFTERSHOCK_SERVING_READY <url>`` on stdout (the only line the server
+  writes there, once per router generation; logs go to stderr) and emits ``serving_ready``.
+
+A router crash takes its workers with it (they die with the process that spawned them), so
+the new router starts its workers cold; the journal, not the workers, carries the requests
+over. Keeping workers alive across a router restart would save that cold start at the cost
+of a supervisor that owns workers and router alike; not built.
+
+SIGTERM / SIGINT: the router process stops accepting, ends the streams, kills the workers,
+flushes the journal, emits ``serving_stats`` and exits 0; the launcher passes the signal on,
+waits for it and exits with its code. No process outlives the launcher, even a SIGKILLed
+one: each child dies with its parent (``PR_SET_PDEATHSIG``), and workers exit when the
+router's link is gone.
 """
 
 from __future__ import annotations
@@ -19,6 +35,7 @@ import argparse
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -28,9 +45,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from harness import probe
+from reference_impl.serving._lifetime import die_with_parent
 from reference_impl.serving.journal import Journal
 from reference_impl.serving.router import (
-    BROKEN,
     RECOVERIES,
     Router,
     RouterConfig,
@@ -88,12 +105,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "workers cold (clients retry from scratch)")
     add("--step-sleep", type=float, default=0.0,
         help="seconds added to every engine step, to make short runs long enough to hit")
-    add("--broken", default=None, choices=BROKEN,
-        help="DELIBERATELY BROKEN server, to prove the harness's checks can fail: "
-        "drop_inflight (a dead worker's requests end early, silently), replay_from_zero "
-        "(migrated requests are streamed again from token 0), no_fencing (tokens from a stale "
-        "worker assignment are accepted)")
+    # Set by the launcher for the router process it starts; not for users.
+    add("--router-process", action="store_true", help=argparse.SUPPRESS)
+    add("--http-fd", type=int, default=None, help=argparse.SUPPRESS)
+    add("--router-generation", type=int, default=0, help=argparse.SUPPRESS)
+    add("--parent-pid", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.router_process and args.http_fd is None:
+        parser.error("--router-process needs --http-fd")
     if args.workers < 1:
         parser.error("--workers must be at least 1")
     for name in ("heartbeat", "dead_after", "wedged_after"):
@@ -104,11 +123,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-class Launcher:
-    """Spawns, watches and respawns the worker processes.
+class WorkerKeeper:
+    """In the router process: spawns, watches and respawns the worker processes.
 
     Every spawn happens on the supervisor thread: the workers' PR_SET_PDEATHSIG fires when
-    the *thread* that forked them ends, so that thread must live as long as the launcher.
+    the *thread* that forked them ends, so that thread must live as long as the process.
     Router callbacks (kill, restart_all) only leave a note for it; they run under the
     router's lock and must not block.
     """
@@ -262,10 +281,11 @@ def _journal(args: argparse.Namespace) -> str | None:
     return path
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+def serve(args: argparse.Namespace) -> int:
+    """The router process: the router on the launcher's HTTP socket, and its workers."""
+    die_with_parent(args.parent_pid)
     stop = threading.Event()
-    quiet: list[Router | Launcher] = []
+    quiet: list[Router | WorkerKeeper] = []
 
     def on_signal(signum: int, frame: object) -> None:
         # The harness signals the whole process group: the workers are dying too. Say so
@@ -277,44 +297,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
 
+    generation = args.router_generation
+    probe.hello(world=args.workers, generation=generation, role="router")
     path = _journal(args)
     journal, replayed = Journal.open(path) if path else (None, None)
-    print(f"[server] journal: {path or 'off'}", file=sys.stderr, flush=True)
+    print(f"[server] router generation {generation} (pid {os.getpid()}), journal: "
+          f"{path or 'off'}", file=sys.stderr, flush=True)
     config = RouterConfig(workers=args.workers, dead_after=args.dead_after,
-                          wedged_after=args.wedged_after, recovery=args.recovery,
-                          broken=args.broken)
-    if args.broken:
-        print(f"[server] DELIBERATELY BROKEN: --broken {args.broken}", file=sys.stderr,
-              flush=True)
-    launcher: Launcher | None = None
+                          wedged_after=args.wedged_after, recovery=args.recovery)
+    keeper: WorkerKeeper | None = None
     router = Router(config, journal, replayed,
-                    process_gone=lambda i: launcher is None or launcher.process_gone(i),
-                    kill=lambda i: launcher.kill(i) if launcher else None,
-                    restart_all=lambda: launcher.restart_all() if launcher else None)
+                    process_gone=lambda i: keeper is None or keeper.process_gone(i),
+                    kill=lambda i: keeper.kill(i) if keeper else None,
+                    restart_all=lambda: keeper.restart_all() if keeper else None)
     quiet.append(router)
     link = router.listen("127.0.0.1")
-    try:
-        http = http_server(router, args.host, args.port)
-    except OSError as exc:
-        print(f"[server] cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
-        router.stop()
-        if journal is not None:
-            journal.close()
-        return 2
+    http = http_server(router, sock=socket.socket(fileno=args.http_fd))
     host, port = http.server_address[:2]
     url = f"http://{host}:{port}"
     serving = threading.Thread(target=http.serve_forever, kwargs={"poll_interval": 0.1},
                                name="http", daemon=True)
     serving.start()
-    launcher = Launcher(args, router, link)
-    quiet.append(launcher)
-    launcher.start()
+    keeper = WorkerKeeper(args, router, link)
+    quiet.append(keeper)
+    keeper.start()
     announced = False
     try:
         while not stop.is_set():
             if not announced and router.ready.wait(0.1):
                 announced = True
-                probe.emit("serving_ready", url=url, workers=args.workers)
+                probe.emit("serving_ready", url=url, workers=args.workers,
+                           generation=generation)
+                if generation:
+                    probe.recovered(role="router", generation=generation,
+                                    resumed=router.stats()["requests"]["resumed_from_journal"])
                 print(f"{READY_LINE} {url}", flush=True)
             elif announced:
                 stop.wait(0.5)
@@ -322,7 +338,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Stop accepting first, so no request is accepted that the journal will not see.
         http.shutdown()
         router.stop()
-        launcher.stop()
+        keeper.stop()
         http.server_close()
         if journal is not None:
             journal.close()
@@ -331,6 +347,87 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"[server] stopped: {stats['requests']}, {stats['migrations']} migrations, "
               f"{stats['failures']} failures", file=sys.stderr, flush=True)
     return 0
+
+
+class Launcher:
+    """The launcher: owns the HTTP socket, keeps one router process alive on it.
+
+    Runs on the main thread (the router's ``PR_SET_PDEATHSIG`` is tied to the thread that
+    spawned it). A router that dies within 10 s of its start, again and again, is restarted
+    after a growing pause (0.25 s, doubling to 5 s) instead of spinning; the first restart
+    is immediate, since clients are waiting.
+    """
+
+    def __init__(self, args: argparse.Namespace, argv: Sequence[str], sock: socket.socket,
+                 journal: str | None) -> None:
+        self.args = args
+        self.argv = list(argv)
+        self.sock = sock
+        self.journal = journal
+        self.stop = threading.Event()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._backoff = 0.0
+
+    def on_signal(self, signum: int, frame: object) -> None:
+        self.stop.set()
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)  # a no-op twice if it was the group's signal
+
+    def _spawn(self, generation: int) -> subprocess.Popen[bytes]:
+        fd = self.sock.fileno()
+        argv = [sys.executable, "-m", "reference_impl.serving.server", *self.argv,
+                "--router-process", f"--http-fd={fd}", f"--router-generation={generation}",
+                f"--parent-pid={os.getpid()}",
+                *([f"--journal={self.journal}"] if self.journal else ["--no-journal"])]
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_REPO), env.get("PYTHONPATH"))
+                                            if p)
+        return subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, pass_fds=(fd,))
+
+    def run(self) -> int:
+        generation = 0
+        while True:
+            started = time.monotonic()
+            self.proc = proc = self._spawn(generation)
+            if self.stop.is_set():
+                self.on_signal(signal.SIGTERM, None)  # the signal came while it was starting
+            code = proc.wait()
+            if self.stop.is_set():
+                return code
+            probe.detected("router_exit", role="router", pid=proc.pid, generation=generation,
+                           returncode=code)
+            print(f"[server] router generation {generation} (pid {proc.pid}) exited with "
+                  f"{code}; restarting it on the same socket and journal", file=sys.stderr,
+                  flush=True)
+            if time.monotonic() - started > 10:
+                self._backoff = 0.0
+            if self.stop.wait(self._backoff):
+                return code
+            self._backoff = min(max(self._backoff * 2, 0.25), 5.0)
+            generation += 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if args.router_process:
+        return serve(args)
+    try:
+        # Bound once, here: every router generation serves the same address, and clients
+        # connecting while none runs wait in the backlog.
+        sock = socket.create_server((args.host, args.port), backlog=256)
+    except OSError as exc:
+        print(f"[server] cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 2
+    launcher = Launcher(args, argv, sock, _journal(args))
+    signal.signal(signal.SIGTERM, launcher.on_signal)
+    signal.signal(signal.SIGINT, launcher.on_signal)
+    try:
+        return launcher.run()
+    finally:
+        sock.close()
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """An engine worker: runs one ``Engine`` and serves the router over one TCP link.
 
-``python -m reference_impl.serving.worker --router HOST:PORT --worker I ...``; the launcher
-(``server.py``) starts it. Threads and what each may touch:
+``python -m reference_impl.serving.worker --router HOST:PORT --worker I ...``; the router
+process (``server.WorkerKeeper``) starts it. Threads and what each may touch:
 
 - the main thread owns the engine: it applies the router's messages between steps, calls
   ``probe.fault_point("decode", step)`` before every step (in-process memory faults fire
@@ -22,7 +22,7 @@
 
 When the link breaks, or the router sends ``Reset``, the worker drops every request (the
 router has moved them already) and reconnects as a fresh worker. It exits when it cannot
-reach the router for ``--reconnect-for`` seconds, and at once when the launcher dies
+reach the router for ``--reconnect-for`` seconds, and at once when the router process dies
 (``PR_SET_PDEATHSIG``), so no worker outlives its server.
 """
 
@@ -30,11 +30,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import dataclasses
 import os
 import queue
-import signal
 import socket
 import sys
 import threading
@@ -44,18 +42,7 @@ from collections.abc import Sequence
 from harness import probe
 from reference_impl import health
 from reference_impl.serving import _wire
-
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-
-def die_with_parent(parent: int) -> None:
-    """SIGKILL this process when the process that spawned it dies (Linux only). The kernel
-    ties this to the parent *thread*: the launcher spawns workers from one long-lived one."""
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if parent and os.getppid() != parent:
-        os._exit(0)  # the launcher died before prctl took effect
+from reference_impl.serving._lifetime import die_with_parent
 
 
 def _log(worker: int, message: str) -> None:
@@ -93,8 +80,9 @@ class Worker:
         self._sock: socket.socket | None = None
 
     # -- reports
-    def _checksum_failure(self, block: int, request_id: str) -> None:
-        probe.detected("kv_checksum", block=block, request=request_id, worker=self.index)
+    def _checksum_failure(self, block: int, request_id: str, where: str) -> None:
+        probe.detected("kv_checksum", block=block, request=request_id, on=where,
+                       worker=self.index)
 
     def on_xid(self, code: int, action: str) -> None:
         """From the Xid watcher thread."""
@@ -218,7 +206,8 @@ class Worker:
                 epoch = self.epochs.get(out.request_id)
                 if epoch is None:
                     continue
-                items.append((out.request_id, epoch, out.index, out.token, out.finished))
+                items.append((out.request_id, epoch, out.index, out.token, out.digest,
+                              out.finished))
                 if out.finished:
                     del self.epochs[out.request_id]
             stats = engine.stats()
@@ -254,13 +243,14 @@ class Worker:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m reference_impl.serving.worker",
-        description="One engine worker of the reference server (started by its launcher).")
+        description="One engine worker of the reference server (started by its router "
+        "process).")
     parser.add_argument("--router", required=True, help="HOST:PORT of the router's link socket")
     parser.add_argument("--worker", type=int, required=True, help="worker index")
     parser.add_argument("--workers", type=int, required=True, help="how many workers in all")
     parser.add_argument("--generation", type=int, default=0, help="respawn count of this index")
     parser.add_argument("--parent-pid", type=int, default=0,
-                        help="the launcher's pid: exit if it is gone already")
+                        help="the router process's pid: exit if it is gone already")
     parser.add_argument("--seed", type=int, default=0, help="model seed")
     parser.add_argument("--block-size", type=int, default=16, help="KV block size, tokens")
     parser.add_argument("--num-blocks", type=int, default=512, help="KV blocks in the pool")
@@ -291,9 +281,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     engine = worker.engine
     probe.install(model=engine.model, tensors={
         "kv:shared_prefix": engine.shared_prefix_block,
+        "kv:idle_prefix": engine.idle_prefix_block,
         "kv:cache": lambda: engine.kv,
     })
-    # This worker's GPU is the one its LOCAL_RANK names (the launcher sets it to the index).
+    # This worker's GPU is the one its LOCAL_RANK names (set to the index by its spawner).
     health.XidWatcher(gpu=int(os.environ.get("LOCAL_RANK", args.worker)),
                       on_xid=worker.on_xid).start()
     worker.run()

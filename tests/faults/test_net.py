@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import textwrap
@@ -184,16 +185,30 @@ def _progress(nodes: list[subprocess.Popen[str]], seconds: float) -> dict[tuple[
     return deltas
 
 
-@pytest.fixture
-def three_nodes() -> Iterator[tuple[list[subprocess.Popen[str]], list[int]]]:
+@pytest.fixture(params=["own group", "in a run's group"])
+def three_nodes(
+    request: pytest.FixtureRequest,
+) -> Iterator[tuple[list[subprocess.Popen[str]], list[int]]]:
+    """Three nodes pinging each other; the third, the one to partition, either where the
+    test runs or (as under the harness) inside a run's own cgroup."""
     nodes = [_spawn(NODE) for _ in range(3)]
+    run_group: Path | None = None
     try:
+        if request.param == "in a run's group" and os.geteuid() == 0:
+            run_group, why = _cgroup.run_group_dir(f"testnet{os.getpid()}")
+            if run_group is None:
+                pytest.skip(f"no cgroup for a run here: {why}")
+            run_group.mkdir()
+            _cgroup.move(nodes[2].pid, run_group)
         ports = [int(_line(n)) for n in nodes]
         for i, node in enumerate(nodes):
             _ask(node, "peers " + ",".join(str(p) for j, p in enumerate(ports) if j != i))
         yield nodes, ports
     finally:
         _stop(*nodes)
+        if run_group is not None:
+            _cgroup.kill_tree(run_group, 5)
+            _cgroup.remove_tree(run_group)
 
 
 @pytest.mark.timeout(60)
@@ -218,7 +233,9 @@ def test_partition_cuts_one_process_off_and_heals(
         assert during[(1, ports[0])] > 0, during  # b -> a still fine
         cut = {k: v for k, v in during.items() if ports[2] == k[1] or k[0] == 2}
         assert all(v == 0 for v in cut.values()), during
-        # New connections both ways are cut too: the listener by port, c's new socket by cgroup.
+        assert Path(applied.undo["cgroup"]).parent == Path(applied.undo["home"])
+        # New connections both ways are cut too: the listener by its mark, c's new socket by
+        # its cgroup.
         assert _ask(a, f"dial {ports[2]}") == "TimeoutError"
         assert _ask(c, f"dial {ports[0]}") == "TimeoutError"
         assert _ask(a, f"dial {ports[1]}") == "ok"
@@ -238,3 +255,49 @@ def test_partition_cuts_one_process_off_and_heals(
         if all(v > 0 for v in after.values()):
             break
         assert time.monotonic() < deadline, f"traffic did not resume: {after}"
+
+
+LISTENER = """
+    import socket, sys, time
+    srv = socket.socket(); srv.bind(("127.0.0.1", 0)); srv.listen()
+    print(srv.getsockname()[1], flush=True)
+    sys.stdin.readline()  # "close"
+    srv.close()
+    print("closed", flush=True)
+    time.sleep(60)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_partition_frees_a_port_as_soon_as_the_target_releases_it(tmp_path: Path) -> None:
+    """The rules match the target's sockets, not port numbers: once it closed its listener,
+    an unrelated server on that port and its clients are not cut off."""
+    _need_nft()
+    target = _spawn(LISTENER)
+    try:
+        port = int(_line(target))
+        ref = ProcessRef.of(target.pid)
+        assert ref is not None
+        journal = Journal.create("partition-port", tmp_path)
+        applied = PARTITION.inject(ref, {}, journal)
+        try:
+            with pytest.raises(TimeoutError):
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            assert target.stdin is not None
+            target.stdin.write("close\n")
+            target.stdin.flush()
+            assert _line(target) == "closed"
+            with socket.socket() as other:
+                other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                other.bind(("127.0.0.1", port))
+                other.listen()
+                with socket.create_connection(("127.0.0.1", port), timeout=2) as client:
+                    served, _ = other.accept()
+                    with served:
+                        client.sendall(b"ping")
+                        served.settimeout(2)
+                        assert served.recv(4) == b"ping"
+        finally:
+            PARTITION.revert(applied.undo)
+    finally:
+        _stop(target)

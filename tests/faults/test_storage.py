@@ -1,18 +1,27 @@
-"""storage.* on real files: corruption, truncation, deletion, and a real ENOSPC from tmpfs."""
+"""storage.* on real files: corruption, truncation, deletion, a real ENOSPC from tmpfs, and
+a power loss on the lazy filesystem (storage.lose_unsynced) that nothing outlives."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import os
+import shutil
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
+from _helpers import quick_scenario
 
-from faults._proc import ProcessRef
+from faults import lazyfs
+from faults._errors import FaultUnavailable
+from faults._proc import ProcessRef, all_pids
 from faults.journal import Journal, pending
-from faults.storage import CORRUPT, DELETE, FULL, TRUNCATE
+from faults.storage import CORRUPT, DELETE, FULL, LOSE_UNSYNCED, TRUNCATE
 
 ME = ProcessRef(os.getpid(), 0)  # storage faults act on files, not on the process
 
@@ -139,3 +148,179 @@ def test_full_unmounts_even_when_busy(tmp_path: Path) -> None:
         assert list((tmp_path / "empty").iterdir()) == []
     finally:
         os.close(fd)
+
+
+# ------------------------------------------------------------------ storage.lose_unsynced
+
+
+def _need_fuse() -> None:
+    if not os.path.exists("/dev/fuse") or shutil.which("fusermount3") is None:
+        pytest.skip("needs /dev/fuse and fusermount3 (apt-get install fuse3)")
+    try:
+        import mfusepy  # noqa: F401
+    except (ImportError, OSError) as exc:
+        pytest.skip(f"mfusepy or libfuse3 missing: {exc}")
+
+
+def _sleepers(count: int) -> list[subprocess.Popen[bytes]]:
+    return [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+            for _ in range(count)]
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.timeout(60)
+def test_lose_unsynced_loses_and_kills_together_then_unmounts(tmp_path: Path) -> None:
+    _need_fuse()
+    journal = Journal.create("power", tmp_path / "journal", folders=[tmp_path])
+    setup = LOSE_UNSYNCED.prepare({"root": str(tmp_path), "dir": "ckpt"}, journal)
+    folder = tmp_path / "ckpt"
+    server = ProcessRef.from_json(setup.undo["server"])
+    kids = _sleepers(2)
+    try:
+        assert lazyfs.mounted_source(folder) == setup.undo["source"]
+        assert [p.kind for p in pending(journal.path)] == ["storage.lose_unsynced"]
+        (folder / "durable").write_bytes(b"kept")
+        _fsync(folder / "durable")
+        _fsync(folder)
+        (folder / "volatile").write_bytes(b"gone")
+        refs = [ProcessRef.of(k.pid) for k in kids]
+        applied = LOSE_UNSYNCED.inject_group(
+            [r for r in refs if r is not None], {"prepared": dict(setup.undo)}, journal)
+        assert applied.journal_id is None  # the loss is the point: nothing to undo
+        assert "1 file(s) gone or rolled back (4 bytes) and 1 directory entry" in applied.detail
+        assert [k.wait(timeout=5) for k in kids] == [-signal.SIGKILL] * 2
+        assert sorted(os.listdir(folder)) == ["durable"]  # powered on again, what survived
+    finally:
+        for kid in kids:
+            kid.kill()
+            kid.wait()
+        LOSE_UNSYNCED.revert(setup.undo)
+    LOSE_UNSYNCED.revert(setup.undo)  # idempotent
+    assert lazyfs.mounted_source(folder) is None
+    assert not server.alive()
+    assert sorted(os.listdir(folder)) == ["durable"]  # the folder holds what survived
+
+
+@pytest.mark.timeout(60)
+def test_lose_unsynced_is_undone_from_its_journal_record_alone(tmp_path: Path) -> None:
+    """The reaper and `aftershock heal` are other processes: they know the record, not our
+    child. The record says which mount and which server, and nothing else is touched."""
+    _need_fuse()
+    journal = Journal.create("heal", tmp_path / "journal", folders=[tmp_path])
+    setup = LOSE_UNSYNCED.prepare({"root": str(tmp_path), "dir": "ckpt"}, journal)
+    server = ProcessRef.from_json(setup.undo["server"])
+    assert set(setup.undo) == {"mount", "source", "server"}
+    try:
+        with pytest.raises(ValueError, match="not a lazy filesystem"):
+            type(LOSE_UNSYNCED)().revert({**setup.undo, "source": "tmpfs"})
+        assert lazyfs.mounted_source(tmp_path / "ckpt") == setup.undo["source"]
+        healed = heal_journal_with(type(LOSE_UNSYNCED)(), journal.path)
+        assert healed == [None]
+        assert lazyfs.mounted_source(tmp_path / "ckpt") is None
+        assert not server.alive()
+        assert not journal.path.exists()
+    finally:
+        LOSE_UNSYNCED.revert(setup.undo)  # reaps our child
+
+
+def heal_journal_with(kind: object, path: Path) -> list[str | None]:
+    """heal_journal, with a fresh instance of the kind standing in for the registry's (as
+    in a reaper process, which never started the server)."""
+    from faults import heal, registry
+
+    original = registry._registry["storage.lose_unsynced"]
+    registry._registry["storage.lose_unsynced"] = kind  # type: ignore[assignment]
+    try:
+        return [h.error for h in heal.heal_journal(path)]
+    finally:
+        registry._registry["storage.lose_unsynced"] = original
+
+
+@pytest.mark.timeout(60)
+def test_lose_unsynced_without_its_filesystem_is_refused(tmp_path: Path) -> None:
+    journal = Journal.create("unprepared", tmp_path)
+    with pytest.raises(FaultUnavailable, match="needs its filesystem"):
+        LOSE_UNSYNCED.inject(ME, {"root": str(tmp_path)}, journal)
+    with pytest.raises(ValueError, match="outside root"):
+        LOSE_UNSYNCED.prepare({"root": str(tmp_path), "dir": "../elsewhere"}, journal)
+
+
+def _lazy_mounts_under(folder: Path) -> list[str]:
+    with open("/proc/mounts") as handle:
+        return [line for line in handle if line.startswith(lazyfs.SOURCE_PREFIX)
+                and line.split()[1].startswith(str(folder))]
+
+
+def _harness_with_a_mount(tmp_path: Path) -> tuple[subprocess.Popen[str], Path]:
+    """A real harness run (CLI) of a command job whose checkpoint folder is on the lazy
+    filesystem; returns once the mount is there."""
+    scenario = tmp_path / "power.yaml"
+    scenario.write_text(quick_scenario("power-then-sigkill", """\
+faults:
+  - kind: storage.lose_unsynced
+    dir: ckpt
+    at: {time: 50s}
+""", duration=60))
+    runs = tmp_path / "runs"
+    harness = subprocess.Popen(
+        [sys.executable, "-m", "harness", "run", str(scenario), "--run-dir", str(runs),
+         "--plain"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True,
+        env={**os.environ, "AFTERSHOCK_STATE_DIR": str(tmp_path / "state")},
+    )
+    deadline = time.monotonic() + 30
+    while not _lazy_mounts_under(runs) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if not _lazy_mounts_under(runs):
+        harness.kill()
+        harness.wait()
+        pytest.fail("the lazy filesystem was never mounted")
+    return harness, runs
+
+
+def _gone(runs: Path, state: Path, timeout: float = 20.0) -> tuple[list[str], list[Path]]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        mounts, journals = _lazy_mounts_under(runs), list((state / "journal").glob("*.jsonl"))
+        if not mounts and not journals:
+            break
+        time.sleep(0.1)
+    return _lazy_mounts_under(runs), list((state / "journal").glob("*.jsonl"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_a_sigkilled_harness_leaves_no_mount(tmp_path: Path) -> None:
+    _need_fuse()
+    harness, runs = _harness_with_a_mount(tmp_path)
+    harness.kill()
+    harness.wait()
+    assert _gone(runs, tmp_path / "state") == ([], [])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_heal_cleans_up_a_mount_when_no_reaper_ran(tmp_path: Path) -> None:
+    _need_fuse()
+    harness, runs = _harness_with_a_mount(tmp_path)
+    for pid in all_pids():  # the reaper first (as a `kill -9` of the session might), then us
+        with contextlib.suppress(OSError):
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            if b"faults.heal" in cmdline and str(harness.pid).encode() in cmdline:
+                os.kill(pid, signal.SIGKILL)
+    harness.kill()
+    harness.wait()
+    healed = subprocess.run(
+        [sys.executable, "-m", "harness", "heal"], capture_output=True, text=True, timeout=60,
+        env={**os.environ, "AFTERSHOCK_STATE_DIR": str(tmp_path / "state")},
+    )
+    assert healed.returncode == 0, healed.stderr
+    assert "storage.lose_unsynced" in healed.stdout
+    assert _gone(runs, tmp_path / "state", timeout=5) == ([], [])

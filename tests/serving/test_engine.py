@@ -7,14 +7,22 @@ fail: with the non-invariant kernel, or with verification off.
 
 from __future__ import annotations
 
+import hashlib
 import random
+import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import pytest
 import torch
 
-from reference_impl.serving.engine import Engine, EngineConfig, Verify, generate
+from reference_impl.serving.engine import (
+    Engine,
+    EngineConfig,
+    Verify,
+    generate,
+    logits_digest,
+)
 from reference_impl.serving.kvcache import PagedKVCache, chain_hashes
 from reference_impl.serving.model import GPT, ModelConfig, decode, encode, model_id
 
@@ -139,6 +147,34 @@ MIXED = [
 MODES = [pytest.param(True, id="invariant"), pytest.param(False, id="batched_split_k")]
 
 
+def _digest(row: torch.Tensor) -> str:
+    """The logits digest as the docs define it, computed here without the engine's code:
+    BLAKE2b-64 over the row's float32 values, little-endian."""
+    data = struct.pack(f"<{row.numel()}f", *row.tolist())  # float32 -> float -> float32: exact
+    return hashlib.blake2b(data, digest_size=8).hexdigest()
+
+
+def test_every_output_carries_the_digest_of_its_logits_row() -> None:
+    engine = Engine(MODEL, SMALL)
+    rows: dict[tuple[str, int], torch.Tensor] = {}
+    engine.on_logits = lambda rid, index, row: rows.__setitem__((rid, index), row.clone())
+    engine.add("a", _tokens(11, 20), 5)
+    engine.add("b", _tokens(12, 33), 4)
+    outputs = []
+    while engine.has_work():
+        outputs.extend(engine.step())
+    assert len(outputs) == 9
+    for out in outputs:
+        assert out.digest == _digest(rows[(out.request_id, out.index)]), out
+    assert len({out.digest for out in outputs}) == len(outputs)
+    # One flipped bit of a row is another digest.
+    row = rows[("a", 0)].clone()
+    row.view(torch.int32)[7] ^= 1
+    first = next(out for out in outputs if (out.request_id, out.index) == ("a", 0))
+    assert logits_digest(rows[("a", 0)][None]) == [first.digest]
+    assert logits_digest(row[None]) != [first.digest]
+
+
 @pytest.mark.parametrize("invariant", MODES)
 def test_engine_mixed_batch_matches_alone(invariant: bool) -> None:
     config = EngineConfig(num_blocks=64, batch_invariant=invariant)
@@ -196,6 +232,25 @@ def test_engine_migrated_request_matches_alone(invariant: bool) -> None:
     # Nothing of the moved request was cached here: its 5 emitted tokens were computed again.
     assert engine.stats().recomputed_tokens == 5
     _check_invariance(results, requests, invariant, config)
+
+
+def test_a_reprefill_through_the_batched_kernel_keeps_tokens_but_not_logits() -> None:
+    """The ``reprefill_not_invariant`` variant (a migrated request's emitted tokens re-prefilled
+    through the batched split-K kernel): the next tokens are the ground truth's, the logits
+    they are chosen from are not. Only a bitwise comparison of the logits sees it."""
+    config = EngineConfig(num_blocks=64)
+    requests = []
+    for i in range(6):
+        prompt = PREFIX[: 17 + 3 * i]
+        truth, _ = _alone(prompt, 10, config)
+        requests.append(_Req(f"moved{i}", prompt, 10, at_step=i, emitted=tuple(truth[:4 + i])))
+    for broken in (False, True):
+        engine = (_broken("reprefill_not_invariant") if broken else Engine)(MODEL, config)
+        bad = _mismatches(_drive(engine, requests), requests, config)
+        if broken:
+            assert bad == [f"{r.rid}: logits" for r in requests]  # all: yet no token changed
+        else:
+            assert bad == []
 
 
 def test_engine_migration_reuses_the_prefix_cache() -> None:
@@ -278,7 +333,7 @@ BITS = [pytest.param(30, id="exponent_bit30"), pytest.param(0, id="mantissa_bit0
 
 
 def _poison_scenario(config: EngineConfig, bit: int, newcomer: bool) -> tuple[
-    Engine, dict[str, _Result], list[_Req], list[tuple[int, str]], int
+    Engine, dict[str, _Result], list[_Req], list[tuple[int, str, str]], int
 ]:
     """``b`` reuses ``a``'s cached SHARED prefix; then a bit of their most shared block flips.
 
@@ -286,8 +341,8 @@ def _poison_scenario(config: EngineConfig, bit: int, newcomer: bool) -> tuple[
     """
     requests = [_Req("a", [*SHARED, 1], 7), _Req("b", SHARED + _tokens(42, 5), 7)]
     engine = Engine(MODEL, config)
-    failures: list[tuple[int, str]] = []
-    engine.on_checksum_failure = lambda block, rid: failures.append((block, rid))
+    failures: list[tuple[int, str, str]] = []
+    engine.on_checksum_failure = lambda block, rid, where: failures.append((block, rid, where))
     results = {r.rid: _Result() for r in requests}
 
     def record(rid: str, index: int, row: torch.Tensor) -> None:
@@ -329,7 +384,7 @@ def test_poisoned_prefix_block_is_caught_on_a_hit(bit: int, verify: Verify) -> N
         assert _mismatches(results, requests, config)
         return
     assert stats.checksum_failures == 1
-    assert failures == [(flipped, "c")]
+    assert failures == [(flipped, "c", "hit")]
     # The bad block (the first of the shared prefix) and the two chained after it.
     assert stats.evicted_blocks == 3
     # a and b held the bad block: they dropped their KV from it on and recomputed it.
@@ -349,7 +404,7 @@ def test_poisoned_block_in_use_is_caught_on_read(bit: int, verify: Verify) -> No
         assert _mismatches(results, requests, config)
         return
     assert stats.checksum_failures == 1
-    assert failures in ([(flipped, "a")], [(flipped, "b")])
+    assert failures in ([(flipped, "a", "read")], [(flipped, "b", "read")])
     assert stats.evicted_blocks == 3
     assert _mismatches(results, requests, config) == []
 
@@ -387,6 +442,53 @@ def test_shared_prefix_block_is_a_view_of_the_most_shared_block() -> None:
     assert torch.equal(block, engine.kv[min(ids)])
     block.view(-1)[0] = 123.0
     assert engine.kv[min(ids)].view(-1)[0] == 123.0  # a view, not a copy
+
+
+def _broken(variant: str) -> type[Engine]:
+    """An Engine subclass with a test-only broken variant of
+    tests/serving/broken/sitecustomize.py applied."""
+    import importlib.util
+    import types
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent / "broken" / "sitecustomize.py"
+    spec = importlib.util.spec_from_file_location("_broken_serving_variants", path)
+    assert spec is not None
+    assert spec.loader is not None
+    variants = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(variants)
+    namespace = types.SimpleNamespace(Engine=type(f"Engine_{variant}", (Engine,), {}))
+    getattr(variants, variant)(namespace)
+    return namespace.Engine  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["verified", "unverified_hits"])
+def test_a_poisoned_idle_prefix_block_is_caught_on_its_next_hit(broken: bool) -> None:
+    """A cached block no request holds (its requests finished) goes bad. ``verify="read"``
+    never reads it while it is idle: only the next hit's verification stands between it
+    and the next request with that prefix. Without it, that request reads the bad KV."""
+    config = EngineConfig(num_blocks=64)  # verify="read", the default
+    engine = (_broken("unverified_hits") if broken else Engine)(MODEL, config)
+    assert engine.idle_prefix_block() is None
+    _drive(engine, [_Req("a", [*SHARED, 1], 3), _Req("b", [*SHARED, 2], 3, at_step=1)])
+    head = engine.cache.lookup(chain_hashes(engine.model_id, SHARED, 16))[0]
+    # b's hit went to all three blocks of SHARED; of the tie, the most recently released
+    # (chains are released tail first): the head, which every prompt with the prefix reads.
+    block = engine.idle_prefix_block()
+    assert block is not None
+    assert block.data_ptr() == engine.kv[head].data_ptr()
+    _flip(block, 5, 30)
+    failures: list[tuple[int, str, str]] = []
+    engine.on_checksum_failure = lambda b, rid, where: failures.append((b, rid, where))
+    _drive(engine, [_Req("other", _tokens(77, 20), 3)])  # steps that do not read the block
+    assert failures == []  # idle: "read" does not see it
+    results = _drive(engine, [_Req("c", [*SHARED, 9, 9], 6)])
+    if broken:  # "read" sees it one step late: c's first token came from the bad KV
+        assert [(b, where) for b, _, where in failures] == [(head, "read")]
+        assert _mismatches(results, [_Req("c", [*SHARED, 9, 9], 6)], config)
+    else:
+        assert failures == [(head, "c", "hit")]
+        assert _mismatches(results, [_Req("c", [*SHARED, 9, 9], 6)], config) == []
 
 
 def test_abort_frees_blocks_and_unknown_id_is_a_noop() -> None:

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -27,6 +28,11 @@ Behaviour = Callable[[str, int, int], tuple[list[int], bool]]
 
 def _token(index: int, request: str) -> int:
     return (sum(request.encode()) * 31 + index * 7) % 256
+
+
+def _digest(index: int, request: str) -> str | None:
+    """The server's logits digest of a token; request ids ending in 2 get none."""
+    return None if request.endswith("2") else f"{request}:{index}"
 
 
 @pytest.fixture
@@ -51,6 +57,7 @@ def serve() -> Iterator[Callable[[Behaviour], str]]:
                 for i in indexes:
                     chunk = {"choices": [{"index": 0, "token_index": i,
                                           "token_ids": [_token(i, rid)], "text": "x",
+                                          "logits_digest": _digest(i, rid),
                                           "finish_reason": None}]}
                     self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
                 if done:
@@ -100,6 +107,16 @@ def test_a_correct_server_loses_and_repeats_nothing(serve, tmp_path) -> None:
     assert m["tpot_p99_s"] is not None
 
 
+def test_client_records_each_tokens_logits_digest(serve, tmp_path) -> None:
+    url = serve(lambda rid, offset, attempt: (list(range(offset, 5)), True))
+    outputs = metrics.outputs(_run(url, tmp_path))
+    assert len(outputs) == 6
+    for rid, output in outputs.items():
+        assert output.tokens == tuple(_token(i, rid) for i in range(5))
+        assert output.digests == tuple(_digest(i, rid) for i in range(5))
+    assert any(None in o.digests for o in outputs.values())  # a server that sent none
+
+
 def test_client_resumes_a_broken_stream_from_its_offset(serve, tmp_path) -> None:
     seen: list[tuple[int, int]] = []
 
@@ -144,10 +161,18 @@ def ev(t: float, event: str, source: str = "client", **fields: object) -> Event:
 
 
 def done(rid: str, sent: float, times: list[float], tokens: list[int] | None = None,
-         **extra: object) -> Event:
+         digests: list[str | None] | None = None, **extra: object) -> Event:
     tokens = tokens if tokens is not None else list(range(len(times)))
+    digests = digests if digests is not None else [f"d{t}" for t in tokens]
     return ev(times[-1] if times else sent, "request_done", request=rid, sent=sent,
-              tokens=tokens, times=times, max_tokens=len(tokens), duplicates=0, **extra)
+              tokens=tokens, times=times, digests=digests, max_tokens=len(tokens),
+              duplicates=0, **extra)
+
+
+def out(tokens: list[int], digests: list[str | None] | None = None) -> metrics.Output:
+    """A fault-free twin's output; digests as ``done`` makes them unless given."""
+    return metrics.Output(tuple(tokens), tuple(digests if digests is not None
+                                               else [f"d{t}" for t in tokens]))
 
 
 def test_time_to_recover_is_the_slowest_request_in_flight_at_the_fault() -> None:
@@ -202,32 +227,68 @@ expect:
 """
 
 
-def _checks(events: list[Event], baseline: dict[str, list[int]]) -> dict[str, bool]:
+def _results(events: list[Event], baseline: dict[str, metrics.Output]) -> dict[str, Any]:
     expect = parse_scenario(SERVER).expect
     results = evaluate(expect, outcome=Outcome(0, False, 1.0), metrics=metrics.serving(events),
                        faults=[], digests={}, baseline=None, events=events,
                        outputs=metrics.outputs(events), baseline_outputs=baseline)
-    return {r.name: r.passed for r in results}
+    return {r.name: r for r in results}
+
+
+def _checks(events: list[Event], baseline: dict[str, metrics.Output]) -> dict[str, bool]:
+    return {name: r.passed for name, r in _results(events, baseline).items()}
 
 
 def test_serving_checks_pass_on_a_good_run_and_each_fails_on_its_fault() -> None:
     good = [ev(0.0, "load_started"), ev(0.0, "request_sent", request="a"),
             done("a", 0.0, [0.2, 0.3], [7, 8])]
-    assert _checks(good, {"a": [7, 8]}) == {
+    assert _checks(good, {"a": out([7, 8])}) == {
         "completes": True, "no_lost_requests": True, "no_duplicated_tokens": True,
         "outputs_match": True, "latency.ttft_p99": True}
-    changed = _checks(good, {"a": [7, 9]})
+    changed = _checks(good, {"a": out([7, 9])})
     assert not changed["outputs_match"]
     assert changed["no_lost_requests"]
     slow = [*good[:2], done("a", 0.0, [1.5, 1.6], [7, 8])]
-    assert not _checks(slow, {"a": [7, 8]})["latency.ttft_p99"]
+    assert not _checks(slow, {"a": out([7, 8])})["latency.ttft_p99"]
     repeated = [*good[:2], ev(0.3, "request_done", request="a", sent=0.0, tokens=[7, 8],
-                              times=[0.2, 0.3], max_tokens=2, duplicates=2)]
-    assert not _checks(repeated, {"a": [7, 8]})["no_duplicated_tokens"]
+                              times=[0.2, 0.3], digests=["d7", "d8"], max_tokens=2,
+                              duplicates=2)]
+    assert not _checks(repeated, {"a": out([7, 8])})["no_duplicated_tokens"]
     lost = good[:2]
-    result = _checks(lost, {"a": [7, 8]})
+    result = _checks(lost, {"a": out([7, 8])})
     assert not result["no_lost_requests"]
     assert not result["outputs_match"]
+
+
+def test_outputs_match_compares_the_logits_not_only_the_tokens() -> None:
+    """Equal tokens chosen from different logits (a numerics change greedy decoding hides)
+    fail the check; so do tokens whose digests are unknown in either run: not observed."""
+    sent = [ev(0.0, "load_started"), ev(0.0, "request_sent", request="a"),
+            ev(0.0, "request_sent", request="b")]
+    run = [*sent, done("a", 0.0, [0.2, 0.3], [7, 8]), done("b", 0.0, [0.2], [5])]
+    same = {"a": out([7, 8]), "b": out([5])}
+    assert _results(run, same)["outputs_match"].passed
+
+    numerics = _results(run, {"a": out([7, 8], ["d7", "other"]), "b": out([5])})
+    check = numerics["outputs_match"]
+    assert not check.passed
+    assert check.observed == "1/2 requests identical"
+    assert "1 requests have the fault-free tokens but not its logits" in check.message
+    assert "first a at token 1" in check.message
+
+    # The run's server sent no digest for b's token: b is not verified, so not passed.
+    blind = [*sent, done("a", 0.0, [0.2, 0.3], [7, 8]), done("b", 0.0, [0.2], [5], [None])]
+    check = _results(blind, same)["outputs_match"]
+    assert not check.passed
+    assert "logits digests not observed (first b, 1 tokens)" in check.message
+    # A baseline cached before digests existed (a bare token list) cannot vouch either.
+    legacy = {"a": metrics.Output.from_json([7, 8]), "b": metrics.Output.from_json([5])}
+    assert not _results(run, legacy)["outputs_match"].passed
+    assert metrics.Output.from_json(out([7, 8]).to_json()) == out([7, 8])
+
+    tokens = _results(run, {"a": out([7, 9]), "b": out([5])})["outputs_match"]
+    assert not tokens.passed
+    assert "1 requests differ in their tokens; first a at token 1" in tokens.message
 
 
 def test_serving_checks_need_the_server_and_training_checks_the_trainer() -> None:
@@ -237,3 +298,18 @@ def test_serving_checks_need_the_server_and_training_checks_the_trainer() -> Non
         parse_scenario("name: s\nsystem: {reference: server}\nexpect: {params_match: fault_free}")
     with pytest.raises(SpecError, match=r"expect\.outputs_match needs `reference: server`"):
         parse_scenario("name: s\nsystem: {reference: trainer}\nexpect: {outputs_match: fault_free}")
+
+
+def test_twin_key_ignores_test_hooks_and_client_patience_but_not_the_rest() -> None:
+    """Broken variants injected through AFTERSHOCK_INJECT_* (which the twin runs without) and
+    how long clients retry share the correct server's fault-free twin; other env does not."""
+    from harness.runner import baseline_key
+
+    base = "name: s\nsystem: {reference: server, %s}\n"
+    spec = parse_scenario(base % "env: {PYTHONPATH: /x}")
+    hooked = parse_scenario(base % "env: {PYTHONPATH: /x, AFTERSHOCK_INJECT_BROKEN_SERVING: a}")
+    patient = parse_scenario(base % "env: {PYTHONPATH: /x}, load: {retries: 500, "
+                             "request_timeout: 5m}")
+    other_env = parse_scenario(base % "env: {PYTHONPATH: /y}")
+    assert baseline_key(spec, 0) == baseline_key(hooked, 0) == baseline_key(patient, 0)
+    assert baseline_key(spec, 0) != baseline_key(other_env, 0)

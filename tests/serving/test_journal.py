@@ -30,9 +30,9 @@ def _write(path: Path) -> None:
     journal = Journal(path)
     journal.request("a", [1, 2, 3], 4)
     journal.request("b", encode("héllo"), 3)
-    journal.token_runs([("a", 0, [10]), ("b", 0, [7])])
-    journal.tokens("a", 1, [11])
-    journal.tokens("a", 2, [12, 13])
+    journal.token_runs([("a", 0, [10], ["d-a0"]), ("b", 0, [7], ["d-b0"])])
+    journal.tokens("a", 1, [11], ["d-a1"])
+    journal.tokens("a", 2, [12, 13], ["d-a2", "d-a3"])
     journal.finish("a")
     journal.close()
 
@@ -47,8 +47,24 @@ def test_round_trip(tmp_path: Path) -> None:
     a, b = found.requests["a"], found.requests["b"]
     assert (a.prompt, a.max_tokens, a.tokens, a.finished, a.error) == (
         (1, 2, 3), 4, [10, 11, 12, 13], True, None)
-    assert (b.prompt, b.tokens, b.finished) == (tuple("héllo".encode()), [7], False)
+    assert a.digests == ["d-a0", "d-a1", "d-a2", "d-a3"]
+    assert (b.prompt, b.tokens, b.digests, b.finished) == (
+        tuple("héllo".encode()), [7], ["d-b0"], False)
     assert list(found.requests) == ["a", "b"]  # acceptance order
+
+
+def test_a_record_without_digests_replays_them_unknown(tmp_path: Path) -> None:
+    """A journal written before tokens carried digests: its tokens replay, their digests
+    are unknown (empty), so nothing downstream can take them for verified."""
+    path = tmp_path / "j.wal"
+    journal = Journal(path)
+    journal.request("a", [1], 4)
+    journal._append({"r": "tok", "id": "a", "i": 0, "t": [5, 6]})
+    journal._append({"r": "toks", "runs": [["a", 2, [7]]]})
+    journal.tokens("a", 3, [8], ["d3"])
+    journal.close()
+    found = replay(path).requests["a"]
+    assert (found.tokens, found.digests) == ([5, 6, 7, 8], ["", "", "", "d3"])
 
 
 def test_error_finish_and_fsync_each(tmp_path: Path) -> None:
@@ -78,7 +94,7 @@ def test_torn_tail_is_ignored_and_cut(tmp_path: Path) -> None:
     journal, again = Journal.open(path)
     assert again.ignored_bytes > 0
     assert path.stat().st_size == whole
-    journal.tokens("b", 1, [8])
+    journal.tokens("b", 1, [8], ["d-b1"])
     journal.close()
     after = replay(path)
     assert after.ignored_bytes == 0
@@ -103,8 +119,8 @@ def test_a_gap_in_tokens_is_a_bad_record(tmp_path: Path) -> None:
     path = tmp_path / "j.wal"
     journal = Journal(path)
     journal.request("a", [1], 8)
-    journal.tokens("a", 0, [5])
-    journal.tokens("a", 2, [6])  # index 1 never journaled: impossible in a sound journal
+    journal.tokens("a", 0, [5], ["d0"])
+    journal.tokens("a", 2, [6], ["d2"])  # index 1 never journaled: impossible in a sound one
     journal.close()
     found = replay(path)
     assert found.requests["a"].tokens == [5]
@@ -134,8 +150,9 @@ def test_idempotent_request_id_after_restart(tmp_path: Path) -> None:
         indices, end = _drain(router, request, offset=2)
         assert indices == [2, 3]
         assert end.error is None
-        assert [c.token for c in router.stream(request) if isinstance(c, Chunk)] == [
-            10, 11, 12, 13]
+        assert [(c.token, c.digest) for c in router.stream(request)
+                if isinstance(c, Chunk)] == [
+            (10, "d-a0"), (11, "d-a1"), (12, "d-a2"), (13, "d-a3")]
         assert router.submit("a", "\x01\x02\x03", 4) is request  # never a second generation
         with pytest.raises(ApiError) as conflict:
             router.submit("a", "other", 4)

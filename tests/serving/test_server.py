@@ -1,10 +1,12 @@
 """The reference server end to end: real launcher, router, worker processes, sockets, signals.
 
 Every request's tokens are checked against ``engine.generate`` run alone in this process:
-index by index, no index twice, none missing. Faults are caused from here: SIGKILL and
-SIGSTOP/SIGCONT of the worker holding the most requests (found through ``GET /v1/stats``),
-a client that drops its connection, SIGKILL of the launcher itself. A deliberately broken
-server (``--broken drop_inflight``) shows the same checks failing.
+index by index, no index twice, none missing, and the logits digest of each token against
+the digest of the logits row ``generate`` chose it from (computed here, bitwise). Faults are
+caused from here: SIGKILL and SIGSTOP/SIGCONT of the worker holding the most requests (found
+through ``GET /v1/stats``), a client that drops its connection, SIGKILL of the launcher
+itself. A deliberately broken server (the test-only ``drop_inflight`` patch of
+``tests/serving/broken/sitecustomize.py``) shows the same checks failing.
 
 Each server is started once per test and stopped with SIGTERM, after which no process that
 carries the server's marker variable may be left.
@@ -33,6 +35,7 @@ import pytest
 pytest.importorskip("torch")
 
 REPO = Path(__file__).resolve().parents[2]
+BROKEN = Path(__file__).resolve().parent / "broken"  # sitecustomize.py: test-only variants
 READY = "AFTERSHOCK_SERVING_READY"
 PREFIXES = (
     "You are a terse assistant. Answer in one line. ",
@@ -82,7 +85,7 @@ class Server:
     """``python -m reference_impl.serving.server`` as a test fixture."""
 
     def __init__(self, folder: Path, *args: str, journal: Path | None = None,
-                 marker: str | None = None) -> None:
+                 marker: str | None = None, broken: str | None = None) -> None:
         self.folder = folder
         self.marker = marker or uuid.uuid4().hex
         self.events_path = folder / "events.jsonl"
@@ -91,6 +94,8 @@ class Server:
         env = dict(os.environ, AFTERSHOCK_EVENTS=str(self.events_path),
                    AFTERSHOCK_RUN_ID=self.marker, PYTHONUNBUFFERED="1")
         env.pop("AFTERSHOCK_COMMANDS", None)
+        if broken:  # a deliberately broken server: the named test-only patches
+            env.update(PYTHONPATH=f"{BROKEN}:{REPO}", AFTERSHOCK_INJECT_BROKEN_SERVING=broken)
         self._log = self.log_path.open("wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "reference_impl.serving.server",
@@ -192,6 +197,7 @@ class Stream:
     max_tokens: int = MAX_TOKENS
     indices: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
+    digests: list[str] = field(default_factory=list)
     times: list[float] = field(default_factory=list)
     done: bool = False
     error: str | None = None
@@ -224,6 +230,7 @@ class Stream:
                 choice = chunk["choices"][0]
                 self.indices.append(choice["token_index"])
                 self.tokens.extend(choice["token_ids"])
+                self.digests.append(choice["logits_digest"])
                 self.times.append(time.monotonic())
                 if self.drop_after is not None and len(self.tokens) >= self.drop_after:
                     return self  # the client goes away mid-stream
@@ -256,11 +263,16 @@ def workload(tag: str, count: int = 12) -> list[tuple[str, str]]:
             for i in range(count)]
 
 
-_truth_cache: dict[tuple[str, int], list[int]] = {}
+_truth_cache: dict[tuple[str, int], tuple[list[int], list[str]]] = {}
 
 
-def truth(prompt: str, max_tokens: int = MAX_TOKENS) -> list[int]:
-    """The tokens of ``prompt`` run alone in a fresh engine: the ground truth."""
+def _ground_truth(prompt: str, max_tokens: int) -> tuple[list[int], list[str]]:
+    """``prompt`` run alone in a fresh engine: its tokens, and the digest of the logits row
+    of each (BLAKE2b-64 of the float32 values, little-endian, as docs/serving.md defines
+    it; computed here, not by the server's code)."""
+    import hashlib
+    import struct
+
     import torch
 
     from reference_impl.serving.engine import generate
@@ -269,16 +281,32 @@ def truth(prompt: str, max_tokens: int = MAX_TOKENS) -> list[int]:
     torch.set_num_threads(1)  # 2 cores, shared with the server under test
     key = (prompt, max_tokens)
     if key not in _truth_cache:
-        _truth_cache[key] = list(generate(encode(prompt), max_tokens, ModelConfig(seed=0)))
+        rows: list[torch.Tensor] = []
+        tokens = list(generate(encode(prompt), max_tokens, ModelConfig(seed=0), logits=rows))
+        digests = [hashlib.blake2b(struct.pack(f"<{row.numel()}f", *row.tolist()),
+                                   digest_size=8).hexdigest() for row in rows]
+        _truth_cache[key] = (tokens, digests)
     return _truth_cache[key]
 
 
+def truth(prompt: str, max_tokens: int = MAX_TOKENS) -> list[int]:
+    """The tokens of ``prompt`` run alone in a fresh engine: the ground truth."""
+    return _ground_truth(prompt, max_tokens)[0]
+
+
+def truth_digests(prompt: str, max_tokens: int = MAX_TOKENS) -> list[str]:
+    return _ground_truth(prompt, max_tokens)[1]
+
+
 def assert_exact(streams: list[Stream]) -> None:
+    """Every token at its index, once, equal to the ground truth, and chosen from bitwise
+    the ground truth's logits."""
     for s in streams:
         assert s.error is None, f"{s.request_id}: {s.error}"
         assert s.done, s.request_id
         assert s.indices == list(range(s.max_tokens)), f"{s.request_id}: {s.indices}"
         assert s.tokens == truth(s.prompt, s.max_tokens), s.request_id
+        assert s.digests == truth_digests(s.prompt, s.max_tokens), s.request_id
 
 
 def busiest(server: Server) -> dict[str, Any]:
@@ -396,11 +424,13 @@ def test_client_resumes_by_request_id_and_offset(server: Server) -> None:
     assert rest.done
     assert rest.indices == list(range(5, MAX_TOKENS))
     assert first.tokens + rest.tokens == truth(prompt)
+    assert first.digests + rest.digests == truth_digests(prompt)
     # Finished, then asked again: served from memory, never generated a second time.
     status, whole = server.post({"prompt": prompt, "max_tokens": MAX_TOKENS,
                                  "request_id": rid})
     assert status == 200
     assert whole["choices"][0]["token_ids"] == truth(prompt)
+    assert whole["choices"][0]["logits_digests"] == truth_digests(prompt)
     assert server.stats()["requests"]["accepted"] == accepted + 1
 
 
@@ -433,10 +463,42 @@ def test_freeze_busiest_worker_is_fenced(server: Server) -> None:
     assert stats["migrations"] - before["migrations"] == len(detected[0]["requests"])
 
 
+def test_router_process_crash_is_restarted_on_its_journal(server: Server) -> None:
+    """SIGKILL the router process mid-stream: its workers die with it, the launcher starts a
+    new router on the same address and journal, which resumes the requests. Clients resume
+    by request_id + offset and get exactly the tokens they lacked."""
+    (router,) = [e for e in server.events("hello") if e.get("role") == "router"]
+    workers = [w["pid"] for w in full_strength(server)]
+    streams = [Stream(server, rid, prompt) for rid, prompt in workload("router", 6)]
+    threads = start_all(streams)
+    wait_for(lambda: all_streaming(streams, 4), 30, "every stream under way")
+    os.kill(router["pid"], signal.SIGKILL)
+    join_all(threads, timeout=20)
+    assert all(s.error for s in streams)  # every stream broke with the router
+    wait_for(lambda: not any(alive(pid) for pid in workers), 5,
+             "the workers gone with their router")
+    (detected,) = [e for e in server.events("failure_detected")
+                   if e["cause"] == "router_exit"]
+    assert (detected["pid"], detected["generation"]) == (router["pid"], 0)
+    for s in streams:  # the same URL: the launcher kept the socket
+        received = len(s.tokens)
+        rest = Stream(server, s.request_id, s.prompt).run(offset=received)
+        assert rest.done, rest.error
+        assert rest.indices == list(range(received, MAX_TOKENS))
+        assert s.tokens + rest.tokens == truth(s.prompt), s.request_id
+        assert s.digests + rest.digests == truth_digests(s.prompt), s.request_id
+    (again,) = [e for e in server.events("hello") if e.get("role") == "router"
+                and e["generation"] == 1]
+    assert alive(again["pid"])
+    assert server.stats()["requests"]["resumed_from_journal"] == len(streams)
+    (recovered,) = [e for e in server.events("recovery_done") if e.get("role") == "router"]
+    assert recovered["resumed"] == len(streams)
+
+
 def test_router_crash_resumes_from_journal(server: Server, tmp_path: Path) -> None:
-    """SIGKILL the launcher mid-stream: its workers die with it. A new launcher on the same
-    journal resumes the requests; clients resume by request_id + offset and get exactly the
-    tokens they would have got. SIGTERM then leaves nothing running."""
+    """SIGKILL the launcher mid-stream: its router and workers die with it. A new launcher
+    on the same journal resumes the requests; clients resume by request_id + offset and get
+    exactly the tokens they would have got. SIGTERM then leaves nothing running."""
     workers = [w["pid"] for w in full_strength(server)]
     streams = [Stream(server, rid, prompt) for rid, prompt in workload("crash", 6)]
     threads = start_all(streams)
@@ -455,15 +517,16 @@ def test_router_crash_resumes_from_journal(server: Server, tmp_path: Path) -> No
             assert rest.done, rest.error
             assert rest.indices == list(range(received, MAX_TOKENS))
             assert s.tokens + rest.tokens == truth(s.prompt), s.request_id
+            assert s.digests + rest.digests == truth_digests(s.prompt), s.request_id
         assert again.stats()["requests"]["accepted"] == 0  # nothing generated twice
     finally:
         again.close()
 
 
 def test_broken_drop_inflight_fails_the_check(tmp_path: Path) -> None:
-    """The kill test against ``--broken drop_inflight``: requests end short, so the exact
-    output check above fails, as it must."""
-    server = Server(tmp_path, "--workers=2", "--step-sleep=0.03", "--broken=drop_inflight")
+    """The kill test against a router that drops a failed worker's requests (a test-only
+    patch): requests end short, so the exact output check above fails, as it must."""
+    server = Server(tmp_path, "--workers=2", "--step-sleep=0.03", broken="drop_inflight")
     try:
         streams = [Stream(server, rid, prompt) for rid, prompt in workload("drop", 8)]
         threads = start_all(streams)

@@ -1,0 +1,230 @@
+"""The router's decisions without processes: fencing, migration, journal replay, resume.
+
+Workers are played by this test over socket pairs (the router's side is a real ``_Link``),
+so each decision is exercised on its own in milliseconds. Each test also runs the same
+steps against the test-only broken variant of that decision
+(``tests/serving/broken/sitecustomize.py``, applied here to a subclass) and shows the
+difference a client would see: the variants the harness-level tests run are the ones
+proven broken here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import socket
+import types
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from reference_impl.serving import _wire
+from reference_impl.serving.journal import Journal
+from reference_impl.serving.router import Chunk, End, Router, RouterConfig, _Link, _Request
+
+pytestmark = pytest.mark.timeout(30)
+
+PROMPT = "System: be brief. Question: what is seven times six?"  # longer than one block
+
+
+def _variants() -> types.ModuleType:
+    path = Path(__file__).resolve().parent / "broken" / "sitecustomize.py"
+    spec = importlib.util.spec_from_file_location("_broken_serving_variants", path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # no AFTERSHOCK_INJECT_BROKEN_SERVING here: patches nothing
+    return module
+
+
+VARIANTS = _variants()
+
+
+def broken(variant: str) -> type[Router]:
+    """A Router subclass with ``variant`` applied (the class, not the module, is patched)."""
+    namespace = types.SimpleNamespace(Router=type(f"Router_{variant}", (Router,), {}))
+    getattr(VARIANTS, variant)(namespace)
+    return namespace.Router  # type: ignore[no-any-return]
+
+
+class Worker:
+    """The test's side of one worker link."""
+
+    def __init__(self, router: Router, index: int, link_id: int) -> None:
+        mine, theirs = socket.socketpair()
+        theirs.settimeout(2.0)
+        self.sock = theirs
+        self.link = _Link(link_id, mine)
+        self.index = index
+        self._messages = _wire.read_messages(theirs)
+        router._dispatch(self.link, _wire.Hello(index, 0, 1000 + link_id, "model", 16, 1024))
+
+    def received(self) -> _wire.Message:
+        message = next(self._messages)
+        assert message is not None, "the router sent nothing"
+        return message
+
+    def add(self) -> _wire.Add:
+        message = self.received()
+        assert isinstance(message, _wire.Add), message
+        return message
+
+    def tokens(self, router: Router, add: _wire.Add, first: int, count: int, *,
+               epoch: int | None = None) -> None:
+        """Send ``count`` tokens of ``add``'s request from index ``first`` (token = index)."""
+        items = tuple((add.request_id, add.epoch if epoch is None else epoch, i, 100 + i,
+                       f"d{i}", i + 1 == add.max_tokens) for i in range(first, first + count))
+        router._dispatch(self.link, _wire.Outputs(items))
+
+    def close(self) -> None:
+        self.link.stop_writer()
+        self.link.shutdown()
+        self.link.sock.close()
+        self.sock.close()
+
+
+@pytest.fixture
+def workers() -> Iterator[list[Worker]]:
+    made: list[Worker] = []
+    yield made
+    for worker in made:
+        worker.close()
+
+
+def start(cls: type[Router], workers: list[Worker], journal: Journal | None = None,
+          replayed: object = None) -> Router:
+    router = cls(RouterConfig(workers=2), journal, replayed)  # type: ignore[arg-type]
+    workers.extend(Worker(router, i, i + 1) for i in range(2))
+    return router
+
+
+def fail(router: Router, index: int) -> None:
+    with router._lock:
+        router._fail_locked(router._slots[index], "worker_exit")
+
+
+def indices(router: Router, request: _Request, offset: int = 0) -> list[int]:
+    return [c.index for c in router.stream(request, offset) if isinstance(c, Chunk)]
+
+
+def end(router: Router, request: _Request) -> End:
+    last = list(router.stream(request))[-1]
+    assert isinstance(last, End)
+    return last
+
+
+def migrate(cls: type[Router], workers: list[Worker]) -> tuple[Router, _Request,
+                                                                _wire.Add | None]:
+    """A request streams 3 of 6 tokens on its worker, the worker fails; what moved."""
+    router = start(cls, workers)
+    request = router.submit("r", PROMPT, 6)
+    first = next(w for w in workers if w.index == request.worker)
+    other = next(w for w in workers if w is not first)
+    add = first.add()
+    first.tokens(router, add, 0, 3)
+    fail(router, first.index)
+    if request.finished:
+        return router, request, None
+    moved = other.add()
+    assert moved.epoch > add.epoch
+    return router, request, moved
+
+
+def test_a_failed_workers_request_moves_with_its_emitted_tokens(workers) -> None:
+    router, request, moved = migrate(Router, workers)
+    assert moved is not None
+    assert moved.emitted == (100, 101, 102)
+    next(w for w in workers if w.index == request.worker).tokens(router, moved, 3, 3)
+    assert indices(router, request) == list(range(6))
+    assert end(router, request).error is None
+
+
+def test_drop_inflight_ends_the_request_short_and_silently(workers) -> None:
+    router, request, moved = migrate(broken("drop_inflight"), workers)
+    assert moved is None
+    assert indices(router, request) == [0, 1, 2]
+    assert end(router, request).error is None  # a [DONE] after 3 of 6 tokens
+
+
+def test_replay_from_zero_streams_the_moved_request_again(workers) -> None:
+    router, request, moved = migrate(broken("replay_from_zero"), workers)
+    assert moved is not None
+    assert moved.emitted == ()
+    next(w for w in workers if w.index == request.worker).tokens(router, moved, 0, 6)
+    assert indices(router, request) == [0, 1, 2, 0, 1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("variant", [None, "no_fencing"])
+def test_a_stale_assignments_tokens_are_fenced(workers, variant: str | None) -> None:
+    router, request, moved = migrate(broken(variant) if variant else Router, workers)
+    assert moved is not None
+    old = next(w for w in workers if w.index != request.worker)
+    new = next(w for w in workers if w.index == request.worker)
+    stale_epoch = moved.epoch - 1
+    old.tokens(router, moved, 3, 1, epoch=stale_epoch)  # computed before the failure
+    new.tokens(router, moved, 3, 3)
+    if variant is None:
+        assert indices(router, request) == list(range(6))
+        assert router.stats()["fenced_tokens"] == 1
+    else:  # the stale token counted, then the live one at the same index
+        assert indices(router, request) == [0, 1, 2, 3, 3, 4, 5]
+        assert router.stats()["fenced_tokens"] == 0
+
+
+@pytest.mark.parametrize("variant", [None, "resume_from_zero"])
+def test_a_restarted_router_resumes_journaled_requests(tmp_path: Path, workers,
+                                                       variant: str | None) -> None:
+    path = tmp_path / "j.wal"
+    journal = Journal(path)
+    journal.request("r", list(PROMPT.encode()), 6)
+    journal.tokens("r", 0, [100, 101, 102], ["d0", "d1", "d2"])
+    journal.close()
+    journal, replayed = Journal.open(path)
+    try:
+        router = start(broken(variant) if variant else Router, workers, journal, replayed)
+        (request,) = router._requests.values()
+        worker = next(w for w in workers if w.index == request.worker)
+        add = worker.add()
+        if variant is None:
+            assert add.emitted == (100, 101, 102)
+            worker.tokens(router, add, 3, 3)
+            assert indices(router, request, offset=3) == [3, 4, 5]
+        else:
+            assert add.emitted == ()
+            worker.tokens(router, add, 0, 6)
+            assert indices(router, request, offset=3) == [0, 1, 2, 3, 4, 5]
+    finally:
+        journal.close()
+
+
+@pytest.mark.parametrize("variant", [None, "ignore_offset"])
+def test_a_resuming_client_gets_the_stream_from_its_offset(workers,
+                                                           variant: str | None) -> None:
+    router = start(broken(variant) if variant else Router, workers)
+    request = router.submit("r", PROMPT, 6)
+    worker = next(w for w in workers if w.index == request.worker)
+    worker.tokens(router, worker.add(), 0, 6)
+    assert router.submit("r", PROMPT, 6) is request  # a re-POST: the same request
+    assert indices(router, request, offset=4) == ([4, 5] if variant is None
+                                                  else list(range(6)))
+
+
+def test_fail_stop_takes_no_work_to_a_worker_it_is_restarting(workers) -> None:
+    """After a fail-stop every worker is condemned; one whose link broke reconnects before
+    the launcher kills it. It must get no work (it would fail again); its successor does."""
+    router = Router(RouterConfig(workers=2, recovery="fail_stop"))
+    workers.extend(Worker(router, i, i + 1) for i in range(2))
+    request = router.submit("r", PROMPT, 6)
+    fail(router, request.worker or 0)
+    assert end(router, request).error is not None
+    condemned = Worker(router, 1, 3)  # worker 1's old process, on a new link
+    workers.append(condemned)
+    assert not router.is_ready()
+    assert condemned.link.fenced
+    router.worker_started(1, 2001, 1)  # the launcher spawned its successor
+    successor = Worker(router, 1, 4)
+    workers.append(successor)
+    assert router.is_ready()
+    retried = router.submit("r", PROMPT, 6)  # the client's retry
+    assert retried is not request
+    assert successor.add().request_id == "r"
