@@ -70,6 +70,14 @@ class ParamDraw:
     high: float = 0
     unit: str = ""
 
+    def first(self) -> Any:
+        """The simplest value: the first choice, or the low end."""
+        if self.choices:
+            return self.choices[0]
+        if self.unit == "ms":
+            return timedelta(milliseconds=self.low)
+        return int(self.low) if self.unit == "int" else self.low
+
 
 @dataclass(frozen=True, slots=True)
 class KindChoice:
@@ -273,9 +281,11 @@ def resolve(system: System, explore: Explore | None) -> Space:
         if choice is None:
             continue
         if choice.targeted and not choice.families:
-            problems.append((where, f"{space.kind} cannot hit any of the targets "
-                             f"({', '.join(families) or 'none'}): a fault applied inside the "
-                             "target needs ranks, not roles"))
+            if families:  # (no family at all is the targets' problem, said above)
+                why = ": a fault applied inside the target needs ranks, not roles" \
+                    if choice.in_process else ""
+                problems.append((where, f"{space.kind} cannot hit any of the targets "
+                                 f"({', '.join(families)}){why}"))
             continue
         phased_any = phased_any or choice.phased
         kinds.append(choice)
@@ -330,6 +340,10 @@ def _kind_choice(
         if name not in fields:
             problems.append(((*where, "params", name), f"{space.kind} has no parameter "
                              f"{name!r} (allowed: {', '.join(sorted(fields))})"))
+            continue
+        if isinstance(choices, ParamSpan) and not _numeric(space.kind, name):
+            problems.append(((*where, "params", name), "a range needs a number or a duration "
+                             "parameter; give a list of values"))
             continue
         base[name] = choices[0] if isinstance(choices, list) else choices.min
     for name, field in fields.items():
@@ -400,6 +414,23 @@ def _param_draw(
         problems.append((where, "max is below min"))
         return None
     return ParamDraw(name, low=lo, high=hi, unit=unit)
+
+
+def _numeric(kind: str, name: str) -> bool:
+    """Whether the kind's parameter ``name`` holds numbers or durations."""
+    annotation = FAULT_MODELS[kind].model_fields[name].annotation
+    found: list[Any] = []
+    stack = [annotation]
+    while stack:  # through Optional, unions and Annotated (a Duration is one)
+        item = stack.pop()
+        args = typing.get_args(item)
+        if typing.get_origin(item) is typing.Literal:
+            found.append(str)
+        elif args:
+            stack.extend(args)
+        else:
+            found.append(item)
+    return any(t in (int, float, timedelta) for t in found)
 
 
 def model_is_int(kind: str, name: str) -> bool:

@@ -223,7 +223,7 @@ def explore(
     from harness.explore import Exploration, sigterm_unwinds
     from harness.explore import explore as explore_scenario
     from harness.report import ExploreLiveObserver, ExplorePlainObserver
-    from harness.runner import Interrupted
+    from harness.runner import Interrupted, RunInterrupted
     from harness.spec import discover, load_scenario
 
     problems: list[str] = []

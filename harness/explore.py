@@ -15,6 +15,7 @@ reads it from the cache (runner.baseline_key: same system, same seed, one twin).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import time
 from collections.abc import Iterator, Sequence
@@ -23,7 +24,8 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from harness import golden, runner
-from harness.errors import HarnessError, SpecError
+from harness._space import Space, sample_fault
+from harness.errors import HarnessError, PreflightError, RunFailed, SpecError
 from harness.records import CheckResult, RunResult
 from harness.spec import LoadedScenario, Scenario, _FaultBase, parse_scenario, to_yaml
 
@@ -179,7 +181,10 @@ def _short(value: Any) -> str:
 
 def judge(result: RunResult) -> tuple[Verdict, tuple[str, ...], str]:
     """A run's verdict for the search: fail (an oracle check failed), pass, or discarded (no
-    fault landed, or one never did and nothing failed: the schedule did not run as drawn)."""
+    fault landed, or one never did and nothing failed: the schedule did not run as drawn;
+    or the machine could not cause a fault)."""
+    if result.error is not None:
+        return "discarded", (), result.error
     failed = tuple(c.name for c in result.checks
                    if not c.passed and c.name not in NOT_ORACLES)
     landed = [f for f in result.faults if f.injected_at_s is not None]
@@ -304,6 +309,12 @@ class _Search:
         except SpecError as exc:  # a drawn schedule the loader refuses: a bug of ours
             raise HarnessError(f"a generated schedule does not validate ({schedule}): "
                                f"{exc}") from None
+        except RunFailed as exc:
+            if not isinstance(exc.__cause__, PreflightError):
+                raise
+            # This machine cannot cause one of its faults with these parameters: the
+            # schedule cannot be run here, which says nothing about the system.
+            result = exc.result
         took = time.monotonic() - began
         exploration.search_s += took
         verdict, failed, reason = judge(result)
@@ -367,11 +378,17 @@ def explore(
         space = strategies.space_of(spec, max_faults=max_faults)
     except ValueError as exc:
         raise SpecError([f"{loaded.path}:1:1: explore: {exc}"]) from None
+    space, unavailable = _runnable(space)
     exploration = Exploration(spec.name, str(loaded.path), seed, runs, space.faults[1])
     if sink is not None:
         sink.append(exploration)
     deadline = time.monotonic() + time_limit_s if time_limit_s is not None else None
     observer.started(exploration, time_limit_s=time_limit_s, shrink_runs=shrink_runs)
+    for kind, why in unavailable:
+        observer.note(f"left out {kind}: this machine cannot cause it ({why})")
+    if not space.kinds:
+        raise PreflightError(f"{loaded.path}: this machine cannot cause any fault kind of the "
+                             "search: " + "; ".join(f"{k}: {w}" for k, w in unavailable))
     exploration.twin = _prepare_twin(loaded, out=out, use_cache=use_cache, observer=observer)
     search = _Search(loaded, exploration, runs=runs, shrink_runs=shrink_runs,
                      deadline=deadline, out=out, seed=spec.seed, observer=observer)
@@ -433,6 +450,22 @@ def explore(
             "machine can do")
     observer.done(exploration)
     return exploration
+
+
+def _runnable(space: Space) -> tuple[Space, list[tuple[str, str]]]:
+    """The space without the kinds this machine cannot cause (a missing tool, kernel feature
+    or privilege: runner.preflight), and those kinds with why."""
+    from faults.registry import preflight
+
+    kept, left_out = [], []
+    for kind in space.kinds:
+        params = {p.name: p.first() for p in kind.params}
+        needs = preflight(kind.kind, runner._params(sample_fault(kind.kind, params)))
+        if needs:
+            left_out.append((kind.kind, "; ".join(needs)))
+        else:
+            kept.append(kind)
+    return dataclasses.replace(space, kinds=tuple(kept)), left_out
 
 
 @contextlib.contextmanager
@@ -503,13 +536,15 @@ def _report(search: _Search, *, status_if_unconfirmed: bool, confirm: int = 0) -
     if search.best is None:
         return
     tried = search.tried[search.best]
+    reproduced = True
     if not status_if_unconfirmed:
         for _ in range(confirm):
-            again = search.run(tried.spec, search.best, "confirm")
-            if again.verdict == "pass":
+            search.run(tried.spec, search.best, "confirm")
+            if search.exploration.attempts[-1].verdict != "fail":
+                reproduced = False  # one pass, or a run not as drawn, is enough to doubt it
                 break
     status: Status = ("unconfirmed" if status_if_unconfirmed
-                      else "flaky" if tried.passes else "confirmed")
+                      else "confirmed" if reproduced else "flaky")
     exploration = search.exploration
     suffix = {"confirmed": "found", "flaky": "flaky", "unconfirmed": "unconfirmed"}[status]
     name = _slug(exploration.name, suffix)

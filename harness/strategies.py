@@ -36,7 +36,7 @@ from hypothesis import assume
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from harness._space import KindChoice, ParamDraw, Space, resolve
+from harness._space import FAMILY_ORDER, KindChoice, ParamDraw, Space, resolve
 from harness.spec import (
     FAULT_MODELS,
     CommandSystem,
@@ -156,7 +156,7 @@ class _Draft:
 def schedules_in(space: Space) -> st.SearchStrategy[list[_FaultBase]]:
     """Schedules from a resolved space (harness._space.resolve)."""
     drafts = st.lists(_drafts(space), min_size=space.faults[0], max_size=space.faults[1])
-    return drafts.map(lambda found: _assemble(space, found)).filter(bool)
+    return drafts.map(lambda found: _assemble(space, found))
 
 
 def _draw_param(draw: st.DrawFn, param: ParamDraw) -> Any:
@@ -171,14 +171,15 @@ def _draw_param(draw: st.DrawFn, param: ParamDraw) -> Any:
     return min(max(round(value, 3), param.low), param.high)
 
 
-def _targets(draw: st.DrawFn, space: Space, kind: KindChoice) -> tuple[dict[str, Any], ...]:
+def _targets(
+    draw: st.DrawFn, space: Space, kind: KindChoice, family: str, index: int
+) -> tuple[dict[str, Any], ...]:
     if not kind.targeted:
         return ({},)
-    family = draw(st.sampled_from(kind.families))
     layout = space.layout
     ranks = layout.ranks or 1
     if family in ("rank", "worker"):
-        return ({family: draw(st.integers(0, ranks - 1))},)
+        return ({family: index % ranks},)
     if family == "random":
         return ({"pick": "random"},)
     if family == "all":
@@ -186,45 +187,53 @@ def _targets(draw: st.DrawFn, space: Space, kind: KindChoice) -> tuple[dict[str,
     if family in ("spare", "launcher"):
         return ({"role": family},)
     if family == "majority":
-        members = draw(st.lists(st.integers(0, ranks - 1), unique=True,
-                                min_size=ranks // 2 + 1, max_size=ranks // 2 + 1))
-        return tuple({"rank": r} for r in sorted(members))
+        order = draw(st.permutations(range(ranks)))
+        return tuple({"rank": r} for r in sorted(order[: ranks // 2 + 1]))
     if family == "replica":
-        replica = draw(st.integers(0, layout.replicas - 1))
+        replica = index % layout.replicas
         if not kind.in_process:
             return ({"replica": replica},)
         return tuple({"rank": layout.rank_of(replica, s)} for s in range(layout.shards))
-    shard = draw(st.integers(0, layout.shards - 1))
+    shard = index % layout.shards
     if not kind.in_process:
         return ({"shard": shard},)
     return tuple({"rank": layout.rank_of(r, shard)} for r in range(layout.replicas))
 
 
 def _drafts(space: Space) -> st.SearchStrategy[_Draft]:
+    """One fault. Every draft draws the same choices, whichever kind, target and trigger
+    family it picks (a choice a family does not use is drawn and ignored), and the kind's
+    parameters last: hypothesis shrinks toward shorter choice sequences, so a family that drew
+    fewer choices would pass for simpler than the first one and the shrinker could not move
+    from it to a rank, or from an event to a step."""
     triggers = [t for t, there in (("step", space.steps is not None),
                                    ("event", bool(space.events)),
                                    ("time", space.time_ms is not None)) if there]
+    layout = space.layout
+    widest = max(layout.ranks or 1, layout.replicas, layout.shards)
+    families = sorted({f for k in space.kinds for f in k.families}, key=FAMILY_ORDER.index)
 
     @st.composite
     def draft(draw: st.DrawFn) -> _Draft:
         kind = draw(st.sampled_from(space.kinds))
-        params = {p.name: _draw_param(draw, p) for p in kind.params}
-        targets = _targets(draw, space, kind)
+        family = draw(st.sampled_from(families)) if families else ""
+        index = draw(st.integers(0, widest - 1))
         trigger = draw(st.sampled_from(triggers))
-        if trigger == "step":
-            assert space.steps is not None
-            step = draw(st.integers(*space.steps))
-            gap = draw(st.integers(*space.spacing)) if space.spacing else 0
-            phase = None
-            if kind.phased and space.phases:
-                phase = draw(st.sampled_from((None, *space.phases)))
-            return _Draft(kind, params, targets, "step", step=step, gap=gap, phase=phase)
-        if trigger == "event":
-            choice = draw(st.sampled_from(space.events))
-            count = draw(st.integers(*choice.count))
-            return _Draft(kind, params, targets, "event", event=choice.event, count=count)
-        assert space.time_ms is not None
-        return _Draft(kind, params, targets, "time", time_ms=draw(st.integers(*space.time_ms)))
+        step = draw(st.integers(*space.steps)) if space.steps else 0
+        gap = draw(st.integers(*space.spacing)) if space.spacing else 0
+        phase = draw(st.sampled_from((None, *space.phases))) if space.phases else None
+        event = draw(st.sampled_from(space.events)) if space.events else None
+        count = draw(st.integers(*event.count)) if event else 1
+        time_ms = draw(st.integers(*space.time_ms)) if space.time_ms else 0
+        if kind.targeted and family not in kind.families:
+            # A family this kind cannot use (a role, for a fault applied inside the target):
+            # its simplest one instead.
+            family = kind.families[0]
+        targets = _targets(draw, space, kind, family, index)
+        params = {p.name: _draw_param(draw, p) for p in kind.params}
+        return _Draft(kind, params, targets, trigger, step=step, gap=gap,
+                      phase=phase if kind.phased else None,
+                      event=event.event if event else "", count=count, time_ms=time_ms)
 
     return draft()
 
