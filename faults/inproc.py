@@ -22,6 +22,7 @@ import fnmatch
 import json
 import os
 import random
+import signal
 import threading
 import time
 import uuid
@@ -203,15 +204,16 @@ class Engine:
             self.tensors[name] = getter
 
     def at_point(self, step: int, phase: str) -> None:
-        """A fault point: the target is at ``phase`` of ``step``; memory faults and hangs
-        fire here."""
+        """A fault point: the target is at ``phase`` of ``step``; memory faults, hangs and
+        kills fire here."""
         hang = None
+        kill = None
         with self._lock:
             self.step, self.phase = step, phase
             self.refresh()
             for command in list(self.armed.values()):
                 kind = command["kind"]
-                if not (kind.startswith("memory.") or kind == "process.hang"):
+                if not (kind.startswith("memory.") or kind in ("process.hang", "process.kill")):
                     continue
                 if not self._mine(command):
                     continue
@@ -220,12 +222,21 @@ class Engine:
                     continue
                 if params.get("phase") and params["phase"] != phase:
                     continue
+                if kind == "process.kill":
+                    kill = signal.Signals[str(params.get("signal", "SIGKILL"))]
+                    # Reported (and marked fired, so a restarted process does not repeat it)
+                    # before the signal: after SIGKILL nothing more is written.
+                    self._fired(command, detail=f"{kill.name} -> own pid {os.getpid()} at "
+                                f"step {step} {phase}")
+                    break
                 if kind == "process.hang":
                     self._fired(command, detail=f"{threading.current_thread().name} thread "
                                 f"blocked at step {step} {phase}")
                     hang = command
                     break
                 self._poison(command)
+        if kill is not None:
+            os.kill(os.getpid(), kill)
         if hang is not None:
             # Only this thread stops, outside the lock: the process's other threads
             # (heartbeats, I/O) run on, as they do around a deadlocked loop.
@@ -266,6 +277,10 @@ class Engine:
                 if params.get("op", "all_reduce") not in (op, "any"):
                     continue
                 if not self._step_ok(params):
+                    continue
+                # With a phase, only calls made after that fault point of the step count:
+                # `phase: backward` names the gradient all_reduce, not the forward pass's.
+                if params.get("phase") and params["phase"] != self.phase:
                     continue
                 seen = params.setdefault("_seen", 0) + 1
                 params["_seen"] = seen
@@ -354,7 +369,9 @@ def _collective_info(kind: str, summary: str, extra: dict[str, str]) -> KindInfo
         summary=summary,
         caused_by="the probe's wrapper around torch.distributed's collectives (Gloo and NCCL "
         "alike) acts on the `call`-th matching call of `op` on the target rank, at or after "
-        "`at: {step}`; the target must call harness.probe.install().",
+        "`at: {step}`; with `at.phase`, only calls made after that fault point of the step "
+        "count (`phase: backward`: the gradient all_reduce, not the forward pass's); the "
+        "target must call harness.probe.install().",
         params={"op": _OP_HELP, "call": "the k-th matching call after arming, default 1",
                 **extra},
         reverted_by="the hang is released" if kind == "collective.hang" else "nothing to undo",

@@ -17,11 +17,18 @@ class Kill:
         kind="process.kill",
         summary="Send a signal to the target process (SIGKILL by default).",
         caused_by="kill(2) with the chosen signal on the rank's pid, checked against its "
-        "start time so a reused pid is never hit.",
+        "start time so a reused pid is never hit. With `at: {step, phase}` the probe inside "
+        "the target sends it to its own process at that fault point (e.g. `phase: save`, "
+        "between a checkpoint's shard writes and its commit), a moment no outside trigger "
+        "can hit; the target must call harness.probe.install().",
         params={"signal": "signal name, default SIGKILL"},
     )
 
     def inject(self, target: ProcessRef, params: Mapping[str, Any], journal: Journal) -> Applied:
+        if params.get("phase"):
+            from faults import inproc
+
+            return inproc.arm(self.info.kind, target, params, journal)
         sig = signal.Signals[str(params.get("signal", "SIGKILL"))]
         sent = target.signal(sig)
         detail = f"{sig.name} -> pid {target.pid}" + ("" if sent else " (already gone)")

@@ -84,11 +84,23 @@ def path_of(scenario: Path) -> Path:
     return scenario.parent / FILE
 
 
-def outputs_digest(outputs: Mapping[Any, Sequence[int]]) -> str:
-    """sha256 of every request's tokens, in request order."""
-    canonical = json.dumps({str(k): list(v) for k, v in sorted(outputs.items())},
-                           separators=(",", ":"))
-    return hashlib.sha256(canonical.encode()).hexdigest()
+def outputs_digest(outputs: Mapping[Any, Any]) -> str:
+    """sha256 of every request's tokens and per-token logits digests, in request order.
+
+    An output is a ``metrics.Output``, its JSON form (``{"tokens", "digests"}``, as the twin
+    cache keeps it) or a bare token list (digests unknown): all three canonicalize alike."""
+    def canonical(value: Any) -> dict[str, Any]:
+        data = value.to_json() if hasattr(value, "to_json") else value
+        if isinstance(data, Mapping):
+            tokens, digests = list(data.get("tokens") or ()), list(data.get("digests") or ())
+        else:
+            tokens, digests = list(data), []
+        return {"tokens": [int(t) for t in tokens],
+                "digests": (digests + [None] * len(tokens))[: len(tokens)]}
+
+    text = json.dumps({str(k): canonical(v) for k, v in sorted(outputs.items())},
+                      separators=(",", ":"), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 # ------------------------------------------------------------------------------ platform

@@ -12,7 +12,7 @@ Nothing is launched.
 from __future__ import annotations
 
 import json
-import re
+import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -22,14 +22,12 @@ from typing import Any
 from harness import metrics as _metrics
 from harness.checks import Outcome
 from harness.errors import SpecError
+from harness.logprobe import LINE_SHOWN, compile_probes, line_events
 from harness.records import Event, RunResult
 from harness.rundir import ProcessLog, RecordedRun, load_run
 from harness.runner import NullObserver, assess, baseline_key, cache_dir, replay_digests
 from harness.spec import CommandSystem, LoadedScenario, LogProbe, load_scenario, parse_scenario
 from harness.timeline import read_events
-
-_RANK_PREFIX = re.compile(r"^\[(?:default)?(\d+)\]:")
-LINE_SHOWN = 300  # characters of the matched line an event keeps (as the live probe does)
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,22 +48,6 @@ class Recheck:
                 if before.get(name) != now.get(name)]
 
 
-def probe_event(spec: LogProbe, match: re.Match[str], line: str, t: float) -> Event:
-    """The event a log probe makes of a matching line (harness/target.py does the same
-    for a live run: named groups become fields, ``step`` and ``rank`` integers, the rank
-    read from torchrun's ``[N]:`` prefix when the pattern has no ``rank`` group)."""
-    fields: dict[str, Any] = {"line": line[:LINE_SHOWN]}
-    for key, value in match.groupdict().items():
-        if value is None:
-            continue
-        fields[key] = int(value) if key in ("step", "rank") and value.isdigit() else value
-    if "rank" not in fields:
-        prefix = _RANK_PREFIX.match(line)
-        if prefix:
-            fields["rank"] = int(prefix.group(1))
-    return Event(t=t, event=spec.event, source="log", fields=fields)
-
-
 def reprobe(run: Path, events: Sequence[Event], probes: Sequence[LogProbe]
             ) -> tuple[list[Event], list[str]]:
     """The run's timeline with its log-derived events rebuilt by ``probes`` from the
@@ -82,25 +64,28 @@ def reprobe(run: Path, events: Sequence[Event], probes: Sequence[LogProbe]
         line = e.fields.get("line")
         if e.source == "log" and isinstance(line, str):
             known[line] = min(e.t, known.get(line, e.t))
+    launch = next((e for e in events if e.event == "launch"), None)
+    started = launch.t if launch is not None else -math.inf
+    offset = launch.fields.get("wall_offset") if launch is not None else None
+    clock_offset = float(offset) if isinstance(offset, int | float) else math.nan
     streams = {name: _lines(run / "logs" / f"launcher.{name}.log")
                for name in ("stdout", "stderr")}
     seen = Counter(text[:LINE_SHOWN] for lines in streams.values() for text, _ in lines)
     rebuilt: list[Event] = []
     untimed = 0
     for name, lines in streams.items():
-        compiled = [(p, re.compile(p.pattern)) for p in probes if p.stream in (name, "both")]
+        compiled = compile_probes(probes, name)
         for text, t in lines:
-            for spec, pattern in compiled:
-                match = pattern.search(text)
-                if not match:
-                    continue
-                when = t
-                if when is None and seen[text[:LINE_SHOWN]] == 1:
-                    when = known.get(text[:LINE_SHOWN])
-                if when is None:
-                    untimed += 1
-                    continue
-                rebuilt.append(probe_event(spec, match, text, when))
+            when = t
+            if when is None and seen[text[:LINE_SHOWN]] == 1:
+                when = known.get(text[:LINE_SHOWN])
+            if when is None:
+                untimed += sum(1 for _, pattern in compiled for _ in pattern.finditer(text))
+                continue
+            # The same judgement as the live run's (harness/logprobe.py): a `time` group, a
+            # Unix clock converted with the run's recorded offset, every match of the line.
+            rebuilt.extend(line_events(text, compiled, read_t=when, clock_offset=clock_offset,
+                                       started=started))
     notes = []
     if untimed:
         notes.append(f"{untimed} probe match(es) on log lines with no recorded capture time "

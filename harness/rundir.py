@@ -11,12 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness.errors import SpecError
+from harness.logprobe import TIMES_SUFFIX  # X.log.times: per-line offset and capture time
 from harness.records import Event, RunResult
 from harness.timeline import read_events
 
-#: Per-line capture times of a log ``X.log`` live beside it in ``X.log.times``: one row
-#: ``<byte offset of the line> <time.monotonic() when the harness read it>`` per line.
-TIMES_SUFFIX = ".times"
 #: Bytes of one process log kept in a report; the rest is named, not shown.
 LOG_SHOWN = 256 * 1024
 

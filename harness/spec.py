@@ -355,7 +355,11 @@ class Target(_Strict):
         return f"role {self.role}" if self.role is not None else f"pick {self.pick}"
 
 
-Phase = Literal["forward", "backward", "optimizer", "decode"]
+#: Fault points of the reference systems (``harness.probe.fault_point``): a training step's
+#: forward, backward and optimizer; ``save``: every rank's checkpoint shard is durable and the
+#: step is not committed yet; ``restore``: a rank rejoining after a failure, before it trains
+#: again (the step it restores); ``decode``: a serving engine step.
+Phase = Literal["forward", "backward", "optimizer", "save", "restore", "decode"]
 
 
 FileWhen = Literal["created", "closed", "deleted"]
@@ -377,7 +381,8 @@ class At(_Strict):
 
     step: int | None = Field(None, ge=0, le=MAX_STEPS)
     phase: Phase | None = Field(
-        None, description="with `step`: the phase of the step (in-process faults only)"
+        None, description="with `step`: the fault point (forward, backward, optimizer, save, "
+        "restore, decode) of that step or a later one (in-process faults only)"
     )
     time: Duration | None = None
     event: str | None = Field(
@@ -447,10 +452,25 @@ class Every(_Strict):
         return self
 
 
+#: Kinds outside collective.* and memory.* that the probe applies at a fault point.
+_PHASED = ("process.kill", "process.hang")
+
+
 class _FaultBase(_Strict):
     target: Target
     at: At
     every: Every | None = Field(None, description="repeat the fault")
+
+    @model_validator(mode="after")
+    def _phase_in_process(self) -> _FaultBase:
+        kind = str(getattr(self, "kind", ""))
+        if self.at.phase is not None and not (
+            kind in _PHASED or kind.startswith(("collective.", "memory."))
+        ):
+            raise ValueError(f"`at.phase` is for faults applied inside the target "
+                             f"({', '.join(_PHASED)}, collective.*, memory.* with `tensor`), "
+                             f"not {kind}")
+        return self
 
     @model_validator(mode="after")
     def _repeatable(self) -> _FaultBase:
@@ -461,7 +481,9 @@ class _FaultBase(_Strict):
 
 
 class ProcessKill(_FaultBase):
-    """Send a signal (SIGKILL by default) to the target process."""
+    """Send a signal (SIGKILL by default) to the target process; with `at.phase`, the
+    process signals itself at that fault point (e.g. between a checkpoint's shard writes
+    and its commit: `at: {step: 30, phase: save}`)."""
 
     kind: Literal["process.kill"]
     signal: str = "SIGKILL"
@@ -738,9 +760,10 @@ FAULT_MODELS: dict[str, type[_FaultBase]] = {
 def in_process(fault: _FaultBase) -> bool:
     """Faults the probe applies inside the target, at an exact step and phase."""
     kind = str(getattr(fault, "kind", ""))
+    at = getattr(fault, "at", None)
     return kind.startswith("collective.") or kind == "process.hang" or (
         kind.startswith("memory.") and getattr(fault, "tensor", None) is not None
-    )
+    ) or (kind == "process.kill" and at is not None and at.phase is not None)
 
 
 class Budget(_Strict):

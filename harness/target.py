@@ -12,7 +12,6 @@ Both are in the heal journal's ``launch`` record (``LocalTarget.tracking``).
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import re
 import select
@@ -31,11 +30,10 @@ from faults import _cgroup
 from faults._proc import ProcessRef, environ, kill_all, processes_with_env
 from harness import probe
 from harness.errors import TargetError
-from harness.records import Event
+from harness.logprobe import TIMES_SUFFIX, CompiledProbes, compile_probes, line_events
 from harness.spec import CommandSystem, LogProbe, ServerSystem, TrainerSystem
 from harness.timeline import Timeline
 
-_RANK_PREFIX = re.compile(r"^\[(?:default)?(\d+)\]:")
 LINE_LIMIT = 64 * 1024  # bytes of one log line the probes see; a longer line is only logged
 LOG_LIMIT = 1 << 30  # bytes kept per launcher log file (1 GiB); the rest is read and dropped
 KILL_S = 5.0  # how long teardown keeps killing the run's processes before it reports survivors
@@ -161,13 +159,16 @@ class _LogPump:
     """
 
     def __init__(self, name: str, stream: IO[bytes], path: Path,
-                 on_line: Callable[[bytes], None]) -> None:
+                 on_line: Callable[[bytes, float], None]) -> None:
         self.name = name
         self.stream = stream
         self.path = path
         self.eof = False
         self._on_line = on_line
         self._line = bytearray()
+        self._line_start = 0  # offset in the stream where the current line began
+        self._fed = 0  # bytes of the stream fed to the probes so far
+        self._times: IO[str] | None = None  # <log>.times: each line's offset and read time
         self._written = 0
         self._dropped = 0
         self._stop_at: float | None = None
@@ -183,7 +184,8 @@ class _LogPump:
         fd = self.stream.fileno()
         poller = select.poll()
         poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
-        with open(self.path, "wb") as log:
+        with open(self.path, "wb") as log, \
+                open(str(self.path) + TIMES_SUFFIX, "w") as self._times:
             try:
                 while self._stop_at is None or time.monotonic() < self._stop_at:
                     if not poller.poll(100):
@@ -222,15 +224,26 @@ class _LogPump:
             if room > 0:
                 self._line += piece[:room]
             if end < 0:
+                self._fed += len(chunk) - start
                 return
+            self._fed += end + 1 - start
             self._emit_line()
             start = end + 1
 
     def _emit_line(self) -> None:
+        """One whole line (or the unterminated last one): its capture time is now, when the
+        harness has all of it; `<log>.times` keeps it by the line's offset in the log, so a
+        re-check (harness/recheck.py) can time a match the live probes never made."""
         raw = bytes(self._line)
         self._line.clear()
+        read_t = time.monotonic()
+        if self._times is not None and self._line_start < LOG_LIMIT:
+            with contextlib.suppress(OSError):
+                self._times.write(f"{self._line_start} {read_t:.6f}\n")
+                self._times.flush()
+        self._line_start = self._fed
         with contextlib.suppress(Exception):  # a probe that fails must not stop the log
-            self._on_line(raw)
+            self._on_line(raw, read_t)
 
 
 class LocalTarget:
@@ -324,24 +337,17 @@ class LocalTarget:
         if self.cgroup is not None:
             _cgroup.remove_tree(self.cgroup)
 
-    def _line_handler(self, name: str) -> Callable[[bytes], None]:
-        probes = [p for p in self.launch.probes if p.stream in (name, "both")]
-        compiled = [(p, re.compile(p.pattern)) for p in probes]
+    def _line_handler(self, name: str) -> Callable[[bytes, float], None]:
+        compiled: CompiledProbes = compile_probes(self.launch.probes, name)
 
-        def on_line(raw: bytes) -> None:
+        def on_line(raw: bytes, read_t: float) -> None:
             if not compiled:
                 return
-            line = raw.decode(errors="replace")
-            for spec, pattern in compiled:
-                match = pattern.search(line)
-                if match:
-                    self._emit_from_log(spec, match, line)
+            for event in line_events(raw.decode(errors="replace"), compiled, read_t=read_t,
+                                     clock_offset=self._clock_offset, started=self._started):
+                self.timeline.write(event)
 
         return on_line
-
-    def _emit_from_log(self, spec: LogProbe, match: re.Match[str], line: str) -> None:
-        self.timeline.write(log_event(spec, match, line, read_t=time.monotonic(),
-                                      clock_offset=self._clock_offset, started=self._started))
 
     def poll(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
@@ -485,58 +491,6 @@ def _entering(group: Path) -> Callable[[], None]:
             os.close(fd)
 
     return enter
-
-
-#: How far a line's own time may lie past the moment it was read (rounding in print, the
-#: Unix-to-monotonic offset drifting by an NTP slew) before it is taken for the wrong clock.
-LINE_TIME_SLACK_S = 1.0
-
-
-def log_event(spec: LogProbe, match: re.Match[str], line: str, *, read_t: float,
-              clock_offset: float, started: float) -> Event:
-    """The event a matching log line stands for.
-
-    Its time is the line's own ``time`` group when there is one that makes sense (not
-    after the line was read, not before the run began), capped at the read time, which
-    no line can postdate: ``clock: line``. Otherwise it is the read time, only an upper
-    bound on when the line was written: ``clock: read`` (docs/metrics.md)."""
-    fields: dict[str, Any] = {"line": line[:300]}
-    raw_time: str | None = None
-    for key, value in match.groupdict().items():
-        if value is None:
-            continue
-        if key == "time":
-            raw_time = value
-            continue
-        integral = key in ("step", "rank", "generation") and value.isdigit()
-        fields[key] = int(value) if integral else value
-    if "rank" not in fields:
-        prefix = _RANK_PREFIX.match(line)
-        if prefix:
-            fields["rank"] = int(prefix.group(1))
-    t, clock = read_t, "read"
-    if raw_time is not None:
-        try:
-            value = float(raw_time)
-        except ValueError:
-            value = math.nan
-        if not math.isfinite(value):
-            fields["time_rejected"] = f"not a number: {raw_time!r}"
-        else:
-            own = value - clock_offset if spec.clock == "unix" else value
-            if spec.clock == "unix":
-                fields["clock_offset"] = clock_offset
-            if own > read_t + LINE_TIME_SLACK_S:
-                fields["time_rejected"] = (f"{raw_time} is {own - read_t:.3g} s after the line "
-                                           f"was read: not {spec.clock} time?")
-            elif own < started - LINE_TIME_SLACK_S:
-                fields["time_rejected"] = (f"{raw_time} is {started - own:.3g} s before the run "
-                                           f"began: not {spec.clock} time?")
-            else:
-                t, clock = min(own, read_t), "line"
-    fields["clock"] = clock
-    fields["read_t"] = read_t
-    return Event(t=t, event=spec.event, source="log", fields=fields)
 
 
 def _parent(pid: int) -> int | None:

@@ -9,6 +9,8 @@ rank's death), carries everything the members of a run say to each other outside
 ``latest``             the newest published generation
 ``arrive/{g}``         how many members of generation ``g`` reached its start line
 ``resume/{g}``         the step generation ``g`` resumed from (set after its sync)
+``committed``          set by the first commit of each process: from then on a fresh
+                       process's seeded init is no longer the state of step 0
 ``hb/{slot}/{inc}``    heartbeat counter of one incarnation of one slot
 ``snap/{shard}/{k}``   peer-memory snapshot of one shard (two alternating slots)
 ``job/end``            set by the controller when training is over

@@ -136,6 +136,8 @@ def save(
         code = errno.errorcode.get(error.errno or 0, type(error).__name__)
         probe.emit("checkpoint_failed", step=step, error=f"{code}: {error.strerror or error}")
         probe.detected(cause=f"checkpoint_failed: {code}", step=step)
+    else:
+        probe.emit("checkpoint_written", step=step, path=str(path / f"rank_{rank}.pt"))
 
     # Commit only when every rank's file is durable: the MIN over all ranks' success flags is
     # also the barrier that orders every write before the commit.
@@ -145,6 +147,9 @@ def save(
         if rank == 0:  # every rank is past its writes: nobody adds files behind the rmtree
             shutil.rmtree(path, ignore_errors=True)
         return None
+    # Every rank's shard is durable and the step is not committed: a crash from here until
+    # COMMIT is on disk leaves a complete but uncommitted folder, which start-up must skip.
+    probe.fault_point("save", step)
     if rank == 0:
         try:
             write_atomic(path / COMMIT, json.dumps({"step": step}).encode())
@@ -211,6 +216,8 @@ def load_latest(
     for step in listing[0]:
         path = step_dir(root, step)
         payload, reason = verify(path, rank, meta)
+        # This rank knows the step it would restore; the ranks have not agreed on it yet.
+        probe.fault_point("restore", step)
         ok = torch.tensor([1 if payload is not None else 0], dtype=torch.int32)
         dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
         if payload is None:

@@ -27,13 +27,9 @@ a shard are bitwise identical); if every replica of a shard is gone, from the pe
 snapshots that one replica per shard sends off the critical path (a background thread) into
 the controller's memory.
 
-Test hooks (environment, read once per process):
-``AFTERSHOCK_INJECT_NAN_GRAD="rank:step"`` poisons one gradient of logical rank ``rank`` while
-computing step ``step`` (1-based), once; ``AFTERSHOCK_INJECT_BITFLIP="rank:step"`` flips an
-exponent bit of one parameter of ``rank`` right after it commits ``step`` (silent corruption).
-``AFTERSHOCK_INJECT_FULL_AVERAGE=1`` is a deliberately broken elastic trainer: while replicas
-are missing it still divides the gradient sum by the configured replica count (a classic
-elastic bug; the membership log stays truthful), so ``params_match: replay`` must fail.
+Faults come from outside (the harness's chaos engine) or through the probe's fault points
+(``harness.probe.fault_point``); deliberately broken variants of this trainer live in the tests
+(tests/broken/sitecustomize.py), never here.
 """
 
 from __future__ import annotations
@@ -63,10 +59,6 @@ from harness import probe
 from reference_impl import _store, checkpoint, controller
 from reference_impl.model import Layout, ParallelMLP, param_digest, synthetic_batch
 
-NAN_HOOK = "AFTERSHOCK_INJECT_NAN_GRAD"
-BITFLIP_HOOK = "AFTERSHOCK_INJECT_BITFLIP"
-FULL_AVERAGE_HOOK = "AFTERSHOCK_INJECT_FULL_AVERAGE"
-
 
 class Superseded(Exception):
     """A newer plan was published before this one started: skip to it."""
@@ -74,14 +66,6 @@ class Superseded(Exception):
 
 class Switch(Exception):
     """All members agreed (through the vote) to move to the next plan after this step."""
-
-
-def _hook(name: str) -> tuple[int, int] | None:
-    value = os.environ.get(name, "")
-    if ":" not in value:
-        return None
-    rank, step = value.split(":", 1)
-    return int(rank), int(step)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +78,39 @@ class Groups:
     tp: Any
     dp: Any
     dp_ranks: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """The state a member brings to a sync, as it told the others."""
+
+    gen: int  # its lineage: the generation that last trained it (or, for a state received in
+    #           a sync, the source's); -1: never trained or received (the seeded init)
+    steps: int  # optimizer steps applied to it
+    pending: int  # generation in which the next step's gradients were averaged and the vote
+    #               did not finish here; -1: none
+
+
+def ready_at(held: dict[int, Held], fresh_is_step_0: bool) -> tuple[int, set[int]]:
+    """(the step to resume from, the members that hold it or can roll forward to it).
+
+    The newest lineage wins: a replica that was dropped holds an older one (the survivors
+    went on with other math) and never counts, whatever its step. Within it the most
+    advanced state wins, and a member that averaged that step's gradients in the same
+    generation but lost the vote may apply them: someone completed the vote, so every member
+    contributed to it. A never-trained member's seeded init counts as step 0 only while
+    ``fresh_is_step_0`` (nothing was ever committed). Nobody holding anything: (0, empty), and
+    the caller goes to the snapshots.
+    """
+    usable = {r: h for r, h in held.items() if h.gen >= 0 or fresh_is_step_0}
+    if not usable:
+        return 0, set()
+    newest = max(h.gen for h in usable.values())
+    top = max(h.steps for h in usable.values() if h.gen == newest)
+    ready = {r for r, h in usable.items()
+             if (h.gen == newest and h.steps == top)
+             or (h.pending == newest and h.steps == top - 1)}
+    return top, ready
 
 
 class Worker:
@@ -109,8 +126,14 @@ class Worker:
         self.model: ParallelMLP | None = None
         self.opt: torch.optim.Optimizer | None = None
         self.steps_done = -1  # optimizer steps applied to the state we hold; -1: no state
-        self.state_gen = -1  # generation whose sync made our state valid; -1: fresh init
+        # Lineage of our state: the generation that last trained it, or the source's when a
+        # sync gave it to us (a sync alone changes nothing, so it moves no lineage: a member
+        # whose sync failed while its peers' completed still holds the same state as they
+        # do); -1: the seeded init, never trained.
+        self.state_gen = -1
         self.pending = False  # gradients of step steps_done+1 are averaged, vote unfinished
+        self.pending_gen = -1  # the generation that averaged them
+        self.committed = False  # this process committed a step (and told the store so)
         self.rolled_back_to = -1  # step of the last fingerprint rollback
         self.mismatch = False  # our DP group's fingerprints differed at the last check
         # The newest state all fingerprints agreed on, and one checked here awaiting the vote.
@@ -120,10 +143,6 @@ class Worker:
         self.groups: Groups | None = None
         self.plan_ahead = -1  # newest generation the heartbeat thread saw published
         self.stopping = False
-        self.nan_hook = _hook(NAN_HOOK)
-        # A replay is the honest golden trajectory: the broken variant never applies to it.
-        self.full_average = os.environ.get(FULL_AVERAGE_HOOK) == "1" and not cfg.replay
-        self.flip_hook = _hook(BITFLIP_HOOK)
         self.snapshots: queue.Queue[tuple[int, int, torch.Tensor] | None] = queue.Queue(1)
         self.replay = controller.read_membership(cfg.replay) if cfg.replay else None
         self.hb_interval = min(0.05, (cfg.heartbeat_timeout or cfg.collective_timeout) / 10)
@@ -266,19 +285,17 @@ class Worker:
         """Agree on the step to resume from and give every member that state."""
         assert self.opt is not None
         shards = self.cfg.shards
-        mine = torch.tensor([self.state_gen, self.steps_done, int(self.pending), g.rank])
+        pending = self.pending_gen if self.pending else -1
+        mine = torch.tensor([self.state_gen, self.steps_done, pending, g.rank])
         rows = [torch.zeros(4, dtype=torch.int64) for _ in g.members]
         g.world.allgather([rows], [mine]).wait()
-        info = {int(row[3]): [int(v) for v in row[:3]] for row in rows}
-        newest = max(sg for sg, steps, _ in info.values() if steps >= 0)
-        cands = {r: v for r, v in info.items() if v[1] >= 0 and v[0] == newest}
-        top = max(v[1] for v in cands.values())
-        ready = {}
-        for r, (_, steps, pending) in cands.items():
-            # A rank that averaged step `top`'s gradients but lost the vote may apply them:
-            # someone completed that vote, so every rank contributed its gradients to it.
-            if steps == top or (steps == top - 1 and pending):
-                ready[r] = top
+        held = {int(row[3]): Held(int(row[0]), int(row[1]), int(row[2])) for row in rows}
+        # The seeded init is the state of step 0 until some process committed a step.
+        fresh_is_step_0 = not _store.has(self.store, "committed")
+        top, ready = ready_at(held, fresh_is_step_0)
+        newest = max((held[r].gen for r in ready if held[r].steps == top), default=-1)
+        if g.gen > 0:  # a recovery: members agreed on the step, no state has moved yet
+            probe.fault_point("restore", top)
         if self.rank in ready and self.steps_done == top - 1:
             self.opt.step()
             self.steps_done = top
@@ -288,38 +305,53 @@ class Worker:
             have = sorted(r for r in ready if r % shards == shard)
             if have:
                 sources[shard] = have[0]
-        shard = g.rank % shards
         if len(sources) == shards:
-            resume = top
+            resume, lineage = top, newest
             if any(r not in ready for r in g.dp_ranks):
-                flat = self.flat_state()
-                opts = dist.BroadcastOptions()
-                opts.rootRank = g.dp_ranks.index(sources[shard])
-                g.dp.broadcast([flat], opts).wait()
-                if g.rank not in ready:
-                    self.load_flat(flat)
-                    if self.cfg.debug_stale_snapshot:  # deliberately broken variant
-                        old = self.read_snapshot(shard).get(resume - 1)
-                        if old is not None:
-                            self.load_flat(old)
+                self.copy_from_peer(g, sources[g.rank % shards], resume,
+                                    receive=g.rank not in ready)
         else:
-            # Every replica of some shard is gone: everyone goes back to the newest step for
-            # which the controller holds a snapshot of every shard.
-            snaps = [self.read_snapshot(s) for s in range(shards)]
-            common = set(snaps[0]).intersection(*snaps[1:])
-            if not common:
-                raise SystemExit("no live replica and no complete snapshot for some shard")
-            resume = max(common)
-            self.load_flat(snaps[shard][resume])
-            probe.checkpoint_loaded(resume, f"peer-memory snapshot of shard {shard}",
-                                    rank=g.rank)
-        self.steps_done, self.state_gen = resume, g.gen
+            # Every member, survivors of the other shards too, now holds the snapshots' state:
+            # a lineage of this generation's own.
+            resume, lineage = self.restore_snapshots(g), g.gen
+        self.steps_done, self.state_gen = resume, lineage
         self.verified, self.candidate, self.mismatch = (resume, self.flat_state()), None, False
+        if self.cfg.snapshot_every > 0 and g.rank // shards == g.replicas[0]:
+            # The state every member holds now, so that losing every holder of a shard before
+            # the next step's snapshot still finds this one.
+            with contextlib.suppress(queue.Full):
+                self.snapshots.put_nowait((resume, g.rank % shards, self.verified[1]))
         if g.rank == g.members[0]:
             self.store.set(f"resume/{g.gen}", str(resume))
         if g.gen > 0:
             probe.recovered(rank=g.rank, generation=g.gen, step=resume,
                             replicas=g.replicas)
+        return resume
+
+    def copy_from_peer(self, g: Groups, source: int, step: int, *, receive: bool) -> None:
+        """Our data-parallel group takes the state of ``source``, a member of the same shard
+        that holds step ``step`` (replicas of a shard are bitwise identical); ``receive``:
+        we are behind and load it."""
+        flat = self.flat_state()
+        opts = dist.BroadcastOptions()
+        opts.rootRank = g.dp_ranks.index(source)
+        g.dp.broadcast([flat], opts).wait()
+        if receive:
+            self.load_flat(flat)
+
+    def restore_snapshots(self, g: Groups) -> int:
+        """Every replica of some shard is gone: every member goes back to the newest step for
+        which the controller holds a snapshot of every shard (parameters and optimizer
+        state), survivors of the other shards included. Returns that step."""
+        shards = self.cfg.shards
+        snaps = [self.read_snapshot(s) for s in range(shards)]
+        common = set(snaps[0]).intersection(*snaps[1:])
+        if not common:
+            raise SystemExit("no live replica and no complete snapshot for some shard")
+        resume = max(common)
+        shard = g.rank % shards
+        self.load_flat(snaps[shard][resume])
+        probe.checkpoint_loaded(resume, f"peer-memory snapshot of shard {shard}", rank=g.rank)
         return resume
 
     # -- training -----------------------------------------------------------------------------
@@ -348,18 +380,15 @@ class Worker:
             loss.backward()
             probe.fault_point("backward", step)
             flat = torch.cat([p.grad.reshape(-1) for p in params] + [loss.detach().reshape(1)])
-            if self.nan_hook == (g.rank, step):
-                self.nan_hook = None
-                flat[0] = float("nan")
             g.dp.allreduce([flat]).wait()
-            flat /= cfg.replicas if self.full_average else live
+            self.average(flat, live)
             nonfinite = not bool(torch.isfinite(flat).all())
             offset = 0
             for p in params:
                 n = p.numel()
                 p.grad.copy_(flat[offset : offset + n].view_as(p))
                 offset += n
-            self.pending = True
+            self.pending, self.pending_gen = True, g.gen
             flags = (nonfinite, self.mismatch, self.plan_ahead > g.gen)
             vote = torch.tensor([float(flag) for flag in flags])
             g.world.allreduce([vote]).wait()
@@ -374,6 +403,7 @@ class Worker:
                 back, state = self.verified
                 self.load_flat(state)
                 self.steps_done, self.mismatch, self.candidate = back, False, None
+                self.state_gen = g.gen  # every member of the generation rolls back with us
                 why = "rolled back to the last matching fingerprints"
                 if self.rolled_back_to == back:
                     # The same disagreement again from the same state: the saved state itself
@@ -389,15 +419,14 @@ class Worker:
                 continue
             probe.fault_point("optimizer", step)
             opt.step()
-            self.steps_done = step
+            self.steps_done, self.state_gen = step, g.gen
+            if not self.committed:  # fresh processes no longer hold the state of step 0
+                self.committed = True
+                self.store.set("committed", "1")
             probe.step(step, world=self.world_size, rank=g.rank, loss=float(flat[-1]),
                        generation=g.gen, replicas=live)
             if self.candidate is not None:
                 self.verified, self.candidate = self.candidate, None
-            if self.flip_hook == (g.rank, step):
-                self.flip_hook = None
-                with torch.no_grad():
-                    params[0].view(-1)[:1].view(torch.int32).bitwise_xor_(1 << 29)
             if cfg.fingerprint_every and step % cfg.fingerprint_every == 0:
                 self.check_fingerprints(g, step)
             if snapshotter and step % cfg.snapshot_every == 0:
@@ -408,6 +437,13 @@ class Worker:
                 raise Switch
             if cfg.step_sleep:
                 time.sleep(cfg.step_sleep)
+
+    @staticmethod
+    def average(flat: torch.Tensor, live: int) -> None:
+        """The data-parallel sum, in place, to the mean over the replicas that computed it:
+        while a replica is missing (elastic) that is fewer than configured, and the membership
+        log says so, which is what a replay recomputes."""
+        flat /= live
 
     def check_fingerprints(self, g: Groups, step: int) -> None:
         mine = torch.tensor([self.fingerprint()])

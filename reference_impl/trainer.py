@@ -77,7 +77,6 @@ class TrainConfig:
     fingerprint_every: int = 10  # cross-replica parameter fingerprint interval; 0 disables
     heartbeat_timeout: float = 0.0  # a silent member is fenced after this; 0: collective_timeout
     replay: str = ""  # elastic: membership.jsonl of an earlier run to replay deterministically
-    debug_stale_snapshot: bool = False  # test hook: a replacement loads a one-step-old state
     # runtime
     backend: str = "gloo"  # torch.distributed backend: gloo (CPU) or nccl (CUDA)
     device: str = "cpu"  # cpu, or cuda (each rank uses cuda:LOCAL_RANK)
@@ -531,4 +530,9 @@ def _exit_now(code: int) -> NoReturn:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the importable module's main, not this __main__ copy of it: one copy of every
+    # function and class, so whatever wraps or patches reference_impl.trainer (a profiler,
+    # a test's deliberately broken variant) sees the code that actually runs.
+    from reference_impl import trainer
+
+    sys.exit(trainer.main())

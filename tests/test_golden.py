@@ -296,3 +296,21 @@ def test_cli_golden_lists_each_scenarios_golden(tmp_path: Path) -> None:
     assert any(line.startswith("-") and "kill_rank_elastic" in line for line in lines)
     assert all(line.split()[0] in ("-", "golden", "missing") for line in lines), lines
     assert cli("golden", str(tmp_path / "nothing.yaml")).returncode == 2
+
+
+def test_an_outputs_golden_sees_every_token_and_every_logits_digest() -> None:
+    """The golden of a server's twin hashes what outputs_match compares: each request's tokens
+    and each token's logits digest, whatever form the outputs come in (the run's Output
+    records, or the twin cache's JSON)."""
+    from harness.golden import outputs_digest
+    from harness.metrics import Output
+
+    outputs = {"r1": Output((5, 6), ("aa", "bb")), "r0": Output((7,), ("cc",))}
+    as_json = {k: v.to_json() for k, v in outputs.items()}
+    assert outputs_digest(outputs) == outputs_digest(as_json)
+    changed_token = {**outputs, "r1": Output((5, 9), ("aa", "bb"))}
+    changed_logits = {**outputs, "r1": Output((5, 6), ("aa", "zz"))}
+    missing_request = {"r1": outputs["r1"]}
+    digests = {outputs_digest(o) for o in
+               (outputs, changed_token, changed_logits, missing_request)}
+    assert len(digests) == 4

@@ -470,7 +470,7 @@ def test_time_to_recover_check_says_why_recovery_was_not_observed() -> None:
 
 def log_event(pattern: str, line: str, *, read_t: float = 101.0, offset: float = 1.7e9,
               started: float = 50.0, clock: str = "monotonic") -> Event:
-    from harness.target import log_event as make
+    from harness.logprobe import log_event as make
 
     spec = LogProbe(pattern=pattern, event="step", clock=clock)  # type: ignore[arg-type]
     match = re.search(spec.pattern, line)

@@ -4,6 +4,7 @@ nothing is launched to do it."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -32,8 +33,10 @@ def no_launch(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _scenario(tmp_path: Path, name: str, step_pattern: str, expect: str) -> Path:
-    text = quick_scenario(name, expect, duration=1.2).replace(
-        r"'rank (?P<rank>\d+) step (?P<step>\d+)'", f"'{step_pattern}'")
+    # The whole step pattern is replaced: the broken one must still match steps 10 and on
+    # (reading them as 1), not stop matching them.
+    text = re.sub(r"pattern: '.*'", lambda _: f"pattern: '{step_pattern}'",
+                  quick_scenario(name, expect, duration=1.2), count=1)
     assert step_pattern in text
     path = tmp_path / f"{name}.yaml"
     path.write_text(text)

@@ -5,7 +5,8 @@ is a specific reaction of the system (a checkpoint skipped for its checksum, a w
 taking a rank over, survivors training on alone) also has its timeline checked for that
 reaction, so it cannot pass for the wrong reason: these runs are the reference trainer's
 end-to-end tests too. The deliberately broken variants that show each check failing live in
-test_hot_spare.py, test_replay_check.py, test_e2e_command.py and test_cli.py.
+test_trainer_broken.py, test_hot_spare.py, test_replay_check.py, test_e2e_command.py and
+test_cli.py.
 
 Slow by nature: each run launches the reference trainer under torchrun (tens of CPU-seconds
 for 4 ranks, about half that for the 2-rank world of most fault scenarios), and a scenario
@@ -129,6 +130,25 @@ def _kill_rank_restart(run: Run) -> None:
     assert sorted(e["rank"] for e in first) == run.ranks
 
 
+def _kill_during_restart_recovery(run: Run) -> None:
+    """The relaunched rank 1 died inside the recovery, holding the newest checkpoint's step in
+    view before the ranks agreed on it; the second world never trained. torchrun relaunched
+    once more and every rank of the third world resumed from that same checkpoint."""
+    first, second = run.injection(0), run.injection(1)
+    assert (second["rank"], second["phase"]) == (1, "restore")
+    restored = second["step"]
+    assert restored in [e["step"] for e in run.events("checkpoint_saved") if e["t"] < first["t"]]
+    hellos = run.events("hello")
+    assert {e["generation"] for e in hellos} == {0, 1, 2}
+    second_world = min(e["t"] for e in hellos if e["generation"] == 1)
+    assert first["t"] < second_world < second["t"]
+    assert not [e for e in run.events("step") if second_world < e["t"] < second["t"]]
+    loaded = run.events("checkpoint_loaded")
+    assert sorted(e["rank"] for e in loaded) == run.ranks
+    assert {e["step"] for e in loaded} == {restored}
+    assert all(e["t"] > second["t"] for e in loaded)
+
+
 def _freeze_rank_restart(run: Run) -> None:
     """Nothing errors: only the collective timeout can see the hang, then the world restarts."""
     frozen = run.injection()["t"]
@@ -148,12 +168,51 @@ def _kill_rank_hot_spare(run: Run) -> None:
     assert len(survivors) == len(run.ranks) - 1
 
 
+def _kill_shard_hot_spare(run: Run) -> None:
+    """Both holders of shard 0 died together, so no live peer had its state: every rank,
+    the survivors of shard 1 too, loaded the controller's snapshot of one common step, and
+    two spares took ranks 0 and 2 over; the survivors never restarted."""
+    kills = [e for e in run.events("fault_injected") if e.get("fault") == 0]
+    assert sorted(e["rank"] for e in kills) == [0, 2]
+    killed = min(e["t"] for e in kills)
+    loaded = run.events("checkpoint_loaded")
+    assert sorted(e["rank"] for e in loaded) == run.ranks
+    assert all(e["path"].startswith("peer-memory snapshot") for e in loaded), loaded
+    (resumed,) = {e["step"] for e in loaded}
+    assert 0 < resumed <= _step_at(run, killed)
+    hellos = [e["rank"] for e in run.events("hello") if e.get("role") == "trainer"]
+    assert sorted(hellos) == [0, 0, 1, 2, 2, 3]
+
+
 def _nan_gradient_rollback(run: Run) -> None:
     """The NaN reaches rank 3's data-parallel peer (rank 1) through the gradient average;
     both report it for the poisoned step, and nothing else goes wrong."""
     step = run.injection()["step"]
     detected = [(e["cause"], e["step"]) for e in run.events("failure_detected")]
     assert detected == [("non_finite", step), ("non_finite", step)]
+
+
+def _vote(poisoned: set[int]) -> Callable[[Run], None]:
+    """Non-finite gradients on the ``poisoned`` ranks only (the others' stay finite, so each
+    of those would apply the step if it decided alone): exactly those report the step, and
+    the vote keeps the world in lockstep, every rank committing each step once and no rank
+    committing a step before every rank committed the one before it."""
+
+    def check(run: Run) -> None:
+        step = run.injection()["step"]
+        detected = sorted((e["rank"], e["cause"], e["step"])
+                          for e in run.events("failure_detected"))
+        assert detected == [(rank, "non_finite", step) for rank in sorted(poisoned)]
+        first: dict[tuple[int, int], float] = {}
+        for e in run.events("step"):
+            assert (e["rank"], e["step"]) not in first, e
+            first[(e["rank"], e["step"])] = e["t"]
+        steps = range(1, run.system.steps + 1)
+        assert set(first) == {(rank, k) for rank in run.ranks for k in steps}
+        for k in steps[:-1]:
+            assert max(first[(r, k)] for r in run.ranks) < min(first[(r, k + 1)] for r in run.ranks)
+
+    return check
 
 
 def _elastic(run: Run) -> None:
@@ -170,6 +229,25 @@ def _elastic(run: Run) -> None:
     assert {e["rank"] for e in alone} == {2, 3}
     (check,) = [c for c in run.record["checks"] if c["name"] == "params_match"]
     assert "independent replay" in check["message"], check
+
+
+def _kill_during_elastic_recovery(run: Run) -> None:
+    """The returning rank 1 died inside its recovery, after the rejoining generation agreed
+    on the step and before any state moved; replica 0 was dropped twice and rejoined, and
+    every generation's state came from live members: no snapshot was needed, although one
+    survivor's sync had failed with the dying receiver on its other end."""
+    first, second = run.injection(0), run.injection(1)
+    assert (second["rank"], second["phase"]) == (1, "restore")
+    assert second["t"] > first["t"]
+    rejoins = [e for e in run.events("membership") if e["replicas"] == [0, 1]]
+    assert any(first["t"] < e["t"] < second["t"] for e in rejoins), "killed outside a rejoin"
+    log = run.dir / "output" / "membership.jsonl"
+    generations = [json.loads(line)["replicas"] for line in log.read_text().splitlines()]
+    assert generations.count([1]) >= 2
+    assert generations[-1] == [0, 1]
+    assert not run.events("checkpoint_loaded"), "a state came from the snapshots"
+    assert run.events("params", folder="replay")
+    assert not run.events("failure_detected", folder="replay")
 
 
 def _fingerprints(run: Run) -> None:
@@ -206,15 +284,23 @@ def _skips_newest(reason: str) -> Callable[[Run], None]:
 
 
 def _crash_during_save(run: Run) -> None:
-    """Rank 0 was killed as its third save began: the world restarts from a checkpoint that
-    every rank could verify, one that was committed before the kill."""
-    killed = run.injection()["t"]
-    before = [e["step"] for e in run.events("checkpoint_saved") if e["t"] < killed]
+    """Rank 0 died inside the save of step 30, between the shard writes and the commit: every
+    rank's shard of that step was durable and the step never committed. The restarted world
+    skipped the uncommitted folder (not even a candidate, so nothing is reported skipped),
+    resumed from the previous committed step, and saved step 30 again later."""
+    kill = run.injection()
+    torn = run.system.checkpoint_every * 3
+    assert (kill["rank"], kill["step"], kill["phase"]) == (0, torn, "save")
+    written = {e["rank"] for e in run.events("checkpoint_written")
+               if e["step"] == torn and e["t"] < kill["t"]}
+    assert written == set(run.ranks), "the kill did not wait for every shard of the step"
+    saved = [(e["step"], e["t"]) for e in run.events("checkpoint_saved")]
+    assert all(step != torn for step, t in saved if t < kill["t"]), "the step was committed"
     loaded = run.events("checkpoint_loaded")
     assert sorted(e["rank"] for e in loaded) == run.ranks
-    (resumed_from,) = {e["step"] for e in loaded}
-    assert resumed_from in before
+    assert {e["step"] for e in loaded} == {torn - run.system.checkpoint_every}
     assert not run.events("checkpoint_skipped")
+    assert any(step == torn and t > kill["t"] for step, t in saved)
 
 
 def _full_disk(run: Run) -> None:
@@ -321,9 +407,12 @@ EVIDENCE: dict[str, Callable[[Run], None]] = {
     "training/fault_free": _fault_free,
     "training/kill_rank_restart": _kill_rank_restart,
     "training/freeze_rank_restart": _freeze_rank_restart,
+    "training/kill_during_recovery_restart": _kill_during_restart_recovery,
     "training/kill_rank_hot_spare": _kill_rank_hot_spare,
     "training/nan_gradient_rollback": _nan_gradient_rollback,
+    "training/kill_shard_hot_spare": _kill_shard_hot_spare,
     "training/kill_rank_elastic": _elastic,
+    "training/kill_during_recovery_elastic": _kill_during_elastic_recovery,
     "faults/memory_bitflip_param_fingerprint": _fingerprints,
     "faults/storage_corrupt_checkpoint": _skips_newest("sha256 mismatch"),
     "faults/storage_truncate_checkpoint": _skips_newest("size mismatch"),
@@ -336,6 +425,10 @@ EVIDENCE: dict[str, Callable[[Run], None]] = {
     "serving/kill_router": _router_restarted,
     "serving/poison_idle_prefix_block": _caught_on_a_hit,
     "serving/fail_stop_resume": _clients_resumed_after_fail_stop,
+    # The NaN of rank 1 spreads to rank 3 (shard 1) through the average, not to shard 0.
+    "faults/memory_nan_gradient": _vote({1, 3}),
+    # Corrupted after the average, on rank 1 alone.
+    "faults/collective_corrupt_nan": _vote({1}),
 }
 
 

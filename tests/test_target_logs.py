@@ -82,3 +82,23 @@ def test_an_endless_stream_is_logged_up_to_the_limit_with_a_note(tmp_path: Path)
     # What was dropped from the file was still read: the probes saw the last line.
     steps = read_events(tmp_path / "run" / "events.jsonl", "step")
     assert [e["step"] for e in steps] == [1, 2]
+
+
+def test_every_line_keeps_its_capture_time_and_every_match_counts(tmp_path: Path) -> None:
+    """`<log>.times` holds one row per line (its offset in the log, when it was read), so a
+    re-check can time a line no live probe matched; and two reports one pipe ran together
+    into a single line are both events."""
+    job = "echo 'step 1'; sleep 0.2; echo 'noise'; printf 'step 2step 3\\n'; printf 'step 4'"
+    run_job(tmp_path, job)
+    log = tmp_path / "run" / "logs" / "launcher.stdout.log"
+    raw = log.read_bytes()
+    assert raw == b"step 1\nnoise\nstep 2step 3\nstep 4"
+    rows = [line.split() for line in (log.parent / "launcher.stdout.log.times")
+            .read_text().splitlines()]
+    offsets = [int(offset) for offset, _ in rows]
+    assert offsets == [0, 7, 13, 26]  # where each line begins, the unterminated last one too
+    times = [float(t) for _, t in rows]
+    assert times == sorted(times)
+    assert times[1] - times[0] >= 0.15  # read when written, not all at the end
+    steps = [e["step"] for e in read_events(tmp_path / "run" / "events.jsonl", "step")]
+    assert steps == [1, 2, 3, 4]

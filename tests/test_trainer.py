@@ -66,3 +66,50 @@ def test_prune_keeps_newest_committed_and_drops_stale_timelines(tmp_path: Path) 
         "step_000040",
     ]
     assert [step for step, _ in committed_steps(tmp_path)] == [40, 30, 20]
+
+
+# --- fast: who holds the state a recovering hot_spare/elastic generation resumes from --------
+
+
+def _held(gen: int, steps: int, pending: int = -1) -> object:
+    from reference_impl.resilient import Held
+
+    return Held(gen, steps, pending)
+
+
+@pytest.mark.timeout(30)
+def test_the_start_resumes_from_the_seeded_init_and_fresh_spares_never_do_later() -> None:
+    from reference_impl.resilient import ready_at
+
+    fresh = {r: _held(-1, 0) for r in range(4)}
+    assert ready_at(fresh, fresh_is_step_0=True) == (0, {0, 1, 2, 3})
+    # Every holder of the state died at once and two spares took over: they hold nothing,
+    # so the caller goes to the snapshots (it used to start over from step 0 in silence).
+    assert ready_at({0: _held(-1, 0), 1: _held(-1, 0)}, fresh_is_step_0=False) == (0, set())
+    survivors = {0: _held(-1, 0), 1: _held(3, 25), 2: _held(-1, 0), 3: _held(3, 25)}
+    assert ready_at(survivors, fresh_is_step_0=False) == (25, {1, 3})
+
+
+@pytest.mark.timeout(30)
+def test_a_dropped_replica_never_counts_whatever_its_step() -> None:
+    from reference_impl.resilient import ready_at
+
+    # Replica 0 was dropped at step 25 (lineage 0); replica 1 trained on alone to 27.
+    rejoin = {0: _held(0, 25), 1: _held(-1, 0), 2: _held(1, 27), 3: _held(1, 27)}
+    assert ready_at(rejoin, fresh_is_step_0=False) == (27, {2, 3})
+    # Replica 1 rolled back below replica 0's step (a fingerprint mismatch): still its state.
+    rolled = {0: _held(0, 25), 2: _held(2, 20)}
+    assert ready_at(rolled, fresh_is_step_0=False) == (20, {2})
+
+
+@pytest.mark.timeout(30)
+def test_a_member_that_lost_the_vote_rolls_forward_in_its_generation_only() -> None:
+    from reference_impl.resilient import ready_at
+
+    # Generation 4 committed step 30 on rank 0; ranks 1 and 2 averaged it, rank 1's vote
+    # failed (still at 29, lineage 3: its last commit was in generation 3).
+    held = {0: _held(4, 30), 1: _held(3, 29, pending=4), 2: _held(3, 29)}
+    assert ready_at(held, fresh_is_step_0=False) == (30, {0, 1})
+    # Gradients averaged in an older generation are not the ones the winners applied.
+    held = {0: _held(4, 30), 1: _held(3, 29, pending=3)}
+    assert ready_at(held, fresh_is_step_0=False) == (30, {0})

@@ -1,0 +1,192 @@
+"""Deliberately broken variants of the reference trainer, for tests only.
+
+A test that must show a check failing puts this folder first on the job's ``PYTHONPATH`` and
+names one bug in ``AFTERSHOCK_TEST_BUG`` (tests/_broken.py does both, for the faulted run
+only: the fault-free baseline and the elastic replay stay the real trainer). Python imports
+``sitecustomize`` at start-up in every process of the job; this one patches the named
+function or method when its module is imported, and says so on the timeline
+(``test_bug`` event), so a test can tell the broken code really ran. Production code has no
+switch for any of these.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import os
+import shutil
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+BUG_ENV = "AFTERSHOCK_TEST_BUG"
+
+
+def _announce(name: str) -> None:
+    from harness import probe
+
+    probe.emit("test_bug", bug=name)
+
+
+# --- the bugs: each takes the freshly imported module and breaks one thing in it -----------
+
+
+def prune_before_commit(checkpoint: ModuleType) -> None:
+    """Make room first: rank 0 deletes the older checkpoints before the new one is
+    committed, so a crash between the shard writes and the commit leaves nothing to resume
+    from (the restarted world starts from step 0)."""
+    save = checkpoint.save
+
+    def broken(root: Path, step: int, state: Any, meta: Any, group: Any) -> Any:
+        import torch.distributed as dist
+
+        if dist.get_rank(group) == 0:
+            for older, path in checkpoint.committed_steps(root):
+                if older < step:
+                    shutil.rmtree(path, ignore_errors=True)
+        return save(root, step, state, meta, group)
+
+    checkpoint.save = broken
+
+
+def quarantine_on_failed_agreement(checkpoint: ModuleType) -> None:
+    """When the ranks fail to agree on the checkpoint to resume from, rank 0 blames the
+    checkpoint and deletes it so that the next restart does not try it again. A peer that
+    dies during the agreement then costs a good checkpoint."""
+    load_latest = checkpoint.load_latest
+
+    def broken(root: Path, meta: Any, group: Any) -> Any:
+        import torch.distributed as dist
+
+        try:
+            return load_latest(root, meta, group)
+        except RuntimeError:
+            newest = checkpoint.committed_steps(root)
+            if dist.get_rank(group) == 0 and newest:
+                shutil.rmtree(newest[0][1], ignore_errors=True)
+            raise
+
+    checkpoint.load_latest = broken
+
+
+def lineage_per_sync(resilient: ModuleType) -> None:
+    """A completed sync makes a member's state current in that generation, whether or not the
+    sync changed it. When a second failure interrupts a recovery, the members whose sync
+    completed then outrank their peers whose sync failed while holding the very same state,
+    and a shard whose only holder is such a peer counts as lost."""
+    sync = resilient.Worker.sync
+
+    def broken(self: Any, g: Any) -> int:
+        resume = sync(self, g)
+        self.state_gen = g.gen
+        return resume
+
+    resilient.Worker.sync = broken
+
+
+def vote_alone(trainer: ModuleType) -> None:
+    """Each rank decides alone whether its gradients are finite: no vote over the world.
+    A NaN in one shard's gradients then makes only that shard skip the step."""
+
+    def broken(model: Any, layout: Any) -> tuple[bool, bool]:
+        import torch
+
+        mine = all(bool(torch.isfinite(p.grad).all()) for p in model.parameters()
+                   if p.grad is not None)
+        return mine, mine
+
+    trainer.gradients_finite = broken
+
+
+def stale_snapshot(resilient: ModuleType) -> None:
+    """A replacement copies its state from a live peer, then loads the controller's
+    snapshot one step older on top of it (a state one step old)."""
+    copy = resilient.Worker.copy_from_peer
+
+    def broken(self: Any, g: Any, source: int, step: int, *, receive: bool) -> None:
+        copy(self, g, source, step, receive=receive)
+        if receive:
+            old = self.read_snapshot(g.rank % self.cfg.shards).get(step - 1)
+            if old is not None:
+                self.load_flat(old)
+
+    resilient.Worker.copy_from_peer = broken
+
+
+def full_average(resilient: ModuleType) -> None:
+    """While replicas are missing (elastic), survivors still divide the gradient sum by the
+    configured replica count (a classic elastic bug; the membership log stays truthful)."""
+
+    def broken(self: Any, flat: Any, live: int) -> None:
+        flat /= self.cfg.replicas
+
+    resilient.Worker.average = broken
+
+
+def snapshot_without_optimizer(resilient: ModuleType) -> None:
+    """The controller's snapshots restore the parameters only: AdamW's moments and step
+    count start over, as when a snapshot is a model state_dict without the optimizer's."""
+    restore = resilient.Worker.restore_snapshots
+
+    def broken(self: Any, g: Any) -> int:
+        resume = restore(self, g)
+        for state in self.opt.state.values():
+            for value in state.values():
+                value.zero_()
+        return resume
+
+    resilient.Worker.restore_snapshots = broken
+
+
+BUGS: dict[str, tuple[str, Callable[[ModuleType], None]]] = {
+    "prune_before_commit": ("reference_impl.checkpoint", prune_before_commit),
+    "quarantine_on_failed_agreement": ("reference_impl.checkpoint",
+                                       quarantine_on_failed_agreement),
+    "lineage_per_sync": ("reference_impl.resilient", lineage_per_sync),
+    "vote_alone": ("reference_impl.trainer", vote_alone),
+    "stale_snapshot": ("reference_impl.resilient", stale_snapshot),
+    "full_average": ("reference_impl.resilient", full_average),
+    "snapshot_without_optimizer": ("reference_impl.resilient", snapshot_without_optimizer),
+}
+
+
+# --- patch on import --------------------------------------------------------------------------
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Finds ``module`` like the regular finders do, then patches it right after it ran."""
+
+    def __init__(self, name: str, module: str, patch: Callable[[ModuleType], None]) -> None:
+        self.name, self.module, self.patch = name, module, patch
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != self.module:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return None
+        run = spec.loader.exec_module
+
+        def exec_module(module: ModuleType) -> None:
+            run(module)
+            self.patch(module)
+            _announce(self.name)
+
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+def _install() -> None:
+    name = os.environ.get(BUG_ENV)
+    if not name:
+        return
+    if name not in BUGS:
+        raise SystemExit(f"{BUG_ENV}={name!r}: no such broken variant "
+                         f"(known: {', '.join(sorted(BUGS))})")
+    module, patch = BUGS[name]
+    sys.meta_path.insert(0, _PatchOnImport(name, module, patch))
+
+
+_install()
