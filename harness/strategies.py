@@ -36,7 +36,7 @@ from hypothesis import assume
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from harness._space import FAMILY_ORDER, KindChoice, ParamDraw, Space, resolve
+from harness._space import FAMILY_ORDER, ROLES, KindChoice, ParamDraw, Space, resolve
 from harness.spec import (
     FAULT_MODELS,
     CommandSystem,
@@ -172,8 +172,10 @@ def _draw_param(draw: st.DrawFn, param: ParamDraw) -> Any:
 
 
 def _targets(
-    draw: st.DrawFn, space: Space, kind: KindChoice, family: str, index: int
+    draw: st.DrawFn, space: Space, kind: KindChoice, family: str, index: int, *, inside: bool
 ) -> tuple[dict[str, Any], ...]:
+    """The target of one drawn fault, or one per rank of a group when the probe applies the
+    fault inside the target (its rank filter names one rank or every rank, not a set)."""
     if not kind.targeted:
         return ({},)
     layout = space.layout
@@ -191,11 +193,11 @@ def _targets(
         return tuple({"rank": r} for r in sorted(order[: ranks // 2 + 1]))
     if family == "replica":
         replica = index % layout.replicas
-        if not kind.in_process:
+        if not inside:
             return ({"replica": replica},)
         return tuple({"rank": layout.rank_of(replica, s)} for s in range(layout.shards))
     shard = index % layout.shards
-    if not kind.in_process:
+    if not inside:
         return ({"shard": shard},)
     return tuple({"rank": layout.rank_of(r, shard)} for r in range(layout.replicas))
 
@@ -229,10 +231,13 @@ def _drafts(space: Space) -> st.SearchStrategy[_Draft]:
             # A family this kind cannot use (a role, for a fault applied inside the target):
             # its simplest one instead.
             family = kind.families[0]
-        targets = _targets(draw, space, kind, family, index)
+        if not kind.phased or trigger != "step" or (family in ROLES and not kind.in_process):
+            phase = None  # (a role is not a rank the probe could filter on)
+        # A fault point makes a process.kill one the probe applies inside the target.
+        inside = kind.in_process or phase is not None
+        targets = _targets(draw, space, kind, family, index, inside=inside)
         params = {p.name: _draw_param(draw, p) for p in kind.params}
-        return _Draft(kind, params, targets, trigger, step=step, gap=gap,
-                      phase=phase if kind.phased else None,
+        return _Draft(kind, params, targets, trigger, step=step, gap=gap, phase=phase,
                       event=event.event if event else "", count=count, time_ms=time_ms)
 
     return draft()

@@ -27,6 +27,7 @@ from harness.spec import (
     Scenario,
     ServerSystem,
     TrainerSystem,
+    in_process,
     json_schema,
     load_scenario,
     parse_scenario,
@@ -96,6 +97,9 @@ def inside(space: Space, spec: Scenario) -> None:
                 number = value.total_seconds() * 1000 if param.unit == "ms" else value
                 assert param.low <= number <= param.high
         target = fault.target
+        if in_process(fault):
+            # The probe's rank filter names one rank or every rank: never a set or a role.
+            assert (target.replica, target.shard, target.role) == (None, None, None)
         if target.rank is not None or target.worker is not None:
             assert ranks is not None
             assert 0 <= (target.index or 0) < ranks
@@ -179,24 +183,31 @@ def test_shrinking_goes_to_fewer_earlier_simpler_faults() -> None:
 
 def test_group_targets_expand_for_faults_inside_the_target() -> None:
     """The probe's rank filter names one rank or all: a shard or a majority hit by an
-    in-process fault becomes one fault per rank; from outside, a shard stays one target."""
+    in-process fault (or a kill at a fault point) becomes one fault per rank; from outside,
+    a shard stays one target."""
     system = parse_scenario(TRAINER.replace("RECOVERY", "restart")).system
-    inproc = fault_schedules(system, kinds=["collective.error"], targets=["shard"],
-                             max_faults=1)
-    outside = fault_schedules(system, kinds=["process.kill"], targets=["shard"], max_faults=1)
-    majority = fault_schedules(system, kinds=["process.kill"], targets=["majority"],
-                               max_faults=1)
+    steps = {"step": {"min": 1, "max": 60}}
+
+    def one(kind: str, family: str, at: dict[str, Any]) -> st.SearchStrategy[list[Any]]:
+        return fault_schedules(system, kinds=[kind], targets=[family], at=at, max_faults=1)
 
     @FAST
-    @given(inproc, outside, majority)
-    def check(a: list[Any], b: list[Any], c: list[Any]) -> None:
+    @given(one("collective.error", "shard", steps), one("process.kill", "shard", steps),
+           one("process.kill", "majority", steps),
+           one("process.kill", "shard", {**steps, "phases": ["save"]}))
+    def check(a: list[Any], b: list[Any], c: list[Any], d: list[Any]) -> None:
         assert len(a) == 2
         assert {f.target.rank % 2 for f in a} == {a[0].target.rank % 2}
         assert len(b) == 1
         assert b[0].target.shard in (0, 1)
         assert len(c) == 3
-        assert len({f.target.rank for f in c}) == 3
+        assert len({f.target.rank for f in c}) == 3  # 3 of 4 ranks
         assert len({f.at for f in c}) == 1  # at the same moment
+        if d[0].at.phase is not None:  # a kill inside the target: one per rank
+            assert len(d) == 2
+            assert all(f.target.rank is not None for f in d)
+        else:
+            assert len(d) == 1
 
     check()
 
