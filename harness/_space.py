@@ -44,6 +44,11 @@ FAMILY_ORDER = ("rank", "worker", "random", "replica", "shard", "majority", "spa
 GROUPS = ("replica", "shard", "majority")
 #: Families a fault applied inside the target cannot use: a role is not a rank.
 ROLES = ("spare", "launcher")
+#: Events and fault points that only come after a failure (docs/events.md): a fault waiting
+#: for one can land only once an earlier fault caused a failure, so a schedule needs at least
+#: one fault triggered by something else, or it never starts.
+AFTER_A_FAILURE = ("failure_detected", "recovery_done", "checkpoint_loaded",
+                   "checkpoint_skipped", "request_migrated", "restore")
 #: Fields of a fault that are not parameters.
 _NOT_PARAMS = ("kind", "target", "at", "every")
 #: The reference trainer's fault points in a training step, and around a checkpoint when the

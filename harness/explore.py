@@ -238,6 +238,11 @@ def _slug(name: str, suffix: str) -> str:
 # -------------------------------------------------------------------------------- engine
 
 
+class _SearchSpent(BaseException):
+    """The search's budget (runs or time) is spent with nothing found: ends hypothesis's
+    run at once (a BaseException is not a failing test to hypothesis)."""
+
+
 class _Failing(Exception):
     """Raised inside the hypothesis test for a failing schedule: its key."""
 
@@ -288,6 +293,8 @@ class _Search:
         """The schedule's verdict, from an earlier run or a new one; None when the budget
         is spent (the schedule is then not run, and passes for hypothesis: the best failure
         stays what was really seen)."""
+        if self.stage == "search" and not self.budget_left():
+            raise _SearchSpent()
         spec = self.base.spec.model_copy(update={"faults": list(schedule), "explore": None})
         key = self.key(spec)
         if key in self.tried:
@@ -397,7 +404,9 @@ def explore(
           if database is not None else None)
 
     @settings(
-        max_examples=max(1, runs), database=db, deadline=None,
+        # Schedules that come out alike (each is run once) do not count against `runs`, so
+        # hypothesis may call more often; the search ends when `runs` schedules have run.
+        max_examples=max(1, runs) * 5, database=db, deadline=None,
         phases=[Phase.reuse, Phase.generate, Phase.shrink],
         report_multiple_bugs=False, suppress_health_check=list(HealthCheck),
         verbosity=Verbosity.quiet, print_blob=False,
@@ -415,6 +424,8 @@ def explore(
     try:
         with _quiet_hypothesis():
             attempt()
+        exploration.stopped = "time" if search.out_of_time() else "budget"
+    except _SearchSpent:
         exploration.stopped = "time" if search.out_of_time() else "budget"
     except _Failing as failing:
         exploration.stopped = "found"

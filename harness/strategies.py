@@ -36,7 +36,15 @@ from hypothesis import assume
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from harness._space import FAMILY_ORDER, ROLES, KindChoice, ParamDraw, Space, resolve
+from harness._space import (
+    AFTER_A_FAILURE,
+    FAMILY_ORDER,
+    ROLES,
+    KindChoice,
+    ParamDraw,
+    Space,
+    resolve,
+)
 from harness.spec import (
     FAULT_MODELS,
     CommandSystem,
@@ -243,7 +251,16 @@ def _drafts(space: Space) -> st.SearchStrategy[_Draft]:
     return draft()
 
 
+def _starts(draft: _Draft) -> bool:
+    """Whether the fault can land in a run that nothing else has failed yet."""
+    if draft.trigger == "event":
+        return draft.event not in AFTER_A_FAILURE
+    return draft.trigger != "step" or draft.phase not in AFTER_A_FAILURE
+
+
 def _assemble(space: Space, drafts: list[_Draft]) -> list[_FaultBase]:
+    # A schedule whose every fault waits for a failure never starts: no run is spent on it.
+    assume(any(_starts(d) for d in drafts))
     schedule: list[_FaultBase] = []
     previous: int | None = None
     for d in drafts:
