@@ -322,3 +322,37 @@ def test_run_schedule_runs_exactly_the_yaml_it_would_write(
     result = engine.run_schedule(base, schedule)
     assert result.passed
     assert fake.ran == ["process.kill rank 1 @ step 3"]
+
+
+def test_the_live_view_and_plain_lines_show_runs_failures_and_findings(
+    base: LoadedScenario, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import io
+
+    from rich.console import Console
+
+    from harness.report import ExploreLiveObserver, ExplorePlainObserver
+
+    stand_in(monkeypatch, second_fault_during_recovery)
+    plain = io.StringIO()
+    run(base, tmp_path, observer=ExplorePlainObserver(Console(file=plain, width=200)))
+    lines = plain.getvalue().splitlines()
+    assert lines[0].startswith("[stand-in] exploring ")
+    assert any(" search   FAIL " in line for line in lines)
+    assert any(" confirm  FAIL " in line for line in lines)
+    assert "FAILING SCHEDULE: process.kill rank 0 @ step 1" in plain.getvalue()
+    assert "runs/min" in plain.getvalue()
+
+    screen = io.StringIO()
+    console = Console(file=screen, force_terminal=True, width=80)
+    view = ExploreLiveObserver(console)
+    with view:
+        found = run(base, tmp_path / "live", observer=view)
+        panel = io.StringIO()
+        Console(file=panel, width=80).print(view._render())
+    text = panel.getvalue()
+    assert f"runs {found.count('search')}/40 searched" in text
+    assert "failures " in text
+    assert "shrink runs " in text
+    assert "explore stand-in · seed 0" in text
+    assert "FAILING SCHEDULE" in screen.getvalue()
