@@ -20,6 +20,7 @@ from harness.spec import (
     CommandSystem,
     EventTrigger,
     Explore,
+    FileTrigger,
     KindSpace,
     ParamSpan,
     Phase,
@@ -101,6 +102,13 @@ class EventChoice:
 
 
 @dataclass(frozen=True, slots=True)
+class FileChoice:
+    file: str
+    when: str
+    count: tuple[int, int]
+
+
+@dataclass(frozen=True, slots=True)
 class Layout:
     """Who there is to hit."""
 
@@ -121,6 +129,7 @@ class Space:
     steps: tuple[int, int] | None
     phases: tuple[str, ...]
     events: tuple[EventChoice, ...]
+    files: tuple[FileChoice, ...]
     time_ms: tuple[int, int] | None
     spacing: tuple[int, int] | None
 
@@ -188,8 +197,12 @@ def default_triggers(system: System) -> TriggerSpace:
         events += (["checkpoint_saved", "checkpoint_loaded"] if system.recovery == "restart"
                    else ["recovery_done"])
         phases = [p for p in _TRAIN_PHASES if p in _known_phases()]
+        # Inside a save, seen from outside: a step's folder appears, a shard is published.
+        files = [FileTrigger(file="step_*"), FileTrigger(file="step_*/rank_*.json")] \
+            if system.recovery == "restart" else []
         return TriggerSpace(step=Span(min=1, max=system.steps), phases=phases,
-                            events=[EventTrigger.model_validate(e) for e in events])
+                            events=[EventTrigger.model_validate(e) for e in events],
+                            files=files)
     if isinstance(system, ServerSystem):
         half = max(1, system.load.requests // 2)
         return TriggerSpace(events=[
@@ -267,6 +280,13 @@ def resolve(system: System, explore: Explore | None) -> Space:
             problems.append(((*where_at, "events", index, "count", "min"),
                              "an event's first occurrence is 1"))
         events.append(EventChoice(trigger.event, (count.min, count.max)))
+    files = []
+    for index, watched in enumerate(at.files):
+        count = watched.count or at.count
+        if count.min < 1:
+            problems.append(((*where_at, "files", index, "count", "min"),
+                             "a file's first occurrence is 1"))
+        files.append(FileChoice(watched.file, watched.when, (count.min, count.max)))
     time_ms = None
     if at.time is not None:
         time_ms = (_ms(at.time.min), _ms(at.time.max))
@@ -306,6 +326,7 @@ def resolve(system: System, explore: Explore | None) -> Space:
         steps=steps,
         phases=tuple(at.phases),
         events=tuple(events),
+        files=tuple(files),
         time_ms=time_ms,
         spacing=spacing,
     )

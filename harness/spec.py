@@ -983,6 +983,26 @@ class EventTrigger(_Strict):
         return {"event": value} if isinstance(value, str) else value
 
 
+class FileTrigger(_Strict):
+    """A file a searched fault may wait for (`at: {file, when, count}`), e.g. a checkpoint
+    shard appearing: a moment inside a save that needs no cooperation from the job."""
+
+    file: str = Field(description="a glob relative to the fault's root, as for `at.file`")
+    when: FileWhen = "created"
+    count: Span | None = Field(None, description="occurrences to wait for; default: `at.count`")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bare_file(cls, value: Any) -> Any:
+        return {"file": value} if isinstance(value, str) else value
+
+    @field_validator("file")
+    @classmethod
+    def _a_glob(cls, value: str) -> str:
+        At(file=value)  # the same rules as a fault's own `at.file`
+        return value
+
+
 class TriggerSpace(_Strict):
     """When searched faults may fire. Only the families named here are used; leave the whole
     block out for the system's defaults (docs/explore.md)."""
@@ -993,13 +1013,16 @@ class TriggerSpace(_Strict):
         "target: these fault points (and none, the step's first opportunity)")
     events: list[EventTrigger] = Field(
         default_factory=list, description="at: {event: NAME, count: K}")
-    count: Span = Field(Span(min=1, max=2), description="default occurrences of an event")
+    files: list[FileTrigger] = Field(
+        default_factory=list, description="at: {file: GLOB, when: W, count: K}")
+    count: Span = Field(Span(min=1, max=2),
+                        description="default occurrences of an event or a file")
     time: TimeSpan | None = Field(None, description="at: {time: T} after launch")
 
     @model_validator(mode="after")
     def _some_trigger(self) -> TriggerSpace:
-        if self.step is None and not self.events and self.time is None:
-            raise ValueError("give at least one of `step`, `events` or `time`")
+        if self.step is None and not self.events and not self.files and self.time is None:
+            raise ValueError("give at least one of `step`, `events`, `files` or `time`")
         if self.phases and self.step is None:
             raise ValueError("`phases` needs `step`")
         return self

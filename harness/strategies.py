@@ -152,11 +152,13 @@ class _Draft:
     kind: KindChoice
     params: dict[str, Any]
     targets: tuple[dict[str, Any], ...]  # one target, or one per rank of a group
-    trigger: str  # step | event | time
+    trigger: str  # step | event | file | time
     step: int = 0
     gap: int = 0
     phase: str | None = None
     event: str = ""
+    file: str = ""
+    when: str = "created"
     count: int = 1
     time_ms: int = 0
 
@@ -218,6 +220,7 @@ def _drafts(space: Space) -> st.SearchStrategy[_Draft]:
     from it to a rank, or from an event to a step."""
     triggers = [t for t, there in (("step", space.steps is not None),
                                    ("event", bool(space.events)),
+                                   ("file", bool(space.files)),
                                    ("time", space.time_ms is not None)) if there]
     layout = space.layout
     widest = max(layout.ranks or 1, layout.replicas, layout.shards)
@@ -234,6 +237,8 @@ def _drafts(space: Space) -> st.SearchStrategy[_Draft]:
         phase = draw(st.sampled_from((None, *space.phases))) if space.phases else None
         event = draw(st.sampled_from(space.events)) if space.events else None
         count = draw(st.integers(*event.count)) if event else 1
+        watched = draw(st.sampled_from(space.files)) if space.files else None
+        file_count = draw(st.integers(*watched.count)) if watched else 1
         time_ms = draw(st.integers(*space.time_ms)) if space.time_ms else 0
         if kind.targeted and family not in kind.families:
             # A family this kind cannot use (a role, for a fault applied inside the target):
@@ -245,6 +250,9 @@ def _drafts(space: Space) -> st.SearchStrategy[_Draft]:
         inside = kind.in_process or phase is not None
         targets = _targets(draw, space, kind, family, index, inside=inside)
         params = {p.name: _draw_param(draw, p) for p in kind.params}
+        if trigger == "file" and watched is not None:
+            return _Draft(kind, params, targets, trigger, file=watched.file,
+                          when=watched.when, count=file_count)
         return _Draft(kind, params, targets, trigger, step=step, gap=gap, phase=phase,
                       event=event.event if event else "", count=count, time_ms=time_ms)
 
@@ -274,6 +282,12 @@ def _assemble(space: Space, drafts: list[_Draft]) -> list[_FaultBase]:
             at = {"step": step} if d.phase is None else {"step": step, "phase": d.phase}
         elif d.trigger == "event":
             at = {"event": d.event} if d.count == 1 else {"event": d.event, "count": d.count}
+        elif d.trigger == "file":
+            at = {"file": d.file}
+            if d.when != "created":
+                at["when"] = d.when
+            if d.count != 1:
+                at["count"] = d.count
         else:
             at = {"time": timedelta(milliseconds=d.time_ms)}
         for target in d.targets:

@@ -25,7 +25,7 @@ from harness.spec import LoadedScenario, load_scenario
 
 pytest.importorskip("torch")
 
-pytestmark = [pytest.mark.slow, pytest.mark.explore, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.explore, pytest.mark.timeout(1200)]
 
 BROKEN = ROOT / "tests" / "fixtures" / "broken" / "explore"
 VARIANT_ENV = "AFTERSHOCK_INJECT_BROKEN_TRAINER"
@@ -128,7 +128,8 @@ def test_explore_finds_a_crash_loop_guard_that_throws_a_good_checkpoint_away(
     proc = cli("run", str(shipped), "--run-dir", str(tmp_path / "shipped"),
                cache=Path(os.environ["AFTERSHOCK_CACHE_DIR"]), timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:]
-    assert read_events(tmp_path / "shipped" / "events.jsonl", "test_bug")
+    (shipped_run,) = (tmp_path / "shipped").glob("*/events.jsonl")
+    assert read_events(shipped_run, "test_bug")  # the broken trainer ran, and passed
 
 
 def test_explore_finds_a_start_that_refuses_a_torn_first_save(tmp_path: Path) -> None:
@@ -142,7 +143,7 @@ def test_explore_finds_a_start_that_refuses_a_torn_first_save(tmp_path: Path) ->
                     expect="  completes: true\n  params_match: fault_free",
                     space="  faults: {min: 1, max: 2}\n  kinds: [process.kill]\n"
                           "  targets: [rank]\n"
-                          "  at: {step: {min: 1, max: 30}, phases: [save, restore]}")
+                          "  at: {step: {min: 1, max: 20}, phases: [save]}")
     found = search(base, tmp_path, seed=0)
     (finding,) = found.findings
     assert finding.status == "confirmed", finding
@@ -158,7 +159,8 @@ def test_explore_finds_a_start_that_refuses_a_torn_first_save(tmp_path: Path) ->
     proc = cli("run", str(shipped), "--run-dir", str(tmp_path / "shipped"),
                cache=Path(os.environ["AFTERSHOCK_CACHE_DIR"]), timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:]
-    assert read_events(tmp_path / "shipped" / "events.jsonl", "test_bug")
+    (shipped_run,) = (tmp_path / "shipped").glob("*/events.jsonl")
+    assert read_events(shipped_run, "test_bug")  # the broken trainer ran, and passed
 
 
 def _with_variant(shipped: Path, variant: str, tmp_path: Path) -> Path:

@@ -111,6 +111,10 @@ def inside(space: Space, spec: Scenario) -> None:
         elif at.event is not None:
             (choice,) = [e for e in space.events if e.event == at.event]
             assert choice.count[0] <= at.count <= choice.count[1]
+        elif at.file is not None:
+            (choice,) = [f for f in space.files if f.file == at.file]
+            assert at.when == choice.when
+            assert choice.count[0] <= at.count <= choice.count[1]
         elif at.time is not None:
             assert space.time_ms is not None
             assert space.time_ms[0] <= at.time.total_seconds() * 1000 <= space.time_ms[1]
@@ -240,6 +244,8 @@ def test_defaults_come_from_the_system() -> None:
     assert "spare" not in restart.kinds[0].families
     assert restart.steps == (1, 60)
     assert {e.event for e in restart.events} >= {"checkpoint_loaded", "failure_detected"}
+    assert {f.file for f in restart.files} == {"step_*", "step_*/rank_*.json"}
+    assert spare.files == ()  # no checkpoint files to watch
     assert server.kinds[0].families == ("worker", "random", "majority")
     assert server.steps is None
     assert "first_token" in {e.event for e in server.events}
@@ -278,9 +284,10 @@ BASE = TRAINER.replace("RECOVERY", "restart")
     ("explore:\n  at: {events: [hello], phases: [backward]}\n",
      "11:7: explore.at: `phases` needs `step`"),
     ("explore:\n  at: {count: {min: 1, max: 3}}\n",
-     "11:7: explore.at: give at least one of `step`, `events` or `time`"),
+     "11:7: explore.at: give at least one of `step`, `events`, `files` or `time`"),
     ("explore:\n  spacing: {min: 1, max: 3}\n  at: {events: [hello]}\n",
      "11:12: explore.spacing: spaces step triggers: needs `at.step`"),
+    ("explore:\n  at: {files: [../x]}\n", "11:16: explore.at.files.0: "),
     ("explore:\n  faults: {min: 3, max: 2}\n", "11:11: explore.faults: max (2) is below min (3)"),
 ])
 def test_a_space_that_does_not_fit_is_refused_at_its_place(
