@@ -293,6 +293,11 @@ def resolve(system: System, explore: Explore | None) -> Space:
         if at.time.max > system.timeout:
             problems.append(((*where_at, "time", "max"), "is past the run's timeout "
                              f"({system.timeout.total_seconds():g}s)"))
+    if steps is None and time_ms is None and not files and all(
+            e.event in AFTER_A_FAILURE for e in events):
+        problems.append((where_at or ("at",), "every trigger waits for a failure, so no "
+                         "schedule can start: add `step`, `time`, `files` or an event that "
+                         "happens without one"))
     spacing = (explore.spacing.min, explore.spacing.max) if explore.spacing else None
     if spacing is not None and steps is None:
         problems.append((("spacing",), "spaces step triggers: needs `at.step`"))

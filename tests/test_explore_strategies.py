@@ -288,6 +288,8 @@ BASE = TRAINER.replace("RECOVERY", "restart")
     ("explore:\n  spacing: {min: 1, max: 3}\n  at: {events: [hello]}\n",
      "11:12: explore.spacing: spaces step triggers: needs `at.step`"),
     ("explore:\n  at: {files: [../x]}\n", "11:16: explore.at.files.0: "),
+    ("explore:\n  at: {events: [failure_detected]}\n", "11:7: explore.at: every trigger "
+     "waits for a failure"),
     ("explore:\n  faults: {min: 3, max: 2}\n", "11:11: explore.faults: max (2) is below min (3)"),
 ])
 def test_a_space_that_does_not_fit_is_refused_at_its_place(
