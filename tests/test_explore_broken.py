@@ -20,8 +20,9 @@ from typing import Any
 import pytest
 from _helpers import ROOT, cli, read_events
 
+from harness import runner
 from harness.explore import Exploration, explore, judge, run_schedule
-from harness.spec import LoadedScenario, load_scenario
+from harness.spec import LoadedScenario, Scenario, load_scenario
 
 pytest.importorskip("torch")
 
@@ -91,8 +92,24 @@ def _cache(shared_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AFTERSHOCK_CACHE_DIR", str(shared_cache))
 
 
+@pytest.fixture(autouse=True)
+def twins(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every execution of a fault-free twin in the test's process: explore prepares one
+    before the search (none when the session's cache has it) and no run reruns it."""
+    ran: list[str] = []
+    execute = runner.execute
+
+    def counting(spec: Scenario, **kwargs: Any) -> Any:
+        if kwargs.get("phase") == "fault-free baseline":
+            ran.append(spec.name)
+        return execute(spec, **kwargs)
+
+    monkeypatch.setattr(runner, "execute", counting)
+    return ran
+
+
 def test_explore_finds_a_crash_loop_guard_that_throws_a_good_checkpoint_away(
-    tmp_path: Path
+    tmp_path: Path, twins: list[str]
 ) -> None:
     """After a resume, the broken trainer notes the step until its next commit and takes a
     world that dies before then for a crash loop caused by that checkpoint: it withdraws it.
@@ -109,6 +126,7 @@ def test_explore_finds_a_crash_loop_guard_that_throws_a_good_checkpoint_away(
                           "  targets: [rank]\n"
                           "  at: {step: {min: 21, max: 39}, events: [checkpoint_loaded]}")
     found = search(base, tmp_path, seed=0)
+    assert len(twins) <= 1, twins  # the fault-free twin: at most once, before the search
     (finding,) = found.findings
     assert finding.status == "confirmed", finding
     assert finding.failed_checks == ("checkpoint_durable",)
@@ -135,7 +153,9 @@ def test_explore_finds_a_crash_loop_guard_that_throws_a_good_checkpoint_away(
     assert read_events(shipped_run, "test_bug")  # the broken trainer ran, and passed
 
 
-def test_explore_finds_a_start_that_refuses_a_torn_first_save(tmp_path: Path) -> None:
+def test_explore_finds_a_start_that_refuses_a_torn_first_save(
+    tmp_path: Path, twins: list[str]
+) -> None:
     """With nothing committed to resume from, the broken trainer refuses to start from
     scratch over a step folder that holds every rank's shard but no COMMIT. Only a kill
     inside the first save, after the shard writes and before the commit (the trainer's
@@ -148,6 +168,7 @@ def test_explore_finds_a_start_that_refuses_a_torn_first_save(tmp_path: Path) ->
                           "  targets: [rank]\n"
                           "  at: {step: {min: 1, max: 20}, phases: [save]}")
     found = search(base, tmp_path, seed=0)
+    assert len(twins) <= 1, twins
     (finding,) = found.findings
     assert finding.status == "confirmed", finding
     assert "completes" in finding.failed_checks
