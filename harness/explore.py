@@ -290,9 +290,9 @@ class _Search:
         return done < (self.runs if self.stage == "search" else self.shrink_runs)
 
     def verdict_of(self, schedule: Sequence[_FaultBase]) -> Verdict | None:
-        """The schedule's verdict, from an earlier run or a new one; None when the budget
-        is spent (the schedule is then not run, and passes for hypothesis: the best failure
-        stays what was really seen)."""
+        """The schedule's verdict, from an earlier run or a new one. Past the search's
+        budget the search ends (_SearchSpent); past the shrinking's, None: the schedule is
+        not run and passes for hypothesis, so the best failure stays one really seen."""
         if self.stage == "search" and not self.budget_left():
             raise _SearchSpent()
         spec = self.base.spec.model_copy(update={"faults": list(schedule), "explore": None})
