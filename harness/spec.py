@@ -1581,9 +1581,12 @@ def _decode(data: bytes, file: str) -> str:
 
 
 def to_yaml(spec: Scenario) -> str:
-    """``spec`` as scenario YAML that parses back to an equal Scenario (keys left at their
-    defaults are left out; durations are written exactly, in ms or s)."""
-    data = _plain(spec.model_dump(mode="python", exclude_defaults=True))
+    """``spec`` as scenario YAML that parses back to an equal Scenario: the keys its author
+    (or the code that built it) gave, defaults left implicit as they were; durations
+    exactly, in ms or s."""
+    data = _plain(spec.model_dump(mode="python", exclude_unset=True))
+    if data.get("explore", "") is None:
+        del data["explore"]
     # A fault reads kind first, as people write it (the model lists its own fields last).
     data["faults"] = [{"kind": f.pop("kind"), **f} for f in data.get("faults", [])]
     if not data["faults"]:
