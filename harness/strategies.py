@@ -19,7 +19,7 @@ it. ``aftershock explore`` searches with these, and so can your own tests::
 A schedule is a list of faults of the same types a scenario's ``faults:`` holds
 (``harness.spec.Fault``), so a failing one is a scenario to keep (``harness.spec.to_yaml``).
 Shrinking goes toward fewer faults, earlier and simpler triggers (a step before an event
-before a time; the first phase, none, before a named fault point), the first kind and
+before a file before a time; no fault point before a named one), the first kind and
 parameter value declared, and simpler targets (one rank before a random pick, a replica, a
 shard, a majority, every rank). Every choice comes from hypothesis, so the same seed gives the
 same schedules.
@@ -147,7 +147,8 @@ def with_schedule(base: Scenario, schedule: Sequence[_FaultBase]) -> Scenario:
 
 @dataclass(frozen=True, slots=True)
 class _Draft:
-    """One drawn fault before its step is placed (spacing depends on the ones before)."""
+    """One drawn fault before its step is placed (spacing depends on the ones before); a
+    group target makes it several faults with one trigger."""
 
     kind: KindChoice
     params: dict[str, Any]
