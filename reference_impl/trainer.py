@@ -453,6 +453,16 @@ def train(cfg: TrainConfig, layout: Layout, world: int, device: torch.device,
         checkpoint.write_atomic(out / f"rank_{rank}.pt", buffer.getvalue())
 
 
+def report_restart() -> None:
+    """A world that torchrun restarted says so: the previous world failed. Usually a
+    survivor reported that failure already; when every rank died at once, nobody did, and
+    without this the failure was never acknowledged at all (found by `aftershock explore`:
+    scenarios/explore/found/kill_every_rank_restart.yaml). Rank 0 says it, once per world."""
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restarts and os.environ.get("RANK") == "0":
+        probe.detected(cause="restarted: the launcher replaced a failed world", restart=restarts)
+
+
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     if cfg.recovery != "restart":
@@ -463,6 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     # Until the groups are up, keep Python's default SIGTERM action: it kills the process at
     # once, even inside a blocking C++ rendezvous that may wait for a long time.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    report_restart()
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if cfg.replicas == 0:  # derive it from the world
