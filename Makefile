@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv demo test test-fast test-scenarios fuzz lint typecheck docs bench clean docker-engine
+.PHONY: venv demo test test-fast test-scenarios test-explore fuzz lint typecheck docs bench clean docker-engine
 
 venv: $(STAMP)
 
@@ -21,9 +21,10 @@ $(STAMP): pyproject.toml
 demo: venv
 	$(VENV)/bin/aftershock run scenarios/training/
 
-# Everything but the sweep over every shipped scenario, which CI runs as its own step.
+# Everything but the sweep over every shipped scenario and the search for broken trainers,
+# which CI runs as steps of their own.
 test: venv
-	$(PY) -m pytest -m "not scenarios"
+	$(PY) -m pytest -m "not scenarios and not explore"
 
 # Every shipped scenario, through the CLI and the pytest plugin, with its timeline evidence.
 test-scenarios: venv
@@ -35,8 +36,13 @@ test-scenarios: venv
 docker-engine: venv
 	ci/docker-engine $(PY)
 
+# aftershock explore against deliberately broken reference trainers that every shipped
+# scenario misses: each must be found and shrunk within 40 runs (tests/test_explore_broken.py).
+test-explore: venv
+	$(PY) -m pytest -m explore
+
 test-fast: venv
-	$(PY) -m pytest -m "not slow and not scenarios"
+	$(PY) -m pytest -m "not slow and not scenarios and not explore"
 
 # 10,000 malformed scenario files through the loader, and 1,250 of them through
 # `aftershock validate` under CPU and memory limits (tests/test_fuzz_spec.py; `make test` runs
@@ -55,13 +61,15 @@ lint: venv
 docs: venv
 	$(PY) -m faults.catalogue docs/faults.md
 
-# Side-by-side benchmarks (docs/benchmarks.md, docs/serving.md). torchft is installed without its
+# Side-by-side benchmarks (docs/benchmarks.md, docs/serving.md), then what `aftershock run` costs
+# beyond the job itself on a shipped scenario (bench/harness_overhead.py). torchft is installed without its
 # dependencies so it cannot pull a CUDA build of torch over the pinned CPU one.
 bench: venv
 	$(PY) -m pip install --quiet --no-deps torchft==0.2.0
 	$(PY) -m pip install --quiet opentelemetry-api opentelemetry-sdk opentelemetry-exporter-otlp-proto-http
 	$(PY) -m bench
 	$(PY) -m bench.serving
+	$(PY) -m bench.harness_overhead
 
 clean:
 	rm -rf .aftershock .pytest_cache .mypy_cache .ruff_cache .hypothesis *.egg-info

@@ -23,6 +23,10 @@ class AftershockHooks:
     def pytest_aftershock_result(self, item: pytest.Item, result: Any) -> None:
         """Called with each scenario's RunResult (harness.records) after it ran."""
 
+    def pytest_aftershock_exploration(self, item: pytest.Item, exploration: Any) -> None:
+        """Called with each scenario's Exploration (harness.explore) after
+        ``--aftershock-explore`` searched it."""
+
 
 def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
     pluginmanager.add_hookspecs(AftershockHooks)
@@ -36,6 +40,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="keep each scenario's run folder under this folder")
     group.addoption("--aftershock-no-cache", action="store_true", default=False,
                     help="re-run fault-free baselines instead of reusing cached ones")
+    group.addoption("--aftershock-explore", type=int, default=None, metavar="N",
+                    help="explore every collected scenario that has an `explore:` block: "
+                    "try N fault schedules, shrink what fails (docs/explore.md)")
+    group.addoption("--aftershock-explore-seed", type=int, default=None,
+                    help="seed of the search (default: random, shown with each result)")
     parser.addini("aftershock_collect", type="bool", default=True,
                   help="collect scenario YAML files (files with a top-level `system:` key)")
 
@@ -58,6 +67,41 @@ def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Col
     if explicit or _SCENARIO_HINT.search(text):
         return ScenarioFile.from_parent(parent, path=file_path)
     return None
+
+
+class AftershockFixture:
+    """What the ``aftershock`` fixture gives a test: harness.api, with each run in the
+    test's own temporary folder and the command line's --aftershock-* options applied."""
+
+    def __init__(self, root: Path, config: pytest.Config) -> None:
+        self.root = root
+        self._config = config
+        self._runs = 0
+
+    def load(self, path: str | Path) -> Any:
+        from harness import api
+        return api.load(path)
+
+    def loads(self, text: str, *, folder: str | Path = ".") -> Any:
+        from harness import api
+        return api.loads(text, folder=folder)
+
+    def run(self, scenario: Any, *, seed: int | None = None, check: bool = False) -> Any:
+        """Run a scenario (a file, or what ``load``/``loads`` gave) into ``root/run-N``;
+        ``check``: fail the test with the check table unless it passed."""
+        from harness import api
+        self._runs += 1
+        option = self._config.getoption("--aftershock-seed")
+        result = api.run(scenario, run_dir=self.root / f"run-{self._runs}",
+                         seed=seed if seed is not None else option,
+                         use_cache=not self._config.getoption("--aftershock-no-cache"))
+        return api.check(result) if check else result
+
+
+@pytest.fixture
+def aftershock(tmp_path: Path, request: pytest.FixtureRequest) -> AftershockFixture:
+    """Run Aftershock scenarios from a test: ``aftershock.run("kill.yaml", check=True)``."""
+    return AftershockFixture(tmp_path, request.config)
 
 
 class ScenarioFile(pytest.File):
@@ -90,6 +134,9 @@ class ScenarioItem(pytest.Item):
         except SpecError as exc:
             raise ScenarioFailed("invalid scenario:\n" + "\n".join(exc.problems)) from None
         run_root = config.getoption("--aftershock-run-dir")
+        if config.getoption("--aftershock-explore") and loaded.spec.explore is not None:
+            self._explore(loaded, Path(run_root) if run_root else None)
+            return
         run_dir = Path(run_root) / loaded.spec.name if run_root else None
         try:
             result = run_scenario(
@@ -107,6 +154,39 @@ class ScenarioItem(pytest.Item):
         if not result.passed:
             failed = ", ".join(c.name for c in result.failed_checks())
             raise ScenarioFailed(f"checks failed: {failed}\n{check_table_text(result)}")
+
+    def _explore(self, loaded: Any, run_root: Path | None) -> None:
+        """Search the scenario's `explore:` space instead of running its own faults once."""
+        __tracebackhide__ = True
+        import random
+
+        from harness.errors import AftershockError
+        from harness.explore import explore
+
+        config = self.config
+        seed = config.getoption("--aftershock-explore-seed")
+        seed = random.randrange(2**32) if seed is None else seed
+        out = (run_root or Path(".aftershock")) / "explore"
+        try:
+            exploration = explore(
+                loaded, runs=config.getoption("--aftershock-explore"), seed=seed, out=out,
+                database=Path(".aftershock") / "hypothesis",
+                use_cache=not config.getoption("--aftershock-no-cache"))
+        except AftershockError as exc:
+            raise ScenarioFailed(f"harness error: {exc}") from None
+        self.user_properties += [("explore_seed", seed), ("explore_runs", exploration.runs),
+                                 ("runs_per_minute", exploration.runs_per_minute)]
+        config.hook.pytest_aftershock_exploration(item=self, exploration=exploration)
+        for finding in exploration.findings:
+            self.add_report_section("call", "explore", f"{finding.status}: {finding.schedule} "
+                                    f"({finding.failures} failed, {finding.passes} passed); "
+                                    f"{finding.file}")
+            if finding.status == "confirmed":
+                raise ScenarioFailed(
+                    f"explore found a failing schedule (seed {seed}, {exploration.runs} runs): "
+                    f"{finding.schedule}\nfailed {finding.failures} of "
+                    f"{finding.failures + finding.passes} run(s): {finding.message}\n"
+                    f"written to {finding.file} (keep it as a regression scenario)")
 
     def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None) -> str:
         if isinstance(excinfo.value, ScenarioFailed):

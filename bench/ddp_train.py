@@ -25,7 +25,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 from bench._worker import add_model_args, exit_on_sigterm, fail
 from harness import probe
-from reference_impl.model import ModelConfig, ParallelMLP, build_layout, synthetic_batch
+from reference_impl.model import (
+    ModelConfig,
+    ParallelMLP,
+    build_layout,
+    param_digest,
+    synthetic_batch,
+)
 
 COMMIT = "COMMIT"
 
@@ -85,6 +91,8 @@ def main() -> int:
                     probe.checkpoint_saved(step, str(folder))
             if args.step_sleep:
                 time.sleep(args.step_sleep)
+        # The bench holds every row's final parameters to the oracle's (bench/oracle.py).
+        probe.params(param_digest(model.module.state_dict()), step=step)
     except RuntimeError as exc:  # Gloo: a peer died or a collective timed out
         fail(exc)
     probe.emit("exit", code=0)

@@ -68,6 +68,11 @@ class Peer:
     fault: bool = True  # run the SIGKILL part (a system without fault tolerance cannot)
     requires: str | None = None  # a strategy the reference trainer must accept, else skipped
     default: bool = True  # part of a plain `make bench`; others run only when named in --only
+    # A faulted job trains to a fixed step and its final parameters are checked. Not for
+    # torchft: its survivors train on alone while the killed group restarts (~12 s), so
+    # they would finish long before it is back; the bench stops those jobs once they are
+    # at full strength again, and their parameters are not checked (torchft's own healing).
+    fixed_end: bool = True
 
 
 def torchrun(nproc: int, max_restarts: int, module: str, args: list[str]) -> list[str]:
@@ -148,7 +153,7 @@ PEERS: tuple[Peer, ...] = (
          fault=False),
     Peer("trainer_no_ckpt", "baseline",
          "reference trainer, checkpoints off (its loop without fault-tolerance work)",
-         trainer("restart", checkpoint_every=0), fault=False, default=False),
+         trainer("restart", checkpoint_every=0), fault=False),
     Peer("restart", "ours",
          f"reference trainer `restart`: torchrun --max-restarts, checkpoint every "
          f"{CHECKPOINT_EVERY}", trainer("restart", checkpoint_every=CHECKPOINT_EVERY)),
@@ -164,6 +169,20 @@ PEERS: tuple[Peer, ...] = (
          trainer("hot_spare", checkpoint_every=0, nproc=WORLD + 1,
                  extra=("--spares=1", "--snapshot-every=1")), requires="hot_spare",
          default=False),
+    # Ablations (with --only), for the breakdown of hot_spare's failure-free overhead: the
+    # same row without its snapshots, without its fingerprints, and without both.
+    Peer("hot_spare_nosnap", "ours", "`hot_spare` without peer snapshots",
+         trainer("hot_spare", checkpoint_every=0, nproc=WORLD + 1,
+                 extra=("--spares=1", "--snapshot-every=0")), requires="hot_spare",
+         default=False),
+    Peer("hot_spare_nofp", "ours", "`hot_spare` without fingerprints (snapshot every 10)",
+         trainer("hot_spare", checkpoint_every=0, nproc=WORLD + 1,
+                 extra=("--spares=1", "--snapshot-every=10", "--fingerprint-every=0")),
+         requires="hot_spare", default=False),
+    Peer("hot_spare_bare", "ours", "`hot_spare` without snapshots or fingerprints",
+         trainer("hot_spare", checkpoint_every=0, nproc=WORLD + 1,
+                 extra=("--spares=1", "--snapshot-every=0", "--fingerprint-every=0")),
+         requires="hot_spare", default=False),
     # A returning replica heals from a live peer, so elastic needs snapshots no more often
     # than hot_spare does.
     Peer("elastic", "ours",
@@ -174,7 +193,7 @@ PEERS: tuple[Peer, ...] = (
          f"torch DDP + torch.save every {CHECKPOINT_EVERY} steps, torchrun --max-restarts",
          ddp(checkpoint_every=CHECKPOINT_EVERY)),
     Peer("torchft", "peer", "torchft 0.2.0 defaults (5 s heartbeat timeout, 60 s timeout)",
-         torchft(heartbeat_timeout_ms=None, timeout_s=None)),
+         torchft(heartbeat_timeout_ms=None, timeout_s=None), fixed_end=False),
     Peer("torchft_1s", "peer", "torchft 0.2.0, 1 s heartbeat timeout, 1 s timeout",
-         torchft(heartbeat_timeout_ms=1000, timeout_s=1.0)),
+         torchft(heartbeat_timeout_ms=1000, timeout_s=1.0), fixed_end=False),
 )

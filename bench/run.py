@@ -28,8 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.peers import PEERS, WORLD, Context, Model, Peer
+from bench.oracle import expected as expected_digests
+from bench.peers import PEERS, REPLICAS, SHARDS, WORLD, Context, Model, Peer
 from harness import metrics
+from harness.oracle import read_membership as oracle_membership
 from harness.records import Event
 
 REPO = Path(__file__).resolve().parent.parent
@@ -44,11 +46,13 @@ class Settings:
     kill_at: int  # failure-free steps before the kill; the rate window ends here
     warmup: int  # steps left out of the rate (process start, first quorum, allocator)
     deadline_s: float  # per job: give up on start, then on recovery, after this long
-    settle_s: float  # keep the job running this long after full strength, then stop it
+    after: int  # a faulted job trains this many steps past kill_at, then its params are checked
 
 
-FULL = Settings(repeat=3, kill_at=100, warmup=20, deadline_s=120.0, settle_s=0.5)
-QUICK = Settings(repeat=1, kill_at=70, warmup=10, deadline_s=90.0, settle_s=0.3)
+FULL = Settings(repeat=3, kill_at=100, warmup=20, deadline_s=120.0, after=20)
+QUICK = Settings(repeat=1, kill_at=70, warmup=10, deadline_s=90.0, after=15)
+SETTLE_S = 0.5  # a job without a fixed end runs this long past full strength, then stops
+CPU_TAIL = 5  # the CPU window ends this many steps before kill_at (the job's own end)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -73,6 +77,34 @@ def _marked_pids(marker: str) -> list[int]:
                 found.append(int(entry.name))
         except OSError:
             continue
+    return found
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of one process so far (/proc/PID/stat, fields 14-15)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[-1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _cmd(pid: int) -> str:
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return ""
+    return " ".join(a.decode(errors="replace") for a in argv if a)
+
+
+def cpu_sample(marker: str) -> dict[int, tuple[float, str]]:
+    """pid -> (CPU seconds so far, command line) for every process of the job."""
+    found = {}
+    for pid in _marked_pids(marker):
+        cpu = _cpu_seconds(pid)
+        if cpu is not None:
+            found[pid] = (cpu, _cmd(pid))
     return found
 
 
@@ -128,16 +160,21 @@ def _append_event(path: Path, record: dict[str, Any]) -> None:
         f.write(json.dumps(record) + "\n")
 
 
-def run_job(peer: Peer, settings: Settings, model: Model, marker: str, keep: Path | None
-            ) -> dict[str, Any]:
+def run_job(peer: Peer, settings: Settings, model: Model, marker: str, keep: Path | None,
+            oracle_cache: dict[str, dict[int, str]] | None = None) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix=f"aftershock-bench-{peer.name}-"))
     events_path = workdir / "events.jsonl"
-    steps = 1_000_000 if peer.fault else settings.kill_at
+    # A faulted job trains a fixed number of steps past the kill and ends by itself, so its
+    # final parameters can be held to the oracle's (a fast recovery that is wrong fails).
+    steps = settings.kill_at + settings.after if peer.fault else settings.kill_at
+    if peer.fault and not peer.fixed_end:
+        steps = 1_000_000  # stopped by the bench once back at full strength (Peer.fixed_end)
     ctx = Context(model=model, steps=steps, workdir=workdir, lighthouse_port=_free_port())
     base_env = {
         **os.environ,
         MARKER_ENV: marker,
         "AFTERSHOCK_EVENTS": str(events_path),
+        "AFTERSHOCK_OUTPUT_DIR": str(workdir / "out"),
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
         "PYTHONUNBUFFERED": "1",
         # A restart attempt would otherwise be wasted on stale Gloo addresses (DESIGN.md).
@@ -147,6 +184,10 @@ def run_job(peer: Peer, settings: Settings, model: Model, marker: str, keep: Pat
     tail = EventTail(events_path)
     t_kill: float | None = None
     outcome = "completed"
+    # CPU of every process of the job at rank 0's step `warmup` and `kill_at - CPU_TAIL`:
+    # what a failure-free step costs, by process, whatever else loads the machine.
+    cpu: dict[int, dict[int, tuple[float, str]]] = {}
+    cpu_marks = (settings.warmup, settings.kill_at - CPU_TAIL)
     t0 = time.monotonic()
     try:
         for cmd in peer.commands(ctx):
@@ -162,7 +203,11 @@ def run_job(peer: Peer, settings: Settings, model: Model, marker: str, keep: Pat
         workers = [p for p, n in zip(procs, names, strict=True) if n != "lighthouse"]
         while True:
             time.sleep(0.005)
-            tail.poll()
+            new = tail.poll()
+            for mark in cpu_marks:
+                if mark not in cpu and any(e.event == "step" and e.rank == 0
+                                           and e.fields.get("step") == mark for e in new):
+                    cpu[mark] = cpu_sample(marker)
             if t_kill is None and peer.fault:
                 pid = _kill_target(tail.events, settings.kill_at)
                 if pid is not None:
@@ -171,14 +216,14 @@ def run_job(peer: Peer, settings: Settings, model: Model, marker: str, keep: Pat
                     _append_event(events_path, {"t": t_kill, "event": "fault_injected",
                                                 "source": "bench", "rank": KILL_RANK,
                                                 "pid": pid, "kind": "process.kill"})
-            elif t_kill is not None:
-                recovered = metrics.time_to_recover(tail.events, WORLD)
-                done_at = None if recovered is None else t_kill + recovered + settings.settle_s
-                if done_at is not None and time.monotonic() > done_at:
+            elif t_kill is not None and not peer.fixed_end:
+                recovered = full_strength(tail.events, t_kill, peer)
+                if recovered is not None and time.monotonic() > t_kill + recovered + SETTLE_S:
                     outcome = "recovered"
                     break
             if all(p.poll() is not None for p in workers):
-                outcome = "exited" if t_kill is not None else "completed"
+                codes = [p.returncode for p in workers]
+                outcome = "completed" if not any(codes) else f"exited {codes}"
                 break
             # The deadline counts from the start, then again from the kill: a loaded machine
             # may spend a minute just starting the job.
@@ -194,12 +239,16 @@ def run_job(peer: Peer, settings: Settings, model: Model, marker: str, keep: Pat
             p.wait()
     time.sleep(0.05)
     tail.poll()
-    result = analyse(tail.events, settings, t_kill)
+    result = analyse(tail.events, settings, t_kill, peer)
     result.update(outcome=outcome, wall_s=round(time.monotonic() - t0, 2))
+    result.update(cpu_profile(tail.events, cpu, cpu_marks))
+    if peer.fault and peer.fixed_end:
+        result.update(check_params(peer, tail.events, workdir / "out", model, steps,
+                                   oracle_cache))
     if keep is not None:
         dest = keep / peer.name
         dest.mkdir(parents=True, exist_ok=True)
-        for f in [*workdir.glob("*.log"), events_path]:
+        for f in [*workdir.glob("*.log"), events_path, *workdir.glob("out/*.jsonl")]:
             (dest / f.name).write_bytes(f.read_bytes())
     subprocess.run(["rm", "-rf", str(workdir)], check=False)
     return result
@@ -219,10 +268,129 @@ def _kill_target(events: list[Event], kill_at: int) -> int | None:
 
 
 # ---------------------------------------------------------------------------------------------
+# CPU by process, and correctness
+
+
+def _roles(events: list[Event]) -> dict[int, str]:
+    """pid -> what the process is, from what it said on the timeline."""
+    roles: dict[int, str] = {}
+    for e in events:
+        pid = e.fields.get("pid")
+        if not isinstance(pid, int):
+            continue
+        # What it was first: a spare promoted after the kill was a spare in the window.
+        if e.event == "hello":
+            roles.setdefault(pid, "spare" if e.fields.get("role") == "spare" else "rank")
+        elif e.event == "membership" and e.source == "controller":
+            roles.setdefault(pid, "controller")
+    return roles
+
+
+def cpu_profile(events: list[Event], cpu: dict[int, dict[int, tuple[float, str]]],
+                marks: tuple[int, int]) -> dict[str, Any]:
+    """CPU milliseconds per step between the two marks, in all and by kind of process.
+
+    Only processes alive at both marks count (a failure-free window: nobody dies in it).
+    Ranks, spares and the controller name themselves in their events; the rest is told
+    apart by its command line (torchrun's agent, torchft's lighthouse) or is a supervisor
+    (hot_spare/elastic: the torchrun worker that forks the rank and outlives it)."""
+    first, last = (cpu.get(m) for m in marks)
+    if not first or not last:
+        return {"cpu_ms_per_step": None, "cpu_by_role": None}
+    roles = _roles(events)
+    steps = marks[1] - marks[0]
+    by_role: dict[str, float] = defaultdict(float)
+    for pid, (end, cmd) in last.items():
+        if pid not in first:
+            continue
+        role = roles.get(pid)
+        if role is None:
+            if "torch.distributed.run" in cmd:
+                role = "torchrun agent"
+            elif "lighthouse" in cmd:
+                role = "lighthouse"
+            elif "reference_impl.trainer" in cmd:
+                role = "supervisor"
+            else:
+                role = "other"
+        by_role[role] += (end - first[pid][0]) * 1e3 / steps
+    total = sum(by_role.values())
+    return {"cpu_ms_per_step": total,
+            "cpu_by_role": {k: round(v, 3) for k, v in sorted(by_role.items())}}
+
+
+def _final_digests(events: list[Event]) -> dict[int, str]:
+    """rank -> the digest of its final parameters (the last ``params`` event it sent)."""
+    found: dict[int, str] = {}
+    for e in events:
+        if e.event == "params" and e.rank is not None and isinstance(e.fields.get("digest"), str):
+            found[e.rank] = e.fields["digest"]
+    return found
+
+
+def check_params(peer: Peer, events: list[Event], out: Path, model: Model, steps: int,
+                 cache: dict[str, dict[int, str]] | None) -> dict[str, Any]:
+    """``params_match``: every rank's final digest equals the oracle's for the membership
+    the job trained with (True/False), or None with the reason when not observed."""
+    got = _final_digests(events)
+    if not got:
+        return {"params_match": None, "params_note": "not observed: no final params reported"}
+    if peer.name == "elastic":
+        try:
+            schedule = [[g.first_step, list(g.replicas)]
+                        for g in oracle_membership(out / "membership.jsonl")]
+        except (OSError, ValueError) as exc:
+            return {"params_match": None, "params_note": f"not observed: {exc}"}
+    else:
+        schedule = [[1, list(range(REPLICAS))]]
+    shape = {"replicas": REPLICAS, "shards": SHARDS, "d_model": model.d_model,
+             "hidden": model.hidden, "blocks": model.blocks, "batch_size": model.batch_size}
+    try:
+        want = expected_digests(shape, 0, steps, schedule, cache)
+    except (OSError, subprocess.SubprocessError, ValueError) as exc:
+        return {"params_match": None, "params_note": f"not observed: oracle failed ({exc})"}
+    missing = sorted(set(want) - set(got))
+    if missing:
+        return {"params_match": None, "params_note": f"not observed: ranks {missing} "
+                "reported no final params"}
+    wrong = sorted(r for r in want if got[r] != want[r])
+    if wrong:
+        return {"params_match": False, "params_note": f"ranks {wrong} differ from the oracle"}
+    return {"params_match": True, "params_note": f"{len(want)} ranks equal the oracle "
+            f"(schedule {schedule})"}
+
+
+# ---------------------------------------------------------------------------------------------
 # Metrics (from the job's timeline; definitions in docs/metrics.md and docs/benchmarks.md)
 
 
-def analyse(events: list[Event], settings: Settings, t_kill: float | None) -> dict[str, Any]:
+def full_strength(events: list[Event], t_kill: float, peer: Peer | None = None
+                  ) -> float | None:
+    """Kill -> the first step every rank committed after the detection.
+
+    Ours and torchrun's: ``time_to_recover`` (docs/metrics.md), which also needs those
+    commits to come from one world (one generation). torchft's two replica groups are two
+    torchruns, each with its own restart count, so its ranks never name one generation: for
+    its rows, the first step number that all WORLD ranks committed after the detection, at
+    the time the last of them did."""
+    if peer is None or peer.fixed_end:
+        return metrics.time_to_recover(events, WORLD)
+    t_from = t_kill + (metrics.time_to_detect(events) or 0.0)
+    ranks: dict[int, set[int]] = defaultdict(set)
+    last: dict[int, float] = {}
+    for e in events:
+        step = e.fields.get("step")
+        if e.event != "step" or e.t <= t_from or e.rank is None or not isinstance(step, int):
+            continue
+        ranks[step].add(e.rank)
+        last[step] = max(last.get(step, e.t), e.t)
+        if len(ranks[step]) == WORLD:
+            return last[step] - t_kill
+    return None
+
+
+def analyse(events: list[Event], settings: Settings, t_kill: float | None,
+            peer: Peer | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {"steps_per_s": _rate(events, settings, t_kill)}
     if t_kill is None:
         return out
@@ -246,7 +414,7 @@ def analyse(events: list[Event], settings: Settings, t_kill: float | None) -> di
     out.update(
         detect_s=detect,
         resume_s=None if resumed is None else resumed - t_kill,
-        full_s=metrics.time_to_recover(events, WORLD),
+        full_s=full_strength(events, t_kill, peer),
         lost_steps=max(redone.values(), default=0),
         restarts=metrics.generations(events),
     )
@@ -270,7 +438,8 @@ def _rate(events: list[Event], settings: Settings, t_kill: float | None) -> floa
 # Summary
 
 
-METRICS = ("steps_per_s", "overhead", "detect_s", "resume_s", "full_s", "lost_steps")
+METRICS = ("steps_per_s", "overhead", "cpu_ms_per_step", "cpu_overhead", "detect_s",
+           "resume_s", "full_s", "lost_steps")
 
 
 def _stats(values: list[float | None]) -> dict[str, Any] | None:
@@ -281,15 +450,29 @@ def _stats(values: list[float | None]) -> dict[str, Any] | None:
 
 
 def summarise(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
-    # Overhead is paired per repetition: the row's time per step over plain DDP's, minus 1.
+    # Overheads are paired per repetition: the row's time (CPU) per step over plain DDP's in
+    # the same repetition, minus 1; then the median over repetitions.
     base = runs.get("ddp", [])
     for _name, reps in runs.items():
         for i, rep in enumerate(reps):
-            ddp_rate = base[i].get("steps_per_s") if i < len(base) else None
-            rate = rep.get("steps_per_s")
+            ddp = base[i] if i < len(base) else {}
+            rate, ddp_rate = rep.get("steps_per_s"), ddp.get("steps_per_s")
             rep["overhead"] = ddp_rate / rate - 1 if ddp_rate and rate else None
-    return {name: {m: _stats([r.get(m) for r in reps]) for m in METRICS}
-            for name, reps in runs.items()}
+            cpu, ddp_cpu = rep.get("cpu_ms_per_step"), ddp.get("cpu_ms_per_step")
+            rep["cpu_overhead"] = cpu / ddp_cpu - 1 if cpu and ddp_cpu else None
+    summary: dict[str, dict[str, Any]] = {}
+    for name, reps in runs.items():
+        entry: dict[str, Any] = {m: _stats([r.get(m) for r in reps]) for m in METRICS}
+        checked = [r.get("params_match") for r in reps if "params_match" in r]
+        entry["params"] = None if not checked else {
+            "match": sum(1 for c in checked if c is True),
+            "differ": sum(1 for c in checked if c is False),
+            "not_observed": sum(1 for c in checked if c is None), "n": len(checked)}
+        roles = sorted({k for r in reps for k in (r.get("cpu_by_role") or {})})
+        entry["cpu_by_role"] = {role: _stats([(r.get("cpu_by_role") or {}).get(role)
+                                              for r in reps]) for role in roles}
+        summary[name] = entry
+    return summary
 
 
 def _median(summary: dict[str, dict[str, Any]], name: str, metric: str) -> float | None:
@@ -297,12 +480,31 @@ def _median(summary: dict[str, dict[str, Any]], name: str, metric: str) -> float
     return None if entry is None else entry["median"]
 
 
-def targets(summary: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """Issue 3's targets, each a ratio of two medians from this run."""
+def _correct(summary: dict[str, dict[str, Any]], name: str) -> bool | None:
+    """Every repetition of the row ended with the oracle's parameters (None: not observed)."""
+    params = summary.get(name, {}).get("params")
+    if not params:
+        return None
+    if params["differ"]:
+        return False
+    return True if params["match"] == params["n"] else None
 
-    def check(target: str, value: float | None, limit: float | None, why: str) -> dict[str, Any]:
+
+def targets(summary: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The issue's targets ("Performance"), each from medians of this run. A recovery target
+    counts as met only when every repetition of its row also ended with the oracle's
+    parameters: a fast recovery to wrong parameters is not a fast recovery."""
+
+    def check(target: str, value: float | None, limit: float | None, row: str,
+              *, recovery: bool = False) -> dict[str, Any]:
         met = None if value is None or limit is None else value <= limit
-        return {"target": target, "value": value, "limit": limit, "met": met, "missing": why}
+        note = f"{row} missing" if value is None else "a peer row missing"
+        correct = _correct(summary, row) if recovery else True
+        if correct is False:
+            met, note = False, "wrong parameters"
+        elif met and correct is None:
+            met, note = None, "parameters not observed"
+        return {"target": target, "value": value, "limit": limit, "met": met, "note": note}
 
     def m(name: str, metric: str) -> float | None:
         return _median(summary, name, metric)
@@ -310,19 +512,22 @@ def targets(summary: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     def times(a: float | None, k: float) -> float | None:
         return None if a is None else a * k
 
-    hs, el = "hot_spare", "elastic"
+    hs, el, tn = "hot_spare", "elastic", "trainer_no_ckpt"
     return [
-        check("hot_spare failure-free overhead ≤ 3% vs plain DDP", m(hs, "overhead"), 0.03, hs),
-        check("hot_spare kill → survivors commit ≤ 1/3 torchft default", m(hs, "resume_s"),
-              times(m("torchft", "resume_s"), 1 / 3), hs),
+        check("hot_spare failure-free overhead ≤ 10% vs plain DDP", m(hs, "overhead"), 0.10, hs),
+        check("elastic failure-free overhead ≤ 10% vs plain DDP", m(el, "overhead"), 0.10, el),
+        check("trainer loop alone (trainer_no_ckpt) ≤ 3% vs plain DDP", m(tn, "overhead"),
+              0.03, tn),
+        check("hot_spare kill → full strength ≤ 0.3 s", m(hs, "full_s"), 0.3, hs,
+              recovery=True),
+        check("hot_spare kill → survivors commit ≤ 0.15 s", m(hs, "resume_s"), 0.15, hs,
+              recovery=True),
+        check("hot_spare lost steps = 0", m(hs, "lost_steps"), 0, hs, recovery=True),
+        check("elastic lost steps ≤ 1", m(el, "lost_steps"), 1, el, recovery=True),
         check("hot_spare kill → survivors commit ≤ torchft 1 s", m(hs, "resume_s"),
-              m("torchft_1s", "resume_s"), hs),
+              m("torchft_1s", "resume_s"), hs, recovery=True),
         check("hot_spare kill → full strength ≤ 1/2 torchrun restart", m(hs, "full_s"),
-              times(m("torchrun_ddp", "full_s"), 0.5), hs),
-        check("hot_spare lost steps = 0", m(hs, "lost_steps"), 0, hs),
-        check("elastic failure-free overhead ≤ 1/2 torchft's", m(el, "overhead"),
-              times(m("torchft", "overhead"), 0.5), el),
-        check("elastic lost steps ≤ 1", m(el, "lost_steps"), 1, el),
+              times(m("torchrun_ddp", "full_s"), 0.5), hs, recovery=True),
     ]
 
 
@@ -352,39 +557,76 @@ def _num(value: float | None, digits: int = 2) -> str:
     return "–" if value is None else f"{value:.{digits}f}"
 
 
+def _params_cell(params: dict[str, int] | None) -> str:
+    if params is None:
+        return "–"
+    text = f"{params['match']}/{params['n']}"
+    if params["differ"]:
+        text += f", **{params['differ']} differ**"
+    if params["not_observed"]:
+        text += f", {params['not_observed']} not observed"
+    return text
+
+
+ROLE_ORDER = ("rank", "spare", "controller", "supervisor", "torchrun agent", "lighthouse",
+              "other")
+
+
 def markdown(record: dict[str, Any]) -> str:
     summary, peers = record["summary"], {p["name"]: p for p in record["peers"]}
+    load = record["machine"].get("loadavg_end")
     lines = [
         f"Command: `{record['command']}`  ",
-        f"Machine: {record['machine']['description']}  ",
+        f"Machine: {record['machine']['description']}"
+        + ("" if load is None else f", at the end {load[0]:.1f}") + "  ",
         f"Model: {record['model']['description']}  ",
         f"Repetitions: {record['settings']['repeat']} of {record['settings']['planned']}"
         f"{'' if record['complete'] else ' (interrupted)'}; median (min–max). "
-        f"Kill: SIGKILL of rank {KILL_RANK} when it reports step {record['settings']['kill_at']}.",
+        f"Kill: SIGKILL of rank {KILL_RANK} when it reports step {record['settings']['kill_at']};"
+        f" faulted jobs train to step {record['settings']['kill_at'] + record['settings']['after']}"
+        " and their final parameters are checked against the oracle.",
         "",
-        "| row | what | steps/s | overhead vs DDP | detect s | survivors commit s "
-        "| full strength s | lost steps |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| row | what | steps/s | overhead vs DDP | CPU ms/step | CPU vs DDP | detect s "
+        "| survivors commit s | full strength s | lost steps | params = oracle |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for name, stats in summary.items():
         lines.append(
             f"| `{name}` | {peers[name]['what']} | {_fmt(stats['steps_per_s'], digits=1)} "
-            f"| {_fmt(stats['overhead'], '%', 1, pct=True)} | {_fmt(stats['detect_s'])} "
+            f"| {_fmt(stats['overhead'], '%', 1, pct=True)} "
+            f"| {_fmt(stats['cpu_ms_per_step'], digits=1)} "
+            f"| {_fmt(stats['cpu_overhead'], '%', 1, pct=True)} | {_fmt(stats['detect_s'])} "
             f"| {_fmt(stats['resume_s'])} | {_fmt(stats['full_s'])} "
-            f"| {_fmt(stats['lost_steps'], digits=0)} |"
+            f"| {_fmt(stats['lost_steps'], digits=0)} | {_params_cell(stats.get('params'))} |"
         )
     for name, why in record["skipped"].items():
-        lines.append(f"| `{name}` | skipped: {why} | | | | | | |")
+        lines.append(f"| `{name}` | skipped: {why} | | | | | | | | | |")
+    lines += ["", "Where the CPU goes, failure-free (ms per step, median over repetitions, all "
+              "processes of the job between rank 0's steps "
+              f"{record['settings']['warmup']} and "
+              f"{record['settings']['kill_at'] - CPU_TAIL}):", "",
+              "| row | " + " | ".join(ROLE_ORDER) + " | total |",
+              "| --- |" + " ---: |" * (len(ROLE_ORDER) + 1)]
+    for name, stats in summary.items():
+        roles = stats.get("cpu_by_role") or {}
+        if not roles:
+            continue
+        cells = [_num(roles[r]["median"], 1) if roles.get(r) else "–" for r in ROLE_ORDER]
+        total = stats.get("cpu_ms_per_step")
+        lines.append(f"| `{name}` | " + " | ".join(cells)
+                     + f" | {_num(total['median'] if total else None, 1)} |")
     lines += ["", "| target | value | limit | met |", "| --- | ---: | ---: | --- |"]
     for t in record["targets"]:
-        met = {True: "yes", False: "**no**", None: f"not measured ({t['missing']} missing)"}
-        pct = "overhead" in t["target"]
+        met = {True: "yes", False: "**no**", None: f"not measured ({t['note']})"}[t["met"]]
+        if t["met"] is False and t["note"] == "wrong parameters":
+            met += " (wrong parameters)"
+        pct = "overhead" in t["target"] or "≤ 3%" in t["target"]
         scale = 100.0 if pct else 1.0
         unit = "%" if pct else ""
         value = None if t["value"] is None else t["value"] * scale
         limit = None if t["limit"] is None else t["limit"] * scale
         lines.append(f"| {t['target']} | {_num(value)}{unit} | {_num(limit)}{unit} "
-                     f"| {met[t['met']]} |")
+                     f"| {met} |")
     lines += ["", "Ratios, ours / peer (median over median; < 1 means ours is lower):", "",
               "| ours | peer | survivors commit | full strength | overhead |",
               "| --- | --- | ---: | ---: | ---: |"]
@@ -458,6 +700,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signum, lambda num, frame: sys.exit(128 + num))
     machine = _machine()
     runs: dict[str, list[dict[str, Any]]] = {p.name: [] for p in chosen}
+    oracle_cache: dict[str, dict[int, str]] = {}  # the same schedule needs one computation
     started = time.monotonic()
     command = "python -m bench" + (" --quick" if args.quick else "") + "".join(
         f" --only {n}" for n in sorted(only)) + (f" --repeat {args.repeat}" if args.repeat else "")
@@ -478,7 +721,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"parameters), batch {model.batch_size} per replica, "
                       "2 replicas × 2 shards, Gloo on CPU"},
             "settings": {"repeat": done, "planned": settings.repeat, "kill_at": settings.kill_at,
-                         "warmup": settings.warmup, "kill_rank": KILL_RANK},
+                         "warmup": settings.warmup, "after": settings.after,
+                         "kill_rank": KILL_RANK},
             "peers": [{"name": p.name, "group": p.group, "what": p.what} for p in chosen],
             "skipped": skipped,
             "runs": runs,
@@ -495,7 +739,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for rep in range(settings.repeat):
             for peer in chosen:
-                result = run_job(peer, settings, model, marker, args.keep_logs)
+                result = run_job(peer, settings, model, marker, args.keep_logs, oracle_cache)
                 runs[peer.name].append(result)
                 shown = {k: (round(v, 3) if isinstance(v, float) else v)
                          for k, v in result.items()}

@@ -32,7 +32,7 @@ from torchft import Manager, ProcessGroupGloo
 
 from bench._worker import add_model_args, exit_on_sigterm, fail
 from harness import probe
-from reference_impl.model import Layout, ModelConfig, ParallelMLP, synthetic_batch
+from reference_impl.model import Layout, ModelConfig, ParallelMLP, param_digest, synthetic_batch
 
 
 def _grad(param: torch.Tensor) -> torch.Tensor:
@@ -117,6 +117,8 @@ def main() -> int:
                 time.sleep(args.step_sleep)
     except RuntimeError as exc:  # the tensor-parallel group lost a member: restart the group
         fail(exc)
+    # The bench holds every row's final parameters to the oracle's (bench/oracle.py).
+    probe.params(param_digest(model.state_dict()), step=manager.current_step(), rank=rank)
     probe.emit("exit", code=0, rank=rank)
     manager.shutdown(wait=False)
     os._exit(0)  # torchft's background threads may hold the interpreter otherwise

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 from faults import contract
 from harness import golden, systems
 from harness import metrics as _metrics
+from harness._paths import cache_dir as cache_dir  # re-exported: runner, recheck
 from harness.checks import Outcome
 from harness.records import Event
 from harness.spec import LoadedScenario, Scenario
@@ -38,14 +39,6 @@ class Ran(Protocol):
 
 #: Runs a scenario (the twin) to its end.
 RunTwin = Callable[[Scenario], Ran]
-
-
-def cache_dir() -> Path:
-    explicit = os.environ.get(CACHE_ENV)
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "aftershock"
 
 
 def _code_fingerprint(spec: Scenario, scenario_dir: Path) -> str:

@@ -176,6 +176,135 @@ def run(
     raise typer.Exit(EXIT_FAILED if failed else EXIT_OK)
 
 
+@app.command()
+def explore(
+    paths: Annotated[
+        list[Path], typer.Argument(help="scenario files or folders with an `explore:` block",
+                                   readable=False)
+    ],
+    runs: Annotated[int, typer.Option(min=1, max=100_000,
+                                      help="schedules to try per scenario")] = 30,
+    time_limit: Annotated[str | None, typer.Option(
+        "--time", help="stop searching after this long per scenario (e.g. 10m)")] = None,
+    seed: Annotated[int | None, typer.Option(
+        min=0, max=2**32 - 1, help="seed of the search (default: random, printed); the "
+        "same seed and code give the same schedules")] = None,
+    max_faults: Annotated[int | None, typer.Option(
+        min=1, max=64, help="most faults per schedule (default: the scenario's)")] = None,
+    out_dir: Annotated[Path, typer.Option(
+        "--out", help="write failing schedules (as scenarios) and run folders here",
+        readable=False)] = Path(".aftershock") / "explore",
+    json_out: Annotated[str | None, typer.Option(
+        "--json", help="write what each exploration did as JSON ('-' for stdout)")] = None,
+    shrink_runs: Annotated[int, typer.Option(
+        min=0, max=100_000, help="runs spent shrinking a failure")] = 20,
+    confirm: Annotated[int, typer.Option(
+        min=1, max=100, help="re-runs of a shrunk failure before it is reported")] = 1,
+    db: Annotated[Path | None, typer.Option(
+        help="hypothesis's example database (default .aftershock/hypothesis)",
+        readable=False)] = None,
+    no_db: Annotated[bool, typer.Option(
+        "--no-db", help="no example database: neither replay nor keep failures")] = False,
+    no_cache: Annotated[bool, typer.Option(
+        "--no-cache", help="run the fault-free twin again (once) instead of reusing it")] = False,
+    plain: Annotated[bool, typer.Option(help="plain lines even on a terminal")] = False,
+) -> None:
+    """Search each scenario's `explore:` space for a fault schedule that fails its `expect`;
+    shrink it, re-run it and write it as a scenario (docs/explore.md).
+
+    Exit 0: the budget ran out and nothing failed (a flaky schedule is reported, not a
+    failure); 1: a failing schedule was found, shrunk and written; 2: invalid input; 3: the
+    harness failed; 130/143: interrupted (what was found so far is written).
+    """
+    import secrets
+
+    from harness._duration import parse_duration
+    from harness.errors import AftershockError, HarnessError, SpecError
+    from harness.explore import Exploration, sigterm_unwinds
+    from harness.explore import explore as explore_scenario
+    from harness.report import ExploreLiveObserver, ExplorePlainObserver
+    from harness.runner import Interrupted, RunInterrupted
+    from harness.spec import discover, load_scenario
+
+    problems: list[str] = []
+    limit_s: float | None = None
+    if time_limit is not None:
+        try:
+            limit_s = parse_duration(time_limit).total_seconds()
+        except ValueError as exc:
+            problems.append(f"--time {time_limit}: {exc}")
+    loaded = []
+    try:
+        files = discover(list(paths))
+        if not files:
+            raise SpecError([f"{p}:1:1: no scenario files (*.yaml, *.yml) found" for p in paths])
+        for file in files:
+            try:
+                scenario = load_scenario(file)
+            except SpecError as exc:
+                problems.extend(exc.problems)
+                continue
+            if scenario.spec.explore is None:
+                problems.append(f"{file}:1:1: no `explore:` block: nothing to search (add "
+                                "`explore: {}` to search the system's default space)")
+            loaded.append(scenario)
+    except SpecError as exc:
+        problems.extend(exc.problems)
+    problems += _check_outputs(json_out=json_out, junit=None, run_dir=out_dir)
+    if problems:
+        raise _fail_invalid(problems)
+    search_seed = seed if seed is not None else secrets.randbelow(2**32)
+    console = err if json_out == "-" else out
+    done: list[Exploration] = []
+    code = EXIT_OK
+    try:
+        with sigterm_unwinds():
+            for scenario in loaded:
+                kwargs: dict[str, Any] = dict(
+                    runs=runs, time_limit_s=limit_s, seed=search_seed, max_faults=max_faults,
+                    out=out_dir, shrink_runs=shrink_runs, confirm=confirm, use_cache=not no_cache,
+                    database=None if no_db else (db or Path(".aftershock") / "hypothesis"),
+                    sink=done)
+                if console.is_terminal and not plain:
+                    with ExploreLiveObserver(console) as view:
+                        explore_scenario(scenario, observer=view, **kwargs)
+                else:
+                    explore_scenario(scenario, observer=ExplorePlainObserver(console), **kwargs)
+    except KeyboardInterrupt as exc:
+        err.print("interrupted: every fault was healed and every process ended; what was "
+                  "found so far is written", markup=False)
+        code = (exc.exit_code if isinstance(exc, RunInterrupted)
+                else 143 if isinstance(exc, Interrupted) else 130)
+    except SpecError as exc:
+        for problem in exc.problems:
+            err.print(problem, markup=False, highlight=False)
+        code = EXIT_INVALID
+    except HarnessError as exc:
+        err.print(f"aftershock: harness error: {exc}", markup=False)
+        code = EXIT_HARNESS
+    except AftershockError as exc:
+        err.print(f"aftershock: {exc}", markup=False)
+        code = EXIT_HARNESS
+    except Exception as exc:
+        # Exit 1 means "a failing schedule": a bug of the harness must never read as one.
+        err.print(f"aftershock: harness error: unexpected {type(exc).__name__}: {exc} "
+                  f"(traceback: {_save_traceback()})", markup=False)
+        code = EXIT_HARNESS
+    finally:
+        if json_out is not None:
+            text = json.dumps([e.to_json() for e in done], indent=2) + "\n"
+            if json_out == "-":
+                sys.stdout.write(text)
+            else:
+                Path(json_out).write_text(text)
+    if code == EXIT_OK and any(e.failed for e in done):
+        code = EXIT_FAILED
+    if seed is None:
+        console.print(f"search seed {search_seed} (repeat with --seed {search_seed})",
+                      markup=False, highlight=False)
+    raise typer.Exit(code)
+
+
 def _save_traceback() -> str:
     """The current exception's traceback in a file of its own, for the bug report."""
     import tempfile

@@ -28,10 +28,13 @@ reference systems: a command's platform is not known to the harness.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
+import importlib.util
 import json
 import os
+import platform
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -40,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import systems
+from harness._paths import cache_dir
 from harness.errors import SpecError
 from harness.records import CheckResult
 from harness.spec import LoadedScenario, Scenario, TrainerSystem, load_scenario
@@ -123,14 +127,58 @@ def device_of(spec: Scenario) -> str:
     return systems.of(spec.system).device(spec.system)
 
 
+def _cpu_key(executable: str) -> str | None:
+    """Everything the CPU platform line depends on, without importing torch: the interpreter,
+    the torch installation it imports (its version file, by content and time), the CPU's
+    feature flags (the ISA torch's dispatcher picks from) and ATEN_CPU_CAPABILITY (which can
+    lower it). None when torch cannot be located this way: then nothing is cached."""
+    try:
+        spec = importlib.util.find_spec("torch")
+        origin = spec.origin if spec is not None else None
+        if origin is None:
+            return None
+        version = Path(origin).with_name("version.py")
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith(("flags", "Features"))), "")
+        parts = [os.path.realpath(executable), str(version), version.read_text(),
+                 str(version.stat().st_mtime_ns), flags, platform.machine(),
+                 os.environ.get("ATEN_CPU_CAPABILITY", "")]
+    except (OSError, ImportError, ValueError):
+        return None
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
+
+
+def _cache_file(key: str) -> Path:
+    return cache_dir() / "platform" / f"{key}.txt"
+
+
 @functools.cache
 def _platform(executable: str, device: str) -> str:
+    """The platform line, from torch in a fresh process of ``executable``.
+
+    On CPU the answer is kept on disk under a key of everything it depends on (_cpu_key):
+    asking torch costs a torch import (~4 s of CPU, twice that on a busy 2-core host) in
+    every ``aftershock run``, for an answer that changes only with the installation or the
+    machine. A GPU's line (its name, CUDA) is asked every time."""
+    key = _cpu_key(executable) if device == "cpu" else None
+    cached = _cache_file(key) if key else None
+    if cached is not None:
+        with contextlib.suppress(OSError):
+            line = cached.read_text().strip()
+            if line:
+                return line
     proc = subprocess.run([executable, "-c", _PLATFORM, device], capture_output=True,
                           text=True, timeout=120, check=False)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
         tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         raise RuntimeError(f"cannot tell the platform ({tail})")
+    if cached is not None:
+        with contextlib.suppress(OSError):
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cached.with_name(f".{cached.name}.{os.getpid()}.tmp")
+            tmp.write_text(lines[-1] + "\n")
+            os.replace(tmp, cached)
     return lines[-1]
 
 

@@ -10,6 +10,7 @@ is over or the run ends. A fault that cannot be applied is a record, never a cra
 from __future__ import annotations
 
 import random
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -39,6 +40,25 @@ def fault_params(spec: Any) -> dict[str, Any]:
     """A fault's own parameters as its kind takes them: JSON values, durations in seconds."""
     data = spec.model_dump(exclude={"kind", "target", "at"}, exclude_none=True)
     return {k: (v.total_seconds() if hasattr(v, "total_seconds") else v) for k, v in data.items()}
+
+
+def command_line(pid: int) -> str:
+    """A process's arguments joined by spaces ('' once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            raw = handle.read()
+    except OSError:
+        return ""
+    return raw.rstrip(b"\0").replace(b"\0", b" ").decode(errors="replace")
+
+
+def parent_pid(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            raw = handle.read().decode(errors="replace")
+    except OSError:
+        return None
+    return int(raw[raw.rfind(")") + 2 :].split()[1])
 
 
 @dataclass(slots=True)
@@ -205,6 +225,8 @@ class Injector:
         """The processes ``selector`` (a scenario's ``target``) names now; None while there
         are none (the fault stays due)."""
         target = self._target
+        if selector.filters:
+            return self._choose_processes(selector)
         if selector.role is not None:
             found = target.role_processes(selector.role)
             if not found:
@@ -216,6 +238,17 @@ class Injector:
                 return None
             return _Chosen(dict(enumerate(found)), [0], f"node {selector.node}")
         ranks = target.rank_processes()
+        if selector.index is not None:
+            claimed = getattr(target, "ambiguous_ranks", dict)().get(selector.index)
+            if claimed:
+                # torchft's replica groups each have RANK=0: "rank 0" is whichever had
+                # the lower pid, which no scenario means.
+                raise ValueError(
+                    f"{len(claimed)} processes say RANK={selector.index} (pids "
+                    f"{', '.join(map(str, claimed))}): `rank` cannot tell them apart; name "
+                    "the one meant by another coordinate (`env: {REPLICA_GROUP_ID: '1'}`, "
+                    "`cmdline`, `role: worker`), or have the job announce its rank "
+                    "(a log probe with `event: hello`, docs/own-job.md)")
         if not ranks:
             return None
         if selector.index is not None:
@@ -235,6 +268,33 @@ class Injector:
         else:
             chosen = [self._rng.choice(sorted(ranks))]
         return _Chosen(ranks, chosen, None)
+
+    def _choose_processes(self, selector: Any) -> _Chosen | None:
+        """The live processes an ``env``/``cmdline``/``role: agent|worker`` target names:
+        of a process and its descendants that all match, the topmost; all of them, or one
+        seeded pick."""
+        target = self._target
+        pool = (target.role_processes(selector.role) if selector.role is not None
+                else target.processes())
+        pattern = re.compile(selector.cmdline) if selector.cmdline is not None else None
+        found = []
+        for ref in pool:
+            if selector.env is not None:
+                environ = faults.process_environ(ref.pid)
+                if any(environ.get(k) != v for k, v in selector.env.items()):
+                    continue
+            if pattern is not None and not pattern.search(command_line(ref.pid)):
+                continue
+            found.append(ref)
+        pids = {ref.pid for ref in found}
+        found = sorted((ref for ref in found if parent_pid(ref.pid) not in pids),
+                       key=lambda ref: ref.pid)
+        if not found:
+            return None
+        chosen = list(range(len(found)))
+        if selector.pick == "random":
+            chosen = [self._rng.choice(chosen)]
+        return _Chosen(dict(enumerate(found)), chosen, selector.describe())
 
     def _params(self, index: int) -> dict[str, Any]:
         spec = self._faults[index]

@@ -27,6 +27,7 @@ LogEventKind = Literal[
     "checkpoint_saved",
     "checkpoint_loaded",
     "params",
+    "hello",
 ]
 
 
@@ -46,7 +47,9 @@ class LogProbe(Strict):
 
     pattern: str
     event: LogEventKind
-    stream: Literal["stdout", "stderr", "both"] = "both"
+    stream: Literal["stdout", "stderr", "logs", "both"] = Field(
+        "both", description="which lines it reads: the launcher's stdout or stderr, the "
+        "per-process files a command's `logs` names, or both: every stream")
     clock: Literal["monotonic", "unix"] = Field(
         "monotonic",
         description="what the (?P<time>...) group counts: monotonic: seconds of "
@@ -79,13 +82,20 @@ class LogProbe(Strict):
     def _step_needs_its_number(self) -> LogProbe:
         # A step event without its number moves no step trigger and counts no step: the
         # run would fail later with "trigger step N not reached", naming no cause.
-        if self.event == "step" and "step" not in re.compile(self.pattern).groupindex:
+        groups = re.compile(self.pattern).groupindex
+        if self.event == "hello" and "pid" not in groups:
+            raise ValueError("an `event: hello` probe needs a (?P<pid>...) group in pattern: "
+                             "it says which process is which rank (and `replica`, `shard`, "
+                             "`role`), so faults can target it")
+        if self.event == "step" and "step" not in groups:
             raise ValueError("an `event: step` probe needs a (?P<step>...) group in pattern: "
                              "the step number is what `at: {step}`, every step metric and "
                              "recovery read")
         return self
 
 
+#: Groups whose digits become integers.
+_INTEGRAL = ("step", "rank", "generation", "pid", "replica", "shard")
 _RANK_PREFIX = re.compile(r"^\[(?:default)?(\d+)\]:")
 LINE_SHOWN = 300  # characters of the matched line an event keeps
 #: Beside each ``logs/<name>.log``: one row per line, ``<offset> <monotonic read time>``.
@@ -95,17 +105,40 @@ CompiledProbes = list[tuple[LogProbe, "re.Pattern[str]"]]
 
 
 def compile_probes(probes: Sequence[LogProbe], stream: str) -> CompiledProbes:
-    """The probes that read ``stream`` (stdout or stderr), compiled."""
+    """The probes that read ``stream`` (stdout, stderr, or logs: a per-process file),
+    compiled."""
     return [(p, re.compile(p.pattern)) for p in probes if p.stream in (stream, "both")]
 
 
 def line_events(line: str, compiled: CompiledProbes, *, read_t: float, clock_offset: float,
-                started: float) -> list[Event]:
+                started: float, defaults: dict[str, Any] | None = None) -> list[Event]:
     """Every event ``line`` stands for: each match of each probe, not only the first, so
-    two ranks' reports that one pipe ran together into one line are both counted."""
-    return [log_event(spec, match, line, read_t=read_t, clock_offset=clock_offset,
-                      started=started)
-            for spec, pattern in compiled for match in pattern.finditer(line)]
+    two ranks' reports that one pipe ran together into one line are both counted.
+    ``defaults``: fields the line's stream gives (a per-rank file's rank and attempt) where
+    the pattern gives none."""
+    events = [log_event(spec, match, line, read_t=read_t, clock_offset=clock_offset,
+                        started=started)
+              for spec, pattern in compiled for match in pattern.finditer(line)]
+    for event in events:
+        for key, value in (defaults or {}).items():
+            event.fields.setdefault(key, value)
+    return events
+
+
+#: torchrun's per-process files (``--log-dir D --redirects 3``):
+#: ``D/<run id>/attempt_<restart>/<local rank>/stdout.log``.
+_TORCHRUN_FILE = re.compile(r"attempt_(\d+)/(\d+)/(?:stdout|stderr)\.log$")
+
+
+def file_fields(path: str) -> dict[str, Any]:
+    """What a per-process log file's path says of the lines in it: torchrun's layout gives
+    the (local) rank and the restart count (the world's ``generation``)."""
+    fields: dict[str, Any] = {"stream": path}
+    found = _TORCHRUN_FILE.search(path)
+    if found:
+        fields["generation"] = int(found.group(1))
+        fields["rank"] = int(found.group(2))
+    return fields
 
 
 #: How far a line's own time may lie past the moment it was read (rounding in print, the
@@ -129,7 +162,7 @@ def log_event(spec: LogProbe, match: re.Match[str], line: str, *, read_t: float,
         if key == "time":
             raw_time = value
             continue
-        integral = key in ("step", "rank", "generation") and value.isdigit()
+        integral = key in _INTEGRAL and value.isdigit()
         fields[key] = int(value) if integral else value
     if "rank" not in fields:
         prefix = _RANK_PREFIX.match(line)

@@ -458,9 +458,15 @@ def final_digests(events: Sequence[Event] | Reading) -> dict[int, str]:
 
 def generations(events: Sequence[Event]) -> int:
     """New generations after the first: world restarts under `restart` (torchrun's
-    restart count), membership changes under hot_spare and elastic."""
+    restart count), membership changes under hot_spare and elastic; for a job without
+    ``hello``, the restart counts of the workers its launcher started."""
     seen = {e.fields.get("generation") for e in events if e.event == "hello"}
     seen.discard(None)
+    if not seen:
+        # A job that says nothing of itself: the restart counts of the workers its launcher
+        # started, as the harness saw them in the process tree (process_started).
+        seen = {e.fields.get("generation") for e in events if e.event == "process_started"}
+        seen.discard(None)
     return max(len(seen) - 1, 0)
 
 

@@ -6,10 +6,10 @@ import json
 import re
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 from xml.etree import ElementTree as ET
 
 from rich.console import Console, Group
@@ -20,13 +20,17 @@ from rich.text import Text
 
 from harness.records import Event, RunResult
 
+if TYPE_CHECKING:
+    from harness.explore import Attempt, Exploration, Stage
+    from harness.runner import Observer
+
 #: Events worth a line of their own in the plain and live views.
 NOTABLE = {
     "launch", "fault_prepared", "fault_injected", "fault_healed", "failure_detected",
     "recovery_done",
     "checkpoint_loaded", "checkpoint_skipped", "timeout", "run_end", "fault_armed",
     "fault_failed", "serving_ready", "load_started", "load_finished", "request_migrated",
-    "request_failed", "teardown",
+    "request_failed", "teardown", "trigger_late", "process_started",
 }
 
 
@@ -54,14 +58,23 @@ def describe(event: Event) -> str:
         case "launch":
             return f"launched ({f.get('phase', 'run')}, seed {f.get('seed')})"
         case "fault_injected":
-            hit = (f"role {f['role']}" if "role" in f else
+            # A label with a space names its own coordinate ("REPLICA_GROUP_ID=1 role
+            # worker", "role launcher"); the pid says which process that was.
+            hit = ((str(f["role"]) if " " in str(f["role"]) else f"role {f['role']}")
+                   if "role" in f else
                    f"ranks {', '.join(map(str, f['ranks']))}" if "ranks" in f else
                    f"rank {f.get('rank')}")
-            return f"FAULT {f.get('kind')} -> {hit}: {f.get('detail', '')}"
+            pid = f" (pid {f['pid']})" if isinstance(f.get("pid"), int) else ""
+            return f"FAULT {f.get('kind')} -> {hit}{pid}: {f.get('detail', '')}"
         case "fault_prepared":
             return f"prepared {f.get('kind')}: {f.get('detail', '')}"
         case "fault_armed":
             return f"armed {f.get('kind')}: {f.get('detail', '')}"
+        case "trigger_late":
+            why = (f"; the run's first step was {f.get('first_step')}: did it resume from "
+                   "what an earlier run left?" if f.get("resumed") else "")
+            return (f"WARNING fault {f.get('fault')} ({f.get('kind')}) fired at step "
+                    f"{f.get('step')}, past its trigger `step: {f.get('at_step')}`{why}")
         case "fault_failed":
             return f"FAULT {f.get('kind')} could not be applied: {f.get('error')}"
         case "fault_healed":
@@ -79,7 +92,11 @@ def describe(event: Event) -> str:
         case "timeout":
             return f"TIMEOUT after {f.get('after_s')}s"
         case "run_end":
-            return f"run ended (exit {f.get('exit_code')})"
+            return ("run ended: timed out" if f.get("timed_out") else
+                    f"run ended (exit {f.get('exit_code')})")
+        case "process_started":
+            return (f"{who} started (pid {f.get('pid')}, restart {f.get('generation')})"
+                    if f.get("generation") else f"{who} started (pid {f.get('pid')})")
         case "teardown":
             return _describe_teardown(f)
         case "step":
@@ -198,7 +215,7 @@ class LiveObserver:
         rank = event.rank
         if (rank is not None and event.source != "harness") or event.event == "fault_injected":
             r = s.ranks.setdefault(rank if rank is not None else 0, _RankState())
-            if event.event == "hello":
+            if event.event in ("hello", "process_started"):
                 r.pid = event.fields.get("pid")
                 generation = event.fields.get("generation", 0)
                 r.generation = generation if isinstance(generation, int) else 0
@@ -214,6 +231,11 @@ class LiveObserver:
                 r.status = _text(f"resumed @ {event.fields.get('step')}", "cyan")
             elif event.event == "exit":
                 r.status = Text("done", style="green")
+        if event.event == "run_end":
+            code, timed_out = event.fields.get("exit_code"), event.fields.get("timed_out")
+            for r in s.ranks.values():
+                r.status = (Text("timed out", style="red") if timed_out else
+                            Text(f"exited {code}", style="green" if code == 0 else "red"))
         if event.event in NOTABLE:
             s.log.append(f"+{event.t - s.t0:7.3f}s {describe(event)}")
         self._refresh()
@@ -360,3 +382,178 @@ def junit_xml(results: Sequence[RunResult], html: Path | None = None) -> str:
             ET.SubElement(props, "property", name="html", value=visible(where))
     ET.indent(suite)
     return ET.tostring(suite, encoding="unicode", xml_declaration=True) + "\n"
+
+
+
+# ------------------------------------------------------------------------------ explore
+
+
+def _clock(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    return f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+class _RunProgress:
+    """The runner's observer for one run of an exploration: its phase and newest step."""
+
+    def __init__(self, on_change: Callable[[], None]) -> None:
+        self.what = "starting"
+        self.step: int | None = None
+        self._on_change = on_change
+
+    def phase(self, scenario: str, phase: str, detail: str = "") -> None:
+        self.what = phase
+        self._on_change()
+
+    def event(self, event: Event) -> None:
+        step = event.fields.get("step")
+        if event.event == "step" and isinstance(step, int) and (self.step or 0) < step:
+            self.step = step
+            self._on_change()
+
+    def finished(self, result: RunResult) -> None:
+        pass
+
+
+def _attempt_line(attempt: Attempt, name: str = "") -> str:
+    verdict = {"pass": "pass", "fail": "FAIL", "discarded": "discarded"}[attempt.verdict]
+    why = f"  {attempt.reason}" if attempt.reason else ""
+    head = f"[{name}] " if name else ""
+    return (f"{head}run {attempt.index:3d} {attempt.stage:8} {verdict:9} "
+            f"{attempt.duration_s:6.1f}s  {attempt.schedule}{why}")
+
+
+class ExplorePlainObserver:
+    """`aftershock explore` off a terminal: a line per run and per stage."""
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+        self.name = ""
+
+    def _line(self, text: str) -> None:
+        self.console.print(_text(text), highlight=False)
+
+    def started(self, exploration: Exploration, *, time_limit_s: float | None,
+                shrink_runs: int) -> None:
+        self.name = exploration.name
+        limit = f", at most {_clock(time_limit_s)}" if time_limit_s is not None else ""
+        self._line(f"[{self.name}] exploring {exploration.file}: up to "
+                   f"{exploration.budget_runs} schedules of 1..{exploration.max_faults} "
+                   f"fault(s){limit}, shrinking in up to {shrink_runs} runs, seed "
+                   f"{exploration.seed}")
+
+    def running(self, index: int, stage: Stage, schedule: str) -> Observer:
+        return _RunProgress(lambda: None)
+
+    def finished_run(self, attempt: Attempt) -> None:
+        self._line(_attempt_line(attempt, self.name))
+
+    def note(self, text: str) -> None:
+        self._line(f"[{self.name}] {text}")
+
+    def done(self, exploration: Exploration) -> None:
+        render_exploration(exploration, self.console)
+
+
+class ExploreLiveObserver:
+    """`aftershock explore` on a terminal: runs done, failures found, the schedule now
+    running and how far it got, the shrinking, time left; the finished runs scroll above."""
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+        self.exploration: Exploration | None = None
+        self.time_limit_s: float | None = None
+        self.shrink_runs = 0
+        self.current: tuple[int, str, str] | None = None
+        self.progress: _RunProgress | None = None
+        self.notes: deque[str] = deque(maxlen=2)
+        self.live = Live(Text(""), console=console, refresh_per_second=4, transient=True,
+                         get_renderable=self._render)
+
+    def __enter__(self) -> ExploreLiveObserver:
+        self.live.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.live.stop()
+
+    def started(self, exploration: Exploration, *, time_limit_s: float | None,
+                shrink_runs: int) -> None:
+        self.exploration = exploration
+        self.time_limit_s, self.shrink_runs = time_limit_s, shrink_runs
+
+    def running(self, index: int, stage: Stage, schedule: str) -> Observer:
+        self.current = (index, stage, schedule)
+        self.progress = _RunProgress(self.live.refresh)
+        self.live.refresh()
+        return self.progress
+
+    def finished_run(self, attempt: Attempt) -> None:
+        self.current = None
+        style = "red" if attempt.verdict == "fail" else "dim" if attempt.verdict == "discarded" \
+            else ""
+        self.live.console.print(Text(visible(_attempt_line(attempt)), style=style),
+                                highlight=False)
+
+    def note(self, text: str) -> None:
+        self.notes.append(text)
+        self.live.refresh()
+
+    def done(self, exploration: Exploration) -> None:
+        self.live.stop()
+        render_exploration(exploration, self.console)
+
+    def _render(self) -> Panel:
+        ex = self.exploration
+        if ex is None:
+            return Panel(Text("starting...", style="dim"), border_style="blue")
+        elapsed = time.monotonic() - ex.started
+        searched = ex.count("search")
+        shrinking = ex.count("shrink") + ex.count("minimize")
+        failures = ex.count(verdict="fail")
+        rate = ex.runs_per_minute
+        left = (f"{_clock(self.time_limit_s - elapsed)} left" if self.time_limit_s is not None
+                else f"{_clock(elapsed)} elapsed")
+        lines = [
+            Text(visible(f"runs {searched}/{ex.budget_runs} searched · failures {failures} · "
+                         f"shrink runs {shrinking}/{self.shrink_runs} · "
+                         f"{rate if rate is not None else '-'} runs/min · {left}")),
+        ]
+        if self.current is not None:
+            index, stage, schedule = self.current
+            progress = self.progress
+            where = ""
+            if progress is not None:
+                where = f" ({progress.what}" + (f", step {progress.step}" if progress.step
+                                                 else "") + ")"
+            lines.append(Text(visible(f"run {index} {stage}{where}: {schedule}"),
+                              no_wrap=True, overflow="ellipsis"))
+        lines += [Text(visible(n), style="dim", no_wrap=True, overflow="ellipsis")
+                  for n in self.notes]
+        return Panel(Group(*lines), title=_text(f"explore {ex.name} · seed {ex.seed}"),
+                     border_style="blue")
+
+
+def render_exploration(exploration: Exploration, console: Console) -> None:
+    """What an exploration found, and what it cost."""
+    ex = exploration
+    stages = ", ".join(f"{ex.count(s)} {s}" for s in ("search", "shrink", "minimize",
+                                                        "confirm") if ex.count(s))
+    discarded = ex.count(verdict="discarded")
+    rate = ex.runs_per_minute
+    console.print(_text(
+        f"{ex.name}: {ex.runs} runs ({stages or 'none'}"
+        f"{f'; {discarded} discarded' if discarded else ''}) in {_clock(ex.elapsed_s)}, "
+        f"{rate if rate is not None else '-'} runs/min; stopped: {ex.stopped}; "
+        f"fault-free twin: {ex.twin}"), highlight=False, soft_wrap=False)
+    if not ex.findings:
+        console.print(_text(f"no failing schedule found (seed {ex.seed})", "green"),
+                      highlight=False)
+    for f in ex.findings:
+        style = {"confirmed": "red bold", "flaky": "yellow", "unconfirmed": "yellow"}[f.status]
+        label = {"confirmed": "FAILING SCHEDULE", "flaky": "FLAKY SCHEDULE (not a verdict)",
+                 "unconfirmed": "UNCONFIRMED (interrupted)"}[f.status]
+        console.print(_text(f"{label}: {f.schedule}", style), highlight=False, soft_wrap=False)
+        console.print(_text(f"  failed {f.failures} of {f.failures + f.passes} run(s): "
+                            f"{f.message}"), highlight=False, soft_wrap=False)
+        console.print(_text(f"  written to {f.file}"), soft_wrap=True, highlight=False)

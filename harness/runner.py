@@ -43,6 +43,9 @@ from harness.timeline import Timeline
 from harness.triggers import FileTriggers
 
 POLL_S = 0.01
+#: A step trigger that fires more than this many steps (or a tenth of its step) past its
+#: step is reported (`trigger_late`): the step lines are too sparse, or the run resumed.
+LATE_STEPS = 10
 # CACHE_ENV, baseline_key and cache_dir live in harness/baseline.py; callers find them here too.
 
 
@@ -196,7 +199,10 @@ def execute(
         for ev in timeline.poll():
             if ev.source != "harness":
                 observer.event(ev)
-        timeline.emit("run_end", exit_code=loop.exit_code, timed_out=loop.timed_out)
+        # The live view shows the exit, not "running" after it.
+        with contextlib.suppress(Exception):
+            observer.event(timeline.emit("run_end", exit_code=loop.exit_code,
+                                         timed_out=loop.timed_out))
         timeline.close()
         if errors:
             raise HarnessError("could not revert: " + "; ".join(errors))
@@ -249,6 +255,7 @@ class _Loop:
         self.timed_out = False
         self.ended: float | None = None  # when the run ended, before teardown
         self.max_step = -1
+        self.first_step: int | None = None  # the first committed step the run showed
         self.seen: dict[str, int] = {}  # event name -> occurrences, for `at: {event}` triggers
 
     def run(self) -> None:
@@ -277,6 +284,8 @@ class _Loop:
             self.injector.observe(ev)
         if ev.event == contract.STEP and isinstance(ev.fields.get("step"), int):
             self.max_step = max(self.max_step, ev.fields["step"])
+            if self.first_step is None:
+                self.first_step = ev.fields["step"]
         if self.driver is not None:
             self.driver.observe(ev)
         self.target.observe(ev)
@@ -291,11 +300,27 @@ class _Loop:
         file = (self.triggers.path(index, fault.at.count)
                 if first and fault.at.file is not None else None)
         try:
-            return self.injector.apply(index, arm_step=self.schedule.arm_step(index), file=file)
+            applied = self.injector.apply(index, arm_step=self.schedule.arm_step(index),
+                                          file=file)
         except Exception as exc:
             self.injector.failed(index, exc)
             self.schedule.give_up(index)
             return False
+        if applied and first and fault.at.step is not None and not in_process(fault):
+            self._late(index, int(fault.at.step))
+        return applied
+
+    def _late(self, index: int, at_step: int) -> None:
+        """Warn when a step trigger fired far past its step: the fault did not hit the
+        moment the scenario names (a run that resumed from an old snapshot at step 175
+        fired a `step: 60` fault there)."""
+        past = self.max_step - at_step
+        resumed = self.first_step is not None and self.first_step > at_step
+        if past <= max(LATE_STEPS, at_step // 10) and not resumed:
+            return
+        self.observer.event(self.timeline.emit(
+            "trigger_late", fault=index, kind=self.faults[index].kind, at_step=at_step,
+            step=self.max_step, first_step=self.first_step, resumed=resumed))
 
     def _over(self, now: float) -> bool:
         self.exit_code = self.target.poll()

@@ -16,6 +16,7 @@ import stat
 import types
 import typing
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path, PurePosixPath
 from typing import Annotated, Any, Literal, Union
 
@@ -89,11 +90,13 @@ else:
 
 
 class Target(_Strict):
-    """Which process a fault hits: a rank, a role, or a seeded pick among the ranks.
+    """Which process a fault hits: a rank, a role, a seeded pick among the ranks, or any
+    coordinate a job has (an environment variable, its command line, its place in the
+    process tree).
 
-    Ranks are the ranks the system reports through the probe's ``hello`` (a warm
-    spare that took over rank 1 *is* rank 1), else the ``RANK`` environment
-    variable of each process.
+    Ranks are the ranks the system reports through the probe's ``hello`` or a log probe's
+    ``event: hello`` line (a warm spare that took over rank 1 *is* rank 1), else the
+    ``RANK`` environment variable of each process.
     """
 
     rank: int | None = Field(None, ge=0, lt=MAX_WORLD)
@@ -103,27 +106,69 @@ class Target(_Strict):
                                 description="every rank of this replica")
     shard: int | None = Field(None, ge=0, lt=MAX_WORLD, description="every rank holding this shard "
                               "(with `replica`: the one rank at both)")
-    role: Literal["launcher", "spare", "router"] | None = Field(
+    env: dict[str, str] | None = Field(
+        None, min_length=1, description="the processes whose environment has each of these "
+        "variables at this value (`{REPLICA_GROUP_ID: '1'}`); of a process and its children "
+        "that all match, the topmost. Combines with `cmdline`, `role` and `pick`",
+    )
+    cmdline: str | None = Field(
+        None, min_length=1, description="the processes whose command line (arguments joined "
+        "by spaces) matches this regular expression (searched, not anchored); of a process "
+        "and its children that all match, the topmost. Combines with `env`, `role`, `pick`",
+    )
+    role: Literal["launcher", "agent", "worker", "spare", "router"] | None = Field(
         None, description="launcher: the launched command itself (e.g. torchrun's agent, the "
-        "reference server's launcher); spare: a warm standby process; router: the reference "
-        "server's router process (HTTP front end, journal), which its launcher restarts"
+        "reference server's launcher); worker: a process a launcher started as a rank (it "
+        "has LOCAL_RANK in its environment, as torchrun's workers do; the topmost); agent: "
+        "the process that started a worker (torchrun's elastic agent, one per replica group "
+        "of a torchft job); spare: a warm standby process; router: the reference server's "
+        "router process (HTTP front end, journal), which its launcher restarts"
     )
     pick: Literal["random", "all"] | None = Field(
-        None, description="random: one rank chosen with the run's seed; all: every rank"
+        None, description="random: one rank (or, with `env`/`cmdline`/`role: agent|worker`, "
+        "one of the processes they name) chosen with the run's seed; all: every one (the "
+        "default for `env`, `cmdline` and `role: agent|worker`)"
     )
     node: int | None = Field(None, ge=0, lt=MAX_WORLD, description="a node of a multi-node "
                              "system (`nodes: N`, docs/nodes.md): its container, named by its "
                              "init process; what node.* faults act on")
 
+    @field_validator("cmdline")
+    @classmethod
+    def _compiles(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                re.compile(value)
+            except (re.error, OverflowError, RecursionError) as exc:
+                raise ValueError(f"not a valid regular expression: {exc}") from None
+        return value
+
     @model_validator(mode="after")
     def _exactly_one(self) -> Target:
         coordinates = self.replica is not None or self.shard is not None
+        if self.filters:
+            if (coordinates or self.rank is not None or self.worker is not None
+                    or self.node is not None):
+                raise ValueError("`env`, `cmdline` and `role: agent|worker` name processes "
+                                 "themselves: combine them with each other and with `role` or "
+                                 "`pick`, not with `rank`, `worker`, `replica`, `shard` or "
+                                 "`node`")
+            return self
         given = [x for x in (self.rank, self.worker, self.role, self.pick, self.node)
                  if x is not None]
         if len(given) + coordinates != 1:
             raise ValueError("give exactly one of `rank: N`, `worker: N`, `replica`/`shard`, "
-                             "`role: launcher|spare|router`, `pick: random|all` or `node: N`")
+                             "`role: launcher|agent|worker|spare|router`, `pick: random|all`, "
+                             "`node: N`, or `env`/`cmdline` (which combine with `role` and "
+                             "`pick`)")
         return self
+
+    @property
+    def filters(self) -> bool:
+        """Whether it names processes by what they are (environment, command line, place in
+        the process tree) rather than by rank."""
+        return (self.env is not None or self.cmdline is not None
+                or self.role in ("agent", "worker"))
 
     @property
     def index(self) -> int | None:
@@ -131,6 +176,15 @@ class Target(_Strict):
         return self.rank if self.rank is not None else self.worker
 
     def describe(self) -> str:
+        if self.filters:
+            parts = [f"{k}={v}" for k, v in (self.env or {}).items()]
+            if self.cmdline is not None:
+                parts.append(f"cmdline /{self.cmdline}/")
+            if self.role is not None:
+                parts.append(f"role {self.role}")
+            if self.pick == "random":
+                parts.append("(one, seeded)")
+            return " ".join(parts)
         if self.rank is not None:
             return f"rank {self.rank}"
         if self.worker is not None:
@@ -432,6 +486,168 @@ class Expect(_Strict):
         "straggler_named", "checkpoint_durable")
 
 
+# --------------------------------------------------------------------- explore (search space)
+
+
+class Span(_Strict):
+    """Whole numbers from ``min`` to ``max``, both included."""
+
+    min: int = Field(ge=0, le=MAX_STEPS)
+    max: int = Field(ge=0, le=MAX_STEPS)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Span:
+        if self.max < self.min:
+            raise ValueError(f"max ({self.max}) is below min ({self.min})")
+        return self
+
+
+class TimeSpan(_Strict):
+    """Durations from ``min`` to ``max``, both included (drawn in whole milliseconds)."""
+
+    min: Duration
+    max: Duration
+
+    @model_validator(mode="after")
+    def _ordered(self) -> TimeSpan:
+        if self.max < self.min:
+            raise ValueError("max is below min")
+        return self
+
+
+class ParamSpan(_Strict):
+    """A number or duration parameter drawn between ``min`` and ``max`` (each a valid value
+    of the parameter: `{min: 200ms, max: 5s}`, `{min: 2, max: 8}`)."""
+
+    min: float | str
+    max: float | str
+
+
+#: One value a fault parameter may take in a search (checked against the kind's own model).
+ParamValue = bool | int | float | str
+
+
+class KindSpace(_Strict):
+    """A fault kind a search may use, with the values or ranges of its parameters (a
+    parameter not named keeps the kind's default)."""
+
+    kind: str
+    params: dict[str, list[ParamValue] | ParamSpan] = Field(
+        default_factory=dict,
+        description="parameter → a list of values to choose from, or {min, max} for a number "
+        "or a duration",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bare_kind(cls, value: Any) -> Any:
+        # `- process.kill` is short for `- {kind: process.kill}`.
+        return {"kind": value} if isinstance(value, str) else value
+
+    @field_validator("kind")
+    @classmethod
+    def _known_kind(cls, value: str) -> str:
+        if value not in FAULT_MODELS:
+            raise ValueError(f"unknown fault kind {value!r} (allowed: "
+                             f"{', '.join(sorted(FAULT_MODELS))})")
+        return value
+
+    @field_validator("params")
+    @classmethod
+    def _some_choice(
+        cls, value: dict[str, list[ParamValue] | ParamSpan]
+    ) -> dict[str, list[ParamValue] | ParamSpan]:
+        for name, choices in value.items():
+            if isinstance(choices, list) and not choices:
+                raise ValueError(f"params.{name}: give at least one value")
+        return value
+
+
+#: Who a searched fault may hit. rank, worker: one process; replica, shard: every rank of one
+#: replica or one shard (a correlated failure: a host, a rack, a shard's every copy);
+#: majority: more than half the ranks at once (Jepsen's majority partition); all: every rank;
+#: random: `pick: random`; spare: a warm standby; launcher: the launched command itself.
+TargetFamily = Literal["rank", "worker", "replica", "shard", "majority", "all", "random",
+                       "spare", "launcher"]
+
+
+class EventTrigger(_Strict):
+    """A timeline event a searched fault may wait for, and on which occurrence."""
+
+    event: str = Field(pattern=r"^[a-z_]+$")
+    count: Span | None = Field(None, description="occurrences to wait for; default: `at.count`")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bare_event(cls, value: Any) -> Any:
+        return {"event": value} if isinstance(value, str) else value
+
+
+class FileTrigger(_Strict):
+    """A file a searched fault may wait for (`at: {file, when, count}`), e.g. a checkpoint
+    shard appearing: a moment inside a save that needs no cooperation from the job."""
+
+    file: str = Field(description="a glob relative to the fault's root, as for `at.file`")
+    when: FileWhen = "created"
+    count: Span | None = Field(None, description="occurrences to wait for; default: `at.count`")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bare_file(cls, value: Any) -> Any:
+        return {"file": value} if isinstance(value, str) else value
+
+    @field_validator("file")
+    @classmethod
+    def _a_glob(cls, value: str) -> str:
+        At(file=value)  # the same rules as a fault's own `at.file`
+        return value
+
+
+class TriggerSpace(_Strict):
+    """When searched faults may fire. Only the families named here are used; leave the whole
+    block out for the system's defaults (docs/explore.md)."""
+
+    step: Span | None = Field(None, description="at: {step: N}, N in this range")
+    phases: list[Phase] = Field(
+        default_factory=list, description="with `step`, for faults applied inside the "
+        "target: these fault points (and none, the step's first opportunity)")
+    events: list[EventTrigger] = Field(
+        default_factory=list, description="at: {event: NAME, count: K}")
+    files: list[FileTrigger] = Field(
+        default_factory=list, description="at: {file: GLOB, when: W, count: K}")
+    count: Span = Field(Span(min=1, max=2),
+                        description="default occurrences of an event or a file")
+    time: TimeSpan | None = Field(None, description="at: {time: T} after launch")
+
+    @model_validator(mode="after")
+    def _some_trigger(self) -> TriggerSpace:
+        if self.step is None and not self.events and not self.files and self.time is None:
+            raise ValueError("give at least one of `step`, `events`, `files` or `time`")
+        if self.phases and self.step is None:
+            raise ValueError("`phases` needs `step`")
+        return self
+
+
+class Explore(_Strict):
+    """The space `aftershock explore` searches: fault schedules made of these kinds, targets
+    and triggers. The scenario's `expect` is the oracle; its `faults` are what `aftershock
+    run` injects and are not part of the search. Every key is optional: the defaults come
+    from the system (docs/explore.md)."""
+
+    faults: Span = Field(Span(min=1, max=2), description="faults per run")
+    kinds: list[KindSpace] | None = Field(
+        None, min_length=1, description="fault kinds and their parameter ranges; default: "
+        "every kind that applies to the system")
+    targets: list[TargetFamily] | None = Field(
+        None, min_length=1, description="who faults hit; default: the system's ranks, "
+        "replicas, shards, majorities and random picks (workers for a server)")
+    at: TriggerSpace | None = Field(None, description="when faults fire; default: from the "
+                                    "system (its steps, fault points and events)")
+    spacing: Span | None = Field(
+        None, description="steps between consecutive step-triggered faults (the next fault's "
+        "step is the previous one's plus a gap in this range, at most the last step)")
+
+
 class Scenario(_Strict):
     """One scenario: what to launch, which faults to inject when, what must hold."""
 
@@ -441,6 +657,9 @@ class Scenario(_Strict):
     system: System
     faults: list[Fault] = Field(default_factory=list)
     expect: Expect = Expect()
+    explore: Explore | None = Field(
+        None, description="the space of fault schedules `aftershock explore` searches, with "
+        "`expect` as its oracle")
 
     @model_validator(mode="after")
     def _checks_are_possible(self) -> Scenario:
@@ -803,13 +1022,17 @@ def _position(text: str, index: int) -> tuple[int, int]:
 def unreachable(spec: Scenario, scenario_dir: Path | None) -> list[tuple[int, str]]:
     """Faults that cannot reach this system, by index, each with why: what the fault needs
     (faults.registry.CAPABILITIES) that the system's target does not offer, or the
-    in-process probe that its job does not call (``scenario_dir``: where the scenario file
-    is, to read the files its command names; None: only what needs no file is known)."""
+    in-process probe that its job does not call, or a ``target`` coordinate it can never
+    resolve (``replica`` on a job that reports none: ``SystemKind.unresolved``)
+    (``scenario_dir``: where the scenario file is, to read the files its command names;
+    None: only what needs no file is known)."""
     kind = systems.of(spec.system)
     offered = set(kind.capabilities(spec.system))
     no_probe = kind.probe(spec.system, scenario_dir)
     if no_probe is None:
         offered.add("probe")
+    # Optional: why a kind's target can never find the processes a fault's `target` names.
+    unresolved = getattr(kind, "unresolved", None)
     found: list[tuple[int, str]] = []
     for index, fault in enumerate(spec.faults):
         fault_kind = faults.get(fault.kind)
@@ -830,11 +1053,18 @@ def unreachable(spec: Scenario, scenario_dir: Path | None) -> list[tuple[int, st
             what = "; ".join(faults.CAPABILITIES.get(c, c) for c in sorted(missing))
             found.append((index, f"{fault.kind} needs {what}, which a {kind.shape} system's "
                           "target does not offer"))
+        elif unresolved is not None:
+            why = unresolved(spec.system, fault.target, no_probe is None)
+            if why is not None:
+                found.append((index, f"target {fault.target.describe()} can never be found: "
+                              f"{why}"))
     return found
 
 
-def parse_scenario(text: str, file: str = "<string>") -> Scenario:
-    """Parse and validate scenario YAML; raise SpecError with every problem found."""
+def parse_scenario(text: str, file: str = "<string>", *, folder: Path | None = None) -> Scenario:
+    """Parse and validate scenario YAML; raise SpecError with every problem found.
+    ``folder``: where its relative file names point (default: the folder of ``file``, if it
+    is a file)."""
     if len(text) > MAX_FILE_BYTES:
         raise SpecError([f"{file}:1:1: the scenario is longer than {MAX_FILE_BYTES // 1024} "
                          "KiB, the limit for a scenario file"])
@@ -887,7 +1117,24 @@ def parse_scenario(text: str, file: str = "<string>") -> Scenario:
                     probe = probe[:-1]
             problems.append(f"{file}:{position[0]}:{position[1]}: {_describe(error, path, data)}")
         raise SpecError(problems) from None
-    base = Path(file).parent if Path(file).is_file() else None
+    if spec.explore is not None:
+        from harness._space import SpaceError, resolve
+
+        try:
+            resolve(spec.system, spec.explore)
+        except SpaceError as exc:
+            for where, message in exc.problems:
+                path = ("explore", *where)
+                probe = path
+                position = None
+                while position is None and probe:
+                    position = marks.values.get(probe) or marks.keys.get(probe)
+                    probe = probe[:-1]
+                line, col = position or (1, 1)
+                name = ".".join(str(p) for p in path)
+                problems.append(f"{file}:{line}:{col}: {name}: {message}")
+            raise SpecError(problems) from None
+    base = folder if folder is not None else Path(file).parent if Path(file).is_file() else None
     if base is not None:
         for where, problem in systems.of(spec.system).file_problems(spec.system, base):
             line, col = marks.values.get(("system", *where), (1, 1))
@@ -953,6 +1200,48 @@ def _decode(data: bytes, file: str) -> str:
         line, col = _position(good, len(good))
         raise SpecError([f"{file}:{line}:{col}: not UTF-8 text: byte 0x{data[exc.start]:02x} "
                          f"({exc.reason}); scenarios are UTF-8"]) from None
+
+
+def to_yaml(spec: Scenario) -> str:
+    """``spec`` as scenario YAML that parses back to an equal Scenario: the keys its author
+    (or the code that built it) gave, defaults left implicit as they were; durations
+    exactly, in ms or s."""
+    data = _plain(spec.model_dump(mode="python", exclude_unset=True))
+    if data.get("explore", "") is None:
+        del data["explore"]
+    # A fault reads kind first, as people write it (the model lists its own fields last).
+    data["faults"] = [{"kind": f.pop("kind"), **f} for f in data.get("faults", [])]
+    if not data["faults"]:
+        del data["faults"]
+    return yaml.dump(data, Dumper=_Dumper, sort_keys=False, allow_unicode=True, width=100)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, timedelta):
+        micro = round(value.total_seconds() * 1_000_000)
+        if micro % 1_000_000 == 0:
+            return f"{micro // 1_000_000}s"
+        return f"{micro // 1000}ms" if micro % 1000 == 0 else f"{micro}us"
+    return value
+
+
+class _Dumper(yaml.SafeDumper):
+    """Block style, except small mappings of plain values (`target: {rank: 1}`), as
+    scenarios are written by hand."""
+
+    def represent_dict(self, data: Any) -> yaml.MappingNode:
+        node = super().represent_dict(data)
+        small = len(data) <= 4 and all(
+            isinstance(v, str | int | float | bool) and len(str(v)) < 40 for v in data.values())
+        node.flow_style = small and bool(data)
+        return node
+
+
+_Dumper.add_representer(dict, _Dumper.represent_dict)
 
 
 def load_scenario(path: str | Path) -> LoadedScenario:

@@ -22,10 +22,13 @@ Both are in the heal journal's ``launch`` record (``LocalTarget.tracking``).
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import select
+import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -42,6 +45,7 @@ from harness.logprobe import (
     CompiledProbes,
     LogProbe,
     compile_probes,
+    file_fields,
     line_events,
 )
 from harness.records import Event
@@ -51,6 +55,8 @@ LINE_LIMIT = 64 * 1024  # bytes of one log line the probes see; a longer line is
 LOG_LIMIT = 1 << 30  # bytes kept per launcher log file (1 GiB); the rest is read and dropped
 KILL_S = 5.0  # how long teardown keeps killing the run's processes before it reports survivors
 DRAIN_S = 1.0  # after the kill, how long the log pumps may still read what the job wrote
+SCAN_S = 0.25  # how often the process tree is looked at for new workers (restarts)
+TAIL_S = 0.01  # how often per-process log files are looked at for new lines
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +66,9 @@ class Launch:
     env: dict[str, str]
     world: int | None
     probes: tuple[LogProbe, ...]
+    #: Glob patterns (absolute) of per-process log files the target tails as they appear
+    #: and grow: each file its own stream, so two ranks' lines never run together.
+    tails: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,6 +249,60 @@ class _LogPump:
             self._on_line(raw, read_t)
 
 
+class _Tailer:
+    """Follows per-process log files (torchrun's ``--log-dir``/``--redirects`` files) as
+    they appear and grow, and feeds each whole line to the log probes, stamped when it is
+    read: within TAIL_S of its writing, without the 0.1 s batching of torchrun's ``--tee``.
+    Each file is its own stream, so no two processes' lines can run together."""
+
+    def __init__(self, patterns: tuple[str, ...],
+                 on_line: Callable[[str, bytes, float], None]) -> None:
+        self.patterns = patterns
+        self._on_line = on_line
+        self._files: dict[str, tuple[int, bytearray]] = {}  # path -> (offset read, partial)
+        self._stop_at: float | None = None
+        self.thread = threading.Thread(target=self._run, name="log-tail", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def finish(self, deadline: float) -> None:
+        self._stop_at = deadline
+
+    def _run(self) -> None:
+        while True:
+            last = self._stop_at is not None
+            self._pass()
+            if last:  # one whole pass after the job ended: what it wrote last
+                for path, (_, partial) in self._files.items():
+                    if partial:
+                        self._emit(path, bytes(partial))
+                return
+            time.sleep(TAIL_S)
+
+    def _pass(self) -> None:
+        for pattern in self.patterns:
+            for path in sorted(glob.glob(pattern, recursive=True)):
+                offset, partial = self._files.setdefault(path, (0, bytearray()))
+                try:
+                    with open(path, "rb") as handle:
+                        handle.seek(offset)
+                        chunk = handle.read(1 << 20)
+                except OSError:
+                    continue
+                if not chunk:
+                    continue
+                lines = (bytes(partial) + chunk).split(b"\n")
+                partial[:] = lines.pop()[:LINE_LIMIT]
+                self._files[path] = (offset + len(chunk), partial)
+                for line in lines:
+                    self._emit(path, line[:LINE_LIMIT])
+
+    def _emit(self, path: str, raw: bytes) -> None:
+        with contextlib.suppress(Exception):  # a probe that fails must not stop the tail
+            self._on_line(path, raw, time.monotonic())
+
+
 class LocalTarget:
     """The system under test as a local process tree (a :class:`Target`).
 
@@ -260,6 +323,9 @@ class LocalTarget:
         self.timeline = timeline
         self.proc: subprocess.Popen[bytes] | None = None
         self._pumps: list[_LogPump] = []
+        self._tailer: _Tailer | None = None
+        self._workers_seen: set[int] = set()
+        self._next_scan = 0.0
         self._logs = run_dir / "logs"
         self._reported: dict[int, tuple[int | None, str | None]] = {}
         self.coordinates: dict[int, tuple[int, int]] = {}  # rank -> (replica, shard)
@@ -304,16 +370,40 @@ class LocalTarget:
         # The simulated NVML (faults/nvml_sim.py) a rank opts into when it has no real GPU.
         env.setdefault(contract.NVML_DIR_ENV, str(self.run_dir / "nvml"))
         env["PYTHONUNBUFFERED"] = "1"
+        # What the job writes to the system's temporary folder (torchelastic's
+        # /tmp/torchelastic_*, profiler traces) stays in the run folder, not behind it.
+        env.setdefault("TMPDIR", str(self.run_dir / "tmp"))
+        # As an activated environment would: this interpreter's own bin folder first, so
+        # `torchrun` is the torchrun installed beside the harness.
+        own = interpreter_bin()
+        path = env.get("PATH", os.defpath)
+        if path.split(os.pathsep)[0] != own:
+            env["PATH"] = os.pathsep.join([own, path])
         return env
+
+    def _program(self, env: Mapping[str, str]) -> str:
+        """The program to run, found as a shell of an activated environment finds it."""
+        program = self.launch.argv[0]
+        if os.sep in program:
+            return program
+        found = shutil.which(program, path=env["PATH"])
+        if found is None:
+            raise TargetError(f"cannot launch {program!r}: not found in {interpreter_bin()} "
+                              "(this interpreter's bin folder, searched first as an activated "
+                              f"environment would) nor on PATH ({env['PATH']})")
+        return found
 
     def start(self) -> None:
         self._logs.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "output").mkdir(parents=True, exist_ok=True)
         (self.run_dir / "nvml").mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "tmp").mkdir(parents=True, exist_ok=True)
         cwd = self.launch.cwd
         if not cwd.is_dir():
             raise TargetError(f"cannot launch {self.launch.argv[0]!r}: its working directory "
                               f"{str(cwd)!r} does not exist")
+        env = self.env()
+        program = self._program(env)
         if self.cgroup is not None:
             try:
                 self.cgroup.mkdir()
@@ -323,8 +413,9 @@ class LocalTarget:
         try:
             self.proc = subprocess.Popen(
                 self.launch.argv,
+                executable=program,
                 cwd=cwd,
-                env=self.env(),
+                env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -349,6 +440,22 @@ class LocalTarget:
                             self._line_handler(name))
             pump.start()
             self._pumps.append(pump)
+        if self.launch.tails:
+            self._tailer = _Tailer(self.launch.tails, self._file_line_handler())
+            self._tailer.start()
+
+    def _file_line_handler(self) -> Callable[[str, bytes, float], None]:
+        compiled: CompiledProbes = compile_probes(self.launch.probes, "logs")
+
+        def on_line(path: str, raw: bytes, read_t: float) -> None:
+            if not compiled:
+                return
+            for event in line_events(raw.decode(errors="replace"), compiled, read_t=read_t,
+                                     clock_offset=self._clock_offset, started=self._started,
+                                     defaults=file_fields(path)):
+                self.timeline.write(event)
+
+        return on_line
 
     def _drop_group(self) -> None:
         if self.cgroup is not None:
@@ -367,7 +474,33 @@ class LocalTarget:
         return on_line
 
     def poll(self) -> int | None:
-        return None if self.proc is None else self.proc.poll()
+        if self.proc is None:
+            return None
+        code = self.proc.poll()
+        now = time.monotonic()
+        if code is None and now >= self._next_scan:
+            self._next_scan = now + SCAN_S
+            self._scan_workers()
+        return code
+
+    def _scan_workers(self) -> None:
+        """Restarts seen from the launcher's side: each worker a launcher starts (a process
+        with LOCAL_RANK, the topmost) is a ``process_started`` event with its pid, its
+        RANK and torchrun's restart count (TORCHELASTIC_RESTART_COUNT) as its
+        generation, so a job that reports no generation of its own still shows its
+        restarts, and the live view its pids."""
+        for ref in self.role_processes("worker"):
+            if ref.pid in self._workers_seen:
+                continue
+            self._workers_seen.add(ref.pid)
+            environ = process_environ(ref.pid)
+            fields: dict[str, Any] = {"pid": ref.pid, "role": "worker"}
+            for key, name in (("rank", "RANK"), ("generation", "TORCHELASTIC_RESTART_COUNT")):
+                value = environ.get(name, "")
+                if value.isdigit():
+                    fields[key] = int(value)
+            self.timeline.write(Event(t=time.monotonic(), event="process_started",
+                                      source="launcher", fields=fields))
 
     @property
     def pid(self) -> int | None:
@@ -385,17 +518,50 @@ class LocalTarget:
                    replica: int | None = None, shard: int | None = None) -> None:
         """What a process said about itself through the probe outranks its environment."""
         self._reported[pid] = (rank, role)
-        if rank is not None and replica is not None and shard is not None:
-            self.coordinates[rank] = (replica, shard)
+        if rank is not None and replica is not None:
+            self.coordinates[rank] = (replica, shard or 0)
 
     def role_processes(self, role: str) -> list[ProcessRef]:
         if role == "launcher":
             root = ProcessRef.of(self.proc.pid) if self.proc is not None else None
             return [root] if root is not None and root.alive() else []
-        return [
+        reported = [
             ref for ref in self.processes()
             if self._reported.get(ref.pid, (None, None))[1] == role
         ]
+        if reported or role not in ("worker", "agent"):
+            return reported
+        # By the process tree: a worker is a process its launcher started as a rank
+        # (torchrun gives each LOCAL_RANK; its own children inherit it: the topmost is the
+        # worker), an agent the process that started one.
+        live = self.processes()
+        ranked = {ref.pid: ref for ref in live if "LOCAL_RANK" in process_environ(ref.pid)}
+        workers = [ref for pid, ref in ranked.items() if _parent(pid) not in ranked]
+        if role == "worker":
+            return workers
+        parents = {_parent(ref.pid) for ref in workers}
+        return [ref for ref in live if ref.pid in parents]
+
+    def ambiguous_ranks(self) -> dict[int, list[int]]:
+        """Ranks that more than one unrelated process claims through ``RANK`` (each replica
+        group of a torchft job has its own RANK=0), with their pids; none once the job
+        reports its ranks itself (``hello``)."""
+        if self._reported:
+            return {}
+        return {rank: pids for rank, pids in self._rank_claims().items() if len(pids) > 1}
+
+    def _rank_claims(self) -> dict[int, list[int]]:
+        """RANK -> the topmost live processes whose environment says so."""
+        by_rank: dict[int, list[ProcessRef]] = {}
+        for ref in self.processes():
+            value = process_environ(ref.pid).get("RANK")
+            if value is not None and value.isdigit():
+                by_rank.setdefault(int(value), []).append(ref)
+        claims: dict[int, list[int]] = {}
+        for rank, refs in by_rank.items():
+            pids = {r.pid for r in refs}
+            claims[rank] = sorted(r.pid for r in refs if _parent(r.pid) not in pids)
+        return claims
 
     def node_processes(self, node: int) -> list[ProcessRef]:
         return []  # one host: no nodes (validate refuses `target: {node: N}` here)
@@ -461,6 +627,9 @@ class LocalTarget:
         for pump in self._pumps:
             # The pump polls every 0.1 s and checks its deadline between polls.
             pump.thread.join(timeout=max(0.0, drain_until - time.monotonic()) + 1.0)
+        if self._tailer is not None:
+            self._tailer.finish(drain_until)
+            self._tailer.thread.join(timeout=DRAIN_S + 1.0)
         for pump in self._pumps:
             if not pump.thread.is_alive():
                 # Our end of the pipe; under pytest's warnings-as-errors an unclosed pipe
@@ -496,6 +665,12 @@ class LocalTarget:
                     left.update(_cgroup.subtree_members(self.cgroup))
                 return tuple(sorted(left))
             time.sleep(0.05)
+
+
+def interpreter_bin() -> str:
+    """The bin folder of the interpreter running the harness (a virtual environment's
+    ``.venv/bin``; not resolved: a venv's python is a link to the base interpreter)."""
+    return os.path.dirname(os.path.abspath(sys.executable))
 
 
 def _entering(group: Path) -> Callable[[], None]:

@@ -8,12 +8,19 @@ rank's death), carries everything the members of a run say to each other outside
 ``plan/{g}``           the membership of generation ``g`` (JSON), written once
 ``latest``             the newest published generation
 ``arrive/{g}``         how many members of generation ``g`` reached its start line
+``loop/{slot}/{inc}``  where that incarnation's loop is: ``{g} in`` from generation
+                       ``g``'s start line on, ``{g} out`` once it left it (before tearing
+                       its groups down)
+``arrived/{g}``        set by the last member to arrive, or by the controller when it
+                       publishes ``g + 1`` (so nobody waits at a superseded start line)
 ``resume/{g}``         the step generation ``g`` resumed from (set after its sync)
 ``committed``          set by the first commit of each process: from then on a fresh
                        process's seeded init is no longer the state of step 0
 ``hb/{slot}/{inc}``    heartbeat counter of one incarnation of one slot
 ``snap/{shard}/{k}``   peer-memory snapshot of one shard (two alternating slots)
-``job/end``            set by the controller when training is over
+``job/end``            set by the controller when training is over; it also writes
+                       ``plan/{g+1}`` as ``{"end": true}`` then, which wakes every
+                       process blocked waiting for a next plan
 ``exited``             processes that saw ``job/end`` and left
 =====================  ==============================================================
 
@@ -33,6 +40,11 @@ import torch.distributed as dist
 
 # Connecting is generous (start-up on a busy host); single operations are local and fast.
 CONNECT_TIMEOUT = timedelta(seconds=120)
+# For connections that block in ``wait`` until a key appears (a spare waiting for a plan may
+# wait all run long). A ``wait`` that times out leaves the connection unusable (the server
+# still answers the abandoned wait later), so such a connection never times out; if the
+# server goes away, the socket closes and the wait raises at once.
+WAIT_FOREVER = timedelta(days=365)
 
 
 def connect(
@@ -45,6 +57,17 @@ def connect(
     )
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return dist.PrefixStore(f"aftershock/{restart}/", store)
+
+
+def waiter(host: str, port: int, *, timeout: timedelta = CONNECT_TIMEOUT) -> dist.Store:
+    """A connection of its own for blocking ``wait`` calls (see WAIT_FOREVER).
+
+    Blocking on a key instead of polling it matters on a small host: a spare polling every
+    2 ms made about a thousand store round trips a second, each one a wake-up of the
+    controller's store thread, on the cores the training ranks need."""
+    store = connect(host, port, timeout=timeout)
+    store.set_timeout(WAIT_FOREVER)
+    return store
 
 
 def report(store: dist.Store, **fields: Any) -> None:

@@ -57,7 +57,14 @@ import torch.nn.functional as F
 
 from harness import probe
 from reference_impl import _store, checkpoint, controller
-from reference_impl.model import Layout, ParallelBlock, ParallelMLP, param_digest, synthetic_batch
+from reference_impl.model import (
+    Layout,
+    ParallelBlock,
+    ParallelMLP,
+    all_finite,
+    param_digest,
+    synthetic_batch,
+)
 
 
 class Superseded(Exception):
@@ -129,6 +136,8 @@ class Worker:
         # A re-forked worker may arrive after the job ended and the store is gone: give up soon.
         wait = _store.CONNECT_TIMEOUT if inc == 1 else timedelta(seconds=10)
         self.store = _store.connect(host, port, timeout=wait)
+        # Blocks on plans and start lines instead of polling them.
+        self.waiter = _store.waiter(host, port, timeout=wait)
         self.rank: int | None = None
         self.model: ParallelMLP | None = None
         self.opt: torch.optim.Optimizer | None = None
@@ -152,8 +161,13 @@ class Worker:
         self.stopping = False
         self.snapshots: queue.Queue[tuple[int, int, torch.Tensor] | None] = queue.Queue(1)
         self.replay = controller.read_membership(cfg.replay) if cfg.replay else None
-        self.hb_interval = min(0.05, (cfg.heartbeat_timeout or cfg.collective_timeout) / 10)
-        for target in (self._heartbeat, self._snapshot_sender):
+        # 20 beats per heartbeat timeout, but no more than 20 a second: each beat is a round
+        # trip to the store, served by the controller's process on the ranks' cores (at 20 a
+        # second from 5 processes, ~1 ms of CPU per training step on the bench's host).
+        timeout = cfg.heartbeat_timeout or cfg.collective_timeout
+        self.hb_interval = min(0.5, max(0.05, timeout / 20))
+        self.gen_changed = threading.Event()  # set whenever self.gen changes
+        for target in (self._heartbeat, self._snapshot_sender, self._plan_watch):
             threading.Thread(target=target, daemon=True, name=target.__name__).start()
 
     # -- background threads: off the step's critical path ---------------------------------
@@ -164,10 +178,27 @@ class Worker:
         while not self.stopping:
             with contextlib.suppress(Exception):
                 store.add(key, 1)
-                gen = self.gen
-                if gen >= 0 and self.replay is None and _store.has(store, f"plan/{gen + 1}"):
-                    self.plan_ahead = max(self.plan_ahead, gen + 1)
             time.sleep(self.hb_interval)
+
+    def _plan_watch(self) -> None:
+        """Set ``plan_ahead`` once the generation after ours is published (the vote then
+        moves every member to it at the end of the step). Blocks on the store; woken by the
+        run loop when this process joins another generation."""
+        if self.replay is not None:
+            return  # a replay switches at recorded steps, never on a plan
+        store = _store.waiter(self.host, self.port)
+        while not self.stopping:
+            gen = self.gen
+            if gen < 0:
+                self.gen_changed.wait()
+                self.gen_changed.clear()
+                continue
+            with contextlib.suppress(Exception):
+                store.wait([f"plan/{gen + 1}"])
+                self.plan_ahead = max(self.plan_ahead, gen + 1)
+            while self.gen == gen and not self.stopping:
+                self.gen_changed.wait()
+                self.gen_changed.clear()
 
     def _snapshot_sender(self) -> None:
         store = _store.connect(self.host, self.port)
@@ -175,10 +206,14 @@ class Worker:
         while (item := self.snapshots.get()) is not None:
             step, shard, flat = item
             header = json.dumps({"step": step, "shard": shard}).encode()
+            # One copy of the state into the message (a tobytes() and a concatenation made
+            # two more, 3 MB each for the bench's model, with the GIL held).
+            # (numpy's stubs do not declare the buffer protocol its arrays implement.)
+            view = memoryview(flat.numpy())  # type: ignore[arg-type]
+            payload = b"".join((header, b"\n", view))
             with contextlib.suppress(Exception):
                 # torch's annotation says str; the binding takes bytes (a snapshot is binary).
-                store.set(f"snap/{shard}/{(step // every) % 2}",
-                          header + b"\n" + flat.numpy().tobytes())  # type: ignore[arg-type]
+                store.set(f"snap/{shard}/{(step // every) % 2}", payload)  # type: ignore[arg-type]
 
     def read_snapshot(self, shard: int) -> dict[int, torch.Tensor]:
         found = {}
@@ -236,10 +271,14 @@ class Worker:
             offset += n
 
     def fingerprint(self) -> int:
+        """sha256 of the parameters' bytes in order (the first 8 bytes, signed), hashed in
+        place: the same value as hashing their concatenation, without two 1 MB copies."""
         assert self.model is not None
-        data = torch.cat([p.detach().reshape(-1) for p in self.model.parameters()])
-        return int.from_bytes(hashlib.sha256(data.numpy().tobytes()).digest()[:8], "big",
-                              signed=True)
+        digest = hashlib.sha256()
+        for p in self.model.parameters():
+            array = p.detach().contiguous().numpy()
+            digest.update(memoryview(array).cast("B"))  # type: ignore[arg-type]
+        return int.from_bytes(digest.digest()[:8], "big", signed=True)
 
     # -- membership -------------------------------------------------------------------------
 
@@ -251,30 +290,38 @@ class Worker:
 
     def wait_for_plan(self) -> dict[str, Any] | None:
         """The next plan that includes this process (skipping superseded ones), or None at
-        the end of the job."""
+        the end of the job. Blocks on the store (no polling): the controller writes every
+        plan, and at the end ``{"end": true}`` as the next one."""
         want = self.gen + 1
         while True:
-            if _store.has(self.store, "job/end"):
+            self.waiter.wait([f"plan/{want}"])
+            if _store.get_json(self.store, f"plan/{want}").get("end"):
                 return None
-            newest = _store.latest(self.store)
-            if newest >= want:
-                plan = _store.get_json(self.store, f"plan/{newest}")
-                if self.mine(plan) is not None:
-                    return plan
-                want = newest + 1
-            time.sleep(0.002)
+            newest = max(_store.latest(self.store), want)
+            plan = _store.get_json(self.store, f"plan/{newest}")
+            if plan.get("end"):
+                return None
+            if self.mine(plan) is not None:
+                return plan
+            want = newest + 1
 
     def join(self, plan: dict[str, Any]) -> Groups:
         gen, rank = plan["gen"], self.mine(plan)
         assert rank is not None
         members = sorted(int(r) for r in plan["members"])
         # Start line: build no group while a member may still be dead or superseded (a Gloo
-        # group's constructor would wait for a missing member until its timeout).
-        self.store.add(f"arrive/{gen}", 1)
-        while self.store.add(f"arrive/{gen}", 0) < len(members):
-            if _store.latest(self.store) > gen:
-                raise Superseded
-            time.sleep(0.001)
+        # group's constructor would wait for a missing member until its timeout). Where our
+        # loop is, for the controller: it fences a member that stays inside an old generation.
+        self.store.set(f"loop/{self.slot}/{self.inc}", f"{gen} in")
+        if self.store.add(f"arrive/{gen}", 1) == len(members):
+            self.store.set(f"arrived/{gen}", "all")
+        elif _store.latest(self.store) > gen:
+            raise Superseded
+        # The last member to arrive sets the key, or the controller when it publishes the
+        # next generation (then some member may never come).
+        self.waiter.wait([f"arrived/{gen}"])
+        if self.store.add(f"arrive/{gen}", 0) < len(members):
+            raise Superseded
         timeout = timedelta(seconds=self.cfg.collective_timeout)
 
         def group(name: str, ranks: list[int]) -> Any:
@@ -334,6 +381,7 @@ class Worker:
                 self.snapshots.put_nowait((resume, g.rank % shards, self.verified[1]))
         if g.rank == g.members[0]:
             self.store.set(f"resume/{g.gen}", str(resume))
+            _store.report(self.store, type="resumed", gen=g.gen, step=resume)
         if g.gen > 0:
             probe.recovered(rank=g.rank, generation=g.gen, step=resume,
                             replicas=g.replicas)
@@ -394,11 +442,11 @@ class Worker:
                              + [loss.detach().reshape(1)])
             g.dp.allreduce([flat]).wait()
             self.average(flat, live)
-            nonfinite = not bool(torch.isfinite(flat).all())
+            nonfinite = not all_finite(flat)
             offset = 0
-            for p in params:
+            for p in params:  # views of the buffer, not copies (trainer.average_gradients)
                 n = p.numel()
-                _grad(p).copy_(flat[offset : offset + n].view_as(p))
+                p.grad = flat[offset : offset + n].view_as(p)
                 offset += n
             self.pending, self.pending_gen = True, g.gen
             flags = (nonfinite, self.mismatch, self.plan_ahead > g.gen)
@@ -441,10 +489,13 @@ class Worker:
                 self.verified, self.candidate = self.candidate, None
             if cfg.fingerprint_every and step % cfg.fingerprint_every == 0:
                 self.check_fingerprints(g, step)
-            if snapshotter and step % cfg.snapshot_every == 0:
-                # Lazy: if the sender is still busy with the previous one, skip this one.
+            if snapshotter and step % cfg.snapshot_every == 0 and not self.snapshots.full():
+                # Lazy: if the sender is still busy with the previous one, skip this one. The
+                # state just fingerprinted is this step's: share it (both are read-only).
+                fresh = self.candidate if self.candidate and self.candidate[0] == step else None
+                state = fresh[1] if fresh else self.flat_state()
                 with contextlib.suppress(queue.Full):
-                    self.snapshots.put_nowait((step, shard, self.flat_state()))
+                    self.snapshots.put_nowait((step, shard, state))
             if vote[2] > 0:
                 raise Switch
             if cfg.step_sleep:
@@ -507,6 +558,7 @@ class Worker:
             if plan is None:
                 break
             self.gen = plan["gen"]
+            self.gen_changed.set()
             failure = None
             g: Groups | None = None
             try:
@@ -531,6 +583,10 @@ class Worker:
             except RuntimeError as exc:  # DistBackendError, DistNetworkError, Gloo errors
                 text = str(exc).strip().splitlines()
                 failure = text[0] if text else type(exc).__name__
+            # Out of the generation, said before the teardown, which can take seconds (Gloo
+            # destroys a broken group holding the GIL: even the heartbeat pauses), so that the
+            # controller never takes a member on its way for one wedged in a collective.
+            self.store.set(f"loop/{self.slot}/{self.inc}", f"{self.gen} out")
             # Out of the handler, so the traceback (and its frames' references) is gone.
             g = None
             self.close_groups()
@@ -544,6 +600,7 @@ class Worker:
                               gen=self.gen, cause=cause)
         self.close_groups()
         self.stopping = True
+        self.gen_changed.set()
         self.snapshots.put(None)
         probe.emit("exit", code=0, rank=self.rank)
         self.store.add("exited", 1)
@@ -609,6 +666,12 @@ def main(cfg: Any) -> int:
     # process costs seconds (lazy imports), which a re-forked worker must not pay again.
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
+    # Everything alive now (torch's modules, ~300,000 objects) lives as long as the process:
+    # keep it out of every later collection. close_groups' gc.collect, which decides how soon
+    # a broken group's sockets close and so how soon peers learn of a failure, then takes
+    # microseconds instead of ~0.1 s (0.3 s on a busy host), and forked workers share these
+    # pages instead of copying them when a collection touches their headers.
+    gc.freeze()
     if slot == 0:
         children["controller"] = _fork(controller.run, cfg, host, port, slots, not agent_store)
     code = 0

@@ -41,13 +41,80 @@ def test_serving_bench_verdicts_are_ratios_of_medians() -> None:
     from bench.serving import summarise, verdicts
 
     runs = {
-        "durable": [{"tokens_per_s": 96.0}, {"tokens_per_s": 97.0}],
-        "bare": [{"tokens_per_s": 100.0}, {"tokens_per_s": 100.0}],
-        "migrate": [{"time_to_recover_s": 0.5}],
-        "fail_stop": [{"time_to_recover_s": 4.0}],
+        "durable": [{"tokens_per_s": 96.0, "passed": True}, {"tokens_per_s": 97.0, "passed": True}],
+        "bare": [{"tokens_per_s": 100.0, "passed": True}, {"tokens_per_s": 100.0, "passed": True}],
+        "migrate": [{"time_to_recover_s": 0.5, "passed": True}],
+        "fail_stop": [{"time_to_recover_s": 4.0, "passed": True}],
     }
     overhead, recovery = verdicts(summarise(runs))
     assert round(overhead["value"], 4) == 0.035
     assert overhead["met"]
     assert recovery["value"] == 0.125
     assert not recovery["met"]
+    # A migration fast enough but with a run whose outputs failed their checks meets nothing.
+    runs["migrate"] = [{"time_to_recover_s": 0.3, "passed": True},
+                       {"time_to_recover_s": 0.3, "passed": False}]
+    _, recovery = verdicts(summarise(runs))
+    assert recovery["value"] == 0.075
+    assert not recovery["met"]
+
+
+def test_a_fast_recovery_to_wrong_parameters_does_not_meet_its_target() -> None:
+    """The bench holds every faulted row to the oracle's parameters: a row that recovers in
+    0.1 s but ends with other parameters fails its recovery targets, and one whose
+    parameters were not observed cannot meet them either."""
+    from bench.run import summarise, targets
+
+    def rep(rate: float, full: float, match: bool | None) -> dict[str, object]:
+        return {"steps_per_s": rate, "resume_s": full, "full_s": full, "lost_steps": 0,
+                "params_match": match}
+
+    ddp = {"steps_per_s": 10.0}
+    for match, want in ((True, True), (False, False), (None, None)):
+        runs = {"ddp": [ddp, ddp], "hot_spare": [rep(10.0, 0.1, True), rep(10.0, 0.1, match)]}
+        found = {t["target"]: t for t in targets(summarise(runs))}
+        full = found["hot_spare kill → full strength ≤ 0.3 s"]
+        assert full["met"] is want, (match, full)
+        assert found["hot_spare failure-free overhead ≤ 10% vs plain DDP"]["met"] is True
+    assert full["note"] == "parameters not observed"
+
+
+def test_cpu_per_step_is_split_by_what_each_process_said_it_is() -> None:
+    from bench.run import cpu_profile
+
+    events = [
+        Event(t=0.0, event="hello", source="rank0", fields={"rank": 0, "pid": 10}),
+        Event(t=0.0, event="hello", source="rank4", fields={"rank": None, "pid": 11,
+                                                             "role": "spare"}),
+        Event(t=0.1, event="membership", source="controller", fields={"pid": 12}),
+        # The spare becomes rank 3 after the kill: it was a spare in the window.
+        Event(t=9.0, event="hello", source="rank3", fields={"rank": 3, "pid": 11}),
+    ]
+    first = {10: (1.0, "python -m reference_impl.trainer"), 11: (0.5, "python"),
+             12: (0.2, "python"), 13: (0.0, "python -m torch.distributed.run"),
+             14: (0.0, "python -m reference_impl.trainer")}
+    last = {10: (2.0, "python -m reference_impl.trainer"), 11: (0.6, "python"),
+            12: (0.3, "python"), 13: (0.05, "python -m torch.distributed.run"),
+            14: (0.01, "python -m reference_impl.trainer"), 15: (9.0, "born late")}
+    out = cpu_profile(events, {20: first, 70: last}, (20, 70))
+    assert out["cpu_by_role"] == {"controller": 2.0, "rank": 20.0, "spare": 2.0,
+                                  "supervisor": 0.2, "torchrun agent": 1.0}
+    assert round(out["cpu_ms_per_step"], 6) == 25.2
+
+
+def test_torchft_is_at_full_strength_when_all_ranks_commit_one_step_whatever_their_group() -> None:
+    """torchft's replica groups are two torchruns with their own restart counts, so its ranks
+    never name one generation; the bench times its full strength by step number."""
+    from bench.peers import PEERS
+    from bench.run import full_strength
+
+    torchft = next(p for p in PEERS if p.name == "torchft")
+    events = [Event(t=1.0, event="fault_injected", source="bench", fields={}),
+              Event(t=1.1, event="failure_detected", source="rank0", fields={"rank": 0})]
+    events += [step(1.2 + 0.1 * i, r, 100 + i) for i in range(1, 30) for r in (0, 1)]
+    # The killed group is back at step 120, in its own generation.
+    events += [Event(t=1.2 + 0.1 * i + 0.01, event="step", source=f"rank{r}",
+                     fields={"rank": r, "step": 100 + i, "world": 4, "generation": 1})
+               for i in range(20, 30) for r in (2, 3)]
+    events.sort(key=lambda e: e.t)
+    assert round(full_strength(events, 1.0, torchft) or 0, 3) == 2.21

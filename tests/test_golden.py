@@ -11,7 +11,10 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from _helpers import ROOT, cli
@@ -314,3 +317,30 @@ def test_an_outputs_golden_sees_every_token_and_every_logits_digest() -> None:
     digests = {outputs_digest(o) for o in
                (outputs, changed_token, changed_logits, missing_request)}
     assert len(digests) == 4
+
+
+def test_the_cpu_platform_is_asked_once_per_installation(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Asking torch costs an `import torch` in every run; the CPU answer is kept on disk under
+    what it depends on, so a changed ATEN_CPU_CAPABILITY (or torch, or CPU) asks again."""
+    monkeypatch.setenv("AFTERSHOCK_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    asked: list[str] = []
+    real = subprocess.run
+
+    def counting(argv: list[str], **kwargs: Any) -> Any:
+        asked.append(os.environ.get("ATEN_CPU_CAPABILITY", ""))
+        return real([sys.executable, "-c", f"print('torch X; x86_64 isa{len(asked)}; cpu')"],
+                    **kwargs)
+
+    monkeypatch.setattr(golden.subprocess, "run", counting)
+    ask = golden._platform.__wrapped__  # past the in-process cache: a new `aftershock run`
+    first = ask(sys.executable, "cpu")
+    assert ask(sys.executable, "cpu") == first == "torch X; x86_64 isa1; cpu"
+    assert len(asked) == 1
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    assert ask(sys.executable, "cpu") == "torch X; x86_64 isa2; cpu"
+    assert ask(sys.executable, "cuda") == "torch X; x86_64 isa3; cpu"
+    assert ask(sys.executable, "cuda") == "torch X; x86_64 isa4; cpu"  # a GPU is asked each time
+    assert asked == ["", "avx2", "avx2", "avx2"]

@@ -140,15 +140,12 @@ expect:
     assert committed == [(rank, step) for rank in (0, 1) for step in range(1, 21)]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "defect in reference_impl/controller.py: a member wedged inside a collective keeps "
-    "beating (its heartbeat is another thread), so the controller regroups the same members "
-    "and waits forever for it at the next generation's start line; it should fence it as it "
-    "fences a silent member"))
 def test_a_collective_wedged_for_good_is_fenced_under_hot_spare(tmp_path: Path) -> None:
     """A communicator that never comes back, on a member whose other threads run on. Its
     peers see the collective time out; recovery needs the wedged member replaced (fenced,
-    then a spare takes its rank), since it will never join another generation."""
+    then a spare takes its rank), since it will never join another generation. Its heartbeat
+    goes on (another thread), so only its absence from the regrouped generation's start
+    line can give it away."""
     code, record, events = run_text(tmp_path, """\
 name: inproc-hot-spare-wedged
 system:
@@ -174,4 +171,15 @@ expect:
     assert (hit["rank"], hit["op"]) == (1, "all_reduce")
     assert any(e["cause"] == "collective_timeout" for e in events
                if e["event"] == "failure_detected" and e["t"] > hit["t"])
-    assert code == 0, record["checks"]
+    story = [{k: e.get(k) for k in ("event", "rank", "cause", "why", "role", "generation")}
+             for e in events if e["event"] in ("hello", "failure_detected", "membership")]
+    assert code == 0, (record["checks"], story)
+    # The wedged process itself was fenced for missing the start line, never for silence,
+    # and a spare took its rank; rank 0 stayed in place.
+    fenced = [e for e in events if e["event"] == "failure_detected"
+              and e["cause"] in ("join_timeout", "heartbeat_timeout")]
+    assert [(e["cause"], e["rank"], e["pid"]) for e in fenced] == [
+        ("join_timeout", 1, hit["pid"])], story
+    trainers = sorted(e["rank"] for e in events
+                      if e["event"] == "hello" and e.get("role") == "trainer")
+    assert trainers == [0, 1, 1], story

@@ -277,6 +277,30 @@ def _kill_during_elastic_recovery(run: Run) -> None:
     assert "independent replay" in check["message"], check
 
 
+def _wedged_member_fenced(run: Run) -> None:
+    """Rank 1 wedged for good in its gradient all_reduce and kept beating: only its absence
+    from the regrouped generation's start line gave it away. The controller fenced that very
+    process there (``join_timeout``, never a heartbeat), dropped its replica while rank 0
+    trained on alone, and a fresh process of the slot rejoined; the wedged one committed
+    nothing after the fault."""
+    hit = run.injection()
+    found = run.detected(after=hit["t"])
+    assert found, "nobody reported the wedged collective"
+    assert found[0]["cause"] == "collective_timeout", found[0]
+    fenced = [e for e in found if e["cause"] in ("join_timeout", "heartbeat_timeout")]
+    assert [(e["cause"], e["rank"], e["pid"]) for e in fenced] == [
+        ("join_timeout", 1, hit["pid"])], fenced
+    log = run.dir / "output" / "membership.jsonl"
+    generations = [json.loads(line)["replicas"] for line in log.read_text().splitlines()]
+    assert generations == [[0, 1], [0], [0, 1]]
+    after = [e for e in run.events("step") if e["t"] > hit["t"]]
+    assert {e["rank"] for e in after if e.get("replicas") == 1} == {0}
+    assert hit["pid"] not in {e["pid"] for e in after}
+    assert {e["rank"] for e in after if e["t"] > fenced[0]["t"]} == {0, 1}
+    (check,) = [c for c in run.record["checks"] if c["name"] == "params_match"]
+    assert "independent replay" in check["message"], check
+
+
 def _fingerprints(run: Run) -> None:
     """The flipped weight is caught by the next cross-replica fingerprint (every 10 steps,
     the trainer's default), on the flipped rank's shard only, and the run rolls back to the
@@ -503,6 +527,7 @@ EVIDENCE: dict[str, Callable[[Run], None]] = {
     "faults/collective_corrupt_nan": _vote({1}),
     "faults/collective_error_hot_spare": _regrouped("collective_error"),
     "faults/collective_hang_elastic": _regrouped("collective_timeout"),
+    "faults/collective_hang_elastic_forever": _wedged_member_fenced,
 }
 
 

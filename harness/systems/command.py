@@ -8,6 +8,7 @@ import hashlib
 import itertools
 import os
 import re
+import shutil
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from harness.logprobe import LogProbe
-from harness.schema import MAX_WORLD, Duration, Strict
+from harness.schema import MAX_STEPS, MAX_WORLD, Duration, Strict
 from harness.systems import Driver, register
 from harness.target import Launch, LocalTarget, Target
 from harness.timeline import Timeline
@@ -25,17 +26,32 @@ from harness.timeline import Timeline
 class CommandSystem(Strict):
     """Any command line (a torchrun job, a user's server), observed through logs.
 
-    ``${run_dir}`` and ``${scenario_dir}`` in ``command`` and ``env`` values are
-    replaced by the run's own folder and the scenario file's folder.
+    ``${run_dir}``, ``${scenario_dir}`` and ``${seed}`` in ``command``, ``env`` values and
+    ``cwd`` are replaced by the run's own folder, the scenario file's folder and the run's
+    seed (:data:`VARIABLES`).
     """
 
     command: list[str] = Field(min_length=1)
     probes: list[LogProbe] = Field(default_factory=list)
+    logs: list[str] = Field(
+        default_factory=list, max_length=16,
+        description="per-process log files the harness follows as they appear and grow "
+        "(globs, `**` too; relative to the working directory; `${run_dir}` expanded), each "
+        "its own stream for the probes (`stream: logs` or `both`): torchrun's "
+        "`--log-dir=${run_dir}/torchrun --redirects=3` files are "
+        "`${run_dir}/torchrun/**/stdout.log`, and give each line its rank and restart count",
+    )
     world: int | None = Field(
         None, ge=1, le=MAX_WORLD,
         description="ranks at full strength; default: ranks seen before the fault"
     )
-    cwd: str | None = Field(None, description="working directory, relative to the scenario file")
+    steps: int | None = Field(
+        None, ge=1, le=MAX_STEPS, description="how many steps the job runs (the live "
+        "view's progress bar)")
+    cwd: str | None = Field(
+        None, description="working directory, relative to the scenario file's folder "
+        "(`${run_dir}` expanded); default: a fresh folder `work` in the run folder, so nothing "
+        "a run writes there (a snapshot) reaches the next run")
     env: dict[str, str] = Field(default_factory=dict)
     inputs: list[str] = Field(
         default_factory=list,
@@ -52,8 +68,14 @@ class CommandSystem(Strict):
     )
 
     def workdir(self, scenario_dir: Path) -> Path:
-        """Where the command runs (and where its relative paths point)."""
-        return (scenario_dir / self.cwd).resolve() if self.cwd else scenario_dir.resolve()
+        """Where the command's relative file names point: its ``cwd``, or the scenario's
+        folder when it runs in a fresh folder of the run (its files named relative to the
+        scenario are then passed as absolute paths: :func:`absolute_args`). A ``cwd``
+        inside the run folder is not known before the run: the scenario's folder then."""
+        if self.cwd and "${run_dir}" not in self.cwd:
+            return (scenario_dir / expand(self.cwd, {"scenario_dir": str(
+                scenario_dir.resolve())})).resolve()
+        return scenario_dir.resolve()
 
     def input_files(self, scenario_dir: Path) -> tuple[list[Path], list[int]]:
         """The files ``inputs`` names (folders: every file under them), sorted, and the
@@ -74,6 +96,36 @@ class CommandSystem(Strict):
                 missing.append(index)
             files.update(found)
         return sorted(files), missing
+
+
+#: The variables a command's ``command``, ``env`` values and ``cwd`` may use (docs/scenarios.md).
+VARIABLES = ("run_dir", "scenario_dir", "seed")
+_VARIABLE = re.compile(r"\$\{(" + "|".join(VARIABLES) + r")\}")
+
+
+def expand(text: str, values: dict[str, str]) -> str:
+    """``text`` with each ``${name}`` of :data:`VARIABLES` that ``values`` gives replaced."""
+    return _VARIABLE.sub(lambda m: values.get(m.group(1), m.group(0)), text)
+
+
+def absolute_args(system: CommandSystem, scenario_dir: Path) -> list[str]:
+    """The command line as the job gets it when it runs in a fresh folder: each argument
+    (or ``--flag=value`` value) that names a file relative to the scenario's folder made
+    absolute, the same files :func:`command_files` keys the twin by. The program itself is
+    looked up on PATH unless it names a folder (``./run.sh``)."""
+    if system.cwd:
+        return list(system.command)
+    base = scenario_dir.resolve()
+    out: list[str] = []
+    for index, arg in enumerate(system.command):
+        if "${" in arg or Path(arg).is_absolute():
+            out.append(arg)
+            continue
+        flag, eq, value = arg.partition("=") if arg.startswith("-") else ("", "", arg)
+        if value and (index or "/" in value) and (base / value).is_file():
+            arg = f"{flag}{eq}{base / value}"
+        out.append(arg)
+    return out
 
 
 def command_files(system: CommandSystem, scenario_dir: Path) -> list[Path]:
@@ -168,20 +220,31 @@ class Command:
 
     def launch(self, system: CommandSystem, *, run_dir: Path, scenario_dir: Path, seed: int,
                extra_args: tuple[str, ...] = ()) -> Launch:
-        variables = {"run_dir": str(run_dir), "scenario_dir": str(scenario_dir.resolve())}
-
-        def expand(text: str) -> str:
-            # Only ${run_dir} and ${scenario_dir}: a fresh folder per run keeps a job's
-            # checkpoints from leaking from the fault-free baseline into the faulted run.
-            return re.sub(r"\$\{(run_dir|scenario_dir)\}", lambda m: variables[m.group(1)],
-                          text)
-
+        values = {"run_dir": str(run_dir), "scenario_dir": str(scenario_dir.resolve()),
+                  "seed": str(seed)}
+        if system.cwd:
+            cwd = (scenario_dir / expand(system.cwd, values)).resolve()
+        else:
+            # A fresh folder per run: what a run writes where it stands (a snapshot.pt)
+            # must not reach the next run, nor the fault-free twin's the faulted run's.
+            cwd = run_dir / "work"
+            if cwd.is_dir():
+                shutil.rmtree(cwd)
+            cwd.mkdir(parents=True)
+        env = {key: expand(value, values) for key, value in system.env.items()}
+        if not system.cwd and "-m" in system.command:
+            # `python -m pkg.main` finds its module from the scenario's folder, as it would
+            # from the folder it runs in (and as `validate` found it).
+            env["PYTHONPATH"] = os.pathsep.join(
+                p for p in (values["scenario_dir"],
+                            env.get("PYTHONPATH", os.environ.get("PYTHONPATH"))) if p)
         return Launch(
-            [expand(arg) for arg in system.command],
-            system.workdir(scenario_dir),
-            {key: expand(value) for key, value in system.env.items()},
+            [expand(arg, values) for arg in absolute_args(system, scenario_dir)],
+            cwd,
+            env,
             system.world,
             tuple(system.probes),
+            tuple(str(cwd / expand(pattern, values)) for pattern in system.logs),
         )
 
     def target(self, launch: Launch, *, run_dir: Path, run_id: str,
@@ -196,11 +259,35 @@ class Command:
             return "a plain command does not call it"
         return probe_reason(system, scenario_dir)
 
+    def unresolved(self, system: CommandSystem, target: Any, probed: bool) -> str | None:
+        """Why ``target`` can never name a process of this job, or None. A command's ranks
+        are its processes' RANK, or what the job reports of itself: through the in-process
+        probe's hello (``probed``) or a log probe's ``event: hello`` line, whose groups say
+        which coordinates it reports."""
+        reported = {"rank", "pid"} if probed else set()
+        for p in system.probes:
+            if p.event == "hello":
+                reported |= set(re.compile(p.pattern).groupindex)
+        if probed:
+            reported |= {"replica", "shard", "role"}
+        needs = []
+        if target.replica is not None or target.shard is not None:
+            needs = [c for c in ("replica",) if c not in reported]
+        elif target.role in ("spare", "router") and "role" not in reported:
+            needs = ["role"]
+        if not needs:
+            return None
+        return (f"this command's processes have no {needs[0]}: only the job can say which "
+                f"process has one, and it says so neither through harness.probe.install() "
+                f"nor a log probe with `event: hello` and a (?P<{needs[0]}>...) group. Name "
+                "the processes by what they have instead: `env: {REPLICA_GROUP_ID: '1'}`, "
+                "`cmdline: ...`, `role: agent|worker` (docs/own-job.md)")
+
     def world(self, system: CommandSystem) -> int | None:
         return system.world
 
     def steps(self, system: CommandSystem) -> int | None:
-        return None
+        return system.steps
 
     def default_root(self, system: CommandSystem, run_dir: Path) -> Path:
         return run_dir

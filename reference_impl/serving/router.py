@@ -534,6 +534,14 @@ class Router:
                 slot.state = "restarting" if slot.state == "restarting" else "failed"
             slot.pid = None
 
+    def resuming(self) -> bool:
+        """Requests moved off a failed worker are re-prefilling on healthy ones: assigned,
+        no token since the move. (A moved request still waiting for any worker does not
+        count: it needs the replacement.)"""
+        with self._lock:
+            return any(r.moved_at is not None and r.worker is not None and not r.finished
+                       for r in self._requests.values())
+
     def drained(self, index: int) -> bool:
         with self._lock:
             return self._slots[index].state == "drained"

@@ -56,6 +56,9 @@ from reference_impl.serving.router import (
 )
 
 READY_LINE = "AFTERSHOCK_SERVING_READY"
+# A dead worker's replacement waits at most this long for the requests moved off it to
+# stream again on the healthy workers (WorkerKeeper._held).
+RESPAWN_HOLD_S = 2.0
 _REPO = Path(__file__).resolve().parents[2]  # so `-m reference_impl...` works from any cwd
 
 
@@ -142,6 +145,7 @@ class WorkerKeeper:
         self._started_at: dict[int, float] = {}
         self._backoff = dict.fromkeys(range(args.workers), 0.0)
         self._respawn_at = dict.fromkeys(range(args.workers), 0.0)
+        self._hold_until = dict.fromkeys(range(args.workers), 0.0)
         self._restart_all = threading.Event()
         self._stop = threading.Event()
         self._quiet = False
@@ -222,6 +226,15 @@ class WorkerKeeper:
         self._backoff[index] = 0.0 if lived > 10 else min(max(self._backoff[index] * 2, 0.25),
                                                           5.0)
         self._respawn_at[index] = time.monotonic() + self._backoff[index]
+        self._hold_until[index] = time.monotonic() + RESPAWN_HOLD_S
+
+    def _held(self, index: int, now: float) -> bool:
+        """Whether the respawn of ``index`` waits for the moved requests to stream again.
+
+        A replacement's start (``import torch``, ~4 s of CPU) takes a core from the workers
+        re-prefilling the requests moved off the dead one, on a small host exactly when
+        recovery is being timed. It still starts for real, at most RESPAWN_HOLD_S later."""
+        return now < self._hold_until[index] and self.router.resuming()
 
     def _supervise(self) -> None:
         for index in range(self.args.workers):
@@ -240,6 +253,7 @@ class WorkerKeeper:
                 for index, proc in procs.items():
                     self._reap(index, proc, proc.wait())
                     self._respawn_at[index] = 0.0  # a cold restart is not a crash loop
+                    self._hold_until[index] = 0.0  # and nothing was moved: start at once
             with self._lock:
                 procs = dict(self._procs)
             for index, proc in procs.items():
@@ -249,6 +263,7 @@ class WorkerKeeper:
             now = time.monotonic()
             for index in range(self.args.workers):
                 if (index not in self._procs and now >= self._respawn_at[index]
+                        and not self._held(index, now)
                         and not self._restart_all.is_set()  # it respawns them all itself
                         and not self._stop.is_set() and not self.router.drained(index)):
                     self._spawn(index)

@@ -90,14 +90,10 @@ def vote_alone(trainer: ModuleType) -> None:
     """Each rank decides alone whether its gradients are finite: no vote over the world.
     A NaN in one shard's gradients then makes only that shard skip the step."""
 
-    def broken(model: Any, layout: Any) -> tuple[bool, bool]:
-        import torch
+    def broken(finite: bool, layout: Any) -> bool:
+        return finite
 
-        mine = all(bool(torch.isfinite(p.grad).all()) for p in model.parameters()
-                   if p.grad is not None)
-        return mine, mine
-
-    trainer.gradients_finite = broken
+    trainer.vote = broken
 
 
 def stale_snapshot(resilient: ModuleType) -> None:

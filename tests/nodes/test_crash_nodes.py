@@ -82,11 +82,14 @@ def test_a_killed_harness_leaves_no_paused_or_partitioned_node(
             healed = subprocess.run([sys.executable, "-m", "harness", "heal"], cwd=ROOT,
                                     env=env, capture_output=True, text=True, timeout=90)
             assert healed.returncode == 0, healed.stdout + healed.stderr
+        # The reaper removes the nodes first and its journal last: wait for both.
+        journals = Path(os.environ["AFTERSHOCK_STATE_DIR"]) / "journal"
         deadline = time.monotonic() + 30
-        while _left(api, run_id) and time.monotonic() < deadline:
+        while ((_left(api, run_id) or list(journals.glob("*.jsonl")))
+               and time.monotonic() < deadline):
             time.sleep(0.1)
         assert _left(api, run_id) == []
-        assert not list((Path(os.environ["AFTERSHOCK_STATE_DIR"]) / "journal").glob("*.jsonl"))
+        assert not list(journals.glob("*.jsonl"))
     finally:
         if harness.poll() is None:
             harness.kill()

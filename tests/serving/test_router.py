@@ -228,3 +228,38 @@ def test_fail_stop_takes_no_work_to_a_worker_it_is_restarting(workers) -> None:
     retried = router.submit("r", PROMPT, 6)  # the client's retry
     assert retried is not request
     assert successor.add().request_id == "r"
+
+
+def test_the_router_is_resuming_while_a_moved_request_awaits_its_first_token(workers) -> None:
+    """While a moved request re-prefills on a healthy worker the dead worker's replacement
+    waits (server.WorkerKeeper._held): its `import torch` would take a core from it."""
+    router, request, moved = migrate(Router, workers)
+    assert moved is not None
+    assert router.resuming()
+    next(w for w in workers if w.index == request.worker).tokens(router, moved, 3, 1)
+    assert not router.resuming()
+
+
+def test_a_replacement_waits_for_the_moved_requests_but_not_for_ever() -> None:
+    import argparse
+
+    from reference_impl.serving import server
+
+    class Resuming:
+        resuming_now = True
+
+        def resuming(self) -> bool:
+            return self.resuming_now
+
+    args = argparse.Namespace(workers=1, seed=0, block_size=16, num_blocks=8, max_batch=1,
+                              device="cpu", threads=1, heartbeat=0.1, no_checksums=False,
+                              verify=None, step_sleep=0.0, dead_after=0.5,
+                              no_batch_invariant=False)
+    router = Resuming()
+    keeper = server.WorkerKeeper(args, router, ("127.0.0.1", 1))  # type: ignore[arg-type]
+    keeper._hold_until[0] = 100.0 + server.RESPAWN_HOLD_S  # a worker died at t=100
+    assert keeper._held(0, 100.5)
+    router.resuming_now = False
+    assert not keeper._held(0, 100.5)  # the moved requests stream again: start it now
+    router.resuming_now = True
+    assert not keeper._held(0, 100.0 + server.RESPAWN_HOLD_S)  # held long enough: start it

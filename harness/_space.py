@@ -1,0 +1,471 @@
+"""The search space of ``aftershock explore``: a scenario's ``explore:`` block with the
+system's defaults filled in and every choice checked against the fault kinds' own models.
+
+No hypothesis here: validating a scenario must not import it. ``harness.strategies`` draws
+schedules from a resolved :class:`Space`.
+"""
+
+from __future__ import annotations
+
+import typing
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from pydantic import ValidationError
+
+from harness.spec import (
+    FAULT_MODELS,
+    CommandSystem,
+    EventTrigger,
+    Explore,
+    FileTrigger,
+    KindSpace,
+    ParamSpan,
+    Phase,
+    ServerSystem,
+    Span,
+    TimeSpan,
+    TrainerSystem,
+    TriggerSpace,
+    _FaultBase,
+    in_process,
+)
+
+#: Where a problem is in the scenario (keys and list indexes under ``explore``), and what.
+Problem = tuple[tuple[Any, ...], str]
+
+#: Target families from the simplest to the widest: hypothesis shrinks a choice toward the
+#: first, so a shrunk schedule hits one named process where one is enough.
+FAMILY_ORDER = ("rank", "worker", "random", "replica", "shard", "majority", "spare",
+                "launcher", "all")
+#: Families that expand to one fault per rank for a fault applied inside the target (the
+#: probe's rank filter names one rank or every rank, not a set).
+GROUPS = ("replica", "shard", "majority")
+#: Families a fault applied inside the target cannot use: a role is not a rank.
+ROLES = ("spare", "launcher")
+#: Events and fault points that only come after a failure (docs/events.md): a fault waiting
+#: for one can land only once an earlier fault caused a failure, so a schedule needs at least
+#: one fault triggered by something else, or it never starts.
+AFTER_A_FAILURE = ("failure_detected", "recovery_done", "checkpoint_loaded",
+                   "checkpoint_skipped", "request_migrated", "restore")
+#: Fields of a fault that are not parameters.
+_NOT_PARAMS = ("kind", "target", "at", "every")
+#: The reference trainer's fault points in a training step, and around a checkpoint when the
+#: trainer has them (harness.spec.Phase lists what the probe knows).
+_TRAIN_PHASES = ("forward", "backward", "optimizer", "save", "restore")
+
+
+class SpaceError(ValueError):
+    """The ``explore`` block does not fit the system: each problem with its place."""
+
+    def __init__(self, problems: list[Problem]) -> None:
+        self.problems = problems
+        super().__init__("; ".join(f"{'.'.join(map(str, p))}: {m}" for p, m in problems))
+
+
+@dataclass(frozen=True, slots=True)
+class ParamDraw:
+    """How one parameter is drawn: from ``choices``, or between ``low`` and ``high`` as an
+    ``int``, a ``float`` or whole milliseconds (``ms``, a duration)."""
+
+    name: str
+    choices: tuple[Any, ...] = ()
+    low: float = 0
+    high: float = 0
+    unit: str = ""
+
+    def first(self) -> Any:
+        """The simplest value: the first choice, or the low end."""
+        if self.choices:
+            return self.choices[0]
+        if self.unit == "ms":
+            return timedelta(milliseconds=self.low)
+        return int(self.low) if self.unit == "int" else self.low
+
+
+@dataclass(frozen=True, slots=True)
+class KindChoice:
+    kind: str
+    params: tuple[ParamDraw, ...]
+    targeted: bool  # storage faults act on files: no target is drawn
+    in_process: bool  # applied by the probe inside the target
+    phased: bool  # `at.phase` means something for it
+    families: tuple[str, ...]  # the declared target families it can use
+
+
+@dataclass(frozen=True, slots=True)
+class EventChoice:
+    event: str
+    count: tuple[int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class FileChoice:
+    file: str
+    when: str
+    count: tuple[int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Who there is to hit."""
+
+    ranks: int | None  # ranks (workers for a server) at full strength; None: not known
+    replicas: int = 1
+    shards: int = 1
+
+    def rank_of(self, replica: int, shard: int) -> int:
+        # The reference trainer's layout: rank = replica * shards + shard.
+        return replica * self.shards + shard
+
+
+@dataclass(frozen=True, slots=True)
+class Space:
+    faults: tuple[int, int]
+    kinds: tuple[KindChoice, ...]
+    layout: Layout
+    steps: tuple[int, int] | None
+    phases: tuple[str, ...]
+    events: tuple[EventChoice, ...]
+    files: tuple[FileChoice, ...]
+    time_ms: tuple[int, int] | None
+    spacing: tuple[int, int] | None
+
+
+System = TrainerSystem | ServerSystem | CommandSystem
+
+
+# ------------------------------------------------------------------------------- defaults
+
+
+def default_kinds(system: System) -> list[KindSpace]:
+    """Every fault kind that applies to ``system``, with parameter ranges that make sense
+    for it. Kinds a machine cannot apply (no nftables, no ss -K) show up as runs whose fault
+    could not be applied: discarded, never reported as failures."""
+    kinds: list[dict[str, Any]] = [
+        {"kind": "process.kill"},
+        {"kind": "process.term", "params": {"grace": {"min": "100ms", "max": "3s"}}},
+        {"kind": "process.freeze", "params": {"duration": {"min": "200ms", "max": "6s"}}},
+    ]
+    if isinstance(system, CommandSystem):
+        # Nothing is known inside a command: faults from outside only.
+        return [KindSpace.model_validate(k) for k in [*kinds, {"kind": "net.reset"}]]
+    kinds += [
+        {"kind": "process.hang", "params": {"duration": {"min": "200ms", "max": "6s"}}},
+        {"kind": "net.reset"},
+        {"kind": "net.partition", "params": {"duration": {"min": "200ms", "max": "6s"}}},
+        {"kind": "gpu.xid", "params": {"code": [79, 13, 63]}},
+    ]
+    if isinstance(system, TrainerSystem):
+        kinds += [
+            {"kind": "collective.error"},
+            {"kind": "collective.hang", "params": {"duration": {"min": "200ms", "max": "6s"}}},
+            {"kind": "collective.delay", "params": {"delay": {"min": "100ms", "max": "3s"}}},
+            {"kind": "collective.corrupt", "params": {"mode": ["nan", "inf"]}},
+            {"kind": "memory.nan", "params": {"tensor": ["grad:*"]}},
+        ]
+        if system.recovery == "restart":
+            # Only `restart` keeps durable checkpoints.
+            kinds += [
+                {"kind": "storage.corrupt", "params": {"path": ["step_*/rank_*.pt"]}},
+                {"kind": "storage.truncate", "params": {"path": ["step_*/rank_*.pt"]}},
+                {"kind": "storage.delete", "params": {"path": ["step_*/rank_*.pt"]}},
+            ]
+    return [KindSpace.model_validate(k) for k in kinds]
+
+
+def default_targets(system: System) -> list[str]:
+    if isinstance(system, ServerSystem):
+        return ["worker", "random", "majority"]
+    if isinstance(system, CommandSystem):
+        return ["rank", "random", "majority"] if system.world else ["random"]
+    families = ["rank", "random", "replica", "shard", "majority"]
+    if system.recovery == "hot_spare" and system.spares:
+        families.append("spare")
+    return families
+
+
+def _known_phases() -> tuple[str, ...]:
+    return typing.get_args(Phase)
+
+
+def default_triggers(system: System) -> TriggerSpace:
+    if isinstance(system, TrainerSystem):
+        events: list[Any] = ["failure_detected"]
+        events += (["checkpoint_saved", "checkpoint_loaded"] if system.recovery == "restart"
+                   else ["recovery_done"])
+        phases = [p for p in _TRAIN_PHASES if p in _known_phases()]
+        # Inside a save, seen from outside: a step's folder appears, a shard is published.
+        files = [FileTrigger(file="step_*"), FileTrigger(file="step_*/rank_*.json")] \
+            if system.recovery == "restart" else []
+        return TriggerSpace(step=Span(min=1, max=system.steps), phases=phases,
+                            events=[EventTrigger.model_validate(e) for e in events],
+                            files=files)
+    if isinstance(system, ServerSystem):
+        half = max(1, system.load.requests // 2)
+        return TriggerSpace(events=[
+            EventTrigger(event="first_token", count=Span(min=1, max=half)),
+            EventTrigger(event="request_migrated", count=Span(min=1, max=2)),
+            EventTrigger(event="failure_detected", count=Span(min=1, max=2)),
+        ])
+    return TriggerSpace(time=TimeSpan.model_validate({"min": "100ms", "max": "3s"}))
+
+
+# ------------------------------------------------------------------------------ resolving
+
+
+def layout_of(system: System) -> Layout:
+    if isinstance(system, TrainerSystem):
+        return Layout(system.world.size, system.world.replicas, system.world.shards)
+    if isinstance(system, ServerSystem):
+        return Layout(system.workers)
+    return Layout(system.world)
+
+
+def families_for(system: System) -> dict[str, str]:
+    """Target families this system has, and for the others why not."""
+    layout = layout_of(system)
+    trainer = isinstance(system, TrainerSystem)
+    server = isinstance(system, ServerSystem)
+    why: dict[str, str] = {}
+    if server:
+        why["rank"] = "a server's processes are workers: use `worker`"
+    elif layout.ranks is None:
+        why["rank"] = "the command's `world` is not given, so its ranks are not known"
+    if not server:
+        why["worker"] = "only the reference server has workers"
+    for family in ("replica", "shard"):
+        if not trainer:
+            why[family] = "only the reference trainer reports replicas and shards"
+    if layout.ranks is None:
+        why["majority"] = "the command's `world` is not given, so a majority is not known"
+    if not (isinstance(system, TrainerSystem) and system.recovery == "hot_spare"
+            and system.spares):
+        why["spare"] = "only the reference trainer with `recovery: hot_spare` and spares has " \
+                       "warm spares"
+    return {f: why[f] for f in FAMILY_ORDER if f in why}
+
+
+def resolve(system: System, explore: Explore | None) -> Space:
+    """The space ``explore`` declares for ``system`` (None: every default); SpaceError lists
+    every problem, each with its place under ``explore``."""
+    explore = explore or Explore()
+    problems: list[Problem] = []
+    layout = layout_of(system)
+    unavailable = families_for(system)
+
+    families = list(explore.targets) if explore.targets is not None else default_targets(system)
+    for index, family in enumerate(families):
+        if explore.targets is not None and family in unavailable:
+            problems.append((("targets", index), f"{family!r}: {unavailable[family]}"))
+    families = sorted({f for f in families if f not in unavailable}, key=FAMILY_ORDER.index)
+
+    at = explore.at if explore.at is not None else default_triggers(system)
+    where_at = ("at",) if explore.at is not None else ()
+    steps = (at.step.min, at.step.max) if at.step is not None else None
+    if steps is not None and isinstance(system, TrainerSystem) and steps[1] > system.steps:
+        problems.append(((*where_at, "step", "max"),
+                         f"{steps[1]} is past the run's last step ({system.steps})"))
+    if steps is not None and steps[0] < 1:
+        problems.append(((*where_at, "step", "min"), "steps start at 1 (the first committed "
+                         "step)"))
+    if at.count.min < 1:
+        problems.append(((*where_at, "count", "min"), "an event's first occurrence is 1"))
+    events = []
+    for index, trigger in enumerate(at.events):
+        count = trigger.count or at.count
+        if count.min < 1:
+            problems.append(((*where_at, "events", index, "count", "min"),
+                             "an event's first occurrence is 1"))
+        events.append(EventChoice(trigger.event, (count.min, count.max)))
+    files = []
+    for index, watched in enumerate(at.files):
+        count = watched.count or at.count
+        if count.min < 1:
+            problems.append(((*where_at, "files", index, "count", "min"),
+                             "a file's first occurrence is 1"))
+        files.append(FileChoice(watched.file, watched.when, (count.min, count.max)))
+    time_ms = None
+    if at.time is not None:
+        time_ms = (_ms(at.time.min), _ms(at.time.max))
+        if at.time.max > system.timeout:
+            problems.append(((*where_at, "time", "max"), "is past the run's timeout "
+                             f"({system.timeout.total_seconds():g}s)"))
+    if steps is None and time_ms is None and not files and all(
+            e.event in AFTER_A_FAILURE for e in events):
+        problems.append((where_at or ("at",), "every trigger waits for a failure, so no "
+                         "schedule can start: add `step`, `time`, `files` or an event that "
+                         "happens without one"))
+    spacing = (explore.spacing.min, explore.spacing.max) if explore.spacing else None
+    if spacing is not None and steps is None:
+        problems.append((("spacing",), "spaces step triggers: needs `at.step`"))
+
+    declared = explore.kinds if explore.kinds is not None else default_kinds(system)
+    kinds: list[KindChoice] = []
+    phased_any = False
+    for index, space in enumerate(declared):
+        where = ("kinds", index) if explore.kinds is not None else ("kinds",)
+        choice = _kind_choice(space, where, families, at.phases, problems)
+        if choice is None:
+            continue
+        if choice.targeted and not choice.families:
+            if families:  # (no family at all is the targets' problem, said above)
+                why = ": a fault applied inside the target needs ranks, not roles" \
+                    if choice.in_process else ""
+                problems.append((where, f"{space.kind} cannot hit any of the targets "
+                                 f"({', '.join(families)}){why}"))
+            continue
+        phased_any = phased_any or choice.phased
+        kinds.append(choice)
+    if at.phases and not phased_any and explore.at is not None:
+        problems.append((("at", "phases"), "no fault kind of this search is applied at a fault "
+                         "point (collective.*, process.hang, memory.* with `tensor`)"))
+    if problems:
+        raise SpaceError(problems)
+    return Space(
+        faults=(explore.faults.min, explore.faults.max),
+        kinds=tuple(kinds),
+        layout=layout,
+        steps=steps,
+        phases=tuple(at.phases),
+        events=tuple(events),
+        files=tuple(files),
+        time_ms=time_ms,
+        spacing=spacing,
+    )
+
+
+def _ms(value: timedelta) -> int:
+    return round(value.total_seconds() * 1000)
+
+
+def sample_fault(kind: str, params: dict[str, Any], *, phase: str | None = None) -> _FaultBase:
+    """A fault of ``kind`` with ``params`` at some step, to ask the kind's own model whether
+    the values are valid (raises ValidationError)."""
+    at: dict[str, Any] = {"step": 1} if phase is None else {"step": 1, "phase": phase}
+    data: dict[str, Any] = {"kind": kind, "at": at, **params}
+    if not kind.startswith("storage."):
+        data["target"] = {"rank": 0}
+    return FAULT_MODELS[kind].model_validate(data)
+
+
+def _first_error(exc: ValidationError) -> str:
+    error = exc.errors()[0]
+    message = str(error["msg"]).removeprefix("Value error, ")
+    loc = ".".join(str(p) for p in error["loc"] if p not in FAULT_MODELS)
+    return f"{loc}: {message}" if loc else message
+
+
+def _kind_choice(
+    space: KindSpace, where: tuple[Any, ...], families: list[str], phases: Sequence[str],
+    problems: list[Problem],
+) -> KindChoice | None:
+    model = FAULT_MODELS[space.kind]
+    fields = {n: f for n, f in model.model_fields.items() if n not in _NOT_PARAMS}
+    # The first value of every parameter: the values of one are checked with the others'.
+    base: dict[str, Any] = {}
+    found = len(problems)
+    for name, choices in space.params.items():
+        if name not in fields:
+            problems.append(((*where, "params", name), f"{space.kind} has no parameter "
+                             f"{name!r} (allowed: {', '.join(sorted(fields))})"))
+            continue
+        if isinstance(choices, ParamSpan) and not _numeric(space.kind, name):
+            problems.append(((*where, "params", name), "a range needs a number or a duration "
+                             "parameter; give a list of values"))
+            continue
+        base[name] = choices[0] if isinstance(choices, list) else choices.min
+    for name, field in fields.items():
+        if field.is_required() and name not in base:
+            problems.append(((*where, "params"), f"{space.kind} needs `{name}`: give its "
+                             f"values, e.g. `params: {{{name}: [...]}}`"))
+    if len(problems) > found:
+        return None
+    try:
+        sample = sample_fault(space.kind, base)
+    except ValidationError as exc:
+        problems.append(((*where, "params"), f"{space.kind}: {_first_error(exc)}"))
+        return None
+    draws: list[ParamDraw] = []
+    for name, choices in space.params.items():
+        draw = _param_draw(space.kind, name, choices, base, (*where, "params", name), problems)
+        if draw is not None:
+            draws.append(draw)
+    if len(problems) > found:
+        return None
+    process_side = in_process(sample)
+    phased = False
+    for phase in phases:
+        try:
+            phased = in_process(sample_fault(space.kind, base, phase=phase))
+        except ValidationError:
+            phased = False
+        if phased:
+            break
+    targeted = not space.kind.startswith("storage.")
+    usable = tuple(f for f in families if not (process_side and f in ROLES)) if targeted else ()
+    return KindChoice(space.kind, tuple(draws), targeted, process_side, phased, usable)
+
+
+def _param_draw(
+    kind: str, name: str, choices: list[Any] | ParamSpan, base: dict[str, Any],
+    where: tuple[Any, ...], problems: list[Problem],
+) -> ParamDraw | None:
+    def valid(value: Any, at: tuple[Any, ...]) -> Any:
+        try:
+            return getattr(sample_fault(kind, {**base, name: value}), name)
+        except ValidationError as exc:
+            problems.append((at, f"{value!r}: {_first_error(exc)}"))
+            return None
+
+    if isinstance(choices, list):
+        values = [valid(v, (*where, i)) for i, v in enumerate(choices)]
+        if any(v is None for v in values):
+            return None
+        unique: list[Any] = []
+        for value in values:
+            if value not in unique:
+                unique.append(value)
+        return ParamDraw(name, choices=tuple(unique))
+    low, high = valid(choices.min, (*where, "min")), valid(choices.max, (*where, "max"))
+    if low is None or high is None:
+        return None
+    if isinstance(low, timedelta) and isinstance(high, timedelta):
+        unit, lo, hi = "ms", float(_ms(low)), float(_ms(high))
+    elif isinstance(low, bool) or isinstance(high, bool) or not (
+            isinstance(low, int | float) and isinstance(high, int | float)):
+        problems.append((where, "a range needs numbers or durations; give a list of values"))
+        return None
+    else:
+        is_int = model_is_int(kind, name)
+        unit, lo, hi = ("int" if is_int else "float"), float(low), float(high)
+    if hi < lo:
+        problems.append((where, "max is below min"))
+        return None
+    return ParamDraw(name, low=lo, high=hi, unit=unit)
+
+
+def _numeric(kind: str, name: str) -> bool:
+    """Whether the kind's parameter ``name`` holds numbers or durations."""
+    annotation = FAULT_MODELS[kind].model_fields[name].annotation
+    found: list[Any] = []
+    stack = [annotation]
+    while stack:  # through Optional, unions and Annotated (a Duration is one)
+        item = stack.pop()
+        args = typing.get_args(item)
+        if typing.get_origin(item) is typing.Literal:
+            found.append(str)
+        elif args:
+            stack.extend(args)
+        else:
+            found.append(item)
+    return any(t in (int, float, timedelta) for t in found)
+
+
+def model_is_int(kind: str, name: str) -> bool:
+    """Whether the kind's parameter ``name`` holds whole numbers."""
+    annotation = FAULT_MODELS[kind].model_fields[name].annotation
+    args = typing.get_args(annotation) or (annotation,)
+    return int in args and float not in args

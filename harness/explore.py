@@ -1,0 +1,579 @@
+"""``aftershock explore``: search a scenario's space of fault schedules for one that breaks it.
+
+Hypothesis draws schedules (harness.strategies), each is run as an ordinary scenario through
+``runner.run_scenario`` with the scenario's ``expect`` as the oracle, and a failing one is
+shrunk by hypothesis toward fewer faults, earlier and simpler triggers and simpler targets.
+What hypothesis leaves is then made 1-minimal (every fault is tried away once more), re-run
+to tell a bug from a flaky schedule, and written as a standalone scenario that `aftershock
+run` fails on.
+
+The engine stays out of the run loop: it builds Scenario objects (the type users write) and
+calls the runner. The fault-free twin is computed once, before the search, and every run
+reads it from the cache (runner.baseline_key: same system, same seed, one twin).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+from harness import golden, runner
+from harness._space import Space, sample_fault
+from harness.errors import HarnessError, PreflightError, RunFailed, SpecError
+from harness.records import CheckResult, RunResult
+from harness.spec import LoadedScenario, Scenario, _FaultBase, parse_scenario, to_yaml
+
+#: Checks that judge how a run went, not the system: `faults_injected` fails when a drawn
+#: trigger never came (an event that did not happen) or a fault could not be applied here,
+#: and `fault_free_golden` judges the twin, which is checked once before the search.
+NOT_ORACLES = ("faults_injected", "fault_free_golden")
+
+Stage = Literal["search", "shrink", "minimize", "confirm"]
+Verdict = Literal["pass", "fail", "discarded"]
+Status = Literal["confirmed", "flaky", "unconfirmed"]
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    """One run of one schedule."""
+
+    index: int  # 1-based, over the whole exploration
+    stage: Stage
+    schedule: str  # harness.explore.describe() of the faults
+    verdict: Verdict
+    failed: tuple[str, ...]  # names of the oracle checks that failed
+    reason: str  # why it failed or was discarded, in a line
+    duration_s: float
+    run_dir: str
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    """A schedule that failed, shrunk and re-run."""
+
+    status: Status  # confirmed: failed every re-run; flaky: passed one; unconfirmed: not re-run
+    file: str  # the scenario written for it
+    schedule: str
+    faults: int
+    failed_checks: tuple[str, ...]
+    message: str  # the failed checks, observed against expected
+    failures: int  # runs of exactly this schedule that failed (the first included)
+    passes: int  # and that passed
+    found_at_run: int
+
+
+@dataclass
+class Exploration:
+    """What one exploration did (``--json`` writes a list of these)."""
+
+    name: str
+    file: str
+    seed: int
+    budget_runs: int
+    max_faults: int
+    attempts: list[Attempt] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)
+    stopped: str = ""  # budget | time | found | interrupted
+    twin: str = ""
+    started: float = field(default_factory=time.monotonic)
+    elapsed_s: float = 0.0
+    search_s: float = 0.0  # the runs only: what `runs_per_minute` divides by
+
+    @property
+    def runs(self) -> int:
+        return len(self.attempts)
+
+    def count(self, stage: Stage | None = None, verdict: Verdict | None = None) -> int:
+        return sum(1 for a in self.attempts
+                   if (stage is None or a.stage == stage) and (verdict is None or
+                                                                a.verdict == verdict))
+
+    @property
+    def runs_per_minute(self) -> float | None:
+        return round(60 * self.runs / self.search_s, 2) if self.search_s > 0 else None
+
+    @property
+    def failed(self) -> bool:
+        return any(f.status == "confirmed" for f in self.findings)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "file": self.file, "seed": self.seed,
+            "budget_runs": self.budget_runs, "max_faults": self.max_faults,
+            "runs": self.runs,
+            "runs_by_stage": {s: self.count(s) for s in ("search", "shrink", "minimize",
+                                                         "confirm")},
+            "discarded": self.count(verdict="discarded"),
+            "runs_per_minute": self.runs_per_minute,
+            "elapsed_s": round(self.elapsed_s, 3), "stopped": self.stopped, "twin": self.twin,
+            "findings": [asdict(f) for f in self.findings],
+            "attempts": [asdict(a) for a in self.attempts],
+        }
+
+
+class ExploreObserver(Protocol):
+    """What a live view is told while an exploration runs."""
+
+    def started(self, exploration: Exploration, *, time_limit_s: float | None,
+                shrink_runs: int) -> None: ...
+
+    def running(self, index: int, stage: Stage, schedule: str) -> runner.Observer: ...
+
+    def finished_run(self, attempt: Attempt) -> None: ...
+
+    def note(self, text: str) -> None: ...
+
+    def done(self, exploration: Exploration) -> None: ...
+
+
+class NullExploreObserver:
+    def started(self, exploration: Exploration, *, time_limit_s: float | None,
+                shrink_runs: int) -> None:
+        pass
+
+    def running(self, index: int, stage: Stage, schedule: str) -> runner.Observer:
+        return runner.NullObserver()
+
+    def finished_run(self, attempt: Attempt) -> None:
+        pass
+
+    def note(self, text: str) -> None:
+        pass
+
+    def done(self, exploration: Exploration) -> None:
+        pass
+
+
+# ------------------------------------------------------------------------------- helpers
+
+
+def sigterm_unwinds() -> contextlib.AbstractContextManager[None]:
+    """SIGTERM unwinds like Ctrl-C for a whole exploration, between runs too (the runner
+    does it only while a run goes on), so that what was found so far is written."""
+    return runner._sigterm_unwinds()
+
+
+def describe(schedule: Sequence[_FaultBase]) -> str:
+    """A schedule in one line: ``process.kill rank 1 @ step 25; ...``."""
+    parts = []
+    for fault in schedule:
+        data = fault.model_dump(exclude={"kind", "target", "at", "every"},
+                                exclude_defaults=True)
+        params = ", ".join(f"{k}={_short(v)}" for k, v in data.items())
+        kind = str(getattr(fault, "kind", "?"))
+        where = fault.target.describe() if not kind.startswith("storage.") else ""
+        text = f"{kind}{f'({params})' if params else ''}"
+        parts.append(" ".join(p for p in (text, where, "@", fault.at.describe()) if p))
+    return "; ".join(parts) or "no faults"
+
+
+def _short(value: Any) -> str:
+    if hasattr(value, "total_seconds"):
+        return f"{value.total_seconds():g}s"
+    return str(value)
+
+
+def judge(result: RunResult) -> tuple[Verdict, tuple[str, ...], str]:
+    """A run's verdict for the search: fail (an oracle check failed), pass, or discarded (no
+    fault landed, or one never did and nothing failed: the schedule did not run as drawn;
+    or the machine could not cause a fault)."""
+    if result.error is not None:
+        return "discarded", (), result.error
+    failed = tuple(c.name for c in result.checks
+                   if not c.passed and c.name not in NOT_ORACLES)
+    landed = [f for f in result.faults if f.injected_at_s is not None]
+    if not landed:
+        return "discarded", (), _not_landed(result) or "no fault landed"
+    if failed:
+        return "fail", failed, "; ".join(_check_line(c) for c in result.checks
+                                         if c.name in failed)
+    if len(landed) < len(result.faults):
+        return "discarded", (), _not_landed(result)
+    return "pass", (), ""
+
+
+def _not_landed(result: RunResult) -> str:
+    return "; ".join(f"{f.kind} {f.target}: {f.detail}" for f in result.faults
+                     if f.injected_at_s is None)
+
+
+def _check_line(check: CheckResult) -> str:
+    return f"{check.name}: {check.message} (observed {check.observed}, expected " \
+           f"{check.expected})"
+
+
+def run_schedule(
+    base: LoadedScenario, schedule: Sequence[_FaultBase], *, run_dir: Path | None = None,
+    seed: int | None = None, observer: runner.Observer | None = None, use_cache: bool = True,
+) -> RunResult:
+    """Run ``base`` with ``schedule`` as its faults, as `aftershock run` would run the
+    scenario written for it (for your own ``@given`` tests around harness.strategies)."""
+    spec = base.spec.model_copy(update={"faults": list(schedule), "explore": None})
+    text = to_yaml(spec)
+    # What runs is exactly what the YAML says: the written scenario and this run agree.
+    loaded = LoadedScenario(parse_scenario(text, str(base.path)), base.path, text)
+    return runner.run_scenario(loaded, run_dir=run_dir, seed=seed, observer=observer,
+                               use_cache=use_cache)
+
+
+def needs_twin(spec: Scenario) -> str | None:
+    """What the scenario's oracle needs from a fault-free twin: digests, outputs, or None."""
+    if spec.expect.params_match == "fault_free":
+        return "digests"
+    if spec.expect.outputs_match == "fault_free":
+        return "outputs"
+    return None
+
+
+def _slug(name: str, suffix: str) -> str:
+    return f"{name[: 99 - len(suffix)]}-{suffix}"
+
+
+# -------------------------------------------------------------------------------- engine
+
+
+class _SearchSpent(BaseException):
+    """The search's budget (runs or time) is spent with nothing found: ends hypothesis's
+    run at once (a BaseException is not a failing test to hypothesis)."""
+
+
+class _Failing(Exception):
+    """Raised inside the hypothesis test for a failing schedule: its key."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+@dataclass
+class _Tried:
+    spec: Scenario
+    verdict: Verdict
+    failed: tuple[str, ...]
+    reason: str
+    index: int
+    failures: int = 0
+    passes: int = 0
+
+
+class _Search:
+    """The state the hypothesis test function works on: budgets, what ran, the best
+    failure so far."""
+
+    def __init__(self, base: LoadedScenario, exploration: Exploration, *, runs: int,
+                 shrink_runs: int, deadline: float | None, out: Path, seed: int,
+                 observer: ExploreObserver) -> None:
+        self.base = base
+        self.exploration = exploration
+        self.runs, self.shrink_runs, self.deadline = runs, shrink_runs, deadline
+        self.out, self.seed, self.observer = out, seed, observer
+        self.tried: dict[str, _Tried] = {}
+        self.best: str | None = None  # key of the smallest failing schedule run so far
+        self.stage: Stage = "search"
+
+    def key(self, spec: Scenario) -> str:
+        return to_yaml(spec)
+
+    def out_of_time(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
+
+    def budget_left(self) -> bool:
+        if self.out_of_time():
+            return False
+        done = self.exploration.count(self.stage)
+        return done < (self.runs if self.stage == "search" else self.shrink_runs)
+
+    def verdict_of(self, schedule: Sequence[_FaultBase]) -> Verdict | None:
+        """The schedule's verdict, from an earlier run or a new one. Past the search's
+        budget the search ends (_SearchSpent); past the shrinking's, None: the schedule is
+        not run and passes for hypothesis, so the best failure stays one really seen."""
+        if self.stage == "search" and not self.budget_left():
+            raise _SearchSpent()
+        spec = self.base.spec.model_copy(update={"faults": list(schedule), "explore": None})
+        key = self.key(spec)
+        if key in self.tried:
+            return self.tried[key].verdict
+        if not self.budget_left():
+            return None
+        return self.run(spec, key, self.stage).verdict
+
+    def run(self, spec: Scenario, key: str, stage: Stage) -> _Tried:
+        exploration = self.exploration
+        index = exploration.runs + 1
+        schedule = describe(spec.faults)
+        run_dir = self.out / "runs" / exploration.name / f"{index:03d}-{stage}"
+        view = self.observer.running(index, stage, schedule)
+        began = time.monotonic()
+        try:
+            result = run_schedule(self.base, spec.faults, run_dir=run_dir, seed=self.seed,
+                                  observer=view)
+        except SpecError as exc:  # a drawn schedule the loader refuses: a bug of ours
+            raise HarnessError(f"a generated schedule does not validate ({schedule}): "
+                               f"{exc}") from None
+        except RunFailed as exc:
+            if not isinstance(exc.__cause__, PreflightError):
+                raise
+            # This machine cannot cause one of its faults with these parameters: the
+            # schedule cannot be run here, which says nothing about the system.
+            result = exc.result
+        took = time.monotonic() - began
+        exploration.search_s += took
+        verdict, failed, reason = judge(result)
+        attempt = Attempt(index, stage, schedule, verdict, failed, reason, round(took, 3),
+                          result.run_dir)
+        exploration.attempts.append(attempt)
+        self.observer.finished_run(attempt)
+        tried = self.tried.get(key) or _Tried(spec, verdict, failed, reason, index)
+        tried.failures += verdict == "fail"
+        tried.passes += verdict == "pass"
+        self.tried[key] = tried
+        if verdict == "fail" and (self.best is None or _smaller(spec, self.tried[self.best].spec)):
+            self.best = key
+        return tried
+
+
+def _size(spec: Scenario) -> tuple[int, str]:
+    return len(spec.faults), to_yaml(spec)
+
+
+def _smaller(a: Scenario, b: Scenario) -> bool:
+    return _size(a) < _size(b)
+
+
+def explore(
+    loaded: LoadedScenario,
+    *,
+    runs: int = 30,
+    time_limit_s: float | None = None,
+    seed: int = 0,
+    max_faults: int | None = None,
+    out: Path = Path(".aftershock") / "explore",
+    database: Path | None = Path(".aftershock") / "hypothesis",
+    shrink_runs: int = 20,
+    confirm: int = 1,
+    use_cache: bool = True,
+    observer: ExploreObserver | None = None,
+    sink: list[Exploration] | None = None,
+) -> Exploration:
+    """Search ``loaded``'s ``explore:`` space for a failing schedule; shrink, re-run and
+    write what is found under ``out``.
+
+    ``runs``: schedules to try (search); ``shrink_runs``: runs hypothesis may spend
+    shrinking a failure; ``confirm``: re-runs of the shrunk schedule before it is reported
+    (one that passes a re-run is reported as flaky). ``seed`` seeds hypothesis (same seed,
+    same code: same schedules); the system's own seed stays the scenario's. ``database``:
+    hypothesis's example database (a failure found once is tried first next time); None:
+    none. ``time_limit_s`` ends the search and the shrinking early. KeyboardInterrupt (and
+    runner.Interrupted, SIGTERM) propagate after what was found so far is written; ``sink``
+    gets the Exploration as soon as it starts, so a caller has it even then."""
+    from hypothesis import HealthCheck, Phase, Verbosity, given, reject, settings
+    from hypothesis import seed as hypothesis_seed
+    from hypothesis.database import DirectoryBasedExampleDatabase
+    from hypothesis.errors import Flaky, HypothesisException
+
+    from harness import strategies
+
+    observer = observer or NullExploreObserver()
+    spec = loaded.spec
+    try:
+        space = strategies.space_of(spec, max_faults=max_faults)
+    except ValueError as exc:
+        raise SpecError([f"{loaded.path}:1:1: explore: {exc}"]) from None
+    space, unavailable = _runnable(space)
+    exploration = Exploration(spec.name, str(loaded.path), seed, runs, space.faults[1])
+    if sink is not None:
+        sink.append(exploration)
+    deadline = time.monotonic() + time_limit_s if time_limit_s is not None else None
+    observer.started(exploration, time_limit_s=time_limit_s, shrink_runs=shrink_runs)
+    for kind, why in unavailable:
+        observer.note(f"left out {kind}: this machine cannot cause it ({why})")
+    if not space.kinds:
+        raise PreflightError(f"{loaded.path}: this machine cannot cause any fault kind of the "
+                             "search: " + "; ".join(f"{k}: {w}" for k, w in unavailable))
+    exploration.twin = _prepare_twin(loaded, out=out, use_cache=use_cache, observer=observer)
+    search = _Search(loaded, exploration, runs=runs, shrink_runs=shrink_runs,
+                     deadline=deadline, out=out, seed=spec.seed, observer=observer)
+
+    db = (DirectoryBasedExampleDatabase(str(database / _database_key(loaded)))
+          if database is not None else None)
+
+    @settings(
+        # Schedules that come out alike (each is run once) do not count against `runs`, so
+        # hypothesis may call more often; the search ends when `runs` schedules have run.
+        max_examples=max(1, runs) * 5, database=db, deadline=None,
+        phases=[Phase.reuse, Phase.generate, Phase.shrink],
+        report_multiple_bugs=False, suppress_health_check=list(HealthCheck),
+        verbosity=Verbosity.quiet, print_blob=False,
+    )
+    @hypothesis_seed(seed)
+    @given(strategies.schedules_in(space))
+    def attempt(schedule: list[_FaultBase]) -> None:
+        verdict = search.verdict_of(schedule)
+        if verdict == "discarded":
+            reject()
+        if verdict == "fail":
+            search.stage = "shrink"
+            raise _Failing(search.key(strategies.with_schedule(spec, schedule)))
+
+    try:
+        with _quiet_hypothesis():
+            attempt()
+        exploration.stopped = "time" if search.out_of_time() else "budget"
+    except _SearchSpent:
+        exploration.stopped = "time" if search.out_of_time() else "budget"
+    except _Failing as failing:
+        exploration.stopped = "found"
+        search.best = failing.key if failing.key in search.tried else search.best
+    except Flaky:
+        # Every verdict is remembered, so hypothesis sees each schedule fail or pass once;
+        # should it still call the test flaky, the smallest failure seen stands.
+        exploration.stopped = "found"
+    except HypothesisException as exc:
+        raise HarnessError(f"hypothesis stopped the search: {exc}") from None
+    except KeyboardInterrupt:
+        exploration.stopped = "interrupted"
+        _report(search, status_if_unconfirmed=True)
+        raise
+    finally:
+        exploration.elapsed_s = time.monotonic() - exploration.started
+
+    if search.best is not None:
+        try:
+            _minimize(search)
+            _report(search, status_if_unconfirmed=False, confirm=confirm)
+        except KeyboardInterrupt:
+            exploration.stopped = "interrupted"
+            _report(search, status_if_unconfirmed=True)
+            raise
+        finally:
+            exploration.elapsed_s = time.monotonic() - exploration.started
+    elif exploration.count(verdict="discarded") == exploration.runs and exploration.runs:
+        raise HarnessError(
+            f"no schedule ran as drawn: all {exploration.runs} runs were discarded (a fault "
+            f"never landed or could not be applied; the last: "
+            f"{exploration.attempts[-1].reason}); narrow `explore:` to what this system and "
+            "machine can do")
+    observer.done(exploration)
+    return exploration
+
+
+def _runnable(space: Space) -> tuple[Space, list[tuple[str, str]]]:
+    """The space without the kinds this machine cannot cause (a missing tool, kernel feature
+    or privilege: runner.preflight), and those kinds with why."""
+    from faults.registry import preflight
+
+    kept, left_out = [], []
+    for kind in space.kinds:
+        params = {p.name: p.first() for p in kind.params}
+        needs = preflight(kind.kind, runner._params(sample_fault(kind.kind, params)))
+        if needs:
+            left_out.append((kind.kind, "; ".join(needs)))
+        else:
+            kept.append(kind)
+    return dataclasses.replace(space, kinds=tuple(kept)), left_out
+
+
+@contextlib.contextmanager
+def _quiet_hypothesis() -> Iterator[None]:
+    """Hypothesis warns when a test run is long or the shrinker gives up on time; the
+    exploration reports its own budgets."""
+    import warnings
+
+    from hypothesis.errors import HypothesisWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", HypothesisWarning)
+        yield
+
+
+def _database_key(loaded: LoadedScenario) -> str:
+    """One folder of examples per scenario: hypothesis keys its examples by the test
+    function, which is the same for every exploration."""
+    where = hashlib.sha256(str(loaded.path.resolve()).encode()).hexdigest()[:8]
+    return f"{loaded.spec.name}-{where}"
+
+
+def _prepare_twin(loaded: LoadedScenario, *, out: Path, use_cache: bool,
+                  observer: ExploreObserver) -> str:
+    """Compute (or find) the fault-free twin once, so that every run reads it from the
+    cache, and check it against its golden: a wrong twin would make every verdict wrong."""
+    what = needs_twin(loaded.spec)
+    if what is None:
+        return "not needed"
+    observer.note("fault-free twin: " + ("checking the cache" if use_cache else "running"))
+    found, note = runner.fault_free_result(
+        loaded, seed=loaded.spec.seed, run_dir=out / "runs" / loaded.spec.name / "fault-free",
+        observer=runner.NullObserver(), use_cache=use_cache, what=what)
+    if found is None:
+        raise HarnessError(f"the fault-free twin failed, so no run can be judged: {note}")
+    check = golden.check(loaded, seed=loaded.spec.seed, what=what, found=found)
+    if check is not None and not check.passed:
+        raise HarnessError(f"the fault-free twin does not match its golden, so no run can be "
+                           f"judged: {check.message}")
+    observer.note(f"fault-free twin: {note}")
+    return note
+
+
+def _minimize(search: _Search) -> None:
+    """Try every fault of the best failure away once more (hypothesis may have run out of
+    shrinking budget before it tried them all), until removing any fault makes it pass."""
+    assert search.best is not None
+    improved = True
+    while improved:
+        improved = False
+        best = search.tried[search.best].spec
+        if len(best.faults) <= 1:
+            return
+        for index in range(len(best.faults)):
+            fewer = [f for i, f in enumerate(best.faults) if i != index]
+            candidate = best.model_copy(update={"faults": fewer})
+            key = search.key(candidate)
+            tried = search.tried.get(key) or search.run(candidate, key, "minimize")
+            if tried.verdict == "fail":
+                search.best = key
+                improved = True
+                break
+
+
+def _report(search: _Search, *, status_if_unconfirmed: bool, confirm: int = 0) -> None:
+    """Re-run the best failure ``confirm`` times and write it: confirmed when every re-run
+    failed too, flaky when one passed; unconfirmed when interrupted before the re-runs."""
+    if search.best is None:
+        return
+    tried = search.tried[search.best]
+    reproduced = True
+    if not status_if_unconfirmed:
+        for _ in range(confirm):
+            search.run(tried.spec, search.best, "confirm")
+            if search.exploration.attempts[-1].verdict != "fail":
+                reproduced = False  # one pass, or a run not as drawn, is enough to doubt it
+                break
+    status: Status = ("unconfirmed" if status_if_unconfirmed
+                      else "confirmed" if reproduced else "flaky")
+    exploration = search.exploration
+    suffix = {"confirmed": "found", "flaky": "flaky", "unconfirmed": "unconfirmed"}[status]
+    name = _slug(exploration.name, suffix)
+    runs_of_it = tried.failures + tried.passes
+    schedule = describe(tried.spec.faults)
+    description = (
+        f"Found by `aftershock explore {exploration.file} --seed {exploration.seed}` "
+        f"(run {tried.index}), shrunk to {len(tried.spec.faults)} fault(s): {schedule}. "
+        f"It failed {tried.failures} of {runs_of_it} run(s) of exactly this schedule"
+        + (" and was interrupted before a re-run" if status == "unconfirmed" else "")
+        + f": {tried.reason}")
+    written = tried.spec.model_copy(update={"name": name, "description": description})
+    file = search.out / f"{name}.yaml"
+    file.parent.mkdir(parents=True, exist_ok=True)
+    text = to_yaml(written)
+    parse_scenario(text, str(file))  # what is written loads
+    file.write_text(text)
+    exploration.findings.append(Finding(
+        status=status, file=str(file), schedule=schedule, faults=len(tried.spec.faults),
+        failed_checks=tried.failed, message=tried.reason, failures=tried.failures,
+        passes=tried.passes, found_at_run=tried.index))

@@ -1,0 +1,310 @@
+"""Hypothesis strategies for fault schedules: generate them, shrink them, keep them.
+
+The one module of the harness that imports hypothesis; ``import harness`` does not import
+it. ``aftershock explore`` searches with these, and so can your own tests::
+
+    from hypothesis import given, settings
+    from harness.explore import run_schedule
+    from harness.spec import load_scenario
+    from harness.strategies import fault_schedules
+
+    BASE = load_scenario("scenarios/explore/restart.yaml")
+
+    @settings(max_examples=10, deadline=None)
+    @given(fault_schedules(BASE.spec.system, kinds=["process.kill"], max_faults=2))
+    def test_survives_two_kills(schedule):
+        result = run_schedule(BASE, schedule)
+        assert result.passed, result.failed_checks()
+
+A schedule is a list of faults of the same types a scenario's ``faults:`` holds
+(``harness.spec.Fault``), so a failing one is a scenario to keep (``harness.spec.to_yaml``).
+Shrinking goes toward fewer faults, earlier and simpler triggers (a step before an event
+before a file before a time; no fault point before a named one), the first kind and
+parameter value declared, and simpler targets (one rank before a random pick, a replica, a
+shard, a majority, every rank). Every choice comes from hypothesis, so the same seed gives the
+same schedules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from hypothesis import assume
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from harness._space import (
+    AFTER_A_FAILURE,
+    FAMILY_ORDER,
+    ROLES,
+    KindChoice,
+    ParamDraw,
+    Space,
+    System,
+    resolve,
+)
+from harness.spec import (
+    FAULT_MODELS,
+    CommandSystem,
+    EventTrigger,
+    Explore,
+    KindSpace,
+    Scenario,
+    ServerSystem,
+    Span,
+    TrainerSystem,
+    TriggerSpace,
+    _FaultBase,
+)
+
+__all__ = ["fault_schedules", "faults", "scenarios", "space_of"]
+
+SystemLike = TrainerSystem | ServerSystem | CommandSystem | Scenario
+
+
+def space_of(
+    system: SystemLike,
+    *,
+    kinds: Sequence[str | KindSpace | dict[str, Any]] | None = None,
+    targets: Sequence[str] | None = None,
+    at: TriggerSpace | dict[str, Any] | None = None,
+    spacing: tuple[int, int] | None = None,
+    min_faults: int | None = None,
+    max_faults: int | None = None,
+    explore: Explore | None = None,
+) -> Space:
+    """The resolved search space: ``explore`` (a scenario's block; default: the scenario's
+    own, else every default) with the keyword arguments put over it."""
+    if isinstance(system, Scenario):
+        explore = explore if explore is not None else system.explore
+    target: System = system.system if isinstance(system, Scenario) else system
+    base = (explore or Explore()).model_dump(exclude_unset=True)
+    if kinds is not None:
+        base["kinds"] = [KindSpace.model_validate(k) for k in kinds]
+    if targets is not None:
+        base["targets"] = list(targets)
+    if at is not None:
+        base["at"] = TriggerSpace.model_validate(at)
+    if spacing is not None:
+        base["spacing"] = Span(min=spacing[0], max=spacing[1])
+    faults = base.get("faults") or {"min": 1, "max": 2}
+    low = min_faults if min_faults is not None else faults["min"]
+    high = max_faults if max_faults is not None else max(faults["max"], low)
+    base["faults"] = Span(min=low, max=max(low, high))
+    return resolve(target, Explore.model_validate(base))
+
+
+def fault_schedules(
+    system: SystemLike,
+    *,
+    kinds: Sequence[str | KindSpace | dict[str, Any]] | None = None,
+    targets: Sequence[str] | None = None,
+    at: TriggerSpace | dict[str, Any] | None = None,
+    spacing: tuple[int, int] | None = None,
+    min_faults: int | None = None,
+    max_faults: int | None = None,
+    explore: Explore | None = None,
+) -> st.SearchStrategy[list[_FaultBase]]:
+    """Fault schedules for ``system`` (or a scenario: then its ``explore:`` block is the
+    space): lists of faults, each a valid ``harness.spec.Fault``.
+
+    ``kinds``: fault kinds, bare (``"process.kill"``) or with parameter choices
+    (``{"kind": "process.freeze", "params": {"duration": {"min": "200ms", "max": "3s"}}}``);
+    ``targets``: target families (rank, worker, replica, shard, majority, all, random,
+    spare, launcher); ``at``: the trigger space (``{"step": {"min": 1, "max": 60},
+    "events": ["failure_detected"]}``); ``spacing``: steps between step triggers;
+    ``min_faults``/``max_faults``: faults drawn per schedule (a group target such as a
+    majority counts once). Anything left out comes from the system (docs/explore.md).
+    """
+    space = space_of(system, kinds=kinds, targets=targets, at=at, spacing=spacing,
+                     min_faults=min_faults, max_faults=max_faults, explore=explore)
+    return schedules_in(space)
+
+
+def faults(system: SystemLike, **options: Any) -> st.SearchStrategy[list[_FaultBase]]:
+    """One drawn fault (as a list: a group target expands to several), from the same space
+    as :func:`fault_schedules`."""
+    options.update(min_faults=1, max_faults=1)
+    return fault_schedules(system, **options)
+
+
+def scenarios(base: Scenario, **options: Any) -> st.SearchStrategy[Scenario]:
+    """``base`` with its faults replaced by a drawn schedule (and no ``explore`` block): a
+    scenario that runs as is and dumps to YAML (harness.spec.to_yaml). Options as for
+    :func:`fault_schedules`; the space defaults to ``base.explore``."""
+    return fault_schedules(base, **options).map(lambda schedule: with_schedule(base, schedule))
+
+
+def with_schedule(base: Scenario, schedule: Sequence[_FaultBase]) -> Scenario:
+    """``base`` running ``schedule`` instead of its own faults, without the search space."""
+    return base.model_copy(update={"faults": list(schedule), "explore": None})
+
+
+# ----------------------------------------------------------------------------- drawing
+
+
+@dataclass(frozen=True, slots=True)
+class _Draft:
+    """One drawn fault before its step is placed (spacing depends on the ones before); a
+    group target makes it several faults with one trigger."""
+
+    kind: KindChoice
+    params: dict[str, Any]
+    targets: tuple[dict[str, Any], ...]  # one target, or one per rank of a group
+    trigger: str  # step | event | file | time
+    step: int = 0
+    gap: int = 0
+    phase: str | None = None
+    event: str = ""
+    file: str = ""
+    when: str = "created"
+    count: int = 1
+    time_ms: int = 0
+
+
+def schedules_in(space: Space) -> st.SearchStrategy[list[_FaultBase]]:
+    """Schedules from a resolved space (harness._space.resolve)."""
+    drafts = st.lists(_drafts(space), min_size=space.faults[0], max_size=space.faults[1])
+    return drafts.map(lambda found: _assemble(space, found))
+
+
+def _draw_param(draw: st.DrawFn, param: ParamDraw) -> Any:
+    if param.choices:
+        return draw(st.sampled_from(param.choices))
+    if param.unit == "ms":
+        return timedelta(milliseconds=draw(st.integers(int(param.low), int(param.high))))
+    if param.unit == "int":
+        return draw(st.integers(int(param.low), int(param.high)))
+    # Three decimals: a value a person would write, and one YAML gives back exactly.
+    value = draw(st.floats(param.low, param.high, allow_nan=False, allow_infinity=False))
+    return min(max(round(value, 3), param.low), param.high)
+
+
+def _targets(
+    draw: st.DrawFn, space: Space, kind: KindChoice, family: str, index: int, *, inside: bool
+) -> tuple[dict[str, Any], ...]:
+    """The target of one drawn fault, or one per rank of a group when the probe applies the
+    fault inside the target (its rank filter names one rank or every rank, not a set)."""
+    if not kind.targeted:
+        return ({},)
+    layout = space.layout
+    ranks = layout.ranks or 1
+    if family in ("rank", "worker"):
+        return ({family: index % ranks},)
+    if family == "random":
+        return ({"pick": "random"},)
+    if family == "all":
+        return ({"pick": "all"},)
+    if family in ("spare", "launcher"):
+        return ({"role": family},)
+    if family == "majority":
+        order = draw(st.permutations(range(ranks)))
+        return tuple({"rank": r} for r in sorted(order[: ranks // 2 + 1]))
+    if family == "replica":
+        replica = index % layout.replicas
+        if not inside:
+            return ({"replica": replica},)
+        return tuple({"rank": layout.rank_of(replica, s)} for s in range(layout.shards))
+    shard = index % layout.shards
+    if not inside:
+        return ({"shard": shard},)
+    return tuple({"rank": layout.rank_of(r, shard)} for r in range(layout.replicas))
+
+
+def _drafts(space: Space) -> st.SearchStrategy[_Draft]:
+    """One fault. Every draft draws the same choices, whichever kind, target and trigger
+    family it picks (a choice a family does not use is drawn and ignored), and the kind's
+    parameters last: hypothesis shrinks toward shorter choice sequences, so a family that drew
+    fewer choices would pass for simpler than the first one and the shrinker could not move
+    from it to a rank, or from an event to a step."""
+    triggers = [t for t, there in (("step", space.steps is not None),
+                                   ("event", bool(space.events)),
+                                   ("file", bool(space.files)),
+                                   ("time", space.time_ms is not None)) if there]
+    layout = space.layout
+    widest = max(layout.ranks or 1, layout.replicas, layout.shards)
+    families = sorted({f for k in space.kinds for f in k.families}, key=FAMILY_ORDER.index)
+
+    @st.composite
+    def draft(draw: st.DrawFn) -> _Draft:
+        kind = draw(st.sampled_from(space.kinds))
+        family = draw(st.sampled_from(families)) if families else ""
+        index = draw(st.integers(0, widest - 1))
+        trigger = draw(st.sampled_from(triggers))
+        step = draw(st.integers(*space.steps)) if space.steps else 0
+        gap = draw(st.integers(*space.spacing)) if space.spacing else 0
+        phase = draw(st.sampled_from((None, *space.phases))) if space.phases else None
+        event = draw(st.sampled_from(space.events)) if space.events else None
+        count = draw(st.integers(*event.count)) if event else 1
+        watched = draw(st.sampled_from(space.files)) if space.files else None
+        file_count = draw(st.integers(*watched.count)) if watched else 1
+        time_ms = draw(st.integers(*space.time_ms)) if space.time_ms else 0
+        if kind.targeted and family not in kind.families:
+            # A family this kind cannot use (a role, for a fault applied inside the target):
+            # its simplest one instead.
+            family = kind.families[0]
+        if not kind.phased or trigger != "step" or (family in ROLES and not kind.in_process):
+            phase = None  # (a role is not a rank the probe could filter on)
+        # A fault point makes a process.kill one the probe applies inside the target.
+        inside = kind.in_process or phase is not None
+        targets = _targets(draw, space, kind, family, index, inside=inside)
+        params = {p.name: _draw_param(draw, p) for p in kind.params}
+        if trigger == "file" and watched is not None:
+            return _Draft(kind, params, targets, trigger, file=watched.file,
+                          when=watched.when, count=file_count)
+        return _Draft(kind, params, targets, trigger, step=step, gap=gap, phase=phase,
+                      event=event.event if event else "", count=count, time_ms=time_ms)
+
+    return draft()
+
+
+def _starts(draft: _Draft) -> bool:
+    """Whether the fault can land in a run that nothing else has failed yet."""
+    if draft.trigger == "event":
+        return draft.event not in AFTER_A_FAILURE
+    return draft.trigger != "step" or draft.phase not in AFTER_A_FAILURE
+
+
+def _assemble(space: Space, drafts: list[_Draft]) -> list[_FaultBase]:
+    # A schedule whose every fault waits for a failure never starts: no run is spent on it.
+    assume(any(_starts(d) for d in drafts))
+    schedule: list[_FaultBase] = []
+    previous: int | None = None
+    for d in drafts:
+        at: dict[str, Any]
+        if d.trigger == "step":
+            assert space.steps is not None
+            step = d.step
+            if space.spacing is not None and previous is not None:
+                step = min(previous + d.gap, space.steps[1])
+            previous = step
+            at = {"step": step} if d.phase is None else {"step": step, "phase": d.phase}
+        elif d.trigger == "event":
+            at = {"event": d.event} if d.count == 1 else {"event": d.event, "count": d.count}
+        elif d.trigger == "file":
+            at = {"file": d.file}
+            if d.when != "created":
+                at["when"] = d.when
+            if d.count != 1:
+                at["count"] = d.count
+        else:
+            at = {"time": timedelta(milliseconds=d.time_ms)}
+        for target in d.targets:
+            data: dict[str, Any] = {"kind": d.kind.kind, "at": at, **d.params}
+            if target:
+                data["target"] = target
+            try:
+                schedule.append(FAULT_MODELS[d.kind.kind].model_validate(data))
+            except ValidationError:
+                # Parameter values valid one by one can clash (the kind's own checks say
+                # so): such a schedule is not drawn.
+                assume(False)
+    return schedule
+
+
+def event_trigger(name: str, low: int = 1, high: int = 1) -> EventTrigger:
+    """An event trigger for ``at.events``: the ``low``-th to ``high``-th ``name`` event."""
+    return EventTrigger(event=name, count=Span(min=low, max=high))

@@ -1,0 +1,253 @@
+"""The hot_spare/elastic controller on hand-written timelines: a real in-memory store (torch's
+HashStore, the same API as the TCPStore it hosts in a run), real processes to fence, and the
+clock in the test's hands. The members' side of the protocol (reference_impl/_store.py) is
+played by the test."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import types
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+from reference_impl import controller
+from reference_impl.trainer import TrainConfig
+
+T = 3.0  # collective timeout; the heartbeat timeout defaults to it
+TICK = 0.02  # the controller's own check interval
+
+
+def killed(proc: subprocess.Popen[bytes]) -> bool:
+    """``proc`` was sent SIGKILL: it exited, or the signal is pending. (Its death follows
+    the signal by a scheduling delay; reading the pending set makes the answer exact.)"""
+    if proc.poll() is not None:
+        return True
+    status = dict(line.split(":", 1) for line in
+                  Path(f"/proc/{proc.pid}/status").read_text().splitlines())
+    pending = int(status["SigPnd"], 16) | int(status["ShdPnd"], 16)
+    return status["State"].strip().startswith("Z") or bool(pending & 1 << signal.SIGKILL - 1)
+
+
+class Job:
+    """A controller and the processes it governs. Every live process beats (a member wedged
+    in a collective too: its heartbeat is another thread); nothing else happens unless the
+    test says so."""
+
+    def __init__(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, recovery: str,
+                 replicas: int, spares: int = 0) -> None:
+        self.now = 1000.0
+        clock = types.SimpleNamespace(monotonic=lambda: self.now, sleep=lambda s: None)
+        monkeypatch.setattr(controller, "time", clock)
+        self.events_path = tmp_path / "events.jsonl"
+        monkeypatch.setenv("AFTERSHOCK_EVENTS", str(self.events_path))
+        cfg = TrainConfig(replicas=replicas, shards=1, recovery=recovery, spares=spares,
+                          collective_timeout=T)
+        self.store = dist.HashStore()
+        self.ctl = controller.Controller(cfg, self.store, replicas + spares)
+        self.procs: dict[tuple[int, int], subprocess.Popen[bytes]] = {}
+        self.silent: set[tuple[int, int]] = set()  # processes whose heartbeat stopped
+        for slot in range(replicas + spares):
+            self.start(slot, 1)
+
+    def start(self, slot: int, inc: int) -> None:
+        proc = subprocess.Popen(["sleep", "120"])
+        self.procs[(slot, inc)] = proc
+        self.ctl.handle({"type": "ready", "slot": slot, "inc": inc, "pid": proc.pid})
+
+    def refork(self, slot: int, inc: int) -> None:
+        """What the slot's supervisor does once its worker died: a new incarnation reports
+        its predecessor's death, then itself ready."""
+        self.ctl.handle({"type": "dead", "slot": slot, "inc": inc, "status": -9})
+        self.start(slot, inc + 1)
+
+    def member(self, rank: int) -> tuple[int, int]:
+        assert self.ctl.plan is not None
+        slot, inc = self.ctl.plan["members"][str(rank)]
+        return slot, inc
+
+    def arrive(self, rank: int) -> None:
+        """``rank`` of the newest plan reaches its start line (Worker.join)."""
+        gen = self.ctl.gen
+        slot, inc = self.member(rank)
+        self.store.set(f"loop/{slot}/{inc}", f"{gen} in")
+        self.store.add(f"arrive/{gen}", 1)
+
+    def leave(self, slot: int, inc: int, gen: int) -> None:
+        """That process's loop leaves generation ``gen`` (Worker.run, before the teardown)."""
+        self.store.set(f"loop/{slot}/{inc}", f"{gen} out")
+
+    def tick(self, seconds: float) -> None:
+        end = self.now + seconds
+        while self.now < end:
+            for (slot, inc), proc in self.procs.items():
+                if proc.poll() is None and (slot, inc) not in self.silent:
+                    self.store.add(f"hb/{slot}/{inc}", 1)
+            self.now = min(self.now + TICK, end)
+            # As Controller.run does every 20 ms.
+            self.ctl.check_heartbeats()
+            self.ctl.check_arrivals()
+
+    def fenced(self) -> list[tuple[int, int]]:
+        return [key for key, proc in self.procs.items() if killed(proc)]
+
+    def detected(self, cause: str | None = None) -> list[dict[str, Any]]:
+        if not self.events_path.exists():
+            return []
+        events = [json.loads(line) for line in self.events_path.read_text().splitlines()]
+        return [e for e in events if e["event"] == "failure_detected"
+                and cause in (None, e["cause"])]
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+
+@pytest.fixture
+def job_factory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    jobs: list[Job] = []
+
+    def make(**kwargs: Any) -> Job:
+        jobs.append(Job(tmp_path, monkeypatch, **kwargs))
+        return jobs[-1]
+
+    yield make
+    for job in jobs:
+        job.close()
+
+
+def wedge_rank_1(job: Job) -> None:
+    """Rank 1 wedges inside a collective of generation 0 and keeps beating; rank 0's
+    collective times out, it leaves the generation and says why; after the heartbeat
+    timeout without a death or a silence to explain it, the controller regroups the same
+    members."""
+    job.leave(0, 1, 0)
+    job.ctl.handle({"type": "fail", "slot": 0, "inc": 1, "gen": 0, "cause": "collective_timeout"})
+    job.tick(T + 2 * TICK)
+    assert job.ctl.gen == 1
+    assert job.ctl.plan is not None
+    assert job.ctl.plan["why"] == "collective failure with all members alive"
+    assert (job.member(0), job.member(1)) == ((0, 1), (1, 1))
+
+
+def test_a_member_that_never_reaches_the_start_line_is_fenced_and_its_rank_goes_to_a_spare(
+    job_factory: Any,
+) -> None:
+    job = job_factory(recovery="hot_spare", replicas=2, spares=1)
+    assert job.ctl.gen == 0
+    # A slow arrival within the heartbeat timeout is no failure.
+    job.arrive(0)
+    job.tick(0.9 * T)
+    job.arrive(1)
+    job.tick(3 * T)
+    assert (job.ctl.gen, job.fenced(), job.detected()) == (0, [], [])
+
+    wedge_rank_1(job)
+    job.arrive(0)
+    job.tick(T - 5 * TICK)
+    assert (job.ctl.gen, job.fenced()) == (1, [])
+    job.tick(10 * TICK)
+    # Fenced as a silent member is: SIGKILL, so it never comes back with stale state.
+    assert job.fenced() == [(1, 1)]
+    assert job.procs[(1, 1)].wait(timeout=10) == -signal.SIGKILL
+    assert [e["cause"] for e in job.detected()] == ["collective_failure_unexplained",
+                                                    "join_timeout"]
+    (found,) = job.detected("join_timeout")
+    assert (found["rank"], found["slot"], found["pid"], found["generation"]) == (
+        1, 1, job.procs[(1, 1)].pid, 1)
+    assert T <= found["waited_s"] < T + 2 * TICK
+    # The spare takes rank 1 at once; rank 0 stays.
+    assert job.ctl.gen == 2
+    assert (job.member(0), job.member(1)) == ((0, 1), (2, 1))
+    # The new generation's members arrive: nothing more is fenced, the old slot comes back
+    # as a spare.
+    job.arrive(0)
+    job.arrive(1)
+    job.refork(1, 1)
+    job.tick(3 * T)
+    assert (job.ctl.gen, job.fenced(), len(job.detected())) == (2, [(1, 1)], 2)
+    assert job.ctl.plan is not None
+    assert job.ctl.plan["spares"] == []  # published before slot 1 was back
+
+
+def test_elastic_drops_the_replica_of_a_member_that_never_joins_and_takes_it_back_healed(
+    job_factory: Any,
+) -> None:
+    job = job_factory(recovery="elastic", replicas=2)
+    job.arrive(0)
+    job.arrive(1)
+    job.tick(T)
+    wedge_rank_1(job)
+    job.arrive(0)
+    job.tick(T + 2 * TICK)
+    assert job.fenced() == [(1, 1)]
+    assert [e["rank"] for e in job.detected("join_timeout")] == [1]
+    assert job.ctl.gen == 2
+    assert job.ctl.plan is not None
+    assert job.ctl.plan["replicas"] == [0]
+    job.arrive(0)
+    # Slot 1 comes back; replica 1 rejoins at a step boundary once generation 2 resumed.
+    job.refork(1, 1)
+    job.ctl.handle({"type": "resumed", "gen": 2, "step": 24})  # its first member's report
+    job.tick(TICK)
+    assert job.ctl.plan["replicas"] == [0, 1]
+    assert job.ctl.plan.get("planned") is True
+    assert job.ctl.gen == 3
+
+
+def test_a_planned_switch_gives_members_a_collective_timeout_more_to_arrive(
+    job_factory: Any,
+) -> None:
+    """In a planned switch the members of the previous generation finish their step there
+    first, where a collective may block them for up to the collective timeout before they
+    fail over: only then does the heartbeat timeout start."""
+    job = job_factory(recovery="elastic", replicas=2)
+    job.arrive(0)
+    job.arrive(1)
+    job.tick(T)
+    # Replica 1 drops out (a death), rejoins healed: a planned generation.
+    job.procs[(1, 1)].kill()
+    job.procs[(1, 1)].wait()
+    job.refork(1, 1)
+    assert (job.ctl.gen, job.ctl.plan is not None and job.ctl.plan["replicas"]) == (1, [0])
+    job.arrive(0)
+    job.ctl.handle({"type": "resumed", "gen": 1, "step": 10})  # its first member's report
+    job.tick(TICK)
+    assert job.ctl.gen == 2
+    job.arrive(1)  # the returning member waits at the start line; rank 0 is still training
+    job.tick(T + T - 5 * TICK)
+    assert (job.ctl.gen, job.fenced()) == (2, [(1, 1)])
+    job.tick(10 * TICK)
+    assert job.fenced() == [(0, 1), (1, 1)]
+    assert [e["rank"] for e in job.detected("join_timeout")] == [0]
+
+
+def test_a_late_member_on_its_way_between_generations_is_not_fenced(job_factory: Any) -> None:
+    """A frozen member is fenced for silence; its peers' collectives time out about then, and
+    tearing down their broken groups can take seconds on a loaded host (Gloo destroys them
+    holding the GIL). Late at the new start line but out of their old generation, they are
+    on their way: the arrival check leaves them to their heartbeat."""
+    job = job_factory(recovery="hot_spare", replicas=2, spares=1)
+    job.arrive(0)
+    job.arrive(1)
+    job.tick(T)
+    # Rank 1 freezes: it stops beating ...
+    job.silent.add((1, 1))
+    job.tick(T + 2 * TICK)
+    assert [e["cause"] for e in job.detected()] == ["heartbeat_timeout"]
+    assert (job.ctl.gen, job.member(1)) == (1, (2, 1))
+    # ... rank 0 leaves generation 0 and is still tearing it down long after the deadline.
+    job.leave(0, 1, 0)
+    job.arrive(1)
+    job.tick(2 * T)
+    assert (job.ctl.gen, job.fenced()) == (1, [(1, 1)])
+    job.arrive(0)
+    job.tick(2 * T)
+    assert (job.ctl.gen, job.fenced(), len(job.detected())) == (1, [(1, 1)], 1)
