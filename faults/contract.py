@@ -21,6 +21,9 @@ OUTPUT_ENV = "AFTERSHOCK_OUTPUT_DIR"
 RUN_ID_ENV = "AFTERSHOCK_RUN_ID"
 #: The simulated NVML a rank without a GPU reads (faults/nvml_sim.py), where gpu.xid writes.
 NVML_DIR_ENV = "AFTERSHOCK_NVML_DIR"
+#: The node (0, 1, ...) a process runs on, in a multi-node run (harness/nodes/): its pid in
+#: events is the one inside that node's PID namespace, so a hello names the node too.
+NODE_ENV = "AFTERSHOCK_NODE"
 #: Test hooks that break a system through its environment start with this: they are
 #: faults, so the fault-free twin goes without them.
 INJECT_PREFIX = "AFTERSHOCK_INJECT_"

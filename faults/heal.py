@@ -103,6 +103,10 @@ def validate_launch(undo: Mapping[str, Any], context: UndoContext) -> None:
         isinstance(group, str) and _cgroup.is_run_group(Path(group), context.run_id)
     ):
         raise UndoRefused(f"cgroup {group!r} is not the cgroup of run {context.run_id}")
+    # A run on nodes (harness/nodes/target.py) names its containers' label too: whatever
+    # carries it with this run id goes first.
+    if "label" in undo:
+        validate_nodes(undo, context)
 
 
 def validate_nodes(undo: Mapping[str, Any], context: UndoContext) -> None:
@@ -152,6 +156,12 @@ def revert_entry(entry: Pending) -> None:
         _docker.remove_run(str(entry.undo["value"]))
         return
     if entry.op == "launch":
+        if "label" in entry.undo:
+            # The run's containers first: removing them thaws and ends their processes
+            # (a paused node's cannot be signalled) and stops their restart policy.
+            from faults import _docker
+
+            _docker.remove_run(str(entry.undo["value"]))
         # The run's cgroup first: it holds even the processes that dropped the run id.
         group = entry.undo.get("cgroup")
         if group and not _cgroup.end_run_group(Path(group), str(entry.undo["value"])):

@@ -59,6 +59,18 @@ def twin_system(spec: Scenario) -> dict[str, Any]:
     return systems.of(spec.system).twin_key(spec.system)
 
 
+def trainer_of(system: Any) -> TrainerSystem | None:
+    """The reference trainer a system runs, as one host would run it (what the independent
+    oracle restates): itself, or the trainer on every node of a `nodes: N` system."""
+    if isinstance(system, TrainerSystem):
+        return system
+    as_trainer = getattr(system, "as_trainer", None)
+    if callable(as_trainer) and getattr(system, "trainer", None) is not None:
+        found = as_trainer()
+        return found if isinstance(found, TrainerSystem) else None
+    return None
+
+
 def what_of(spec: Scenario) -> str | None:
     """What a golden of this scenario holds: ``digests`` or ``outputs``; None: no golden."""
     kind = systems.of(spec.system).golden
@@ -300,8 +312,8 @@ def _without_golden(loaded: LoadedScenario, key: Key, path: Path,
             sorted({f"[{e.get('platform')}]" for e in same_system})) + ")"
     hint = (f"{path} has no golden {missing}; record one on purpose: "
             f"aftershock golden --update {loaded.path}")
-    system = loaded.spec.system
-    if what == "digests" and isinstance(system, TrainerSystem):
+    system = trainer_of(loaded.spec.system)
+    if what == "digests" and system is not None:
         expected = oracle.trainer_digests(system, seed=key.seed,
                                           schedule=oracle.full_membership(system))
         if expected.digests is not None:
@@ -366,7 +378,8 @@ def update(scenarios: Sequence[LoadedScenario], *, seed: int | None, use_cache: 
                 observer=observer, use_cache=use_cache, what=what)
             checked_by = "not cross-checked: no oracle for the reference server"
             if found is not None and what == "digests":
-                system = loaded.spec.system
+                system = trainer_of(loaded.spec.system)
+                assert system is not None, "a golden of digests is of the reference trainer"
                 expected = oracle.trainer_digests(system, seed=this_seed,
                                                   schedule=oracle.full_membership(system))
                 got = {int(k): str(v) for k, v in found.items()}

@@ -232,6 +232,11 @@ class Injector:
             if not found:
                 return None
             return _Chosen(dict(enumerate(found)), [0], f"role {selector.role}")
+        if selector.node is not None:
+            found = target.node_processes(selector.node)
+            if not found:
+                return None
+            return _Chosen(dict(enumerate(found)), [0], f"node {selector.node}")
         ranks = target.rank_processes()
         if selector.index is not None:
             claimed = getattr(target, "ambiguous_ranks", dict)().get(selector.index)

@@ -23,7 +23,7 @@ from typing import Any
 # The environment the harness gives every process it launches (faults/contract.py).
 from faults.contract import COMMANDS_ENV as COMMANDS_ENV
 from faults.contract import EVENTS_ENV as EVENTS_ENV
-from faults.contract import HELLO, STEP, TENSORS
+from faults.contract import HELLO, NODE_ENV, STEP, TENSORS
 from faults.contract import OUTPUT_ENV as OUTPUT_ENV
 from faults.contract import RUN_ID_ENV as RUN_ID_ENV
 
@@ -88,6 +88,11 @@ def hello(*, world: int, generation: int | str = 0, **fields: Any) -> None:
     """A rank is up: its pid, rank, world size and generation: the identity of the world
     it is in now (a restart count, a membership plan). Say hello again on joining another
     world, or name the new generation in ``step``; later events carry it."""
+    node = os.environ.get(NODE_ENV, "")
+    if node.isdigit() and "node" not in fields:
+        # On a node of a multi-node run the pid is the node's own (its PID namespace): the
+        # harness finds the host's process from the node and that pid.
+        fields["node"] = int(node)
     emit(HELLO, world=world, generation=generation, **fields)
 
 

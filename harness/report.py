@@ -118,6 +118,8 @@ def describe(event: Event) -> str:
 def _describe_teardown(f: dict[str, object]) -> str:
     said = ("ended every process of the run (its cgroup and run id)"
             if f.get("tracking") == "cgroup" else
+            "removed the run's containers and ended every process found by its run id"
+            if f.get("tracking") == "containers" else
             "ended every process found by the run id (no cgroup: one that dropped it is out "
             "of reach)")
     if f.get("survivors"):

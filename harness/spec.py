@@ -129,6 +129,9 @@ class Target(_Strict):
         "one of the processes they name) chosen with the run's seed; all: every one (the "
         "default for `env`, `cmdline` and `role: agent|worker`)"
     )
+    node: int | None = Field(None, ge=0, lt=MAX_WORLD, description="a node of a multi-node "
+                             "system (`nodes: N`, docs/nodes.md): its container, named by its "
+                             "init process; what node.* faults act on")
 
     @field_validator("cmdline")
     @classmethod
@@ -144,16 +147,20 @@ class Target(_Strict):
     def _exactly_one(self) -> Target:
         coordinates = self.replica is not None or self.shard is not None
         if self.filters:
-            if coordinates or self.rank is not None or self.worker is not None:
+            if (coordinates or self.rank is not None or self.worker is not None
+                    or self.node is not None):
                 raise ValueError("`env`, `cmdline` and `role: agent|worker` name processes "
                                  "themselves: combine them with each other and with `role` or "
-                                 "`pick`, not with `rank`, `worker`, `replica` or `shard`")
+                                 "`pick`, not with `rank`, `worker`, `replica`, `shard` or "
+                                 "`node`")
             return self
-        given = [x for x in (self.rank, self.worker, self.role, self.pick) if x is not None]
+        given = [x for x in (self.rank, self.worker, self.role, self.pick, self.node)
+                 if x is not None]
         if len(given) + coordinates != 1:
             raise ValueError("give exactly one of `rank: N`, `worker: N`, `replica`/`shard`, "
                              "`role: launcher|agent|worker|spare|router`, `pick: random|all`, "
-                             "or `env`/`cmdline` (which combine with `role` and `pick`)")
+                             "`node: N`, or `env`/`cmdline` (which combine with `role` and "
+                             "`pick`)")
         return self
 
     @property
@@ -186,6 +193,8 @@ class Target(_Strict):
             parts = [f"replica {self.replica}" if self.replica is not None else "",
                      f"shard {self.shard}" if self.shard is not None else ""]
             return " ".join(p for p in parts if p)
+        if self.node is not None:
+            return f"node {self.node}"
         return f"role {self.role}" if self.role is not None else f"pick {self.pick}"
 
 
@@ -1028,6 +1037,11 @@ def unreachable(spec: Scenario, scenario_dir: Path | None) -> list[tuple[int, st
     for index, fault in enumerate(spec.faults):
         fault_kind = faults.get(fault.kind)
         missing = registry.needs(fault_kind, fault, fault.at.phase) - offered
+        if fault.target.node is not None and "containers" not in offered:
+            found.append((index, f"target {{node: {fault.target.node}}} names a node of a "
+                          f"multi-node system (`nodes: N`, docs/nodes.md), which a "
+                          f"{kind.shape} system is not"))
+            continue
         if "probe" in missing:
             how = ""
             if getattr(fault_kind, "acts", "") == "either":

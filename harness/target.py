@@ -138,6 +138,12 @@ class Target(Protocol):
         """The live processes that play ``role`` (launcher, spare, router)."""
         ...
 
+    def node_processes(self, node: int) -> list[ProcessRef]:
+        """Node ``node`` of a multi-node target, as the process that stands for it (its
+        init: node faults act on the container that holds it); [] while it is not running
+        or where the target has no nodes."""
+        ...
+
     def stop(self) -> Teardown:
         """End every process of the run; what could not be ended is reported, not waited
         for."""
@@ -556,6 +562,9 @@ class LocalTarget:
             pids = {r.pid for r in refs}
             claims[rank] = sorted(r.pid for r in refs if _parent(r.pid) not in pids)
         return claims
+
+    def node_processes(self, node: int) -> list[ProcessRef]:
+        return []  # one host: no nodes (validate refuses `target: {node: N}` here)
 
     def rank_processes(self) -> dict[int, ProcessRef]:
         """Rank -> process. Once any process of the run has said who it is through the

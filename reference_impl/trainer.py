@@ -517,17 +517,21 @@ def main(argv: list[str] | None = None) -> int:
     peers: list[tuple[str, int, str | None]] = []
     try:
         layout = build_layout(cfg.replicas, cfg.shards, timeout)
+        # Who is who, so that a rank that sees a failure can end the whole local world; and
+        # each launcher's restart count, which torchrun keeps per node: a node that was
+        # restarted counts from 0 again while the survivors' agents count on. The world's
+        # generation is the newest any rank was told, so that every rank names the same one.
+        restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        gathered: list[Any] = [None] * world
+        me = (socket.gethostname(), os.getpid(), _start_time(os.getpid()), restarts)
+        dist.all_gather_object(gathered, me, group=layout.world_group)
+        peers = [tuple(p[:3]) for p in gathered]
         probe.hello(
             world=world,
-            generation=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            generation=max(int(p[3]) for p in gathered),
             replica=layout.replica,
             shard=layout.shard,
         )
-        # Who is who, so that a rank that sees a failure can end the whole local world.
-        gathered: list[Any] = [None] * world
-        me = (socket.gethostname(), os.getpid(), _start_time(os.getpid()))
-        dist.all_gather_object(gathered, me, group=layout.world_group)
-        peers = [tuple(p) for p in gathered]
         signal.signal(signal.SIGTERM, functools.partial(_on_sigterm, peers))
         train(cfg, layout, world, device, start_xid_watcher())
     except RuntimeError as exc:  # DistBackendError, DistNetworkError, Gloo errors

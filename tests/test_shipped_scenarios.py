@@ -31,9 +31,11 @@ from typing import Any
 import pytest
 from _helpers import ROOT, cli, read_events
 
+from faults import docker_engine
 from harness.errors import PreflightError
 from harness.runner import preflight
 from harness.spec import TrainerSystem, load_scenario
+from harness.systems.nodes import NodesSystem
 
 # The scenario that goes through the pytest plugin instead of the CLI: a cheap one.
 VIA_PYTEST = ROOT / "scenarios" / "faults" / "process_term_restart.yaml"
@@ -452,7 +454,52 @@ def _clients_resumed_after_fail_stop(run: Run) -> None:
     assert stats["requests"]["retried"] > 0
 
 
+def _nodes_in_one_world(restarts: list[int]) -> Callable[[Run], None]:
+    """A node scenario: every rank said hello again after the fault, from its node, all
+    naming one generation (the trainer's newest restart count over the world, though
+    torchrun counts per node); the engine restarted the nodes ``restarts`` times."""
+
+    def check(run: Run) -> None:
+        hit = run.injection()
+        before = [e for e in run.events("hello") if e["t"] < hit["t"]]
+        after = [e for e in run.events("hello") if e["t"] > hit["t"]]
+        assert {(e["rank"], e["node"]) for e in before} == {(0, 0), (1, 1)}, before
+        assert {(e["rank"], e["node"]) for e in after} == {(0, 0), (1, 1)}, after
+        assert {e["generation"] for e in before} == {0}
+        assert len({e["generation"] for e in after}) == 1, after
+        assert run.record["metrics"]["generations"] >= 1
+        (ended,) = run.events("nodes_ended")
+        assert ended["restarts"] == restarts, ended
+
+    return check
+
+
+def _rank_in_node(run: Run) -> None:
+    """The fault hit the host's process of rank 1, which said hello from node 1 with its
+    pid inside the node's PID namespace; the node itself lived on."""
+    hit = run.injection()
+    (hello,) = [e for e in run.events("hello") if e["rank"] == 1 and e["t"] < hit["t"]]
+    assert hello["node"] == 1
+    assert hit["rank"] == 1
+    assert hit["pid"] != hello["pid"], "the node's own pid, not the host's"
+    _nodes_in_one_world([0, 0])(run)
+
+
+def _timed_out(run: Run) -> None:
+    """A silent node (no packets, or frozen): its peer's collective aborted on its timeout,
+    not on a closed connection."""
+    hit = run.injection()
+    first = run.detected(after=hit["t"])[0]
+    assert first["cause"] == "collective_timeout", first
+    assert first["t"] - hit["t"] >= 4.0  # the 5 s collective timeout, less clock slack
+    _nodes_in_one_world([0, 0])(run)
+
+
 EVIDENCE: dict[str, Callable[[Run], None]] = {
+    "nodes/kill_node_restart": _nodes_in_one_world([0, 1]),
+    "nodes/kill_rank_in_node_restart": _rank_in_node,
+    "nodes/partition_node_restart": _timed_out,
+    "nodes/freeze_node_restart": _timed_out,
     "training/fault_free": _fault_free,
     "training/kill_rank_restart": _kill_rank_restart,
     "training/freeze_rank_restart": _freeze_rank_restart,
@@ -516,10 +563,17 @@ SCENARIOS = sorted(p for p in (ROOT / "scenarios").rglob("*.yaml") if p != VIA_P
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=[key(p) for p in SCENARIOS])
 def test_shipped_scenario_passes(scenario: Path, tmp_path: Path, shared_cache: Path) -> None:
+    loaded = load_scenario(scenario)
     try:
-        preflight(load_scenario(scenario))
+        preflight(loaded)
     except PreflightError as exc:  # a machine without nftables, root, ...: say what is missing
         pytest.skip(str(exc))
+    if isinstance(loaded.spec.system, NodesSystem):
+        problem = docker_engine.engine_problem()
+        if problem is not None and os.environ.get("AFTERSHOCK_REQUIRE_DOCKER") == "1":
+            pytest.fail(f"AFTERSHOCK_REQUIRE_DOCKER=1 but {problem}")
+        if problem is not None:  # a laptop without an engine: say what is missing
+            pytest.skip(problem)
     out = tmp_path / "out.json"
     proc = cli("run", str(scenario), "--json", str(out), "--run-dir", str(tmp_path / "r"),
                cache=shared_cache, timeout=580)

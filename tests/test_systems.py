@@ -39,8 +39,8 @@ def test_a_system_block_is_told_apart_by_its_tag() -> None:
     with pytest.raises(SpecError) as caught:
         parse_scenario("name: x\nsystem: {reference: bogus}\n", "s.yaml")
     assert caught.value.problems == [
-        "s.yaml:2:9: system: system needs `reference: trainer`, `reference: server` or "
-        "`command: [...]`"]
+        "s.yaml:2:9: system: system needs `reference: trainer`, `reference: server`, "
+        "`command: [...]` or `nodes: N`"]
 
 
 def test_what_a_run_of_each_kind_launches(tmp_path: Path) -> None:

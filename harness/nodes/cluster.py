@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from faults import ProcessRef, all_pids
+from faults import ProcessRef, all_pids, contract
 from faults import docker_engine as _docker
 from faults import process_environ as environ
 from harness.nodes import image
@@ -168,7 +168,7 @@ class Cluster:
             created = low.create_container(
                 image_id, command=list(argv), hostname=f"node{index}",
                 name=f"{self.name}_node{index}", working_dir=str(self.cwd),
-                environment={**self.env, "AFTERSHOCK_NODE": str(index),
+                environment={**self.env, contract.NODE_ENV: str(index),
                              "PYTHONUNBUFFERED": "1"},
                 labels={_docker.RUN_LABEL: self.run_id, _docker.NODE_LABEL: str(index)},
                 host_config=host_config, networking_config=networking,

@@ -69,7 +69,6 @@ class TrainerSystem(Strict):
 def trainer_argv(system: TrainerSystem, run_dir: Path, seed: int) -> list[str]:
     """torchrun running the reference trainer: the harness reaches it only by command line."""
     spares = system.spares if system.recovery == "hot_spare" else 0
-    extra = [f"--spares={spares}", f"--snapshot-every={system.snapshot_every}"] if spares else []
     return [
         sys.executable,
         "-m",
@@ -82,6 +81,16 @@ def trainer_argv(system: TrainerSystem, run_dir: Path, seed: int) -> list[str]:
         "--monitor-interval=0.1",
         f"--log-dir={run_dir / 'logs' / 'torchrun'}",
         "--tee=3",
+        *trainer_program(system, run_dir, seed),
+    ]
+
+
+def trainer_program(system: TrainerSystem, run_dir: Path, seed: int) -> list[str]:
+    """What torchrun starts on every rank: the reference trainer and its flags (also on the
+    nodes of a multi-node run, harness/systems/nodes.py)."""
+    spares = system.spares if system.recovery == "hot_spare" else 0
+    extra = [f"--spares={spares}", f"--snapshot-every={system.snapshot_every}"] if spares else []
+    return [
         "-m",
         "reference_impl.trainer",
         f"--replicas={system.world.replicas}",

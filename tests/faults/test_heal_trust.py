@@ -252,6 +252,9 @@ def test_forged_records_in_our_own_journal_are_each_refused(
     state = state_dir()
     near_misses: list[tuple[str, dict[str, Any], str]] = [
         ("launch", {"env": "AFTERSHOCK_RUN_ID", "value": "another-run"}, "run-forged"),
+        # A nodes system's record names its containers' label: only that label, this run's.
+        ("launch", {"env": "AFTERSHOCK_RUN_ID", "value": "run-forged", "label": "com.other"},
+         "com.other"),
         ("storage.full", {"dir": str(run / "ckpt"), "source": "aftershock_0123456789ab",
                           "stash": str(victims.stash), "write_back": True}, "state folder"),
         ("storage.full", {"dir": str(run / "ckpt"), "source": "aftershock_0123456789ab",

@@ -99,3 +99,57 @@ def test_a_killed_harness_leaves_no_paused_or_partitioned_node(
         subprocess.run([sys.executable, "-m", "harness", "heal"], cwd=ROOT, env=env,
                        capture_output=True, timeout=90, check=False)
         api.close()
+
+
+CRASH_SCENARIO = """\
+name: crash-on-nodes
+system:
+  nodes: 2
+  trainer: {steps: 1000, step_sleep: 50ms}
+  restart: "no"
+faults:
+  - kind: node.freeze
+    target: {node: 1}
+    at: {time: 1s}
+  - kind: node.partition
+    target: {node: 0}
+    at: {time: 1s}
+"""
+
+
+def test_aftershock_run_killed_on_nodes_leaves_nothing(engine: None, tmp_path: Path) -> None:
+    """The same through `aftershock run` of a `nodes: 2` scenario: the harness is SIGKILLed
+    once both node faults are applied; its reaper removes the run's containers and network."""
+    import docker
+
+    api = docker.from_env()
+    scenario = tmp_path / "crash.yaml"
+    scenario.write_text(CRASH_SCENARIO)
+    state = tmp_path / "state"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "AFTERSHOCK_STATE_DIR": str(state)}
+    harness = subprocess.Popen([sys.executable, "-m", "harness", "run", str(scenario),
+                                "--run-dir", str(tmp_path / "r")], cwd=ROOT, env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    run_id = None
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            journals = list((state / "journal").glob("*.jsonl"))
+            timelines = list((tmp_path / "r").rglob("events.jsonl"))
+            if journals and timelines and \
+                    timelines[0].read_text().count('"event":"fault_injected"') == 2:
+                run_id = journals[0].stem
+                break
+            assert harness.poll() is None, "the harness ended before both faults were applied"
+            time.sleep(0.1)
+        assert run_id is not None, "the faults were not applied within 60 s"
+        labelled = {"label": f"aftershock.run={run_id}"}
+        assert [c.status for c in api.containers.list(all=True, filters=labelled)].count(
+            "paused") == 1
+    finally:
+        harness.send_signal(signal.SIGKILL)
+        harness.wait()
+    deadline = time.monotonic() + 60
+    while _left(api, run_id) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _left(api, run_id) == []
