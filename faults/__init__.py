@@ -22,7 +22,9 @@ from faults import _docker as docker_engine
 from faults._errors import FaultUnavailable
 from faults._inotify import FileWatch
 from faults._proc import ProcessRef, all_pids, kill_all, processes_with_env
+from faults._proc import command_line as process_command_line
 from faults._proc import environ as process_environ
+from faults._proc import parent as parent_pid
 from faults.journal import UndoContext, UndoRefused
 from faults.registry import (
     CAPABILITIES,
@@ -42,5 +44,5 @@ __all__ = [
     "CAPABILITIES", "Applied", "FaultKind", "FaultUnavailable", "FileWatch", "GroupKind",
     "KindInfo", "PreparedKind", "ProcessRef", "Setting", "UndoContext", "UndoRefused",
     "Validates", "all_pids", "cgroup", "docker_engine", "get", "kill_all", "kinds",
-    "process_environ", "processes_with_env", "register",
+    "parent_pid", "process_command_line", "process_environ", "processes_with_env", "register",
 ]

@@ -37,6 +37,22 @@ def state(pid: int) -> str | None:
     return tail[0] if tail else None
 
 
+def parent(pid: int) -> int | None:
+    """Field 4 of /proc/PID/stat: the parent's pid (None once the process is gone)."""
+    tail = _read_stat(pid)
+    return int(tail[1]) if tail and len(tail) > 1 else None
+
+
+def command_line(pid: int) -> str:
+    """A process's arguments joined by spaces ('' once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            raw = handle.read()
+    except OSError:
+        return ""
+    return raw.rstrip(b"\0").replace(b"\0", b" ").decode(errors="replace")
+
+
 def environ(pid: int) -> dict[str, str]:
     try:
         with open(f"/proc/{pid}/environ", "rb") as handle:

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import faults
-from faults import ProcessRef, contract
+from faults import ProcessRef, contract, parent_pid
+from faults import process_command_line as command_line
 from faults.journal import Journal
 from harness.records import Event, FaultRecord
 from harness.spec import in_process
@@ -42,23 +43,8 @@ def fault_params(spec: Any) -> dict[str, Any]:
     return {k: (v.total_seconds() if hasattr(v, "total_seconds") else v) for k, v in data.items()}
 
 
-def command_line(pid: int) -> str:
-    """A process's arguments joined by spaces ('' once it is gone)."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as handle:
-            raw = handle.read()
-    except OSError:
-        return ""
-    return raw.rstrip(b"\0").replace(b"\0", b" ").decode(errors="replace")
 
 
-def parent_pid(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            raw = handle.read().decode(errors="replace")
-    except OSError:
-        return None
-    return int(raw[raw.rfind(")") + 2 :].split()[1])
 
 
 @dataclass(slots=True)

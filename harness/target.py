@@ -38,6 +38,7 @@ from typing import IO, Any, ClassVar, Protocol
 
 from faults import ProcessRef, contract, kill_all, process_environ, processes_with_env
 from faults import cgroup as _cgroup
+from faults import parent_pid as _parent
 from harness import probe
 from harness.errors import TargetError
 from harness.logprobe import (
@@ -688,10 +689,3 @@ def _entering(group: Path) -> Callable[[], None]:
     return enter
 
 
-def _parent(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            raw = handle.read().decode(errors="replace")
-    except OSError:
-        return None
-    return int(raw[raw.rfind(")") + 2 :].split()[1])

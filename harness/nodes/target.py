@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 
 from faults import ProcessRef, contract, kill_all, processes_with_env
 from faults import docker_engine as _docker
+from faults import parent_pid as _parent
 from harness import probe
 from harness.errors import TargetError
 from harness.nodes.cluster import Cluster, node_env
@@ -176,10 +177,3 @@ class NodesTarget:
                         cgroup_removed=None if removed else False)
 
 
-def _parent(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            raw = handle.read().decode(errors="replace")
-    except OSError:
-        return None
-    return int(raw[raw.rfind(")") + 2 :].split()[1])
