@@ -685,7 +685,7 @@ class Scenario(_Strict):
                 if self.load is not None:
                     continue  # they read what the load's clients received
                 raise ValueError(
-                    f"expect.{name} needs a load: add a scenario-level `load:` block with the "
+                    f"expect.{name} needs a load: add a `load:` block (scenario-level) with the "
                     "server's url (`load: {url: 'http://127.0.0.1:${port}'}`, the command "
                     "listening on `--port=${port}`; docs/own-job.md, \"Your own server\"), or "
                     "run `reference: server`")
