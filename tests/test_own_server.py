@@ -175,3 +175,23 @@ def test_a_server_that_never_becomes_ready_fails_saying_so(tmp_path: Path) -> No
     assert "/v1/models" in detail
     assert "HTTP 503" in detail
     assert result.duration_s < 30  # the run ended at the readiness timeout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_the_load_can_start_on_an_event_the_server_reports(tmp_path: Path) -> None:
+    probe = ("  probes:\n    - {pattern: 'tiny server on', event: serving_ready, stream: stderr}\n")
+    scenario = text(load="ready: {event: serving_ready}").replace("  timeout: 60s\n",
+                                                              "  timeout: 60s\n" + probe)
+    result = run(tmp_path, scenario)
+    assert result.passed, verdicts(result)
+    assert result.metrics["requests"] == 12
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_an_event_that_never_comes_fails_saying_which(tmp_path: Path) -> None:
+    result = run(tmp_path, text(load="ready: {event: serving_ready, timeout: 1s}"))
+    passed, detail = verdicts(result)["no_lost_requests"]
+    assert not passed
+    assert "never became ready: no `serving_ready` event within 1s" in detail
