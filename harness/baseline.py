@@ -21,6 +21,7 @@ from harness import golden, systems
 from harness import metrics as _metrics
 from harness._paths import cache_dir as cache_dir  # re-exported: runner, recheck
 from harness.checks import Outcome
+from harness.loadgen import twin_key as load_key
 from harness.records import Event
 from harness.spec import LoadedScenario, Scenario
 
@@ -55,9 +56,12 @@ def baseline_key(spec: Scenario, seed: int, *, scenario_dir: Path = Path(".")) -
     # The twin's environment: test hooks that break the system through it (AFTERSHOCK_INJECT_*)
     # are faults, which the twin goes without.
     system["env"] = dict(spec.without_faults().system.env)
-    material = json.dumps({"system": system, "seed": seed,
-                           "code": _code_fingerprint(spec, scenario_dir)}, sort_keys=True)
-    return hashlib.sha256(material.encode()).hexdigest()[:24]
+    material: dict[str, Any] = {"system": system, "seed": seed,
+                                "code": _code_fingerprint(spec, scenario_dir)}
+    if spec.load is not None:  # the requests the twin's server answered
+        material["load"] = load_key(spec.load)
+    text = json.dumps(material, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
 def twin_of(spec: Scenario) -> Scenario:

@@ -119,6 +119,9 @@ def evaluate(
         results.append(_xid_action(events or ()))
     if expect.checkpoint_durable:
         results.append(_checkpoint_durable(events or ()))
+    unsent = "no request was sent"
+    if (not_ready := _metrics.load_not_ready(events or ())) is not None:
+        unsent = f"no request was sent: {not_ready}"
     if expect.no_lost_requests:
         lost, total = metrics.get("lost_requests"), metrics.get("requests")
         tokens = metrics.get("lost_tokens")
@@ -126,16 +129,20 @@ def evaluate(
         results.append(CheckResult(
             "no_lost_requests", ok, lost, 0,
             f"all {total} requests completed with every token" if ok else
-            "no request was sent" if not total else
+            unsent if not total else
             f"{lost} of {total} requests did not complete ({tokens} tokens never arrived)"))
     if expect.no_duplicated_tokens:
         dup = metrics.get("duplicated_tokens")
-        ok = dup == 0 and bool(metrics.get("requests"))
+        unindexed = metrics.get("unindexed_requests") or 0
+        ok = dup == 0 and bool(metrics.get("requests")) and not unindexed
         results.append(CheckResult(
             "no_duplicated_tokens", ok, dup, 0,
             "no client received a token twice" if ok else
-            "no request was sent" if not metrics.get("requests") else
-            f"clients received {dup} tokens they already had"))
+            unsent if not metrics.get("requests") else
+            f"clients received {dup} tokens they already had" if dup else
+            f"not observed: the chunks of {unindexed} of {metrics.get('requests')} requests "
+            "carried no token_index, so a token sent twice could not be told from a new one "
+            "(the server must send `token_index` per chunk)"))
     if expect.outputs_match:
         results.append(_outputs_match(outputs or {}, baseline_outputs))
     if expect.latency:

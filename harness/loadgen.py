@@ -35,7 +35,7 @@ from datetime import timedelta
 from typing import Any
 from urllib.parse import urlsplit
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from faults.contract import SERVING_READY
 from harness.records import Event
@@ -79,6 +79,60 @@ class Load(Strict):
     )
 
 
+class Ready(Strict):
+    """When a scenario-level load starts: when ``GET url + path`` answers 200, or when the
+    system reports ``event`` (a log probe's or the in-process probe's), whichever is given;
+    either bounded by ``timeout`` from launch."""
+
+    path: str | None = Field(
+        None, pattern=r"^/[!-~]*$", description="poll this path (every 100 ms) until it "
+        "answers 200; default `/v1/models` (OpenAI-compatible servers have it)")
+    event: str | None = Field(
+        None, pattern=r"^[a-z_]+$", description="start when the system reports this event "
+        "instead (e.g. a log probe's `event: serving_ready`)")
+    timeout: Duration = Field(
+        timedelta(seconds=60), description="not ready by then: the load never starts and "
+        "every serving check fails saying the server never became ready")
+
+    @model_validator(mode="after")
+    def _one_way(self) -> Ready:
+        if self.path is not None and self.event is not None:
+            raise ValueError("give `path` or `event`, not both")
+        return self
+
+    def polled(self) -> str | None:
+        """The path polled for readiness, or None when an event says it."""
+        return None if self.event is not None else (self.path or "/v1/models")
+
+
+class ScenarioLoad(Load):
+    """A scenario-level load: the built-in load generator driving any OpenAI-compatible
+    completions endpoint the system (a `command:`) starts, at ``url``."""
+
+    url: str = Field(
+        description="where the server listens: `http://HOST:PORT`; `${port}` is a free port "
+        "the harness picks for the run, expanded in the command and its env too")
+    ready: Ready = Field(Ready(), description="when the load starts")
+
+    @field_validator("url")
+    @classmethod
+    def _http_host_port(cls, value: str) -> str:
+        parts = urlsplit(value.replace("${port}", "1"))
+        allowed = "allowed: http://HOST:PORT, PORT a number or ${port}"
+        if parts.scheme != "http":
+            raise ValueError(f"{value!r} is not an http:// URL ({allowed})")
+        try:
+            port = parts.port
+        except ValueError:
+            port = None
+        if parts.hostname is None or port is None:
+            raise ValueError(f"{value!r} names no port ({allowed})")
+        if parts.path not in ("", "/") or parts.query or parts.fragment:
+            raise ValueError(f"{value!r} has a path; the client posts to /v1/completions "
+                             f"under it ({allowed})")
+        return value
+
+
 _ALPHABET = string.ascii_letters + string.digits + " .,"
 _BACKOFF_S = 0.05
 
@@ -116,6 +170,7 @@ class _Progress:
     gaps: int = 0
     resumes: int = 0
     finished: bool = False
+    unindexed: bool = False  # a chunk carried no token_index: counted in order
     ended: bool = False  # the server said the request is complete (finish_reason)
     error: str = ""
 
@@ -204,7 +259,7 @@ class LoadGenerator:
                 "times": [round(t, 6) for t in progress.times], "digests": progress.digests,
                 "max_tokens": request.max_tokens,
                 "duplicates": progress.duplicates, "gaps": progress.gaps,
-                "resumes": progress.resumes,
+                "resumes": progress.resumes, "unindexed": progress.unindexed,
             }
             if progress.finished:
                 self.timeline.emit("request_done", source="client", **record)
@@ -252,8 +307,15 @@ class LoadGenerator:
         choice = choices[0]
         index = choice.get("token_index")
         ids = choice.get("token_ids")
-        if not isinstance(index, int) or not isinstance(ids, list) or len(ids) != 1:
-            raise ValueError(f"a chunk needs token_index and one token_ids entry: {choice!r:.200}")
+        if not isinstance(ids, list) or len(ids) != 1 or not isinstance(ids[0], int):
+            raise ValueError(f"a chunk needs one token_ids entry: {choice!r:.200}")
+        if index is None:
+            # Without an index the client can only count tokens in order: a repeated token
+            # looks like a new one (no_duplicated_tokens then says "not observed").
+            progress.unindexed = True
+            index = len(progress.tokens)
+        if not isinstance(index, int):
+            raise ValueError(f"token_index is not a number: {choice!r:.200}")
         now = time.monotonic()
         if index < len(progress.tokens):
             progress.duplicates += 1  # the server sent a token the client already had
@@ -292,37 +354,143 @@ def fetch_json(url: str, path: str, timeout: float = 2.0) -> dict[str, object] |
             conn.close()
 
 
-class LoadDriver:
-    """The load generator as the driver of a run (harness/systems/__init__.py, ``Driver``):
-    it starts when the server says where it listens (a ``serving_ready`` event with its
-    ``url``), and the run ends when the last request has: then the server's own counters
-    (``GET /v1/stats``) go on the timeline as ``serving_stats``."""
+#: Of a load, how long clients insist and when they start: never what a fault-free server
+#: answers them (the fault-free twin's cache key leaves them out).
+LOAD_TIMING = ("retries", "request_timeout", "ready")
 
-    def __init__(self, load: Load, *, seed: int, timeline: Timeline) -> None:
+
+def twin_key(load: Load) -> dict[str, Any]:
+    """What of a load decides the fault-free twin's outputs, as JSON."""
+    data: dict[str, Any] = load.model_dump(mode="json")
+    for name in LOAD_TIMING:
+        data.pop(name, None)
+    return data
+
+
+#: Event on the timeline when a scenario-level load never started: its ``error`` says why.
+NOT_READY = "load_not_ready"
+_READY_POLL_S = 0.1
+
+
+def _answer(url: str, path: str, timeout: float = 1.0) -> tuple[int | None, str]:
+    """``GET url + path``: its status (None: no HTTP answer) and what to tell a user."""
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=timeout)
+    try:
+        conn.request("GET", path)
+        response = conn.getresponse()
+        response.read(4096)
+        return response.status, f"HTTP {response.status}"
+    except (OSError, http.client.HTTPException) as exc:
+        return None, f"{type(exc).__name__}: {exc}"
+    finally:
+        with contextlib.suppress(OSError):
+            conn.close()
+
+
+class LoadDriver:
+    """The load generator as the driver of a run (harness/systems/__init__.py, ``Driver``).
+
+    It starts when the server is ready: for the reference server's ``system.load`` (no
+    ``ready``), when it says where it listens (a ``serving_ready`` event with its ``url``);
+    for a scenario-level load, when ``GET url + ready.path`` answers 200 or the system
+    reports ``ready.event``, bounded by ``ready.timeout`` from launch. The run ends when the
+    last request has (then the server's own counters, ``GET /v1/stats``, go on the timeline
+    as ``serving_stats``), or when the server never became ready (a ``load_not_ready`` event
+    saying why, which every serving check then reports)."""
+
+    def __init__(self, load: Load, *, seed: int, timeline: Timeline, url: str | None = None,
+                 ready: Ready | None = None) -> None:
         self.load = load
         self.seed = seed
         self.timeline = timeline
+        self.url = url
+        self.ready = ready
         self.generator: LoadGenerator | None = None
+        self._lock = threading.Lock()
+        self._halt = threading.Event()
+        self._deadline: float | None = None
+        self._poller: threading.Thread | None = None
+        self._not_ready: Event | None = None
 
     def observe(self, event: Event) -> None:
-        url = event.fields.get("url")
-        if event.event == SERVING_READY and self.generator is None and isinstance(url, str):
+        if self.ready is None:
+            url = event.fields.get("url")
+            if event.event == SERVING_READY and isinstance(url, str):
+                self._start(url)
+            return
+        if event.event == "launch" and event.source == "harness" and self._deadline is None:
+            self._deadline = time.monotonic() + self.ready.timeout.total_seconds()
+            path = self.ready.polled()
+            if path is not None:
+                self._poller = threading.Thread(target=self._poll, args=(path,),
+                                                name="load-ready", daemon=True)
+                self._poller.start()
+        elif event.event == self.ready.event and event.source != "harness":
+            self._start(self.url or "")
+
+    def _start(self, url: str) -> None:
+        with self._lock:
+            if self.generator is not None or self._not_ready is not None:
+                return
             self.generator = LoadGenerator(url, self.load, seed=self.seed,
                                            timeline=self.timeline)
             self.generator.start()
 
+    def _give_up(self, why: str) -> None:
+        with self._lock:
+            if self.generator is None and self._not_ready is None:
+                self._not_ready = self.timeline.emit(NOT_READY, source="client", error=why)
+
+    def _poll(self, path: str) -> None:
+        assert self.url is not None
+        assert self._deadline is not None
+        assert self.ready is not None
+        last = "no answer yet"
+        while not self._halt.is_set():
+            status, last = _answer(self.url, path)
+            if status == 200:
+                self._start(self.url)
+                return
+            if time.monotonic() > self._deadline:
+                break
+            self._halt.wait(_READY_POLL_S)
+        else:
+            return
+        self._give_up(f"the server never became ready: GET {self.url}{path} did not answer "
+                      f"200 within {self.ready.timeout.total_seconds():g}s (last: {last})")
+
     def done(self) -> bool:
+        if (self.ready is not None and self.ready.event is not None and self.generator is None
+                and self._deadline is not None and time.monotonic() > self._deadline):
+            self._give_up(f"the server never became ready: no `{self.ready.event}` event "
+                          f"within {self.ready.timeout.total_seconds():g}s of launch")
+        if self._not_ready is not None:
+            return True
         return self.generator is not None and self.generator.done.is_set()
 
     def finish(self) -> Event | None:
         if self.generator is None:
-            return None
+            return self._not_ready
         stats = fetch_json(self.generator.url, "/v1/stats")
         return self.timeline.emit("serving_stats", source="client", **serving_stats(stats))
 
     def stop(self) -> None:
+        self._halt.set()
+        if self._poller is not None:
+            self._poller.join(5.0)
         if self.generator is not None:
             self.generator.stop()
+
+
+def scenario_load_driver(load: ScenarioLoad, variables: dict[str, str], *, seed: int,
+                         timeline: Timeline) -> LoadDriver:
+    """The driver of a scenario-level load, its ``url`` expanded with the run's variables
+    (``${port}``: the port the command got)."""
+    url = load.url
+    for name, value in variables.items():
+        url = url.replace("${" + name + "}", value)
+    return LoadDriver(load, seed=seed, timeline=timeline, url=url, ready=load.ready)
 
 
 def serving_stats(stats: dict[str, object] | None) -> dict[str, Any]:

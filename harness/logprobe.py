@@ -28,6 +28,8 @@ LogEventKind = Literal[
     "checkpoint_loaded",
     "params",
     "hello",
+    # A server says it listens ("Uvicorn running on ..."): a load's `ready: {event}`.
+    "serving_ready",
 ]
 
 

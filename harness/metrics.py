@@ -514,6 +514,9 @@ class RequestRecord:
     # The server's digest of the logits row each token was chosen from; None where it sent
     # none (or the event predates digests).
     digests: tuple[str | None, ...] = ()
+    # Some chunk carried no token_index: the client counted tokens in order, so a repeated
+    # token could not be told from a new one.
+    unindexed: bool = False
 
     @classmethod
     def of(cls, event: Event) -> RequestRecord | None:
@@ -528,7 +531,7 @@ class RequestRecord:
         return cls(str(f.get("request")), event.event == "request_done",
                    float(f.get("sent", event.t)), tuple(int(x) for x in tokens),
                    tuple(float(x) for x in times), int(f.get("max_tokens") or len(tokens)),
-                   int(f.get("duplicates") or 0), digests)
+                   int(f.get("duplicates") or 0), digests, bool(f.get("unindexed")))
 
 
 def requests(events: Sequence[Event]) -> list[RequestRecord]:
@@ -635,6 +638,7 @@ def serving(events: Sequence[Event]) -> dict[str, float | int | None]:
         "lost_requests": len(lost),
         "lost_tokens": sum(max(r.max_tokens - len(r.tokens), 0) for r in lost),
         "duplicated_tokens": sum(r.duplicates for r in records),
+        "unindexed_requests": sum(1 for r in records if r.unindexed),
         "migrated_requests": sum(1 for e in events if e.event == "request_migrated"),
         "recomputed_tokens": stat("recomputed_tokens"),
         "prefix_hit_rate": stat("prefix_hit_rate"),
@@ -646,7 +650,13 @@ def serving(events: Sequence[Event]) -> dict[str, float | int | None]:
 
 
 def is_serving(events: Sequence[Event]) -> bool:
-    return any(e.event == "load_started" for e in events)
+    return any(e.event in ("load_started", "load_not_ready") for e in events)
+
+
+def load_not_ready(events: Sequence[Event]) -> str | None:
+    """Why the load never started (the server never became ready), or None."""
+    return next((str(e.fields.get("error")) for e in events if e.event == "load_not_ready"),
+                None)
 
 
 def compute(events: Sequence[Event], world: int | None) -> dict[str, float | int | None]:

@@ -29,7 +29,8 @@ NOTABLE = {
     "launch", "fault_prepared", "fault_injected", "fault_healed", "failure_detected",
     "recovery_done",
     "checkpoint_loaded", "checkpoint_skipped", "timeout", "run_end", "fault_armed",
-    "fault_failed", "serving_ready", "load_started", "load_finished", "request_migrated",
+    "fault_failed", "serving_ready", "load_started", "load_not_ready", "load_finished",
+    "request_migrated",
     "request_failed", "teardown", "trigger_late", "process_started",
 }
 
@@ -107,6 +108,8 @@ def describe(event: Event) -> str:
             return f"load: {f.get('requests')} requests to {f.get('url')}"
         case "load_finished":
             return "load finished"
+        case "load_not_ready":
+            return f"load NOT STARTED: {str(f.get('error'))[:200]}"
         case "request_migrated":
             return (f"request {f.get('request_id')} moved from worker {f.get('from_worker')} "
                     f"to worker {f.get('to_worker')} after {f.get('emitted')} tokens")

@@ -34,6 +34,7 @@ from harness.baseline import cache_dir as cache_dir
 from harness.checks import Outcome, evaluate
 from harness.errors import AftershockError, HarnessError, PreflightError, RunFailed
 from harness.injector import Injector, acts_on_files, fault_params
+from harness.loadgen import scenario_load_driver
 from harness.records import CheckResult, Event, FaultRecord, RunResult
 from harness.schedule import Progress, Schedule
 from harness.spec import LoadedScenario, Scenario, in_process
@@ -157,7 +158,10 @@ def execute(
                         log_dir=run_dir / "logs")
     loop = _Loop(list(spec.faults), timeline, observer, target, injector, schedule, triggers, t0,
                  timeout_s=spec.system.timeout.total_seconds(),
-                 driver=kind.driver(spec.system, seed=seed, timeline=timeline))
+                 driver=scenario_load_driver(spec.load, launch.variables, seed=seed,
+                                             timeline=timeline)
+                 if spec.load is not None else
+                 kind.driver(spec.system, seed=seed, timeline=timeline))
     try:
         with _sigterm_unwinds():
             observer.phase(spec.name, phase, shlex.join(launch.argv))

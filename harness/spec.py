@@ -43,6 +43,8 @@ from harness.errors import SpecError
 # format is.
 from harness.loadgen import Load as Load
 from harness.loadgen import PromptMix as PromptMix
+from harness.loadgen import Ready as Ready
+from harness.loadgen import ScenarioLoad as ScenarioLoad
 from harness.logprobe import LogEventKind as LogEventKind
 from harness.logprobe import LogProbe as LogProbe
 from harness.schema import MAX_SEED as MAX_SEED
@@ -51,6 +53,7 @@ from harness.schema import MAX_WORLD as MAX_WORLD
 from harness.schema import Duration
 from harness.schema import Strict as _Strict
 from harness.systems.command import CommandSystem as CommandSystem
+from harness.systems.command import uses as uses_variable
 from harness.systems.server import ServerSystem as ServerSystem
 from harness.systems.trainer import TrainerSystem as TrainerSystem
 from harness.systems.trainer import World as World
@@ -451,14 +454,14 @@ class Expect(_Strict):
         "the process.straggle fault slowed"
     )
     no_lost_requests: bool = Field(
-        False, description="server: every request the load generator sent completed with all "
+        False, description="load: every request the load generator sent completed with all "
         "its tokens"
     )
     no_duplicated_tokens: bool = Field(
-        False, description="server: no client received a token index twice"
+        False, description="load: no client received a token index twice"
     )
     outputs_match: Literal["fault_free"] | None = Field(
-        None, description="server: every request's tokens equal those of a fault-free run "
+        None, description="load: every request's tokens equal those of a fault-free run "
         "of the same load"
     )
     latency: Latency | None = None
@@ -477,7 +480,8 @@ class Expect(_Strict):
             return DetectBudget(max=value.max)
         return value
 
-    #: Checks that only mean something for the reference server's load.
+    #: Checks that read what the load's clients received (a load: `load:` or the
+    #: reference server's `system.load`).
     SERVING: typing.ClassVar[tuple[str, ...]] = (
         "no_lost_requests", "no_duplicated_tokens", "outputs_match", "latency")
     #: Checks that read training steps or parameters.
@@ -655,6 +659,10 @@ class Scenario(_Strict):
     description: str = ""
     seed: int = Field(0, ge=0, le=MAX_SEED)
     system: System
+    load: ScenarioLoad | None = Field(
+        None, description="the built-in load generator driving the OpenAI-compatible "
+        "completions endpoint a `command:` starts (docs/own-job.md, \"Your own server\"); "
+        "the reference server takes its load as `system.load`")
     faults: list[Fault] = Field(default_factory=list)
     expect: Expect = Expect()
     explore: Explore | None = Field(
@@ -669,13 +677,20 @@ class Scenario(_Strict):
                 if getattr(self.expect, name) not in (None, False):
                     raise ValueError(f"expect.{name} needs at least one fault")
         kind = systems.of(self.system)
-        for name in Expect.SERVING if kind.family != "serving" else Expect.TRAINING:
-            if getattr(self.expect, name) not in (None, False):
-                family = "serving" if name in Expect.SERVING else "training"
-                shapes = [k.shape.strip("`") for k in systems.kinds() if k.family == family]
-                needs = (f"`{shapes[0]}`" if family == "serving" and len(shapes) == 1 else
-                         f"a {family} system (`{'` or `'.join(shapes)}`)")
-                raise ValueError(f"expect.{name} needs {needs}")
+        self._load_is_possible(kind)
+        for name in Expect.TRAINING if kind.family == "serving" else Expect.SERVING:
+            if getattr(self.expect, name) in (None, False):
+                continue
+            if name in Expect.SERVING:
+                if self.load is not None:
+                    continue  # they read what the load's clients received
+                raise ValueError(
+                    f"expect.{name} needs a load: add a `load:` block (scenario-level) with the "
+                    "server's url (`load: {url: 'http://127.0.0.1:${port}'}`, the command "
+                    "listening on `--port=${port}`; docs/own-job.md, \"Your own server\"), or "
+                    "run `reference: server`")
+            shapes = [k.shape.strip("`") for k in systems.kinds() if k.family == "training"]
+            raise ValueError(f"expect.{name} needs a training system (`{'` or `'.join(shapes)}`)")
         if self.expect.params_match == "replay" and not kind.replays(self.system):
             raise ValueError("expect.params_match: replay needs the reference trainer with "
                              "`recovery: elastic` (the only system that records membership)")
@@ -688,6 +703,19 @@ class Scenario(_Strict):
                 for problem in check([f for f in self.faults if f.kind == name], setting):
                     raise ValueError(problem)
         return self
+
+    def _load_is_possible(self, kind: systems.SystemKind) -> None:
+        if self.load is None:
+            return
+        if kind.family == "serving":
+            raise ValueError(f"{kind.shape} takes its load as `system.load` (it says itself "
+                             "where it listens); a scenario-level `load:` is for a server a "
+                             "`command:` starts")
+        if "${port}" in self.load.url and not (
+                isinstance(self.system, CommandSystem) and uses_variable(self.system, "port")):
+            raise ValueError("load.url uses ${port}, the free port the harness picks for the "
+                             "run; the command must listen on it: pass it in `command` or "
+                             "`env` (e.g. `--port=${port}`)")
 
     def without_faults(self) -> Scenario:
         """The fault-free twin of this scenario, used as the golden reference.

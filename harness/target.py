@@ -32,7 +32,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, ClassVar, Protocol
 
@@ -70,6 +70,9 @@ class Launch:
     #: Glob patterns (absolute) of per-process log files the target tails as they appear
     #: and grow: each file its own stream, so two ranks' lines never run together.
     tails: tuple[str, ...] = ()
+    #: The run's values of the variables its system expands (``${port}``: the free port a
+    #: `command:` got), for what else the scenario expands them in (a load's ``url``).
+    variables: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

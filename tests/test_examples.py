@@ -1,9 +1,11 @@
 """The jobs of examples/ (docs/own-job.md), run as a user runs them: each scenario must pass.
 
 A plain torchrun DDP job and a torchft job, each attacked fault-free, by a kill and by a
-freeze. The freeze scenarios pass only if the job really recovers: its parameters must end
-bitwise equal to a run never frozen, resumed from its newest snapshot. The torchft ones
-need torchft (`make bench` installs it) and are skipped, saying so, without it.
+freeze; and a serving stack started as a plain command (examples/own_server), driven by a
+scenario-level load, fault-free and with a worker killed. The freeze scenarios pass only if
+the job really recovers: its parameters must end bitwise equal to a run never frozen,
+resumed from its newest snapshot. The torchft ones need torchft (`make bench` installs it)
+and are skipped, saying so, without it.
 """
 
 from __future__ import annotations
@@ -37,6 +39,14 @@ def test_example_passes(scenario: Path, tmp_path: Path, cache: Path) -> None:
     (record,) = json.loads(out.read_text())
     assert record["passed"], proc.stdout
     events = read_events(Path(record["run_dir"]) / "events.jsonl")
+    if scenario.parent.name == "own_server":
+        # Judged as a server: the load's requests, each compared with the fault-free twin's.
+        assert record["metrics"]["requests"] == 24, record["metrics"]
+        checks = {c["name"] for c in record["checks"] if c["passed"]}
+        assert {"no_lost_requests", "no_duplicated_tokens", "outputs_match"} <= checks
+        if scenario.stem != "fault-free":
+            assert record["metrics"]["migrated_requests"] >= 1, record["metrics"]
+        return
     if scenario.stem != "fault-free":
         # It recovered: a restart the harness saw from the launcher's side, and a resume.
         assert record["metrics"]["generations"] >= 1, record["metrics"]

@@ -9,6 +9,7 @@ import itertools
 import os
 import re
 import shutil
+import socket
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -26,9 +27,9 @@ from harness.timeline import Timeline
 class CommandSystem(Strict):
     """Any command line (a torchrun job, a user's server), observed through logs.
 
-    ``${run_dir}``, ``${scenario_dir}`` and ``${seed}`` in ``command``, ``env`` values and
-    ``cwd`` are replaced by the run's own folder, the scenario file's folder and the run's
-    seed (:data:`VARIABLES`).
+    ``${run_dir}``, ``${scenario_dir}``, ``${seed}`` and ``${port}`` in ``command``, ``env``
+    values and ``cwd`` are replaced by the run's own folder, the scenario file's folder, the
+    run's seed and a free TCP port picked for the run (:data:`VARIABLES`).
     """
 
     command: list[str] = Field(min_length=1)
@@ -99,13 +100,30 @@ class CommandSystem(Strict):
 
 
 #: The variables a command's ``command``, ``env`` values and ``cwd`` may use (docs/scenarios.md).
-VARIABLES = ("run_dir", "scenario_dir", "seed")
+VARIABLES = ("run_dir", "scenario_dir", "seed", "port")
 _VARIABLE = re.compile(r"\$\{(" + "|".join(VARIABLES) + r")\}")
 
 
 def expand(text: str, values: dict[str, str]) -> str:
     """``text`` with each ``${name}`` of :data:`VARIABLES` that ``values`` gives replaced."""
     return _VARIABLE.sub(lambda m: values.get(m.group(1), m.group(0)), text)
+
+
+def uses(system: CommandSystem, name: str) -> bool:
+    """Whether ``${name}`` appears in the command line, an env value or the cwd."""
+    marker = "${" + name + "}"
+    return any(marker in text for text in [*system.command, *system.env.values(),
+                                           system.cwd or ""])
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now, for the run's server (``${port}``). The kernel
+    picks it among its ephemeral ports and does not hand it out again at once; another
+    program could still take it before the server binds it (then the server says so)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe_socket:
+        probe_socket.bind(("127.0.0.1", 0))
+        port: int = probe_socket.getsockname()[1]
+        return port
 
 
 def absolute_args(system: CommandSystem, scenario_dir: Path) -> list[str]:
@@ -222,6 +240,8 @@ class Command:
                extra_args: tuple[str, ...] = ()) -> Launch:
         values = {"run_dir": str(run_dir), "scenario_dir": str(scenario_dir.resolve()),
                   "seed": str(seed)}
+        if uses(system, "port"):
+            values["port"] = str(free_port())
         if system.cwd:
             cwd = (scenario_dir / expand(system.cwd, values)).resolve()
         else:
@@ -245,6 +265,7 @@ class Command:
             system.world,
             tuple(system.probes),
             tuple(str(cwd / expand(pattern, values)) for pattern in system.logs),
+            values,
         )
 
     def target(self, launch: Launch, *, run_dir: Path, run_id: str,

@@ -11,6 +11,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from harness.loadgen import Load, LoadDriver
+from harness.loadgen import twin_key as load_key
 from harness.logprobe import LogProbe
 from harness.schema import MAX_SEED, Duration, Strict
 from harness.systems import Driver, register
@@ -79,10 +80,9 @@ def server_argv(system: ServerSystem) -> list[str]:
 
 
 #: Settings that never change a fault-free run's tokens (the model, the kernels and the load
-#: do); and, of the load, how long clients insist, not what they ask.
+#: do; of the load, harness.loadgen.LOAD_TIMING says what does not).
 TIMING = ("step_sleep", "timeout", "heartbeat", "dead_after", "wedged_after", "recovery",
           "journal", "checksums")
-LOAD_TIMING = ("retries", "request_timeout")
 
 
 class Server:
@@ -128,8 +128,7 @@ class Server:
         data: dict[str, Any] = system.model_dump(mode="json")
         for name in (*TIMING, "env"):
             data.pop(name, None)
-        for name in LOAD_TIMING:
-            data["load"].pop(name, None)
+        data["load"] = load_key(system.load)
         return data
 
     def fingerprint(self, system: ServerSystem, scenario_dir: Path) -> str:

@@ -296,7 +296,7 @@ def test_serving_checks_need_the_server_and_training_checks_the_trainer() -> Non
 
     with pytest.raises(SpecError, match=r"expect\.params_match needs a training system"):
         parse_scenario("name: s\nsystem: {reference: server}\nexpect: {params_match: fault_free}")
-    with pytest.raises(SpecError, match=r"expect\.outputs_match needs `reference: server`"):
+    with pytest.raises(SpecError, match=r"expect\.outputs_match needs a load: add a `load:`"):
         parse_scenario("name: s\nsystem: {reference: trainer}\nexpect: {outputs_match: fault_free}")
 
 
