@@ -100,6 +100,7 @@ class JournalStats:
     write_s: float  # time spent in write(2), all records
     fsync_s: float  # time spent in fsync, all batches
     writes: int  # write(2) calls: records / writes is how many records a batch held
+    write_max_s: float  # the longest write (one waiting behind an fsync shows here)
 
     def as_dict(self) -> dict[str, float | int | str]:
         return {
@@ -109,6 +110,7 @@ class JournalStats:
             "writes": self.writes,
             "fsyncs": self.fsyncs,
             "write_s": round(self.write_s, 6),
+            "write_max_s": round(self.write_max_s, 6),
             "fsync_s": round(self.fsync_s, 6),
         }
 
@@ -227,7 +229,7 @@ class Journal:
         self._dirty = threading.Event()
         self._closed = False
         self._records = self._bytes = self._fsyncs = self._writes = 0
-        self._write_s = self._fsync_s = 0.0
+        self._write_s = self._fsync_s = self._write_max_s = 0.0
         self._syncer: threading.Thread | None = None
         if fsync_interval > 0:
             self._syncer = threading.Thread(target=self._sync_loop, name="journal-fsync",
@@ -287,6 +289,7 @@ class Journal:
                 self._fsync_locked()
         with self._count_lock:
             self._write_s += took
+            self._write_max_s = max(self._write_max_s, took)
             self._writes += writes
             self._records += len(lines)
             self._bytes += len(data)
@@ -378,7 +381,8 @@ class Journal:
     def stats(self) -> JournalStats:
         with self._count_lock:
             return JournalStats(self.path, self._records, self._bytes, self._fsyncs,
-                                self._write_s, self._fsync_s, self._writes)
+                                self._write_s, self._fsync_s, self._writes,
+                                self._write_max_s)
 
     def close(self) -> None:
         """Write what was posted, fsync, close."""

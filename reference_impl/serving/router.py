@@ -894,6 +894,8 @@ class Router:
                     "max": round(latency[-1], 4) if latency else None,
                 },
                 "engine": engine,
+                # CPU seconds of the router process (all its threads: HTTP, links, journal)
+                "router_cpu_s": round(time.process_time(), 3),
                 "journal": ({"enabled": True, **self.journal.stats().as_dict()}
                             if self.journal is not None else {"enabled": False}),
             }
