@@ -416,6 +416,59 @@ def bench(folder: str, *, records: int = 5000) -> dict[str, float]:
     return result
 
 
+def _percentiles(values: list[float]) -> dict[str, float]:
+    ordered = sorted(values)
+    return {"p50_us": round(ordered[len(ordered) // 2] * 1e6, 1),
+            "p99_us": round(ordered[min(len(ordered) - 1, len(ordered) * 99 // 100)] * 1e6, 1),
+            "max_us": round(ordered[-1] * 1e6, 1)}
+
+
+def stall_bench(folder: str, *, seconds: float = 4.0, every: float = 0.002
+                ) -> dict[str, dict[str, float]]:
+    """What an appender waits for, with the batched fsync running: a token record (8
+    tokens) every ``every`` seconds for ``seconds``, written on the caller's thread
+    (``append``: what the router's lock was held for) or posted to the writer thread
+    (``post``: what it is held for now; ``post_to_written``: post -> ``on_written``, the
+    extra time before a stream may show the record). Microseconds."""
+    tokens, digests = list(range(8)), ["0123456789abcdef"] * 8
+    result: dict[str, dict[str, float]] = {}
+    for mode in ("append", "post"):
+        path = Path(folder) / f"stall-{mode}.wal"
+        journal = Journal(path)
+        posted: dict[int, float] = {}
+        visible: list[float] = []
+
+        def written(marks: list[object], posted: dict[int, float] = posted,
+                    visible: list[float] = visible) -> None:
+            now = time.perf_counter()
+            visible.extend(now - posted[m] for m in marks if isinstance(m, int))
+
+        if mode == "post":
+            journal.listen(written)
+        waits: list[float] = []
+        deadline = time.perf_counter() + seconds
+        n = 0
+        while time.perf_counter() < deadline:
+            record = tokens_record("cmpl-bench-000000", n * 8, tokens, digests)
+            began = time.perf_counter()
+            if mode == "post":
+                posted[n] = began
+                journal.post(record, n)
+            else:
+                journal._append(record)
+            waits.append(time.perf_counter() - began)
+            n += 1
+            time.sleep(every)
+        stats = journal.stats()
+        journal.close()
+        path.unlink()
+        result[mode] = {**_percentiles(waits), "records": n, "fsyncs": stats.fsyncs,
+                        "write_max_us": round(stats.write_max_s * 1e6, 1)}
+        if visible:
+            result["post_to_written"] = _percentiles(visible)
+    return result
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bench", action="store_true", help="measure the cost of a record")
@@ -425,6 +478,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.bench:
         with tempfile.TemporaryDirectory(dir=args.dir) as folder:
             print(json.dumps(bench(folder)))
+            print(json.dumps(stall_bench(folder)))
         return
     if not args.path:
         parser.error("give a journal PATH or --bench")
