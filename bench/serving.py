@@ -101,9 +101,10 @@ def measure(result: RunResult) -> dict[str, Any]:
     first = min((r.sent for r in records), default=None)
     last = max((r.times[-1] for r in records if r.times), default=None)
     m = result.metrics
-    # The router's own stats at its shutdown (source "process": the nested journal part).
+    # The router's own stats at its shutdown (not the client's flattened copy: it lacks
+    # the nested journal part, and comes before the router's last work).
     stats = next((e.fields for e in reversed(events) if e.event == "serving_stats"
-                  and e.fields.get("source") == "process"), {})
+                  and e.source != "client"), {})
     found = stats.get("journal")
     journal: dict[str, Any] = found if isinstance(found, dict) else {}
     cpu = stats.get("router_cpu_s")
