@@ -12,8 +12,9 @@ inside each repetition so a loaded machine slows them alike:
   pair alike, not the medians of two rows taken apart).
 - ``journal`` and ``checksums``: one of the two on, to split the overhead, each paired
   with the ``bare`` run of its repetition; and the router's own figures for the durable
-  runs (CPU seconds of the router process per 1000 tokens against ``bare``'s, time in
-  ``write(2)``, the longest write, records per write, fsyncs), from its ``serving_stats``.
+  runs: CPU per 1000 tokens of the router process and of the workers since they were
+  ready (less sensitive to the neighbours than tokens/s), and the journal's time in
+  ``write(2)``, its longest write, records per write and fsyncs, from ``serving_stats``.
 - ``migrate`` vs ``fail_stop``: the same load, one worker SIGKILLed once 10 requests
   are streaming. ``migrate`` moves its in-flight requests to healthy workers with the
   tokens already emitted; ``fail_stop`` is what most servers do today: every in-flight
@@ -101,18 +102,25 @@ def measure(result: RunResult) -> dict[str, Any]:
     first = min((r.sent for r in records), default=None)
     last = max((r.times[-1] for r in records if r.times), default=None)
     m = result.metrics
-    # The router's own stats at its shutdown (not the client's flattened copy: it lacks
-    # the nested journal part, and comes before the router's last work).
+    # CPU the server spent serving, from its counters fetched when the load was done (the
+    # client's serving_stats): the router process, and every worker process since its hello.
+    client = next((e.fields for e in reversed(events) if e.event == "serving_stats"
+                   and e.source == "client"), {})
+    # The journal's figures from the router's own stats at its shutdown (the client's
+    # flattened copy lacks that nested part).
     stats = next((e.fields for e in reversed(events) if e.event == "serving_stats"
                   and e.source != "client"), {})
     found = stats.get("journal")
     journal: dict[str, Any] = found if isinstance(found, dict) else {}
-    cpu = stats.get("router_cpu_s")
     records_n, writes = journal.get("records"), journal.get("writes")
+
+    def per_1k_tokens(value: object) -> float | None:
+        return value / tokens * 1e3 if isinstance(value, int | float) and tokens else None
+
     return {
         "tokens_per_s": tokens / (last - first) if first is not None and last else None,
-        "router_cpu_ms_per_1k_tokens": (cpu / tokens * 1e6 if isinstance(cpu, int | float)
-                                        and tokens else None),
+        "router_cpu_ms_per_1k_tokens": per_1k_tokens(client.get("router_cpu_ms")),
+        "worker_cpu_ms_per_1k_tokens": per_1k_tokens(client.get("cpu_ms")),
         "journal_write_s": journal.get("write_s"),
         "journal_write_max_ms": (journal["write_max_s"] * 1e3
                                  if isinstance(journal.get("write_max_s"), int | float)
@@ -229,16 +237,18 @@ def markdown(record: dict[str, Any]) -> str:
     if any(record["summary"].get(row, {}).get("router_cpu_ms_per_1k_tokens")
            for row in record["summary"]):
         lines += [
-            "Router process, median (min-max): CPU ms per 1000 tokens served, time in "
-            "journal write(2), longest write, records per write, fsyncs:",
+            "Where the time goes, median (min-max): CPU ms per 1000 tokens served, of the "
+            "router process and of all workers together (since they were ready); the "
+            "journal's time in write(2), its longest write, records per write, fsyncs:",
             "",
-            "| row | router CPU ms / 1k tokens | journal write s | longest write ms "
-            "| records per write | fsyncs |",
-            "| --- | --- | --- | --- | --- | --- |",
+            "| row | router CPU ms / 1k tokens | workers CPU ms / 1k tokens | journal write s "
+            "| longest write ms | records per write | fsyncs |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
         ]
         for row in record["runs"]:
             lines.append(
                 f"| {row} | {cell(row, 'router_cpu_ms_per_1k_tokens', digits=0)}"
+                f" | {cell(row, 'worker_cpu_ms_per_1k_tokens', digits=0)}"
                 f" | {cell(row, 'journal_write_s', digits=3)}"
                 f" | {cell(row, 'journal_write_max_ms', digits=1)}"
                 f" | {cell(row, 'journal_records_per_write', digits=2)}"
