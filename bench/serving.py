@@ -22,17 +22,25 @@ inside each repetition so a loaded machine slows them alike:
   harness's ``time_to_recover_s`` for serving (fault -> every request that was in
   flight has received a token again).
 
+- the router alone (``router_cpu``): CPU per token of a ``Router`` in this process, fed
+  by a fake worker over a socket pair (24 requests, one token each per 2 ms step, 24
+  stream readers), journal on and off, alternating: the journal's cost to the router
+  without the HTTP layer, the workers or the neighbours' load in the figure.
+
 Results go to ``bench/results/serving.{json,md}``; docs/serving.md quotes them.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -139,6 +147,70 @@ def measure(result: RunResult) -> dict[str, Any]:
     }
 
 
+def _router_cpu_once(journal_path: Path | None, requests: int = 24, tokens: int = 64
+                     ) -> float:
+    """CPU µs of this process per token streamed by a Router (see the module docstring)."""
+    import socket
+
+    from reference_impl.serving import _wire
+    from reference_impl.serving.journal import Journal
+    from reference_impl.serving.router import Chunk, Router, RouterConfig, _Link
+
+    journal = Journal(journal_path) if journal_path is not None else None
+    router = Router(RouterConfig(workers=1), journal, None)
+    mine, theirs = socket.socketpair()
+    link = _Link(1, mine)
+    try:
+        router._dispatch(link, _wire.Hello(0, 0, os.getpid(), "bench", 16, 4096))
+        streams = [router.submit(f"r{i}", "x" * 40, tokens) for i in range(requests)]
+        epochs: dict[str, int] = {}
+        for message in _wire.read_messages(theirs):
+            if isinstance(message, _wire.Add):
+                epochs[message.request_id] = message.epoch
+            if len(epochs) == requests:
+                break
+        counted: list[int] = []
+
+        def read(request: Any) -> None:
+            counted.append(sum(isinstance(c, Chunk) for c in router.stream(request)))
+
+        readers = [threading.Thread(target=read, args=(r,)) for r in streams]
+        for reader in readers:
+            reader.start()
+        began = time.process_time()
+        for i in range(tokens):
+            router._dispatch(link, _wire.Outputs(tuple(
+                (r.id, epochs[r.id], i, 65, "0123456789abcdef", i + 1 == tokens)
+                for r in streams)))
+            time.sleep(0.002)  # a worker's step
+        for reader in readers:
+            reader.join(30)
+        spent = time.process_time() - began
+        if sum(counted) != requests * tokens:
+            raise RuntimeError(f"streamed {sum(counted)} of {requests * tokens} tokens")
+        return spent / sum(counted) * 1e6
+    finally:
+        router.stop()
+        link.stop_writer()
+        mine.close()
+        theirs.close()
+        if journal is not None:
+            journal.close()
+
+
+def router_cpu(folder: Path, repeat: int = 7) -> dict[str, Any]:
+    """Router CPU µs per token, journal off and on, alternating; medians and ranges."""
+    runs: dict[str, list[float]] = {"bare": [], "journal": []}
+    with contextlib.redirect_stderr(io.StringIO()):  # the router's "worker 0 ready" lines
+        for i in range(repeat):
+            runs["bare"].append(_router_cpu_once(None))
+            runs["journal"].append(_router_cpu_once(folder / f"router-cpu-{i}.wal"))
+    out: dict[str, Any] = {row: {"median": statistics.median(v), "min": min(v),
+                                 "max": max(v)} for row, v in runs.items()}
+    out["journal_extra_us"] = out["journal"]["median"] - out["bare"]["median"]
+    return out
+
+
 def median(values: list[Any]) -> float | None:
     numbers = [v for v in values if isinstance(v, int | float)]
     return statistics.median(numbers) if numbers else None
@@ -224,6 +296,15 @@ def markdown(record: dict[str, Any]) -> str:
             f" | {cell(row, 'time_to_recover_s')} | {cell(row, 'lost_requests', digits=0)}"
             f" | {cell(row, 'duplicated_tokens', digits=0)} | {checks} |")
     lines.append("")
+    alone = record.get("router_cpu")
+    if alone:
+        lines += [f"Router alone (`router_cpu`, {alone['repeat']} runs each): CPU per token "
+                  f"streamed {alone['bare']['median']:.1f} µs "
+                  f"({alone['bare']['min']:.1f}-{alone['bare']['max']:.1f}) without the "
+                  f"journal, {alone['journal']['median']:.1f} µs "
+                  f"({alone['journal']['min']:.1f}-{alone['journal']['max']:.1f}) with it: "
+                  f"the journal costs the router {alone['journal_extra_us']:.1f} µs a token.",
+                  ""]
     paired = record.get("overheads", {})
     if paired:
         lines.append("Throughput cost against `bare` in the same repetition, median (min-max) "
@@ -287,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         # The fault-free twins outputs_match needs: run once per system and seed in this
         # bench run (never taken from, nor left in, the user's cache).
         os.environ["AFTERSHOCK_CACHE_DIR"] = str(folder / "cache")
+        alone = {**router_cpu(folder, repeat=7), "repeat": 7} if "durable" in rows else None
         for rep in range(args.repeat):
             for row in rows:
                 requests = (args.overhead_requests if row in (*OVERHEAD_ROWS, "bare")
@@ -306,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
               "duration_s": round(time.monotonic() - started, 1),
               "loadavg_start": loadavg_start, "loadavg_end": os.getloadavg(),
               "cpus": os.cpu_count(), "runs": runs, "summary": summary,
-              "overheads": paired, "verdicts": verdicts(summary, paired)}
+              "overheads": paired, "router_cpu": alone, "verdicts": verdicts(summary, paired)}
     args.out.mkdir(parents=True, exist_ok=True)
     stem = "serving" if not args.only and args.repeat >= 3 else "serving-partial"
     (args.out / f"{stem}.json").write_text(json.dumps(record, indent=1) + "\n")

@@ -133,3 +133,12 @@ def test_torchft_is_at_full_strength_when_all_ranks_commit_one_step_whatever_the
                for i in range(20, 30) for r in (2, 3)]
     events.sort(key=lambda e: e.t)
     assert round(full_strength(events, 1.0, torchft) or 0, 3) == 2.21
+
+
+def test_router_cpu_counts_every_token_with_and_without_the_journal(tmp_path) -> None:
+    from bench.serving import router_cpu
+
+    result = router_cpu(tmp_path, repeat=1)  # raises unless every token was streamed
+    assert result["bare"]["median"] > 0
+    assert result["journal"]["median"] > 0
+    assert result["journal_extra_us"] == result["journal"]["median"] - result["bare"]["median"]
