@@ -101,6 +101,7 @@ def scenario(row: str, requests: int, folder: Path) -> LoadedScenario:
 
 
 OVERHEAD_ROWS = ("durable", "journal", "checksums")  # each against `bare`
+OVERHEAD_TARGET = 0.05  # the target for durable against bare
 
 
 def measure(result: RunResult) -> dict[str, Any]:
@@ -255,13 +256,21 @@ def verdicts(summary: dict[str, dict[str, Any]],
 
     durable = (paired or {}).get("durable")
     overhead = durable["median"] if durable else None
+    # The pairs must resolve the target: when they spread over more than twice its margin
+    # (a repetition at +20% next to one at -5%), their median is noise, not a measurement,
+    # and the target is not shown met whatever the median says.
+    spread = durable["max"] - durable["min"] if durable else None
+    resolved = spread is not None and spread <= 2 * OVERHEAD_TARGET
     migrate, fail = med("migrate", "time_to_recover_s"), med("fail_stop", "time_to_recover_s")
     ratio = migrate / fail if migrate is not None and fail else None
     return [
         {"target": "journal + checksums cost <= 5% of fault-free throughput (median of the "
                    "paired repetitions)",
-         "value": overhead, "met": overhead is not None and overhead <= 0.05
-         and correct("durable") and correct("bare")},
+         "value": overhead, "met": overhead is not None and overhead <= OVERHEAD_TARGET
+         and resolved and correct("durable") and correct("bare"),
+         "note": None if spread is None or resolved else
+         f"not resolved: the repetitions spread over {spread:.0%}, more than "
+         f"{2 * OVERHEAD_TARGET:.0%}"},
         {"target": "time to recover <= 1/10 of fail-stop (every run's outputs checked)",
          "value": ratio, "met": ratio is not None and ratio <= 0.1 and correct("migrate")
          and correct("fail_stop")},
@@ -337,7 +346,8 @@ def markdown(record: dict[str, Any]) -> str:
         lines.append("")
     for v in record["verdicts"]:
         value = "-" if v["value"] is None else f"{v['value']:.3f}"
-        lines.append(f"- {v['target']}: {value} -> {'met' if v['met'] else 'NOT met'}")
+        note = f" ({v['note']})" if v.get("note") else ""
+        lines.append(f"- {v['target']}: {value} -> {'met' if v['met'] else 'NOT met'}{note}")
     return "\n".join(lines) + "\n"
 
 
