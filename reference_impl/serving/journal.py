@@ -21,20 +21,30 @@ Records:
   replays with unknown digests (empty strings);
 - ``{"r": "fin", "id", "reason": "length" | "error", "error"?}``.
 
-Durability, and why it is split this way: every record is one ``write(2)`` on an
-``O_APPEND`` descriptor (no user-space buffer), so once ``append`` returns the record
-is in the kernel and survives a crash of the router process itself, the common
-failure. ``fsync`` is batched (group commit): a background thread syncs at most every
-``fsync_interval`` seconds (50 ms by default) when something was written. A power
-loss can therefore lose the last ~50 ms of records. For tokens that is harmless by
-construction: greedy decoding is deterministic and batch-invariant, so a token lost
-from the journal is recomputed identically when its request is resumed, and a
-client that already saw it sees the same token again at the same index (its
-``offset`` skips it). For a request record it means an acknowledged request can be
-forgotten by a power loss; a client that re-POSTs its ``request_id`` then starts it
-again, with the same tokens. A per-record fsync costs a disk flush per token
-(milliseconds on real disks, see ``python -m reference_impl.serving.journal --bench``)
-to close only that window. Set ``fsync_interval=0`` for a sync per record.
+Durability, and why it is split this way: records reach the file through one writer
+thread, in the order they were posted (:meth:`Journal.post`, under the caller's lock, so
+the order is the order of the caller's decisions). The writer frames what piled up and
+writes it with one ``write(2)`` on an ``O_APPEND`` descriptor (no user-space buffer), then
+tells the caller which records are in the kernel (``on_written``): only then may the caller
+act on them (acknowledge a request, stream a token), so what a client saw survives a crash
+of the router process itself, the common failure. The caller never waits for the disk
+under its own lock: an append can wait milliseconds behind a running ``fsync`` (ext4
+holds a page under writeback), and the router appending under its lock used to hold up
+every token of every request for it. ``fsync`` is batched (group commit): a background
+thread syncs at most every ``fsync_interval`` seconds (50 ms by default) when something
+was written. A power loss can therefore lose the last ~50 ms of records. For tokens that
+is harmless by construction: greedy decoding is deterministic and batch-invariant, so a
+token lost from the journal is recomputed identically when its request is resumed, and a
+client that already saw it sees the same token again at the same index (its ``offset``
+skips it). For a request record it means an acknowledged request can be forgotten by a
+power loss; a client that re-POSTs its ``request_id`` then starts it again, with the same
+tokens. A per-record fsync costs a disk flush per token (milliseconds on real disks, see
+``python -m reference_impl.serving.journal --bench``) to close only that window. Set
+``fsync_interval=0`` to fsync every batch before ``on_written`` hears of it.
+
+:meth:`request`, :meth:`tokens`, :meth:`token_runs` and :meth:`finish` write at once, on
+the caller's thread (tools, tests, the bench); a journal has one writer at a time, so do
+not mix them with :meth:`post` on one journal.
 
 No compaction: the file grows with every token served. Fine for test runs and the
 reference server; a long-lived server would rotate it (finished requests need only
@@ -46,11 +56,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 import threading
 import time
+import traceback
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -87,16 +99,47 @@ class JournalStats:
     fsyncs: int
     write_s: float  # time spent in write(2), all records
     fsync_s: float  # time spent in fsync, all batches
+    writes: int  # write(2) calls: records / writes is how many records a batch held
+    write_max_s: float  # the longest write (one waiting behind an fsync shows here)
 
     def as_dict(self) -> dict[str, float | int | str]:
         return {
             "path": self.path,
             "records": self.records,
             "bytes": self.bytes,
+            "writes": self.writes,
             "fsyncs": self.fsyncs,
             "write_s": round(self.write_s, 6),
+            "write_max_s": round(self.write_max_s, 6),
             "fsync_s": round(self.fsync_s, 6),
         }
+
+
+def request_record(request_id: str, prompt: Sequence[int], max_tokens: int
+                   ) -> dict[str, object]:
+    return {"r": "req", "id": request_id, "prompt": list(prompt), "max_tokens": max_tokens}
+
+
+def tokens_record(request_id: str, start: int, tokens: Sequence[int],
+                  digests: Sequence[str]) -> dict[str, object]:
+    return {"r": "tok", "id": request_id, "i": start, "t": list(tokens), "d": list(digests)}
+
+
+def token_runs_record(runs: Sequence[tuple[str, int, Sequence[int], Sequence[str]]]
+                      ) -> dict[str, object]:
+    """One record for several runs (one per request of an engine step); a single run is a
+    plain ``tok`` record."""
+    if len(runs) == 1:
+        return tokens_record(*runs[0])
+    return {"r": "toks", "runs": [[r, i, list(t), list(d)] for r, i, t, d in runs]}
+
+
+def finish_record(request_id: str, error: str | None = None) -> dict[str, object]:
+    record: dict[str, object] = {"r": "fin", "id": request_id,
+                                 "reason": "error" if error else "length"}
+    if error:
+        record["error"] = error
+    return record
 
 
 def _frame(record: dict[str, object]) -> bytes:
@@ -180,17 +223,25 @@ class Journal:
         self.path = str(path)
         self.fsync_interval = fsync_interval
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        self._lock = threading.Lock()  # appends (and the fd's life)
+        self._lock = threading.Lock()  # writes (and the fd's life)
         self._sync_lock = threading.Lock()  # a batched fsync: never blocks an append
+        self._count_lock = threading.Lock()  # the counters: stats() never waits for a write
         self._dirty = threading.Event()
         self._closed = False
-        self._records = self._bytes = self._fsyncs = 0
-        self._write_s = self._fsync_s = 0.0
+        self._records = self._bytes = self._fsyncs = self._writes = 0
+        self._write_s = self._fsync_s = self._write_max_s = 0.0
         self._syncer: threading.Thread | None = None
         if fsync_interval > 0:
             self._syncer = threading.Thread(target=self._sync_loop, name="journal-fsync",
                                             daemon=True)
             self._syncer.start()
+        # The writer thread (started by the first `listen`): records posted, not yet written.
+        self._queue: list[tuple[dict[str, object], object]] = []
+        self._posted = threading.Condition()
+        self._on_written: Callable[[list[object]], None] | None = None
+        self._writer: threading.Thread | None = None
+        self._stop_writer = False
+        self.failed: OSError | None = None  # a write failed: nothing posted is written any more
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], *,
@@ -201,58 +252,118 @@ class Journal:
             os.truncate(path, found.valid_bytes)
         return cls(path, fsync_interval=fsync_interval), found
 
-    # -- records
+    # -- records, written at once on the caller's thread
     def request(self, request_id: str, prompt: Sequence[int], max_tokens: int) -> None:
-        self._append({"r": "req", "id": request_id, "prompt": list(prompt),
-                      "max_tokens": max_tokens})
+        self._append(request_record(request_id, prompt, max_tokens))
 
     def tokens(self, request_id: str, start: int, tokens: Sequence[int],
                digests: Sequence[str]) -> None:
         """Tokens ``start``.. of a request, with the logits digest of each."""
-        self._append({"r": "tok", "id": request_id, "i": start, "t": list(tokens),
-                      "d": list(digests)})
+        self._append(tokens_record(request_id, start, tokens, digests))
 
     def token_runs(self, runs: Sequence[tuple[str, int, Sequence[int], Sequence[str]]]
                    ) -> None:
         """Several ``(request_id, start, tokens, digests)`` runs in one record (one write)."""
-        if len(runs) == 1:
-            self.tokens(*runs[0])
-        elif runs:
-            self._append({"r": "toks", "runs": [[r, i, list(t), list(d)]
-                                                for r, i, t, d in runs]})
+        if runs:
+            self._append(token_runs_record(runs))
 
     def finish(self, request_id: str, error: str | None = None) -> None:
-        record: dict[str, object] = {"r": "fin", "id": request_id,
-                                     "reason": "error" if error else "length"}
-        if error:
-            record["error"] = error
-        self._append(record)
+        self._append(finish_record(request_id, error))
 
     def _append(self, record: dict[str, object]) -> None:
-        line = _frame(record)
+        self._write([_frame(record)])
+
+    def _write(self, lines: list[bytes]) -> None:
+        """Whole lines, in one write(2) (more only if the kernel takes part of it)."""
+        data = b"".join(lines)
         with self._lock:
             if self._closed:
                 raise ValueError("journal is closed")
             began = time.perf_counter()
-            os.write(self._fd, line)  # one write(2): the record is whole or torn, never mixed
-            self._write_s += time.perf_counter() - began
-            self._records += 1
-            self._bytes += len(line)
+            view, writes = memoryview(data), 0
+            while view:
+                view = view[os.write(self._fd, view):]
+                writes += 1
+            took = time.perf_counter() - began
             if self.fsync_interval <= 0:
                 self._fsync_locked()
+        with self._count_lock:
+            self._write_s += took
+            self._write_max_s = max(self._write_max_s, took)
+            self._writes += writes
+            self._records += len(lines)
+            self._bytes += len(data)
         self._dirty.set()
+
+    # -- records through the writer thread
+    def listen(self, on_written: Callable[[list[object]], None]) -> None:
+        """Write posted records on a thread of the journal's own; after each batch is in the
+        kernel (and on disk, with ``fsync_interval=0``) call ``on_written`` with the marks of
+        its records, in the order they were posted. ``on_written`` runs on the writer
+        thread and may take the caller's lock: post under that lock (posting never waits),
+        but never :meth:`close` under it."""
+        with self._posted:
+            if self._writer is not None:
+                raise RuntimeError("the journal already has a listener")
+            self._on_written = on_written
+            self._writer = threading.Thread(target=self._write_loop, name="journal-writer",
+                                            daemon=True)
+            self._writer.start()
+
+    def post(self, record: dict[str, object], mark: object) -> None:
+        """Queue ``record`` for the writer; never waits for the disk. ``mark`` comes back
+        through ``on_written`` once the record is written."""
+        with self._posted:
+            if self.failed is not None:
+                raise self.failed
+            if self._writer is None or self._stop_writer:
+                raise ValueError("the journal has no writer (listen first) or is closing")
+            self._queue.append((record, mark))
+            self._posted.notify()
+
+    def _write_loop(self) -> None:
+        assert self._on_written is not None
+        while True:
+            with self._posted:
+                while not self._queue and not self._stop_writer:
+                    self._posted.wait()
+                batch, self._queue = self._queue, []
+                if not batch:
+                    return  # stopping, and everything posted is written
+            try:  # framing here, not in post: the JSON and CRC stay off the caller's lock
+                self._write([_frame(record) for record, _ in batch])
+            except OSError as exc:
+                self.failed = exc
+                print(f"[journal] write failed, nothing more is written: {exc}",
+                      file=sys.stderr, flush=True)
+                return
+            try:
+                self._on_written([mark for _, mark in batch])
+            except Exception:  # a listener bug must not stop the journal
+                traceback.print_exc()
+
+    def _stop_writing(self) -> None:
+        """Write what was posted, then end the writer thread."""
+        with self._posted:
+            self._stop_writer = True
+            self._posted.notify()
+            writer = self._writer
+        if writer is not None and writer is not threading.current_thread():
+            writer.join(timeout=10.0)
 
     # -- durability
     def _fsync_locked(self) -> None:
         began = time.perf_counter()
         os.fsync(self._fd)
-        self._fsync_s += time.perf_counter() - began
-        self._fsyncs += 1
+        took = time.perf_counter() - began
+        with self._count_lock:
+            self._fsync_s += took
+            self._fsyncs += 1
 
     def sync(self) -> None:
         """fsync now. Appends go on meanwhile: fsync(2) and write(2) on one descriptor may
-        run at the same time, and the router appends under its own lock, so an fsync held
-        under the append lock would stall every token behind a disk flush."""
+        run at the same time, so an fsync held under the write lock would stall every record
+        behind a disk flush."""
         with self._sync_lock:
             if self._closed:
                 return
@@ -268,11 +379,14 @@ class Journal:
             self.sync()
 
     def stats(self) -> JournalStats:
-        with self._lock:
+        with self._count_lock:
             return JournalStats(self.path, self._records, self._bytes, self._fsyncs,
-                                self._write_s, self._fsync_s)
+                                self._write_s, self._fsync_s, self._writes,
+                                self._write_max_s)
 
     def close(self) -> None:
+        """Write what was posted, fsync, close."""
+        self._stop_writing()
         with self._sync_lock, self._lock:
             if self._closed:
                 return
@@ -302,6 +416,59 @@ def bench(folder: str, *, records: int = 5000) -> dict[str, float]:
     return result
 
 
+def _percentiles(values: list[float]) -> dict[str, float]:
+    ordered = sorted(values)
+    return {"p50_us": round(ordered[len(ordered) // 2] * 1e6, 1),
+            "p99_us": round(ordered[min(len(ordered) - 1, len(ordered) * 99 // 100)] * 1e6, 1),
+            "max_us": round(ordered[-1] * 1e6, 1)}
+
+
+def stall_bench(folder: str, *, seconds: float = 4.0, every: float = 0.002
+                ) -> dict[str, dict[str, float]]:
+    """What an appender waits for, with the batched fsync running: a token record (8
+    tokens) every ``every`` seconds for ``seconds``, written on the caller's thread
+    (``append``: what the router's lock was held for) or posted to the writer thread
+    (``post``: what it is held for now; ``post_to_written``: post -> ``on_written``, the
+    extra time before a stream may show the record). Microseconds."""
+    tokens, digests = list(range(8)), ["0123456789abcdef"] * 8
+    result: dict[str, dict[str, float]] = {}
+    for mode in ("append", "post"):
+        path = Path(folder) / f"stall-{mode}.wal"
+        journal = Journal(path)
+        posted: dict[int, float] = {}
+        visible: list[float] = []
+
+        def written(marks: list[object], posted: dict[int, float] = posted,
+                    visible: list[float] = visible) -> None:
+            now = time.perf_counter()
+            visible.extend(now - posted[m] for m in marks if isinstance(m, int))
+
+        if mode == "post":
+            journal.listen(written)
+        waits: list[float] = []
+        deadline = time.perf_counter() + seconds
+        n = 0
+        while time.perf_counter() < deadline:
+            record = tokens_record("cmpl-bench-000000", n * 8, tokens, digests)
+            began = time.perf_counter()
+            if mode == "post":
+                posted[n] = began
+                journal.post(record, n)
+            else:
+                journal._append(record)
+            waits.append(time.perf_counter() - began)
+            n += 1
+            time.sleep(every)
+        stats = journal.stats()
+        journal.close()
+        path.unlink()
+        result[mode] = {**_percentiles(waits), "records": n, "fsyncs": stats.fsyncs,
+                        "write_max_us": round(stats.write_max_s * 1e6, 1)}
+        if visible:
+            result["post_to_written"] = _percentiles(visible)
+    return result
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bench", action="store_true", help="measure the cost of a record")
@@ -311,6 +478,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.bench:
         with tempfile.TemporaryDirectory(dir=args.dir) as folder:
             print(json.dumps(bench(folder)))
+            print(json.dumps(stall_bench(folder)))
         return
     if not args.path:
         parser.error("give a journal PATH or --bench")

@@ -76,9 +76,14 @@ tokens count; ``_move_locked``: what happens to a failed worker's request; ``_re
 what a restarted router resumes). Deliberately broken variants of them, which show the
 harness's checks failing, live in the tests (``tests/serving/broken/``), never here.
 
-The journal (``journal.py``): a request is journaled before it is accepted, tokens before
-they are visible to any stream; see there for fsync. A router started on an existing
-journal serves finished requests from it and resumes unfinished ones.
+The journal (``journal.py``): a request is journaled before it is acknowledged, tokens and
+a request's end before any stream sees them; see there for fsync. Records are posted under
+the router's lock (so they reach the file in the order of the decisions) and written by the
+journal's own thread, never under the lock: a write that waits for the disk holds up no
+heartbeat, no other worker's tokens and no new request, only the visibility of what it
+carries. A request's log holds every accepted token at once (migration re-sends them);
+``shown`` says how many of them are written and so streamable. A router started on an
+existing journal serves finished requests from it and resumes unfinished ones.
 
 Standard library only (plus the probe): the router starts in milliseconds and never
 imports torch. Tokens are bytes, exactly as ``model.encode`` / ``model.decode``.
@@ -100,7 +105,13 @@ from typing import Any
 
 from harness import probe
 from reference_impl.serving import _wire
-from reference_impl.serving.journal import Journal, Replay
+from reference_impl.serving.journal import (
+    Journal,
+    Replay,
+    finish_record,
+    request_record,
+    token_runs_record,
+)
 
 RECOVERIES = ("migrate", "fail_stop")
 AFFINITY_KEYS = 4096  # prefixes remembered for affinity; more than any worker's cache holds
@@ -175,6 +186,10 @@ class _Request:
         self.expected = 0  # the next token index this request accepts
         self.finished = False
         self.error: str | None = None
+        # What the journal holds of it, so what clients may see (durable before visible):
+        self.recorded = False  # its `req` record: the request may be acknowledged
+        self.shown = 0  # entries of `log` written: streams send these
+        self.over = False  # its `fin` record: streams may end
         self.worker: int | None = None  # assigned worker index (None: pending)
         self.link: _Link | None = None  # the link of that assignment
         self.epoch = 0  # of the current assignment; 0 = none
@@ -230,6 +245,12 @@ class _Link:
         with self._wake:
             self._out.append(None)
             self._wake.notify()
+
+
+# A record's mark (``Journal.post``): what the router may show once the record is written:
+# (request, "req", 0) it may be acknowledged, (request, "tok", n) the first n entries of its
+# log may be streamed, (request, "fin", 0) its streams may end.
+_Mark = tuple[_Request, str, int]
 
 
 @dataclass
@@ -297,10 +318,39 @@ class Router:
         self._resume_latency: list[float] = []  # migration -> first token accepted, seconds
         self._stopping = False
         self.ready = threading.Event()  # every worker said hello once
+        self._cpu_at_ready = 0.0  # process CPU time when it was: serving, not start-up
         self._listener: socket.socket | None = None
         self._threads: list[threading.Thread] = []
+        if journal is not None:
+            journal.listen(self._written)
         if replayed is not None:
             self._restore(replayed)
+
+    # ------------------------------------------------------------------ journal
+    def _record_locked(self, record: dict[str, object], marks: list[_Mark]) -> None:
+        """Journal ``record``; what its ``marks`` allow is shown once it is written."""
+        if self.journal is None:
+            self._show_locked(marks)
+        else:
+            self.journal.post(record, marks)
+
+    def _written(self, posted: list[object]) -> None:
+        """The journal wrote these records (its writer thread): each one's list of marks."""
+        marks: list[_Mark] = []
+        for each in posted:
+            marks.extend(each)  # type: ignore[arg-type]
+        with self._lock:
+            self._show_locked(marks)
+
+    def _show_locked(self, marks: list[_Mark]) -> None:
+        for request, kind, shown in marks:
+            if kind == "tok":
+                request.shown = max(request.shown, shown)
+            elif kind == "fin":
+                request.over = True
+            else:
+                request.recorded = True
+            request.changed.notify_all()
 
     # ------------------------------------------------------------------ journal replay
     def _restore(self, replayed: Replay) -> None:
@@ -311,12 +361,13 @@ class Router:
             request.expected = len(old.tokens)
             request.finished = old.finished or len(old.tokens) >= old.max_tokens
             request.error = old.error
+            request.recorded, request.shown, request.over = True, len(request.log), old.finished
             self._requests[request.id] = request
             if not request.finished:
                 self._pending.append(request.id)
                 self._counters["resumed_from_journal"] += 1
-            elif not old.finished and self.journal is not None:
-                self.journal.finish(request.id)  # all tokens were there, only `fin` was torn
+            elif not old.finished:  # all tokens were there, only `fin` was torn
+                self._record_locked(finish_record(request.id), [(request, "fin", 0)])
         if replayed.requests:
             _log(f"journal: {len(replayed.requests)} requests, "
                  f"{self._counters['resumed_from_journal']} to resume, "
@@ -425,6 +476,8 @@ class Router:
                  f"{hello.generation}, link {link.id})")
             self._assign_pending_locked()
             if all(s.ever_ready or s.state == "drained" for s in self._slots):
+                if not self.ready.is_set():
+                    self._cpu_at_ready = time.process_time()
                 self.ready.set()
             self._check_full_strength_locked()
 
@@ -474,24 +527,31 @@ class Router:
                     continue
                 request.expected = index + 1
                 accepted.setdefault(request_id, []).append((index, token, digest, finished))
-            if self.journal is not None and accepted:  # journaled before any stream sees them
-                self.journal.token_runs([(rid, items[0][0], [t for _, t, _, _ in items],
-                                          [d for _, _, d, _ in items])
-                                         for rid, items in accepted.items()])
+            if not accepted:
+                return
+            # One record for the step, posted before any `fin` it causes; streams see the
+            # tokens once it is written (_show_locked), a migration right away (the log).
+            record = token_runs_record([(rid, items[0][0], [t for _, t, _, _ in items],
+                                         [d for _, _, d, _ in items])
+                                        for rid, items in accepted.items()]
+                                       ) if self.journal is not None else {}
+            marks: list[_Mark] = []
+            done: list[_Request] = []
             for request_id, items in accepted.items():
                 request = self._requests[request_id]
                 if request.moved_at is not None:
                     self._resume_latency.append(now - request.moved_at)
                     request.moved_at = None
                 request.log.extend((index, token, digest) for index, token, digest, _ in items)
-                done = (any(f for _, _, _, f in items)
-                        or request.expected >= request.max_tokens)
-                if done:
-                    if request.worker is not None:
-                        self._slots[request.worker].requests.discard(request_id)
-                    self._finish_locked(request)
-                else:
-                    request.changed.notify_all()
+                marks.append((request, "tok", len(request.log)))
+                if (any(f for _, _, _, f in items)
+                        or request.expected >= request.max_tokens):
+                    done.append(request)
+            self._record_locked(record, marks)
+            for request in done:
+                if request.worker is not None:
+                    self._slots[request.worker].requests.discard(request.id)
+                self._finish_locked(request)
 
     def _link_ended(self, link: _Link) -> None:
         with self._lock:
@@ -702,61 +762,80 @@ class Router:
     def _finish_locked(self, request: _Request, error: str | None = None) -> None:
         if request.finished:
             return
-        if self.journal is not None:
-            self.journal.finish(request.id, error)
         request.finished, request.error = True, error
         if error is not None:
             self._counters["failed_requests"] += 1
-        request.changed.notify_all()
+        self._record_locked(finish_record(request.id, error), [(request, "fin", 0)])
 
     # ------------------------------------------------------------------ the API
     def submit(self, request_id: str | None, prompt: str, max_tokens: int) -> _Request:
         """Accept a request (journaled first), or return the known one with this id."""
         tokens = tuple(encode(prompt))
         with self._lock:
-            if request_id is not None and request_id in self._requests:
-                known = self._requests[request_id]
-                if known.prompt != tokens:
-                    raise ApiError(409, f"request_id {request_id!r} is known with another "
-                                   "prompt", "prompt")
-                if known.max_tokens != max_tokens:
-                    raise ApiError(409, f"request_id {request_id!r} is known with max_tokens "
-                                   f"{known.max_tokens}, not {max_tokens}", "max_tokens")
-                if known.error is None:
-                    return known  # running or done: never a second generation
-            if self._stopping:
-                raise ApiError(503, "the server is shutting down", kind="unavailable")
-            if not self._healthy_locked():
-                raise ApiError(503, "no worker is ready", kind="unavailable")
-            if not tokens:
-                raise ApiError(400, "prompt must not be empty", "prompt")
-            limit = self._max_seq or 0
-            if len(tokens) + max_tokens > limit:
-                raise ApiError(400, f"prompt ({len(tokens)} tokens) + max_tokens "
-                               f"({max_tokens}) exceeds the model's {limit} positions",
-                               "max_tokens")
-            request_id = request_id or f"cmpl-{uuid.uuid4().hex}"
-            if self.journal is not None:
-                self.journal.request(request_id, tokens, max_tokens)  # before it is accepted
-            retry = self._requests.get(request_id)
-            request = _Request(request_id, tokens, max_tokens, self._lock)
-            self._requests[request_id] = request
-            self._counters["retried" if retry is not None else "accepted"] += 1
-            if retry is not None:  # streams still reading the errored one get its end
-                retry.changed.notify_all()
-            self._assign_locked(request)
-            return request
+            request = self._accept_locked(request_id, tokens, max_tokens)
+        return self._recorded(request)
+
+    def _accept_locked(self, request_id: str | None, tokens: tuple[int, ...],
+                       max_tokens: int) -> _Request:
+        """A new request (posted to the journal and assigned), or the known one."""
+        if request_id is not None and request_id in self._requests:
+            known = self._requests[request_id]
+            if known.prompt != tokens:
+                raise ApiError(409, f"request_id {request_id!r} is known with another "
+                               "prompt", "prompt")
+            if known.max_tokens != max_tokens:
+                raise ApiError(409, f"request_id {request_id!r} is known with max_tokens "
+                               f"{known.max_tokens}, not {max_tokens}", "max_tokens")
+            if known.error is None:
+                return known  # running or done: never a second generation
+        if self._stopping:
+            raise ApiError(503, "the server is shutting down", kind="unavailable")
+        if not self._healthy_locked():
+            raise ApiError(503, "no worker is ready", kind="unavailable")
+        if not tokens:
+            raise ApiError(400, "prompt must not be empty", "prompt")
+        limit = self._max_seq or 0
+        if len(tokens) + max_tokens > limit:
+            raise ApiError(400, f"prompt ({len(tokens)} tokens) + max_tokens "
+                           f"({max_tokens}) exceeds the model's {limit} positions",
+                           "max_tokens")
+        request_id = request_id or f"cmpl-{uuid.uuid4().hex}"
+        retry = self._requests.get(request_id)
+        request = _Request(request_id, tokens, max_tokens, self._lock)
+        # Acknowledged (submit returns) only once written; its worker may start at once:
+        # its tokens are posted after this record, so none is shown before it.
+        self._record_locked(request_record(request_id, tokens, max_tokens),
+                            [(request, "req", 0)])
+        self._requests[request_id] = request
+        self._counters["retried" if retry is not None else "accepted"] += 1
+        if retry is not None:  # streams still reading the errored one get its end
+            retry.changed.notify_all()
+        self._assign_locked(request)
+        return request
+
+    def _recorded(self, request: _Request) -> _Request:
+        """``request`` once the journal holds it (what a client is told it may rely on)."""
+        with self._lock:
+            while not request.recorded:
+                if self._stopping:
+                    raise ApiError(503, "the server is shutting down", kind="unavailable")
+                if self.journal is not None and self.journal.failed is not None:
+                    raise ApiError(503, f"the journal failed: {self.journal.failed}",
+                                   kind="unavailable")
+                request.changed.wait(timeout=0.5)
+        return request
 
     def stream(self, request: _Request, offset: int = 0) -> Iterator[Chunk | End]:
         """The request's tokens from position ``offset``, live, then its End."""
         position = offset
         while True:
             with self._lock:
-                while (position >= len(request.log) and not request.finished
+                # Only what the journal holds: `shown` tokens, and the end once `over`.
+                while (position >= request.shown and not request.over
                        and not self._stopping):
                     request.changed.wait(timeout=1.0)
-                chunk = request.log[position:]
-                done, error = request.finished, request.error
+                chunk = request.log[position:request.shown]
+                done, error = request.over and request.shown >= len(request.log), request.error
                 if self._stopping and not done:
                     done, error = True, "the server is shutting down"
             for n, (index, token, digest) in enumerate(chunk):
@@ -818,6 +897,9 @@ class Router:
                     "max": round(latency[-1], 4) if latency else None,
                 },
                 "engine": engine,
+                # CPU of the router process (all its threads: HTTP, links, journal) since
+                # every worker was ready: what serving cost it, without its start-up
+                "router_cpu_ms": round((time.process_time() - self._cpu_at_ready) * 1e3),
                 "journal": ({"enabled": True, **self.journal.stats().as_dict()}
                             if self.journal is not None else {"enabled": False}),
             }

@@ -76,6 +76,7 @@ class Worker:
         self.steps = 0
         self.busy = False
         self.stats: dict[str, float] = {}
+        self._cpu_at_hello = time.process_time()  # reset at hello: serving, not start-up
         self._send_lock = threading.Lock()
         self._sock: socket.socket | None = None
 
@@ -133,6 +134,7 @@ class Worker:
         beater = threading.Thread(target=self._beat, args=(lost,), daemon=True,
                                   name="heartbeat")
         try:
+            self._cpu_at_hello = time.process_time()
             self.send(_wire.Hello(self.index, self.args.generation, os.getpid(),
                                   self.engine.model_id, self.args.block_size,
                                   self.model.max_seq))
@@ -212,6 +214,7 @@ class Worker:
                     del self.epochs[out.request_id]
             stats = engine.stats()
             self.stats = {name: getattr(stats, name, 0) for name in _wire.ENGINE_COUNTERS}
+            self.stats["cpu_ms"] = round((time.process_time() - self._cpu_at_hello) * 1e3)
             self.busy = bool(self.epochs)
             if items:
                 self.send(_wire.Outputs(tuple(items)))

@@ -12,7 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from reference_impl.serving.journal import Journal, bench, replay
+from reference_impl.serving.journal import (
+    Journal,
+    bench,
+    finish_record,
+    replay,
+    request_record,
+    stall_bench,
+    tokens_record,
+)
 from reference_impl.serving.router import (
     ApiError,
     Chunk,
@@ -205,3 +213,42 @@ def test_bench_measures_something(tmp_path: Path) -> None:
     assert all(v > 0 for v in result.values())
     assert not os.listdir(tmp_path)
     json.dumps(result)
+
+
+def test_posted_records_are_written_in_order_and_then_reported(tmp_path: Path) -> None:
+    """The writer thread keeps the order of the posts (a replay needs a request's records in
+    order), reports each mark only once its record is in the file, and close() writes what
+    was still queued."""
+    path = tmp_path / "j.wal"
+    journal = Journal(path)
+    reported: list[object] = []
+
+    def written(marks: list[object]) -> None:
+        on_disk = replay(path)
+        for mark in marks:  # each reported record is already in the file
+            assert on_disk.records > int(str(mark)), mark
+        reported.extend(marks)
+
+    journal.listen(written)
+    journal.post(request_record("a", [1, 2], 40), 0)
+    for i in range(40):
+        journal.post(tokens_record("a", i, [i], [f"d{i}"]), i + 1)
+    journal.post(finish_record("a"), 41)
+    journal.close()
+    assert reported == list(range(42))
+    found = replay(path)
+    assert found.records == 42
+    assert found.requests["a"].tokens == list(range(40))
+    assert found.requests["a"].finished
+    stats = journal.stats()
+    assert stats.records == 42
+    assert 1 <= stats.writes <= 42  # batches: one write(2) for what piled up
+
+
+def test_stall_bench_measures_both_ways(tmp_path: Path) -> None:
+    result = stall_bench(str(tmp_path), seconds=0.2)
+    assert set(result) == {"append", "post", "post_to_written"}
+    assert all(r["p50_us"] > 0 and r["max_us"] >= r["p99_us"] >= r["p50_us"]
+               for r in result.values())
+    assert result["post"]["records"] > 10
+    assert not os.listdir(tmp_path)

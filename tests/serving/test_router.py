@@ -11,7 +11,10 @@ proven broken here.
 from __future__ import annotations
 
 import importlib.util
+import os
 import socket
+import threading
+import time
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +22,8 @@ from pathlib import Path
 import pytest
 
 from reference_impl.serving import _wire
-from reference_impl.serving.journal import Journal
+from reference_impl.serving import journal as journal_module
+from reference_impl.serving.journal import Journal, replay
 from reference_impl.serving.router import Chunk, End, Router, RouterConfig, _Link, _Request
 
 pytestmark = pytest.mark.timeout(30)
@@ -263,3 +267,154 @@ def test_a_replacement_waits_for_the_moved_requests_but_not_for_ever() -> None:
     assert not keeper._held(0, 100.5)  # the moved requests stream again: start it now
     router.resuming_now = True
     assert not keeper._held(0, 100.0 + server.RESPAWN_HOLD_S)  # held long enough: start it
+
+
+# -- the journal off the router's lock: durable before visible ----------------------------------
+
+
+class HeldWrites:
+    """``os`` for the journal module, with its write(2) calls held while ``gate`` is clear:
+    a disk that stalls (an append waiting for the batched fsync) at a moment the test picks."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.gate.set()
+        self.waiting = threading.Event()  # a write is being held
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(os, name)
+
+    def write(self, fd: int, data: bytes) -> int:
+        if not self.gate.is_set():
+            self.waiting.set()
+            assert self.gate.wait(10), "the test never let the write through"
+        return os.write(fd, data)
+
+
+@pytest.fixture
+def held(monkeypatch: pytest.MonkeyPatch) -> HeldWrites:
+    writes = HeldWrites()
+    monkeypatch.setattr(journal_module, "os", writes)
+    return writes
+
+
+class ShownBeforeWritten(Router):
+    """Test-only broken variant: tokens and ends are streamable once queued for the journal,
+    not once written (a router crash then loses tokens a client already saw)."""
+
+    def _record_locked(self, record: dict[str, object], marks: list) -> None:  # type: ignore[type-arg]
+        self._show_locked(marks)
+        super()._record_locked(record, marks)
+
+
+def _collect(router: Router, request: _Request, into: list[Chunk | End],
+             path: Path) -> threading.Thread:
+    """Stream ``request`` on a thread; each item also records whether the journal held it
+    when it was streamed."""
+
+    def run() -> None:
+        for item in router.stream(request):
+            held_now = replay(path).requests[request.id]
+            on_disk = (held_now.finished if isinstance(item, End)
+                       else len(held_now.tokens) > item.index)
+            into.append(item)
+            durable.append(on_disk)
+
+    durable: list[bool] = []
+    thread = threading.Thread(target=run, daemon=True)
+    thread.durable = durable  # type: ignore[attr-defined]
+    thread.start()
+    return thread
+
+
+def test_a_stalled_journal_write_holds_up_no_other_decision(tmp_path: Path, workers,
+                                                             held: HeldWrites) -> None:
+    """An append that waits for the disk must not stall heartbeats, other workers' tokens
+    or new requests: the router's lock is free while a record is being written."""
+    journal = Journal(tmp_path / "j.wal")
+    try:
+        router = start(Router, workers, journal)
+        request = router.submit("r", PROMPT, 6)
+        worker = next(w for w in workers if w.index == request.worker)
+        add = worker.add()
+        held.gate.clear()
+        sender = threading.Thread(target=worker.tokens, args=(router, add, 0, 3), daemon=True)
+        sender.start()
+        assert held.waiting.wait(5)
+        free = router._lock.acquire(timeout=1.0)
+        if free:
+            router._lock.release()
+        held.gate.set()
+        sender.join(5)
+        assert free, "the router's lock was held across a journal write"
+    finally:
+        held.gate.set()
+        journal.close()
+
+
+@pytest.mark.parametrize("cls", [Router, ShownBeforeWritten])
+def test_a_token_is_streamed_only_once_its_record_is_written(tmp_path: Path, workers,
+                                                             held: HeldWrites,
+                                                             cls: type[Router]) -> None:
+    """The journal's promise: a client never sees a token (or an end) the journal lacks,
+    so a router crash loses nothing a client saw. Writes held: nothing new is streamed."""
+    path = tmp_path / "j.wal"
+    journal = Journal(path)
+    try:
+        router = start(cls, workers, journal)
+        request = router.submit("r", PROMPT, 6)
+        worker = next(w for w in workers if w.index == request.worker)
+        add = worker.add()
+        worker.tokens(router, add, 0, 2)
+        seen: list[Chunk | End] = []
+        reader = _collect(router, request, seen, path)
+        deadline = time.monotonic() + 5
+        while len(seen) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        held.gate.clear()
+        sender = threading.Thread(target=worker.tokens, args=(router, add, 2, 4), daemon=True)
+        sender.start()  # tokens 2..5, the last one ends the request
+        assert held.waiting.wait(5)
+        # The correct router shows nothing while the write is held (0.3 s of nothing); the
+        # broken one shows all of it, given the time a loaded machine may take.
+        deadline = time.monotonic() + (0.3 if cls is Router else 5)
+        while len(seen) < 7 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        early = list(seen)
+        held.gate.set()
+        sender.join(5)
+        reader.join(5)
+        assert [c.index for c in seen if isinstance(c, Chunk)] == list(range(6))
+        assert isinstance(seen[-1], End)
+        if cls is Router:
+            assert [c.index for c in early if isinstance(c, Chunk)] == [0, 1]
+            assert all(reader.durable)  # type: ignore[attr-defined]
+        else:  # streamed while their record was still waiting for the disk
+            assert [c.index for c in early if isinstance(c, Chunk)] == list(range(6))
+            assert not all(reader.durable)  # type: ignore[attr-defined]
+    finally:
+        held.gate.set()
+        journal.close()
+
+
+def test_a_request_is_acknowledged_only_once_its_record_is_written(tmp_path: Path, workers,
+                                                                   held: HeldWrites) -> None:
+    path = tmp_path / "j.wal"
+    journal = Journal(path)
+    try:
+        router = start(Router, workers, journal)
+        held.gate.clear()
+        accepted: list[_Request] = []
+        client = threading.Thread(target=lambda: accepted.append(router.submit("r", PROMPT, 6)),
+                                  daemon=True)
+        client.start()
+        assert held.waiting.wait(5)
+        time.sleep(0.2)
+        assert not accepted  # the client has no answer while its request is not journaled
+        held.gate.set()
+        client.join(5)
+        assert accepted
+        assert "r" in replay(path).requests
+    finally:
+        held.gate.set()
+        journal.close()
