@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv demo test test-fast test-scenarios test-explore fuzz lint typecheck docs bench clean docker-engine
+.PHONY: venv demo test test-fast test-scenarios test-explore torchft fuzz lint typecheck docs bench clean docker-engine
 
 venv: $(STAMP)
 
@@ -27,8 +27,15 @@ test: venv
 	$(PY) -m pytest -m "not scenarios and not explore"
 
 # Every shipped scenario, through the CLI and the pytest plugin, with its timeline evidence.
-test-scenarios: venv
+# The scenario sweep runs examples/torchft_ddp too, so it installs torchft first.
+test-scenarios: torchft
 	$(PY) -m pytest -m scenarios
+
+# torchft 0.2.0 without its dependencies, so it cannot pull a CUDA build of torch over the
+# pinned CPU one; the OpenTelemetry packages it imports are installed by name.
+torchft: venv
+	$(PY) -m pip install --quiet --no-deps torchft==0.2.0
+	$(PY) -m pip install --quiet opentelemetry-api opentelemetry-sdk opentelemetry-exporter-otlp-proto-http
 
 # A Docker engine for the node scenarios (docs/nodes.md): installs docker.io if missing, starts
 # dockerd (no iptables, no default bridge), waits for it and builds the nodes' base image. As
@@ -62,11 +69,8 @@ docs: venv
 	$(PY) -m faults.catalogue docs/faults.md
 
 # Side-by-side benchmarks (docs/benchmarks.md, docs/serving.md), then what `aftershock run` costs
-# beyond the job itself on a shipped scenario (bench/harness_overhead.py). torchft is installed without its
-# dependencies so it cannot pull a CUDA build of torch over the pinned CPU one.
-bench: venv
-	$(PY) -m pip install --quiet --no-deps torchft==0.2.0
-	$(PY) -m pip install --quiet opentelemetry-api opentelemetry-sdk opentelemetry-exporter-otlp-proto-http
+# beyond the job itself on a shipped scenario (bench/harness_overhead.py).
+bench: torchft
 	$(PY) -m bench
 	$(PY) -m bench.serving
 	$(PY) -m bench.harness_overhead

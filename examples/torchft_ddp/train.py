@@ -54,8 +54,11 @@ def main() -> None:
         loss = F.mse_loss(ddp(x), x.sum(dim=1, keepdim=True))
         loss.backward()
         optimizer.step()  # commits only if the quorum's allreduce succeeded
-        print(f"[replica {REPLICA_GROUP_ID}] step {manager.current_step()} loss "
-              f"{loss.item():.5f} t={time.monotonic():.6f}", flush=True)
+        # The quorum names the world that committed the step: torchrun's restart count is
+        # per replica group, so only the quorum id says two groups trained together.
+        print(f"[replica {REPLICA_GROUP_ID}] step {manager.current_step()} quorum "
+              f"{manager._quorum_id} loss {loss.item():.5f} t={time.monotonic():.6f}",
+              flush=True)
         time.sleep(STEP_SLEEP)
 
 
