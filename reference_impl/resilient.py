@@ -526,6 +526,7 @@ class Worker:
 
     def finish(self, g: Groups) -> None:
         assert self.model is not None
+        probe.fault_point("finish", self.steps_done)
         final = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
         probe.params(param_digest(final), step=self.steps_done, rank=g.rank)
         if self.cfg.out:
@@ -604,6 +605,7 @@ class Worker:
         self.snapshots.put(None)
         probe.emit("exit", code=0, rank=self.rank)
         self.store.add("exited", 1)
+        probe.fault_point("exit", self.steps_done)
         return 0
 
 
