@@ -204,8 +204,10 @@ class Target(_Strict):
 #: Fault points of the reference systems (``harness.probe.fault_point``): a training step's
 #: forward, backward and optimizer; ``save``: every rank's checkpoint shard is durable and the
 #: step is not committed yet; ``restore``: a rank rejoining after a failure, before it trains
-#: again (the step it restores); ``decode``: a serving engine step.
-Phase = Literal["forward", "backward", "optimizer", "save", "restore", "decode"]
+#: again (the step it restores); ``finish``: the last step is committed and the rank has not
+#: reported its final parameters yet; ``exit``: the rank has reported them and left the job,
+#: on its way out; ``decode``: a serving engine step.
+Phase = Literal["forward", "backward", "optimizer", "save", "restore", "finish", "exit", "decode"]
 
 
 FileWhen = Literal["created", "closed", "deleted"]
@@ -219,7 +221,7 @@ class At(_Strict):
     step: int | None = Field(None, ge=0, le=MAX_STEPS)
     phase: Phase | None = Field(
         None, description="with `step`: the fault point (forward, backward, optimizer, save, "
-        "restore, decode) of that step or a later one (in-process faults only)"
+        "restore, finish, exit, decode) of that step or a later one (in-process faults only)"
     )
     time: Duration | None = None
     event: str | None = Field(

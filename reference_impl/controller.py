@@ -33,6 +33,7 @@ import json
 import os
 import queue
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -56,6 +57,9 @@ class Proc:
     alive: bool = True
     beats: int = -1  # last heartbeat counter seen
     beat_t: float = 0.0  # when it last changed
+    rank: int | None = None  # its logical rank in the newest plan; None: not a member
+    finished: bool = False  # reported its final parameters: its work is done, whatever follows
+    left: bool = False  # out of its generation after the training ended: it will not finish
 
 
 def read_membership(path: str | Path) -> list[dict[str, Any]]:
@@ -92,7 +96,12 @@ class Controller:
         self.fail_t: float | None = None  # first unexplained collective failure in this gen
         self.published_t = 0.0  # when this gen's plan was published
         self.join_by: float | None = None  # every member of this gen at its start line by then
-        self.done: set[int] = set()
+        # Shards whose final parameters some member reported ("done"). The first such report
+        # ends the training: its member completed the last step's vote, so every member of
+        # its generation holds (or can roll forward to) the final state, and no later death
+        # calls for a new generation.
+        self.finished_shards: set[int] = set()
+        self.over = False
         self.resumed = -1  # newest generation whose resume step was logged
         self.hb_keys: set[str] = set()  # heartbeat counters known to exist
         self.replay = read_membership(cfg.replay) if cfg.replay else None
@@ -115,21 +124,31 @@ class Controller:
             if proc is None or proc.inc != ev["inc"] or not proc.alive:
                 return
             proc.alive = False
+            if proc.finished:  # killed on its way out: its work was done and reported
+                return
             rank = self.rank_of(proc)
             probe.detected(cause="process_exit", rank=rank, slot=proc.slot, source="controller",
-                           status=ev.get("status"), generation=self.gen)
+                           status=ev.get("status"), generation=self.gen,
+                           **({"after_last_step": True} if self.over else {}))
             if rank is not None:
                 self.replan(f"rank {rank} (slot {proc.slot}) exited")
             else:
                 self.maybe_plan()
         elif kind == "fail":
+            proc = self.procs.get(ev["slot"])
+            if self.over and proc is not None and proc.inc == ev.get("inc"):
+                proc.left = True
             if ev.get("gen") == self.gen and self.fail_t is None:
                 self.fail_t = time.monotonic()
         elif kind == "leave" and self.replay is not None:
             if ev["gen"] == self.gen and self.gen + 1 < len(self.replay):
                 self.publish(self.replay_plan(self.gen + 1), "replay")
         elif kind == "done":
-            self.done.add(ev["rank"])
+            proc = self.procs.get(ev["slot"])
+            if proc is not None and proc.inc == ev.get("inc"):
+                proc.finished = True
+            self.finished_shards.add(ev["rank"] % self.cfg.shards)
+            self.over = True
         elif kind == "resumed":
             self.log_resume(ev["gen"], ev["step"])
 
@@ -150,7 +169,8 @@ class Controller:
 
     def check_heartbeats(self) -> None:
         now = time.monotonic()
-        watched = [proc for proc in self.members() if proc.alive]
+        # A member that finished stops beating: it is leaving, not frozen.
+        watched = [proc for proc in self.members() if proc.alive and not proc.finished]
         # One round trip for every counter (each is created by its member's first beat;
         # add(key, 0) makes sure it exists before the read).
         keys = [f"hb/{proc.slot}/{proc.inc}" for proc in watched]
@@ -188,7 +208,7 @@ class Controller:
         the heartbeat judges it, and this check again later.
         """
         now = time.monotonic()
-        if self.join_by is None or now < self.join_by or self.plan is None:
+        if self.join_by is None or now < self.join_by or self.plan is None or self.over:
             return
         self.join_by = None
         members = self.plan["members"]
@@ -250,6 +270,8 @@ class Controller:
 
     def maybe_plan(self) -> None:
         """Publish the first plan once the initial members are up; later, add capacity."""
+        if self.over:  # a re-forked process arriving after the last step has nothing to join
+            return
         if self.plan is None:
             if all(self.live(slot) for slot in range(self.world)):
                 if self.replay is not None:
@@ -292,6 +314,11 @@ class Controller:
     def replan(self, why: str) -> None:
         assert self.plan is not None
         self.fail_t = None
+        if self.over:
+            # The last step is committed: a new generation would wait for members that
+            # finished and left. The job ends once every shard's final parameters are
+            # reported (``outcome``).
+            return
         if self.replay is not None:
             raise SystemExit(f"replay: unexpected failure ({why}); a replay must be fault-free")
         alive = {
@@ -319,7 +346,11 @@ class Controller:
         self.gen += 1
         plan = {**plan, "gen": self.gen, "world": self.world, "why": why}
         self.plan = plan
-        self.done.clear()
+        for proc in self.procs.values():
+            proc.rank = None
+        for rank, (slot, inc) in plan["members"].items():
+            if slot in self.procs and self.procs[slot].inc == inc:
+                self.procs[slot].rank = int(rank)
         self.store.set(f"plan/{self.gen}", json.dumps(plan))
         self.store.set("latest", str(self.gen))
         if self.gen > 0:  # wake whoever still waits at the previous generation's start line
@@ -365,10 +396,13 @@ class Controller:
                 self.check_heartbeats()
                 self.check_arrivals()
                 next_check = now + self.check_s
-            if self.plan is not None and not self.plan.get("waiting") and \
-                    len(self.done) == len(self.plan["members"]):
+            code = self.outcome()
+            if code is not None:
                 break
-        self.store.set("job/end", "0")
+        self.store.set("job/end", str(code))
+        # Wakes every member still waiting at the start line of a generation that was
+        # published just before the training ended (its finished members never come).
+        self.store.set(f"arrived/{self.gen}", "superseded")
         # Wakes every process blocked waiting for the next plan (Worker.wait_for_plan).
         self.store.set(f"plan/{self.gen + 1}", json.dumps({"end": True}))
         # Keep hosting the store until everyone still alive has seen the end.
@@ -376,7 +410,28 @@ class Controller:
         alive = sum(1 for p in self.procs.values() if p.alive)
         while time.monotonic() < deadline and self.store.add("exited", 0) < alive:
             time.sleep(0.01)
-        return 0
+        return code
+
+    def outcome(self) -> int | None:
+        """The job's exit code once it is over, else None. Over: every shard's final
+        parameters reported (0), or some shard's can no longer be: every member that could
+        report them died or left its generation after the last step (1: the final state of
+        that shard is lost with them; hot_spare and elastic write no checkpoints, so the
+        launcher's restart computes it again)."""
+        if not self.over:
+            return None
+        shards = set(range(self.cfg.shards))
+        if self.finished_shards == shards:
+            return 0
+        coming = {proc.rank % self.cfg.shards for proc in self.procs.values()
+                  if proc.rank is not None and proc.alive and not proc.finished
+                  and not proc.left}
+        lost = shards - self.finished_shards - coming
+        if not lost:
+            return None
+        print(f"controller: the final parameters of shard(s) {sorted(lost)} were lost: every "
+              "member holding them died or failed after the last step", file=sys.stderr)
+        return 1
 
 
 def _read_reports(host: str, port: int, out: queue.Queue[dict[str, Any]]) -> None:

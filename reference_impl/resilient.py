@@ -526,6 +526,7 @@ class Worker:
 
     def finish(self, g: Groups) -> None:
         assert self.model is not None
+        probe.fault_point("finish", self.steps_done)
         final = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
         probe.params(param_digest(final), step=self.steps_done, rank=g.rank)
         if self.cfg.out:
@@ -534,7 +535,7 @@ class Worker:
             buffer = io.BytesIO()
             torch.save(final, buffer)
             checkpoint.write_atomic(out / f"rank_{g.rank}.pt", buffer.getvalue())
-        _store.report(self.store, type="done", rank=g.rank, slot=self.slot)
+        _store.report(self.store, type="done", rank=g.rank, slot=self.slot, inc=self.inc)
 
     def close_groups(self) -> None:
         """Destroy this generation's groups: that closes our Gloo sockets, so a peer still
@@ -547,7 +548,9 @@ class Worker:
                 block.tp_group = None
         gc.collect()
 
-    def run(self) -> int:
+    def run(self, left: int | None = None) -> int:
+        """Train (or wait as a spare) until the job ends; ``left``: a pipe to the supervisor,
+        told once this process has left the job."""
         _store.report(self.store, type="ready", slot=self.slot, inc=self.inc, pid=os.getpid())
         initial = self.inc == 1 and self.slot < self.world_size
         if self.cfg.recovery == "hot_spare" and not initial:
@@ -602,8 +605,15 @@ class Worker:
         self.stopping = True
         self.gen_changed.set()
         self.snapshots.put(None)
+        if left is not None:
+            # Our final parameters are reported (or the job ended without us): from here on a
+            # death is no failure of the job. Without this, a kill on the way out looked like
+            # any other to the supervisor, whose re-forked worker then found the store gone,
+            # failed, and torchrun restarted the whole job from step 0.
+            os.write(left, b"1")
         probe.emit("exit", code=0, rank=self.rank)
         self.store.add("exited", 1)
+        probe.fault_point("exit", self.steps_done)
         return 0
 
 
@@ -612,13 +622,23 @@ class Worker:
 
 
 def _worker(
-    cfg: Any, slot: int, inc: int, host: str, port: int, died: tuple[int, int] | None
+    cfg: Any, slot: int, inc: int, host: str, port: int, died: tuple[int, int] | None,
+    left: int,
 ) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     worker = Worker(cfg, slot, inc, host, port)
     if died is not None:  # process-exit detection for the controller, milliseconds after it
         _store.report(worker.store, type="dead", slot=slot, inc=died[0], status=died[1])
-    return worker.run()
+    return worker.run(left)
+
+
+def _has_left(pipe: int) -> bool:
+    """Whether the worker on the other end of ``pipe`` (now dead) said it had left the job."""
+    os.set_blocking(pipe, False)
+    try:
+        return os.read(pipe, 1) == b"1"
+    except BlockingIOError:
+        return False
 
 
 def _fork(target: Any, *args: Any) -> int:
@@ -681,10 +701,16 @@ def main(cfg: Any) -> int:
         inc += 1
         # The supervisor itself never opens a store connection: a process forked while one
         # is open cannot connect again. The next incarnation reports its predecessor's death.
-        children["worker"] = _fork(_worker, cfg, slot, inc, host, port, died)
+        read_end, write_end = os.pipe()
+        children["worker"] = _fork(_worker, cfg, slot, inc, host, port, died, write_end)
+        os.close(write_end)
         _, status = os.waitpid(children["worker"], 0)
+        left = _has_left(read_end)
+        os.close(read_end)
         if os.WIFEXITED(status):
             code = os.WEXITSTATUS(status)
+            break
+        if left:  # killed on its way out, its work done: the job lost nothing
             break
         died = (inc, -os.WTERMSIG(status))  # killed: re-fork at once, warm
     if "controller" in children:

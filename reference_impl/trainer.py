@@ -443,6 +443,7 @@ def train(cfg: TrainConfig, layout: Layout, world: int, device: torch.device,
         if cfg.step_sleep:
             time.sleep(cfg.step_sleep)
 
+    probe.fault_point("finish", step)
     final = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     probe.params(param_digest(final), step=step)
     if cfg.out:
@@ -538,6 +539,7 @@ def main(argv: list[str] | None = None) -> int:
         _fail(exc, peers)
 
     probe.emit("exit", code=0)
+    probe.fault_point("exit", cfg.steps)
     dist.destroy_process_group()
     _exit_now(0)
 

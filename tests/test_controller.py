@@ -40,19 +40,20 @@ class Job:
     test says so."""
 
     def __init__(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, recovery: str,
-                 replicas: int, spares: int = 0) -> None:
+                 replicas: int, spares: int = 0, shards: int = 1) -> None:
         self.now = 1000.0
         clock = types.SimpleNamespace(monotonic=lambda: self.now, sleep=lambda s: None)
         monkeypatch.setattr(controller, "time", clock)
         self.events_path = tmp_path / "events.jsonl"
         monkeypatch.setenv("AFTERSHOCK_EVENTS", str(self.events_path))
-        cfg = TrainConfig(replicas=replicas, shards=1, recovery=recovery, spares=spares,
+        cfg = TrainConfig(replicas=replicas, shards=shards, recovery=recovery, spares=spares,
                           collective_timeout=T)
         self.store = dist.HashStore()
-        self.ctl = controller.Controller(cfg, self.store, replicas + spares)
+        slots = replicas * shards + spares
+        self.ctl = controller.Controller(cfg, self.store, slots)
         self.procs: dict[tuple[int, int], subprocess.Popen[bytes]] = {}
         self.silent: set[tuple[int, int]] = set()  # processes whose heartbeat stopped
-        for slot in range(replicas + spares):
+        for slot in range(slots):
             self.start(slot, 1)
 
     def start(self, slot: int, inc: int) -> None:
@@ -81,6 +82,13 @@ class Job:
     def leave(self, slot: int, inc: int, gen: int) -> None:
         """That process's loop leaves generation ``gen`` (Worker.run, before the teardown)."""
         self.store.set(f"loop/{slot}/{inc}", f"{gen} out")
+
+    def done(self, rank: int) -> None:
+        """``rank`` of the newest plan committed the last step and reported its final
+        parameters (Worker.finish); from then on it beats no more (it is leaving)."""
+        slot, inc = self.member(rank)
+        self.ctl.handle({"type": "done", "rank": rank, "slot": slot, "inc": inc})
+        self.silent.add((slot, inc))
 
     def tick(self, seconds: float) -> None:
         end = self.now + seconds
@@ -251,3 +259,83 @@ def test_a_late_member_on_its_way_between_generations_is_not_fenced(job_factory:
     job.arrive(0)
     job.tick(2 * T)
     assert (job.ctl.gen, job.fenced(), len(job.detected())) == (1, [(1, 1)], 1)
+
+
+# --- after the last step (scenarios/explore/found/kill_before_params_elastic.yaml) ----------
+
+
+@pytest.mark.parametrize("recovery", ["elastic", "hot_spare"])
+def test_a_member_killed_after_another_finished_starts_no_generation(
+    job_factory: Any, recovery: str,
+) -> None:
+    """Rank 1 reported its final parameters and left; rank 0, which committed the same last
+    step, dies before reporting its own. The death is detected, but a new generation would
+    wait for rank 1, which is gone (elastic hung there until the harness's deadline): the
+    job ends, as replica 1 holds the one shard's final parameters."""
+    job = job_factory(recovery=recovery, replicas=2, spares=1 if recovery == "hot_spare" else 0)
+    job.arrive(0)
+    job.arrive(1)
+    assert job.ctl.outcome() is None
+    job.done(1)
+    job.refork(0, 1)
+    assert [e["cause"] for e in job.detected()] == ["process_exit"]
+    # rank 1 beats no more and never arrives anywhere: it finished, it is not fenced.
+    job.tick(3 * T)
+    assert (job.ctl.gen, job.fenced()) == (0, [])
+    assert job.ctl.outcome() == 0
+
+
+def test_a_member_killed_after_it_finished_is_no_failure(job_factory: Any) -> None:
+    job = job_factory(recovery="elastic", replicas=2, shards=2)
+    for rank in range(4):
+        job.arrive(rank)
+    job.done(0)
+    job.refork(0, 1)  # killed on its way out, after its done
+    job.tick(T)
+    assert (job.ctl.gen, job.detected(), job.ctl.outcome()) == (0, [], None)
+    job.done(1)
+    assert job.ctl.outcome() == 0
+
+
+def test_the_job_waits_for_a_shard_only_as_long_as_someone_can_report_it(
+    job_factory: Any,
+) -> None:
+    """2 replicas x 2 shards: rank 1 reported shard 1; shard 0's holders are ranks 0 and 2.
+    Rank 0 dies: rank 2 can still report shard 0, so the job waits for it. Rank 2's last
+    collective then fails (its peer died in the vote): nobody can report shard 0 any more,
+    its final state is lost with rank 0, and the job fails rather than end without it."""
+    job = job_factory(recovery="elastic", replicas=2, shards=2)
+    for rank in range(4):
+        job.arrive(rank)
+    job.done(1)
+    job.refork(0, 1)
+    assert (job.ctl.gen, job.ctl.outcome()) == (0, None)
+    job.leave(2, 1, 0)
+    job.ctl.handle({"type": "fail", "slot": 2, "inc": 1, "gen": 0, "cause": "collective_error"})
+    job.tick(2 * T)
+    assert job.ctl.gen == 0
+    assert job.ctl.outcome() == 1
+
+
+def test_the_last_holder_of_a_shard_reporting_ends_the_job(job_factory: Any) -> None:
+    job = job_factory(recovery="hot_spare", replicas=2, shards=2, spares=2)
+    for rank in range(4):
+        job.arrive(rank)
+    job.done(1)
+    job.refork(0, 1)
+    job.refork(3, 1)
+    # A re-forked worker arriving after the last step is given nothing to join.
+    assert (job.ctl.gen, job.ctl.outcome()) == (0, None)
+    job.done(2)
+    assert job.ctl.outcome() == 0
+
+
+def test_a_death_before_any_member_finished_still_starts_a_generation(job_factory: Any) -> None:
+    job = job_factory(recovery="elastic", replicas=2)
+    job.arrive(0)
+    job.arrive(1)
+    job.refork(0, 1)
+    assert job.ctl.gen == 1
+    assert job.ctl.plan is not None
+    assert job.ctl.plan["replicas"] == [1]
+    assert job.ctl.outcome() is None

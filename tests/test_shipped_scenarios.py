@@ -32,6 +32,7 @@ import pytest
 from _helpers import ROOT, cli, read_events
 
 from faults import docker_engine
+from harness import oracle
 from harness.errors import PreflightError
 from harness.runner import preflight
 from harness.spec import TrainerSystem, load_scenario
@@ -82,6 +83,30 @@ class Run:
 
 
 # --- what each scenario's timeline must show besides its checks ---------------------------
+
+
+def _killed_before_params(run: Run) -> None:
+    """Rank 0 died after the last step, before it reported its final parameters: no new
+    generation followed, and every other rank's final parameters equal what the independent
+    oracle computes for the one generation (the proof params_match cannot give: rank 0
+    reported nothing)."""
+    assert [e["generation"] for e in run.events("membership")] == [0]
+    assert not [e for e in run.events("hello") if e.get("generation", 0) > 0]
+    digests = run.digests()
+    assert sorted(digests) == [1, 2, 3], digests
+    expected = oracle.trainer_digests(run.system, seed=0,
+                                      schedule=oracle.full_membership(run.system))
+    assert expected.digests is not None, expected.note
+    assert digests == {rank: expected.digests[rank] for rank in digests}
+
+
+def _left_before_killed(run: Run) -> None:
+    """Killed on its way out, after every rank reported its final parameters: the launcher
+    never restarted the group (one world), and no rank was re-forked or replaced."""
+    assert not [e for e in run.events("process_started") if e.get("generation", 0) > 0]
+    assert [e["generation"] for e in run.events("membership")] == [0]
+    assert not run.events("failure_detected")
+    assert sorted(run.digests()) == run.ranks
 
 
 def _fault_free(run: Run) -> None:
@@ -528,6 +553,8 @@ EVIDENCE: dict[str, Callable[[Run], None]] = {
     "faults/collective_error_hot_spare": _regrouped("collective_error"),
     "faults/collective_hang_elastic": _regrouped("collective_timeout"),
     "faults/collective_hang_elastic_forever": _wedged_member_fenced,
+    "found/kill_before_params_elastic": _killed_before_params,
+    "found/kill_on_exit_hot_spare": _left_before_killed,
 }
 
 
