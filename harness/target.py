@@ -576,12 +576,7 @@ class LocalTarget:
         inherits ``RANK`` from torchrun but is not that rank."""
         if not self._reported:
             return self._env_rank_processes()
-        live = {ref.pid: ref for ref in self.processes()}
-        ranks: dict[int, ProcessRef] = {}
-        for pid, (rank, role) in self._reported.items():
-            if pid in live and rank is not None and role in (None, "trainer", "worker"):
-                ranks[rank] = live[pid]
-        return ranks
+        return reported_ranks(self._reported, self.processes())
 
     def _env_rank_processes(self) -> dict[int, ProcessRef]:
         """Rank -> the topmost live process whose environment says ``RANK=rank``.
@@ -692,3 +687,13 @@ def _entering(group: Path) -> Callable[[], None]:
     return enter
 
 
+def reported_ranks(reported: dict[int, tuple[int | None, str | None]],
+                   processes: list[ProcessRef]) -> dict[int, ProcessRef]:
+    """Rank -> live process, from what each process said it is (its probe ``hello``): only a
+    trainer or worker names a rank (a supervisor or spare inherits ``RANK`` but is not it)."""
+    live = {ref.pid: ref for ref in processes}
+    ranks: dict[int, ProcessRef] = {}
+    for pid, (rank, role) in reported.items():
+        if pid in live and rank is not None and role in (None, "trainer", "worker"):
+            ranks[rank] = live[pid]
+    return ranks

@@ -27,7 +27,7 @@ from harness import probe
 from harness.errors import TargetError
 from harness.nodes.cluster import Cluster, node_env
 from harness.records import Event
-from harness.target import Launch, Teardown
+from harness.target import Launch, Teardown, reported_ranks
 from harness.timeline import Timeline
 
 KILL_S = 5.0  # how long teardown keeps ending processes of the run left on the host
@@ -124,12 +124,7 @@ class NodesTarget:
         the host's); before any hello, from ``RANK`` in their environment."""
         if not self._reported:
             return self.cluster.rank_processes() if self.cluster.containers else {}
-        live = {ref.pid: ref for ref in self.processes()}
-        ranks: dict[int, ProcessRef] = {}
-        for pid, (rank, role) in self._reported.items():
-            if pid in live and rank is not None and role in (None, "trainer", "worker"):
-                ranks[rank] = live[pid]
-        return ranks
+        return reported_ranks(self._reported, self.processes())
 
     def role_processes(self, role: str) -> list[ProcessRef]:
         """``launcher``: each running node's launcher (torchrun's agent, the child of the
