@@ -1,8 +1,8 @@
 """The bench's correctness check: each row's final parameters against the independent oracle.
 
-``python -m bench.oracle`` reads ``{"shape": {...}, "seed", "steps", "schedule"}`` on stdin and
-prints ``{"digests": {rank: sha256}}``: what every rank must end with, recomputed by
-``harness.oracle.trainer_math`` (which restates the reference trainer's math and imports
+:func:`expected` sends ``{"shape": {...}, "seed", "steps", "schedule"}`` to ``python -m
+harness.oracle.trainer_math`` and reads ``{"digests": {rank: sha256}}``: what every rank must
+end with, recomputed by the oracle (which restates the reference trainer's math and imports
 nothing from ``reference_impl`` or ``bench``) for the bench's model shape. A recovery that is
 fast but wrong then shows as wrong next to its times (docs/benchmarks.md, "Correctness").
 
@@ -30,29 +30,10 @@ def expected(shape: dict[str, int], seed: int, steps: int, schedule: list[list[A
     key = json.dumps(request, sort_keys=True)
     if cache is not None and key in cache:
         return cache[key]
-    proc = subprocess.run([sys.executable, "-m", "bench.oracle"], input=key, cwd=REPO,
-                          capture_output=True, text=True, timeout=600, check=True)
+    proc = subprocess.run([sys.executable, "-m", "harness.oracle.trainer_math"], input=key,
+                          cwd=REPO, capture_output=True, text=True, timeout=600, check=True)
     digests = {int(k): str(v) for k, v in json.loads(proc.stdout)["digests"].items()}
     if cache is not None:
         cache[key] = digests
     return digests
 
-
-def main() -> int:
-    import torch
-
-    from harness.oracle import Generation
-    from harness.oracle.trainer_math import Shape, final_digests
-
-    request = json.load(sys.stdin)
-    shape = Shape(**request["shape"])
-    schedule = [Generation(int(first), tuple(int(r) for r in replicas))
-                for first, replicas in request["schedule"]]
-    torch.use_deterministic_algorithms(True)
-    result = final_digests(shape, int(request["seed"]), int(request["steps"]), schedule)
-    json.dump({"digests": {str(k): v for k, v in sorted(result.items())}}, sys.stdout)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -226,7 +226,9 @@ def final_digests(shape: Shape, seed: int, steps: int, schedule: list[Generation
 
 def main() -> int:
     request = json.load(sys.stdin)
-    shape = Shape(replicas=int(request["replicas"]), shards=int(request["shards"]))
+    # The trainer's shape by its world (replicas, shards), or a whole shape (the bench's model).
+    shape = (Shape(**{k: int(v) for k, v in request["shape"].items()}) if "shape" in request
+             else Shape(replicas=int(request["replicas"]), shards=int(request["shards"])))
     schedule = [Generation(int(first), tuple(int(r) for r in replicas))
                 for first, replicas in request["schedule"]]
     torch.use_deterministic_algorithms(True)
