@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _helpers import reaper_of
 
 from faults import _cgroup
 from faults._proc import all_pids, environ, state
@@ -111,17 +112,6 @@ def _events(runs: Path, name: str) -> list[dict[str, Any]]:
     return found
 
 
-def _reaper_of(pid: int) -> int | None:
-    for other in all_pids():
-        try:
-            argv = Path(f"/proc/{other}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"faults.heal" in argv and str(pid).encode() in argv:
-            return other
-    return None
-
-
 def _tables() -> set[str]:
     nft = shutil.which("nft") or "/usr/sbin/nft"
     out = subprocess.run([nft, "list", "tables", "inet"], capture_output=True, text=True,
@@ -169,7 +159,7 @@ class Trial:
         place at that moment, and a line for the failure message."""
         for pid in _run_processes(self.runs):
             self.groups.update(self._aftershock_groups(pid))
-        reaper_pid = _reaper_of(self.harness.pid)
+        reaper_pid = reaper_of(self.harness.pid)
         if reaper_pid is not None:
             # Stopped (alive) or killed before the harness dies: either way the journal
             # is whole when read below; a stopped reaper heals once continued.

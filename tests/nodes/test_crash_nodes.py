@@ -17,8 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from faults._proc import all_pids
+from _helpers import reaper_of
 
 ROOT = Path(__file__).resolve().parents[2]
 DRIVER = Path(__file__).resolve().parent / "fixtures" / "node_harness.py"
@@ -36,17 +35,6 @@ def _left(api: Any, run_id: str) -> list[str]:
 def _tables_in(pid: int) -> str:
     return subprocess.run(["nsenter", f"--net=/proc/{pid}/ns/net", "nft", "list", "tables"],
                           capture_output=True, text=True, check=False).stdout
-
-
-def _reaper_of(pid: int) -> int | None:
-    for other in all_pids():
-        try:
-            argv = Path(f"/proc/{other}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"faults.heal" in argv and str(pid).encode() in argv:
-            return other
-    return None
 
 
 @pytest.mark.parametrize("reaper", ["alive", "killed"])
@@ -70,7 +58,7 @@ def test_a_killed_harness_leaves_no_paused_or_partitioned_node(
         # What the kill must leave to the reaper: a paused node, a partitioned one.
         assert [c.status for c in nodes] == ["paused", "running"]
         assert "aftershock_" in _tables_in(nodes[1].attrs["State"]["Pid"])
-        watcher = _reaper_of(harness.pid)
+        watcher = reaper_of(harness.pid)
         assert watcher is not None, "no reaper"
         if reaper == "killed":
             os.kill(watcher, signal.SIGKILL)
