@@ -271,8 +271,10 @@ def explore(
                 else:
                     explore_scenario(scenario, observer=ExplorePlainObserver(console), **kwargs)
     except KeyboardInterrupt as exc:
-        err.print("interrupted: every fault was healed and every process ended; what was "
-                  "found so far is written", markup=False)
+        written = [f.file for e in done for f in e.findings]
+        err.print("interrupted: every fault was healed and every process ended; "
+                  + (f"what was found so far is written: {', '.join(written)}" if written
+                     else "no run had failed yet, so nothing was written"), markup=False)
         code = (exc.exit_code if isinstance(exc, RunInterrupted)
                 else 143 if isinstance(exc, Interrupted) else 130)
     except SpecError as exc:

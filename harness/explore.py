@@ -328,13 +328,15 @@ class _Search:
         attempt = Attempt(index, stage, schedule, verdict, failed, reason, round(took, 3),
                           result.run_dir)
         exploration.attempts.append(attempt)
-        self.observer.finished_run(attempt)
         tried = self.tried.get(key) or _Tried(spec, verdict, failed, reason, index)
         tried.failures += verdict == "fail"
         tried.passes += verdict == "pass"
         self.tried[key] = tried
         if verdict == "fail" and (self.best is None or _smaller(spec, self.tried[self.best].spec)):
             self.best = key
+        # Shown only once it is recorded: an interrupt that lands while a failure is on the
+        # screen (SIGTERM sent on reading it) must still find it to write.
+        self.observer.finished_run(attempt)
         return tried
 
 

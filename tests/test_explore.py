@@ -265,6 +265,27 @@ def test_an_interrupt_writes_what_was_found_so_far(
     assert describe(load_scenario(finding.file).spec.faults) == describe(failures[0])
 
 
+def test_an_interrupt_while_a_failure_is_shown_still_writes_it(
+    base: LoadedScenario, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The CLI prints a failing run's line and a user (or CI) sends SIGTERM on reading it:
+    # the signal may land before the line's call returns. The failure was seen, so it is
+    # written (CI once caught a search that had printed FAIL and wrote nothing).
+    class InterruptOnFirstFailure(engine.NullExploreObserver):
+        def finished_run(self, attempt: engine.Attempt) -> None:
+            if attempt.verdict == "fail":
+                raise runner.Interrupted()
+
+    stand_in(monkeypatch, second_fault_during_recovery)
+    sink: list[Exploration] = []
+    with pytest.raises(KeyboardInterrupt):
+        run(base, tmp_path, sink=sink, observer=InterruptOnFirstFailure())
+    (found,) = sink
+    (finding,) = found.findings
+    assert finding.status == "unconfirmed"
+    assert Path(finding.file).is_file()
+
+
 def test_the_fault_free_twin_is_prepared_once_and_read_from_the_cache(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

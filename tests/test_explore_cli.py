@@ -162,6 +162,24 @@ def test_sigterm_while_shrinking_writes_what_was_found_and_exits_143(tmp_path: P
     assert alive.stdout.strip() == ""
 
 
+def test_sigterm_before_any_failure_says_nothing_was_written(tmp_path: Path) -> None:
+    scenario = write(tmp_path, "job", job_scenario("job"))
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "harness", "explore", str(scenario), "--runs", "40", "--seed",
+         "2", "--out", str(out), "--no-db"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=tmp_path)
+    assert proc.stdout is not None
+    first = proc.stdout.readline()  # "exploring ...": no run has ended yet
+    assert "exploring" in first
+    proc.send_signal(signal.SIGTERM)
+    rest, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, first + rest + err
+    assert "no run had failed yet, so nothing was written" in err
+    assert "what was found so far is written" not in err
+    assert list(out.glob("job-*.yaml")) == []
+
+
 def test_pytest_explores_scenarios_with_an_explore_block(pytester: pytest.Pytester) -> None:
     pytester.makefile(".yaml", job=job_scenario("job-one", max_faults=2),
                       plain=job_scenario("plain-one", explore=False))
