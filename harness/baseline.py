@@ -50,14 +50,16 @@ def _code_fingerprint(spec: Scenario, scenario_dir: Path) -> str:
 def baseline_key(spec: Scenario, seed: int, *, scenario_dir: Path = Path(".")) -> str:
     """The cache key of a scenario's fault-free twin: what decides its result (the system
     without pacing, detection and what only recovery keeps: golden.twin_system), its
-    environment, the seed and the code it runs (``scenario_dir``: where the scenario file
-    is, from which a command's relative paths are found)."""
+    environment, the seed, the code it runs (``scenario_dir``: where the scenario file
+    is, from which a command's relative paths are found) and the platform it runs on."""
     system = golden.twin_system(spec)
     # The twin's environment: test hooks that break the system through it (AFTERSHOCK_INJECT_*)
     # are faults, which the twin goes without.
     system["env"] = dict(spec.without_faults().system.env)
+    # The platform: the same code on another ISA, CPU or torch gives other bits.
     material: dict[str, Any] = {"system": system, "seed": seed,
-                                "code": _code_fingerprint(spec, scenario_dir)}
+                                "code": _code_fingerprint(spec, scenario_dir),
+                                "platform": golden.platform_key(spec)}
     if spec.load is not None:  # the requests the twin's server answered
         material["load"] = load_key(spec.load)
     text = json.dumps(material, sort_keys=True)

@@ -182,6 +182,13 @@ def _platform(executable: str, device: str) -> str:
     return lines[-1]
 
 
+def platform_key(spec: Scenario) -> str:
+    """What a run's bits depend on besides the scenario, without importing torch: the
+    device it runs on and, for the CPU's kernels, :func:`_cpu_key` ("unknown" when torch
+    cannot be located: then only the device)."""
+    return f"{device_of(spec)}:{_cpu_key(sys.executable) or 'unknown'}"
+
+
 def platform_of(spec: Scenario) -> str:
     """Where a reference system runs, as far as its bits go (the interpreter the harness
     launches it with: the harness's own)."""

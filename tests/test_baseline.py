@@ -66,6 +66,29 @@ def test_the_twin_runs_through_the_function_handed_in_then_comes_from_the_cache(
     assert len(calls) == 2
 
 
+def test_a_twin_cached_on_another_platform_is_not_reused(
+    loaded: LoadedScenario, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The twin's bits depend on the kernels torch dispatches to (ATEN_CPU_CAPABILITY, the
+    # CPU, the torch installation): digests cached under AVX-512 are not an AVX2 run's.
+    calls: list[Scenario] = []
+
+    def twin(**env: str) -> None:
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        baseline.fault_free_result(loaded, seed=3, run_dir=tmp_path / "ff", use_cache=True,
+                                   what="digests", run=digests_run(calls))
+
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    twin()
+    twin()
+    assert len(calls) == 1
+    twin(ATEN_CPU_CAPABILITY="avx2")
+    assert len(calls) == 2  # another ISA: run again
+    twin(ATEN_CPU_CAPABILITY="avx2")
+    assert len(calls) == 2
+
+
 def test_a_failed_twin_is_neither_a_result_nor_cached(
     loaded: LoadedScenario, tmp_path: Path,
 ) -> None:
