@@ -54,7 +54,10 @@ AFTER_A_FAILURE = ("failure_detected", "recovery_done", "checkpoint_loaded",
 _NOT_PARAMS = ("kind", "target", "at", "every")
 #: The reference trainer's fault points in a training step, and around a checkpoint when the
 #: trainer has them (harness.spec.Phase lists what the probe knows).
-_TRAIN_PHASES = ("forward", "backward", "optimizer", "save", "restore")
+_TRAIN_PHASES = ("forward", "backward", "optimizer", "save", "restore", "finish", "exit")
+#: Fault points after the last step (the final parameters, the exit): they fire at the run's
+#: last step only, so a fault drawn at one of them is put there whatever step was drawn.
+END_PHASES = ("finish", "exit")
 
 
 class SpaceError(ValueError):
@@ -132,6 +135,7 @@ class Space:
     files: tuple[FileChoice, ...]
     time_ms: tuple[int, int] | None
     spacing: tuple[int, int] | None
+    last_step: int | None = None  # where END_PHASES fire; None: not known (no trainer)
 
 
 System = TrainerSystem | ServerSystem | CommandSystem
@@ -334,6 +338,7 @@ def resolve(system: System, explore: Explore | None) -> Space:
         files=tuple(files),
         time_ms=time_ms,
         spacing=spacing,
+        last_step=system.steps if isinstance(system, TrainerSystem) else None,
     )
 
 

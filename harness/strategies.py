@@ -38,6 +38,7 @@ from pydantic import ValidationError
 
 from harness._space import (
     AFTER_A_FAILURE,
+    END_PHASES,
     FAMILY_ORDER,
     ROLES,
     KindChoice,
@@ -278,9 +279,12 @@ def _assemble(space: Space, drafts: list[_Draft]) -> list[_FaultBase]:
         if d.trigger == "step":
             assert space.steps is not None
             step = d.step
-            if space.spacing is not None and previous is not None:
-                step = min(previous + d.gap, space.steps[1])
-            previous = step
+            if d.phase in END_PHASES and space.last_step is not None:
+                step = space.last_step  # (the only step these fault points fire at)
+            else:
+                if space.spacing is not None and previous is not None:
+                    step = min(previous + d.gap, space.steps[1])
+                previous = step
             at = {"step": step} if d.phase is None else {"step": step, "phase": d.phase}
         elif d.trigger == "event":
             at = {"event": d.event} if d.count == 1 else {"event": d.event, "count": d.count}

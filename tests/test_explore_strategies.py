@@ -20,7 +20,7 @@ from _helpers import ROOT
 from hypothesis import HealthCheck, find, given, seed, settings
 from hypothesis import strategies as st
 
-from harness._space import Space, resolve
+from harness._space import END_PHASES, Space, resolve
 from harness.errors import SpecError
 from harness.explore import describe
 from harness.spec import (
@@ -106,7 +106,10 @@ def inside(space: Space, spec: Scenario) -> None:
         at = fault.at
         if at.step is not None:
             assert space.steps is not None
-            assert space.steps[0] <= at.step <= space.steps[1]
+            if at.phase in END_PHASES:  # after the last step: only there
+                assert at.step == space.last_step
+            else:
+                assert space.steps[0] <= at.step <= space.steps[1]
             assert at.phase is None or (at.phase in space.phases and kind.phased)
         elif at.event is not None:
             (choice,) = [e for e in space.events if e.event == at.event]
@@ -243,6 +246,9 @@ def test_defaults_come_from_the_system() -> None:
     assert "spare" in spare.kinds[0].families
     assert "spare" not in restart.kinds[0].families
     assert restart.steps == (1, 60)
+    # The shutdown path too (a rank killed after its last step, on its way out).
+    assert {"finish", "exit"} <= set(restart.phases)
+    assert restart.last_step == 60
     assert {e.event for e in restart.events} >= {"checkpoint_loaded", "failure_detected"}
     assert {f.file for f in restart.files} == {"step_*", "step_*/rank_*.json"}
     assert spare.files == ()  # no checkpoint files to watch
@@ -251,6 +257,23 @@ def test_defaults_come_from_the_system() -> None:
     assert "first_token" in {e.event for e in server.events}
     assert all(not k.in_process for k in command.kinds)  # nothing is known inside a command
     assert command.time_ms is not None
+
+
+def test_faults_after_the_last_step_are_drawn_at_the_last_step() -> None:
+    base = parse_scenario(TRAINER.replace("RECOVERY", "hot_spare"))
+    space = space_of(base.system)
+    seen: set[tuple[str, int]] = set()
+
+    @settings(max_examples=300, database=None, derandomize=True)
+    @given(schedules_in(space))
+    def draw(schedule: list[Any]) -> None:
+        for fault in schedule:
+            if fault.at.phase in END_PHASES:
+                seen.add((fault.at.phase, fault.at.step))
+
+    draw()
+    assert {phase for phase, _ in seen} == set(END_PHASES)
+    assert {step for _, step in seen} == {space.last_step}
 
 
 def problems(text: str, tmp_path: Path) -> list[str]:
