@@ -16,8 +16,11 @@ run's math share one twin, hence one entry. An entry is keyed by
   there is exactly what a golden must catch);
 - ``seed``;
 - ``platform``: torch's version and build, the CPU (architecture and the vector ISA torch
-  dispatches to) and the device (CPU, or the GPU and CUDA version). Kernels round
-  differently on other platforms, so a GPU run is never compared with a CPU golden.
+  dispatches to), the BLAS code path MKL dispatches its matmuls to where torch uses MKL
+  (it picks by vendor, not only by ISA: its generic code on an AMD CPU, its AVX-512
+  kernels on an Intel one, with other bits) and the device (CPU, or the GPU and CUDA
+  version). Kernels round differently on other platforms, so a GPU run is never compared
+  with a CPU golden.
 
 No entry for this key (a new platform, another seed, a changed system): for the reference
 trainer on a layout the independent oracle reproduces (harness.oracle), the twin is checked
@@ -35,6 +38,7 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -109,9 +113,10 @@ def outputs_digest(outputs: Mapping[Any, Any]) -> str:
 _PLATFORM = r"""
 import platform, sys
 import torch
-# The vector ISA torch dispatches its CPU kernels to decides the bits, not the vendor: an
-# AVX2 machine of either vendor runs the same kernels (ATEN_CPU_CAPABILITY=avx2 selects them on
-# a newer CPU, which is how goldens for AVX2 machines are recorded on an AVX-512 one).
+# Two dispatchers decide the bits: ATen's, by the vector ISA (ATEN_CPU_CAPABILITY=avx2 selects
+# its AVX2 kernels on a newer CPU), and MKL's for matmuls, by vendor and ISA (its generic code
+# on an AMD CPU, AVX-512 kernels on an Intel one: other bits on two "AVX512" machines). The
+# harness reads MKL's choice from its verbose line (mkl_path); ATEN_CPU_CAPABILITY leaves it.
 isa = torch.backends.cpu.get_cpu_capability()
 cpu = " ".join(p for p in (platform.machine(), isa) if p)
 if sys.argv[1] == "cuda":
@@ -119,8 +124,31 @@ if sys.argv[1] == "cuda":
               if torch.cuda.is_available() else "cuda (unavailable)")
 else:
     device = "cpu"
-print(f"torch {torch.__version__}; {cpu}; {device}")
+if torch.backends.mkl.is_available():
+    # One matmul under MKL_VERBOSE=1: MKL names the code path it dispatched to (mkl_path).
+    torch.ones(64, 64) @ torch.ones(64, 64)
+print(f"torch {torch.__version__}; {cpu}; {device}", flush=True)
 """
+
+#: Bumped when the platform line's format changes, so cached lines are asked again.
+_FORMAT = "2"
+#: What MKL reads to pick (or pin) its code path: part of the platform's key.
+_MKL_ENV = ("MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS", "MKL_DEBUG_CPU_TYPE", "MKL_NUM_THREADS")
+_MKL_HEADER = re.compile(r"^MKL_VERBOSE .*\bProduct build\b")
+
+
+def mkl_path(header: str) -> str:
+    """The code path MKL names in its first verbose line (``... for Intel(R) 64 architecture
+    <path>, Lnx ...``), in a word: avx512, avx2, avx, sse4.2, or generic (what it runs on a
+    CPU it does not tune for, an AMD one among them)."""
+    found = re.search(r"architecture (.*?), (?:Lnx|Win|OSX|Mac)", header)
+    path = found.group(1) if found else header
+    for needle, name in (("AVX-512", "avx512"), ("AVX512", "avx512"), ("AVX2", "avx2"),
+                         ("(Intel(R) AVX)", "avx"), ("SSE4.2", "sse4.2"), ("SSE4_2", "sse4.2"),
+                         ("Intel(R) Architecture processors", "generic")):
+        if needle in path:
+            return name
+    return re.sub(r"[^a-z0-9.]+", "-", path.lower()).strip("-")[:60] or "unknown"
 
 
 def device_of(spec: Scenario) -> str:
@@ -138,11 +166,14 @@ def _cpu_key(executable: str) -> str | None:
         if origin is None:
             return None
         version = Path(origin).with_name("version.py")
-        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                      if line.startswith(("flags", "Features"))), "")
-        parts = [os.path.realpath(executable), str(version), version.read_text(),
-                 str(version.stat().st_mtime_ns), flags, platform.machine(),
-                 os.environ.get("ATEN_CPU_CAPABILITY", "")]
+        cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+        flags = next((line for line in cpuinfo if line.startswith(("flags", "Features"))), "")
+        vendor = next((line for line in cpuinfo if line.startswith(("vendor_id", "model name",
+                                                                    "CPU implementer"))), "")
+        parts = [_FORMAT, os.path.realpath(executable), str(version), version.read_text(),
+                 str(version.stat().st_mtime_ns), flags, vendor, platform.machine(),
+                 os.environ.get("ATEN_CPU_CAPABILITY", ""),
+                 *(os.environ.get(name, "") for name in _MKL_ENV)]
     except (OSError, ImportError, ValueError):
         return None
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
@@ -168,11 +199,17 @@ def _platform(executable: str, device: str) -> str:
             if line:
                 return line
     proc = subprocess.run([executable, "-c", _PLATFORM, device], capture_output=True,
-                          text=True, timeout=120, check=False)
-    lines = proc.stdout.strip().splitlines()
+                          text=True, timeout=120, check=False,
+                          env={**os.environ, "MKL_VERBOSE": "1"})
+    output = proc.stdout.strip().splitlines()
+    lines = [line for line in output if not line.startswith("MKL_VERBOSE")]
     if proc.returncode != 0 or not lines:
         tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         raise RuntimeError(f"cannot tell the platform ({tail})")
+    header = next((line for line in output if _MKL_HEADER.match(line)), None)
+    if header is not None:  # before the device: "torch V; x86_64 ISA; MKL path; device"
+        head, _, device_part = lines[-1].rpartition("; ")
+        lines[-1] = f"{head}; MKL {mkl_path(header)}; {device_part}"
     if cached is not None:
         with contextlib.suppress(OSError):
             cached.parent.mkdir(parents=True, exist_ok=True)

@@ -7,6 +7,7 @@ golden result, recorded on purpose and stored beside the scenarios, can.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -344,3 +345,53 @@ def test_the_cpu_platform_is_asked_once_per_installation(
     assert ask(sys.executable, "cuda") == "torch X; x86_64 isa3; cpu"
     assert ask(sys.executable, "cuda") == "torch X; x86_64 isa4; cpu"  # a GPU is asked each time
     assert asked == ["", "avx2", "avx2", "avx2"]
+
+
+# MKL's first verbose line, as oneMKL 2024 prints it: its CPU dispatch is the BLAS code path
+# every matmul of the reference systems takes, and it picks by vendor, not only by ISA.
+MKL_AMD = ("MKL_VERBOSE oneMKL 2024.0 Update 2 Product build 20240605 for Intel(R) 64 "
+           "architecture Intel(R) Architecture processors, Lnx 2.60GHz lp64 gnu_thread")
+MKL_AVX512 = ("MKL_VERBOSE oneMKL 2024.0 Update 2 Product build 20240605 for Intel(R) 64 "
+              "architecture Intel(R) Advanced Vector Extensions 512 (Intel(R) AVX-512) with "
+              "support of Intel(R) Deep Learning Boost (Intel(R) DL Boost), EVEX-encoded AES "
+              "and Carry-Less Multiplication Quadword instructions, Lnx 2.40GHz lp64 gnu_thread")
+MKL_AVX2 = ("MKL_VERBOSE oneMKL 2024.0 Product build 20231011 for Intel(R) 64 architecture "
+            "Intel(R) Advanced Vector Extensions 2 (Intel(R) AVX2) enabled processors, Lnx "
+            "3.00GHz lp64 gnu_thread")
+
+
+@pytest.mark.parametrize(("header", "path"), [
+    (MKL_AMD, "generic"), (MKL_AVX512, "avx512"), (MKL_AVX2, "avx2"),
+])
+def test_mkl_names_the_blas_code_path(header: str, path: str) -> None:
+    assert golden.mkl_path(header) == path
+
+
+def test_the_platform_names_the_blas_code_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two AVX-512 machines gave other bits for the same twin: MKL runs its generic code on
+    an AMD CPU and its AVX-512 kernels on an Intel one. The platform line says which."""
+    monkeypatch.setenv("AFTERSHOCK_CACHE_DIR", str(tmp_path / "cache"))
+    real = subprocess.run
+
+    def probe(argv: list[str], **kwargs: Any) -> Any:
+        assert kwargs["env"]["MKL_VERBOSE"] == "1"
+        # MKL writes through C stdio, so its line may come before or after Python's.
+        return real([sys.executable, "-c", "print('torch X; x86_64 AVX512; cpu'); "
+                     f"print({MKL_AMD!r})"], **kwargs)
+
+    monkeypatch.setattr(golden.subprocess, "run", probe)
+    line = golden._platform.__wrapped__(sys.executable, "cpu")
+    assert line == "torch X; x86_64 AVX512; MKL generic; cpu"
+
+
+@pytest.mark.skipif(not importlib.util.find_spec("torch"), reason="needs torch")
+def test_this_machine_s_platform_line_names_mkl_when_torch_uses_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+
+    monkeypatch.setenv("AFTERSHOCK_CACHE_DIR", str(tmp_path / "cache"))
+    line = golden._platform.__wrapped__(sys.executable, "cpu")
+    assert ("; MKL " in line) == torch.backends.mkl.is_available(), line
