@@ -16,7 +16,8 @@ rank's death), carries everything the members of a run say to each other outside
 ``resume/{g}``         the step generation ``g`` resumed from (set after its sync)
 ``committed``          set by the first commit of each process: from then on a fresh
                        process's seeded init is no longer the state of step 0
-``hb/{slot}/{inc}``    heartbeat counter of one incarnation of one slot
+``hb/{slot}/{inc}``    heartbeat counter of one incarnation of one slot; negative once
+                       the controller fenced it from another node (``controller.FENCED``)
 ``snap/{shard}/{k}``   peer-memory snapshot of one shard (two alternating slots)
 ``job/end``            set by the controller when training is over; it also writes
                        ``plan/{g+1}`` as ``{"end": true}`` then, which wakes every

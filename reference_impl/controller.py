@@ -33,6 +33,7 @@ import json
 import os
 import queue
 import signal
+import socket
 import sys
 import threading
 import time
@@ -42,6 +43,11 @@ from typing import Any
 
 from harness import probe
 from reference_impl import _store
+
+#: What the controller writes over a member's heartbeat counter to fence a process it cannot
+#: signal (one on another node, in another PID namespace): the member's next beat reads a
+#: negative count and it kills itself (``resilient.Worker._heartbeat``).
+FENCED = -(2**40)
 
 # Heartbeat counters are read every 1/50 of the heartbeat timeout (a silent member is fenced
 # at most 2% late), but at least every 0.1 s and at most every 0.02 s: each read is a store
@@ -53,13 +59,45 @@ CHECK_FRACTION, CHECK_MIN_S, CHECK_MAX_S = 1 / 50, 0.02, 0.1
 class Proc:
     slot: int
     inc: int
-    pid: int
+    pid: int  # in the PID namespace of ``host``
+    host: str = ""  # where it runs (``host_id``): a pid means something only there
     alive: bool = True
     beats: int = -1  # last heartbeat counter seen
     beat_t: float = 0.0  # when it last changed
     rank: int | None = None  # its logical rank in the newest plan; None: not a member
     finished: bool = False  # reported its final parameters: its work is done, whatever follows
     left: bool = False  # out of its generation after the training ended: it will not finish
+
+
+def host_id() -> str:
+    """This process's host and PID namespace: two processes with the same one can signal
+    each other by pid. The hostname alone is not enough (a container may share its host's
+    name), and the namespace's inode alone neither (every host's first one has the same)."""
+    try:
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        namespace = 0
+    return f"{socket.gethostname()}/{namespace}"
+
+
+def first_spare(cfg: Any) -> int:
+    """The slot of the first spare (``--first-spare``; by default after every rank)."""
+    world = cfg.replicas * cfg.shards
+    return world if cfg.first_spare < 0 else cfg.first_spare
+
+
+def rank_slot(cfg: Any, rank: int) -> int:
+    """The slot whose first process plays logical ``rank`` at the start: the ranks fill the
+    slots in order, around the spares' consecutive ones."""
+    spares = cfg.spares if cfg.recovery == "hot_spare" else 0
+    return rank if rank < first_spare(cfg) else rank + spares
+
+
+def is_spare_slot(cfg: Any, slot: int) -> bool:
+    """Whether ``slot``'s first process starts as a spare (hot_spare)."""
+    if cfg.recovery != "hot_spare":
+        return False
+    return first_spare(cfg) <= slot < first_spare(cfg) + cfg.spares
 
 
 def read_membership(path: str | Path) -> list[dict[str, Any]]:
@@ -91,6 +129,7 @@ class Controller:
         self.hb_timeout = cfg.heartbeat_timeout or cfg.collective_timeout
         self.check_s = min(CHECK_MAX_S, max(CHECK_MIN_S, self.hb_timeout * CHECK_FRACTION))
         self.procs: dict[int, Proc] = {}  # slot -> its newest incarnation
+        self.host = host_id()
         self.plan: dict[str, Any] | None = None
         self.gen = -1
         self.fail_t: float | None = None  # first unexplained collective failure in this gen
@@ -117,7 +156,8 @@ class Controller:
     def handle(self, ev: dict[str, Any]) -> None:
         kind = ev["type"]
         if kind == "ready":
-            self.procs[ev["slot"]] = Proc(ev["slot"], ev["inc"], ev["pid"], beat_t=time.monotonic())
+            self.procs[ev["slot"]] = Proc(ev["slot"], ev["inc"], ev["pid"],
+                                          ev.get("host", self.host), beat_t=time.monotonic())
             self.maybe_plan()
         elif kind == "dead":
             proc = self.procs.get(ev["slot"])
@@ -243,15 +283,22 @@ class Controller:
 
     def fence(self, proc: Proc) -> None:
         """SIGKILL a member, so that it can never wake up and act on stale state. Its
-        supervisor sees the death and reports it (and re-forks the slot)."""
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(proc.pid, signal.SIGKILL)
+        supervisor sees the death and reports it (and re-forks the slot). A member on another
+        node (another PID namespace: its pid names some other process here) is fenced
+        through its heartbeat counter instead: if it ever beats again it kills itself; a
+        node that died takes its supervisor along, so no report comes, and none is needed."""
+        if proc.host == self.host:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGKILL)
+        else:
+            self.store.set(f"hb/{proc.slot}/{proc.inc}", str(FENCED))
         proc.alive = False
 
     # -- decisions ------------------------------------------------------------------------
 
     def replica_slots(self, replica: int) -> list[int]:
-        return [replica * self.cfg.shards + s for s in range(self.cfg.shards)]
+        return [rank_slot(self.cfg, replica * self.cfg.shards + s)
+                for s in range(self.cfg.shards)]
 
     def live(self, slot: int) -> bool:
         proc = self.procs.get(slot)
@@ -273,7 +320,7 @@ class Controller:
         if self.over:  # a re-forked process arriving after the last step has nothing to join
             return
         if self.plan is None:
-            if all(self.live(slot) for slot in range(self.world)):
+            if all(self.live(rank_slot(self.cfg, rank)) for rank in range(self.world)):
                 if self.replay is not None:
                     self.publish(self.replay_plan(0), "start (replay)")
                 elif self.elastic:
@@ -296,14 +343,15 @@ class Controller:
         taken = {slot for slot, _ in members.values()}
         spares = sorted(
             s for s, p in self.procs.items()
-            if p.alive and s not in taken and (self.plan is not None or s >= self.world)
+            if p.alive and s not in taken
+            and (self.plan is not None or is_spare_slot(self.cfg, s))
         )
         new = dict(members)
         for rank in range(self.world):
             if str(rank) in new:
                 continue
             if self.plan is None:
-                slot = rank
+                slot = rank_slot(self.cfg, rank)
             elif spares:
                 slot = spares.pop(0)
             else:

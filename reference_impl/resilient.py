@@ -177,7 +177,10 @@ class Worker:
         key = f"hb/{self.slot}/{self.inc}"
         while not self.stopping:
             with contextlib.suppress(Exception):
-                store.add(key, 1)
+                if store.add(key, 1) < 0:
+                    # Fenced by a controller on another node, which cannot signal us
+                    # (controller.FENCED): we were silent too long and were replaced.
+                    os.kill(os.getpid(), signal.SIGKILL)
             time.sleep(self.hb_interval)
 
     def _plan_watch(self) -> None:
@@ -551,8 +554,9 @@ class Worker:
     def run(self, left: int | None = None) -> int:
         """Train (or wait as a spare) until the job ends; ``left``: a pipe to the supervisor,
         told once this process has left the job."""
-        _store.report(self.store, type="ready", slot=self.slot, inc=self.inc, pid=os.getpid())
-        initial = self.inc == 1 and self.slot < self.world_size
+        _store.report(self.store, type="ready", slot=self.slot, inc=self.inc, pid=os.getpid(),
+                      host=controller.host_id())
+        initial = self.inc == 1 and not controller.is_spare_slot(self.cfg, self.slot)
         if self.cfg.recovery == "hot_spare" and not initial:
             probe.hello(world=self.world_size, generation=max(_store.latest(self.store), 0),
                         rank=None, role="spare", slot=self.slot)
@@ -666,6 +670,10 @@ def main(cfg: Any) -> int:
     if cfg.replicas < 1 or cfg.replicas * cfg.shards + spares != slots:
         print(f"error: WORLD_SIZE {slots} must be --replicas × --shards + --spares "
               f"({cfg.replicas} × {cfg.shards} + {spares})", file=sys.stderr)
+        return 2
+    if spares and controller.first_spare(cfg) > cfg.replicas * cfg.shards:
+        print(f"error: --first-spare {cfg.first_spare} must be 0..{cfg.replicas * cfg.shards}"
+              " (or -1: after every rank)", file=sys.stderr)
         return 2
     host = os.environ.get("MASTER_ADDR", "127.0.0.1")
     port = int(os.environ.get("MASTER_PORT", "29500"))

@@ -73,6 +73,10 @@ class TrainConfig:
     collective_timeout: float = 10.0  # seconds before a stuck collective counts as a failure
     recovery: str = "restart"  # restart | hot_spare | elastic (see reference_impl.resilient)
     spares: int = 0  # hot_spare: warm standby processes; WORLD_SIZE = replicas × shards + spares
+    # hot_spare: the slot (torchrun RANK) of the first spare, the spares taking consecutive
+    # slots and the ranks the others in order; -1: after every rank (the last slots). Across
+    # nodes it keeps the spares on node 0, whose slots come first (docs/nodes.md).
+    first_spare: int = -1
     snapshot_every: int = 1  # hot_spare/elastic: peer-memory snapshot interval; 0 disables
     fingerprint_every: int = 10  # cross-replica parameter fingerprint interval; 0 disables
     heartbeat_timeout: float = 0.0  # a silent member is fenced after this; 0: collective_timeout
@@ -115,6 +119,8 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     for name in numbers:
         if getattr(cfg, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(cfg, name)}")
+    if cfg.first_spare < -1:
+        parser.error(f"--first-spare must be >= 0 (-1: after every rank), got {cfg.first_spare}")
     if cfg.collective_timeout <= 0 or cfg.shards < 1 or cfg.replicas < 0:
         parser.error("--collective-timeout and --shards must be positive, --replicas >= 0")
     return cfg

@@ -18,6 +18,7 @@ from _helpers import ROOT, on_two_ranks, read_events
 from harness import runner
 from harness.records import CheckResult, RunResult
 from harness.spec import LoadedScenario, Scenario, TrainerSystem, load_scenario, parse_scenario
+from harness.systems.nodes import NodesSystem
 
 BROKEN = ROOT / "tests" / "broken"
 BUG_ENV = "AFTERSHOCK_TEST_BUG"
@@ -26,7 +27,7 @@ BUG_ENV = "AFTERSHOCK_TEST_BUG"
 def with_bug(spec: Scenario, bug: str) -> Scenario:
     """``spec`` whose job imports tests/broken/sitecustomize.py with ``bug`` switched on."""
     system = spec.system
-    assert isinstance(system, TrainerSystem)
+    assert isinstance(system, TrainerSystem | NodesSystem)  # both hand `env` to every rank
     path = [str(BROKEN), str(ROOT), os.environ.get("PYTHONPATH", "")]
     env = {**system.env, "PYTHONPATH": os.pathsep.join(p for p in path if p), BUG_ENV: bug}
     return spec.model_copy(update={"system": system.model_copy(update={"env": env})})

@@ -520,7 +520,54 @@ def _timed_out(run: Run) -> None:
     _nodes_in_one_world([0, 0])(run)
 
 
+def _node_replaced_by_spare(run: Run) -> None:
+    """Node 1 died and stayed down; nobody was left there to report it, so the controller
+    learnt it from the silent heartbeat, and node 0's warm spare (said hello as a spare
+    before the fault) took rank 1 over from its live peer: no checkpoint was loaded, no
+    torchrun restart (rank 0 said hello once), and the engine restarted no node."""
+    hit = run.injection()
+    hellos = run.events("hello")
+    before = {(e["rank"], e["node"], e.get("role")) for e in hellos if e["t"] < hit["t"]}
+    assert before == {(0, 0, "trainer"), (1, 1, "trainer"), (None, 0, "spare")}, before
+    (spare,) = [e for e in hellos if e.get("role") == "spare"]
+    after = [e for e in hellos if e["t"] > hit["t"]]
+    assert [(e["rank"], e["node"], e["pid"]) for e in after] == [(1, 0, spare["pid"])], after
+    causes = [(e["cause"], e.get("rank")) for e in run.detected(after=hit["t"])]
+    assert ("heartbeat_timeout", 1) in causes, causes
+    assert "process_exit" not in {cause for cause, _ in causes}, causes
+    assert not run.events("checkpoint_loaded")
+    (ended,) = run.events("nodes_ended")
+    assert ended["restarts"] == [0, 0], ended
+
+
+def _frozen_node_fenced_from_afar(run: Run) -> None:
+    """Node 1 froze: the controller, on node 0, fenced its rank through the heartbeat
+    counter and node 0's spare took rank 1 over. When node 1 thawed its old rank never
+    committed again (it read the fence and killed itself), and its supervisor's fresh
+    process there waited as a spare to the end."""
+    hit = run.injection()
+    (healed,) = run.events("fault_healed")
+    hellos = run.events("hello")
+    (old,) = [e for e in hellos if e["rank"] == 1 and e["t"] < hit["t"]]
+    assert old["node"] == 1
+    took = [e for e in hellos if e["rank"] == 1 and e["t"] > hit["t"]]
+    assert [(e["node"], e["t"] < healed["t"]) for e in took] == [(0, True)], took
+    back = [e for e in hellos if e["t"] > healed["t"]]
+    assert [(e["role"], e["node"], e["slot"]) for e in back] == [("spare", 1, old["slot"])]
+    assert back[0]["pid"] != old["pid"]
+    # The old rank could only commit in generation 0; the spare's steps are generation 1's.
+    late = [e for e in run.events("step") if e["rank"] == 1 and e["t"] > healed["t"]]
+    assert late
+    assert {e["generation"] for e in late} == {1}, late
+    causes = [e["cause"] for e in run.detected(after=hit["t"])]
+    assert causes[0] == "heartbeat_timeout", causes
+    (ended,) = run.events("nodes_ended")
+    assert ended["restarts"] == [0, 0], ended
+
+
 EVIDENCE: dict[str, Callable[[Run], None]] = {
+    "nodes/freeze_node_hot_spare": _frozen_node_fenced_from_afar,
+    "nodes/kill_node_hot_spare": _node_replaced_by_spare,
     "nodes/kill_node_restart": _nodes_in_one_world([0, 1]),
     "nodes/kill_rank_in_node_restart": _rank_in_node,
     "nodes/partition_node_restart": _timed_out,

@@ -35,6 +35,30 @@ def test_each_node_runs_torchrun_meeting_at_node_0(tmp_path: Path) -> None:
     assert {"containers", "signals", "files"} <= kind.capabilities(spec.system)
 
 
+def test_hot_spare_puts_the_spares_on_node_0_after_its_ranks(tmp_path: Path) -> None:
+    """Node 0 runs its ranks and the spares (its slots come first in torchrun's order), the
+    others their ranks; every agent bounds torchrun's exit barrier, and a node that died
+    and stays down does not fail the job."""
+    spec = parse_scenario(scenario("  nodes: 2\n  per_node: 2\n  restart: 'no'\n  trainer: "
+                                   "{recovery: hot_spare, spares: 2, shards: 2}\n"))
+    kind = systems.of(spec.system)
+    launch = kind.launch(spec.system, run_dir=tmp_path, scenario_dir=tmp_path, seed=0)
+    assert isinstance(launch, NodesLaunch)
+    assert launch.world == 4
+    assert launch.node_loss_ok
+    assert "--nproc-per-node=4" in launch.node0_argv
+    assert "--nproc-per-node=2" in launch.argv
+    for argv in (launch.argv, launch.node0_argv):
+        for flag in ("harness.nodes.launcher", "--recovery=hot_spare", "--spares=2",
+                     "--first-spare=2", "--replicas=2", "--shards=2"):
+            assert flag in argv, flag
+    restart = parse_scenario(scenario(TRAINER)).system
+    plain = kind.launch(restart, run_dir=tmp_path, scenario_dir=tmp_path, seed=0)
+    assert isinstance(plain, NodesLaunch)
+    assert (plain.node0_argv, plain.node_loss_ok) == ((), False)
+    assert "torch.distributed.run" in plain.argv
+
+
 def test_the_twin_key_keeps_the_math_and_drops_the_pacing() -> None:
     kind = systems.get("nodes")
     slow = parse_scenario(scenario(TRAINER + "  restart: always\n  rdzv_conf: "
@@ -54,6 +78,10 @@ def test_the_twin_key_keeps_the_math_and_drops_the_pacing() -> None:
     ("  nodes: 3\n  trainer: {shards: 2}\n", "not a multiple of trainer.shards 2"),
     ("  nodes: 2\n  trainer: {}\n  world: 2\n", "`world` is for `program`"),
     ("  nodes: 2\n  trainer: {}\n  rdzv_conf: 'a b'\n", "rdzv_conf"),
+    ("  nodes: 2\n  trainer: {recovery: elastic}\n", "elastic is not offered across nodes"),
+    ("  nodes: 2\n  trainer: {recovery: hot_spare}\n", 'set restart: "no"'),
+    ("  nodes: 2\n  per_node: 2\n  trainer: {recovery: hot_spare, spares: 1}\n"
+     "  restart: 'no'\n", "set trainer.spares: 2 or more"),
 ])
 def test_a_malformed_nodes_block_is_refused(system: str, needle: str) -> None:
     with pytest.raises(SpecError) as caught:

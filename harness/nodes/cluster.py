@@ -37,6 +37,9 @@ from harness.nodes import image
 SUBNET_FIRST, SUBNET_COUNT = "198.18", 256
 RDZV_PORT = 29400  # torchrun's c10d rendezvous, hosted by node 0's agent
 FIRST_HOST = 10  # node i is .(10 + i); .1 is the bridge on the host
+#: A node's exit status when its init was SIGKILLed (node.kill, the kernel's OOM killer): the
+#: whole node died, as opposed to its launcher exiting with a status of its own.
+NODE_DIED = 128 + 9
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,13 +55,19 @@ class NodeState:
 
 
 def torchrun_argv(*, nodes: int, nproc: int, rdzv_host: str, run_id: str, max_restarts: int,
-                  log_dir: Path, program: Sequence[str], rdzv_conf: str = "") -> list[str]:
+                  log_dir: Path, program: Sequence[str], rdzv_conf: str = "",
+                  exit_barrier_s: float | None = None) -> list[str]:
     """torchrun on one node of ``nodes``, meeting the others through c10d rendezvous at node
-    0's agent; ranks are given by arrival at each rendezvous round, as torchrun does.
+    0's agent; global ranks follow the nodes' order in the rendezvous (torchrun sorts its
+    participants by host name: node0 first) and local ranks within a node.
     ``rdzv_conf`` is torchrun's ``--rdzv-conf`` (e.g. ``keep_alive_interval=1``): how soon
-    the survivors' agents give up on a lost node's agent."""
+    the survivors' agents give up on a lost node's agent. ``exit_barrier_s``: how long an
+    agent whose ranks finished waits for the other agents (torchrun: 300 s, no flag), through
+    ``harness.nodes.launcher``."""
+    launcher = ["torch.distributed.run"] if exit_barrier_s is None else \
+        ["harness.nodes.launcher", f"--exit-barrier={exit_barrier_s:g}"]
     return [
-        sys.executable, "-m", "torch.distributed.run",
+        sys.executable, "-m", *launcher,
         f"--nnodes={nodes}",
         f"--nproc-per-node={nproc}",
         "--rdzv-backend=c10d",
@@ -78,7 +87,7 @@ class Cluster:
 
     def __init__(self, *, run_id: str, run_dir: Path, nodes: int, env: Mapping[str, str],
                  cwd: Path, restart: str = "no", max_restarts: int = 0,
-                 mounts: Sequence[str] = ()) -> None:
+                 mounts: Sequence[str] = (), node_loss_ok: bool = False) -> None:
         if restart not in ("no", "on-failure", "always"):
             raise ValueError(f"restart {restart!r}: one of no, on-failure, always")
         self.run_id = run_id
@@ -89,6 +98,9 @@ class Cluster:
         self.restart = restart
         self.max_restarts = max_restarts
         self.mounts = list(mounts)
+        # A node that died (NODE_DIED) and stays down is a lost host, not the job's failure:
+        # the job is what the other nodes finish (hot_spare: node 0's spares took over).
+        self.node_loss_ok = node_loss_ok
         self.name = f"aftershock_{run_id[:16]}"
         self.containers: list[str] = []
         self.subnet: str | None = None
@@ -202,7 +214,10 @@ class Cluster:
         for state in states:
             if state.exit_code != 0 and self._may_restart(state):
                 return None
-        codes = [s.exit_code for s in states if s.exit_code != 0]
+        judged = states
+        if self.node_loss_ok:
+            judged = [s for s in states if s.exit_code != NODE_DIED] or states
+        codes = [s.exit_code for s in judged if s.exit_code != 0]
         return codes[0] if codes else 0
 
     def _may_restart(self, state: NodeState) -> bool:

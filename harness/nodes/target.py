@@ -50,7 +50,8 @@ class NodesTarget:
 
     def __init__(self, launch: Launch, *, run_dir: Path, run_id: str, timeline: Timeline,
                  nodes: int, restart: str, max_restarts: int,
-                 mounts: Sequence[str] = ()) -> None:
+                 mounts: Sequence[str] = (), node0_argv: Sequence[str] = (),
+                 node_loss_ok: bool = False) -> None:
         run_dir = run_dir.absolute()  # the same path in every node: an absolute one
         self.launch = launch
         self.run_dir = run_dir
@@ -62,7 +63,8 @@ class NodesTarget:
                 env.setdefault(name, os.environ[name])
         self.cluster = Cluster(run_id=run_id, run_dir=run_dir, nodes=nodes, env=env,
                                cwd=launch.cwd, restart=restart, max_restarts=max_restarts,
-                               mounts=mounts)
+                               mounts=mounts, node_loss_ok=node_loss_ok)
+        self.node0_argv = list(node0_argv)  # node 0's command, when not launch.argv
         self.coordinates: dict[int, tuple[int, int]] = {}  # rank -> (replica, shard)
         # host pid -> (rank, role) as the process said in its hello
         self._reported: dict[int, tuple[int | None, str | None]] = {}
@@ -86,7 +88,8 @@ class NodesTarget:
         if problem is not None:
             raise TargetError(f"a nodes system runs each node as a container: {problem}")
         try:
-            self.cluster.start([self.launch.argv] * self.cluster.nodes)
+            rest = [self.launch.argv] * (self.cluster.nodes - 1)
+            self.cluster.start([self.node0_argv or self.launch.argv, *rest])
         except Exception as exc:  # the engine refused: say what it said
             raise TargetError(f"cannot start {self.cluster.nodes} nodes: "
                               f"{type(exc).__name__}: {exc}") from exc

@@ -27,16 +27,25 @@ MAX_NODES = 8  # containers of one run; each costs a torchrun agent and its rank
 #: torchrun's rendezvous id: one per run is enough, since every run's nodes are on a network
 #: of their own.
 RDZV_ID = "aftershock"
+#: hot_spare: how long node 0's agent, its ranks done, waits for the lost node's agent (which
+#: never comes) in torchrun's exit barrier, instead of torchrun's 300 s.
+EXIT_BARRIER_S = 10.0
 
 
 class NodeTrainer(Strict):
     """The reference trainer on every rank of every node (``reference_impl.trainer``), its
-    world the nodes' ranks: ``nodes × per_node`` = replicas × ``shards``."""
+    world the nodes' ranks: ``nodes × per_node`` = replicas × ``shards``; under ``hot_spare``
+    node 0 runs ``spares`` more processes."""
 
     shards: int = Field(1, ge=1, le=64, description="tensor-parallel ranks per replica")
-    recovery: Literal["restart"] = Field(
+    recovery: Literal["restart", "hot_spare", "elastic"] = Field(
         "restart", description="restart: every node's torchrun relaunches its ranks, which "
-        "resume from the shared checkpoint (hot_spare and elastic across nodes: not yet)")
+        "resume from the shared checkpoint; hot_spare: warm spares on node 0 take over a lost "
+        "node's ranks from a live peer, nothing restarts; elastic: not across nodes "
+        "(docs/nodes.md says why)")
+    spares: int = Field(1, ge=1, le=16, description="hot_spare: warm standby processes, all "
+                        "on node 0 (which hosts the rendezvous and the controller): at least "
+                        "per_node, to replace every rank of a lost node")
     steps: int = Field(200, ge=1, le=MAX_STEPS, description="optimizer steps to train")
     checkpoint_every: int = Field(20, ge=1, le=MAX_STEPS,
                                   description="durable checkpoint interval, in steps")
@@ -83,7 +92,35 @@ class NodesSystem(Strict):
                              f"trainer.shards {self.trainer.shards}")
         if self.trainer is not None and self.world is not None:
             raise ValueError("`world` is for `program`: the trainer's is nodes × per_node")
+        if self.trainer is not None and self.trainer.recovery == "elastic":
+            raise ValueError(
+                "trainer.recovery elastic is not offered across nodes: a lost node's replica "
+                "could only come back on a fresh torchrun agent, and torchrun answers any new "
+                "agent by restarting every rank of the job (docs/nodes.md); use hot_spare or "
+                "restart")
+        if self.trainer is not None and self.trainer.recovery == "hot_spare":
+            spares = self.trainer.spares
+            if spares < self.per_node:
+                raise ValueError(
+                    f"hot_spare: trainer.spares {spares} cannot replace the {self.per_node} "
+                    f"ranks of a lost node (per_node); set trainer.spares: {self.per_node} or "
+                    "more")
+            if size + spares > MAX_WORLD:
+                raise ValueError(f"{size + spares} processes (nodes × per_node + "
+                                 f"trainer.spares); at most {MAX_WORLD}")
+            if self.restart != "no":
+                raise ValueError(
+                    f'hot_spare: restart {self.restart!r} would bring a lost node back as a new '
+                    "torchrun agent, which node 0's agent answers by restarting every rank "
+                    "(torchrun's membership change), throwing the spares' recovery away; set "
+                    'restart: "no" (the spares replace the node for good)')
         return self
+
+    @property
+    def spares(self) -> int:
+        """Processes on node 0 beyond its ranks: the trainer's spares under hot_spare."""
+        t = self.trainer
+        return t.spares if t is not None and t.recovery == "hot_spare" else 0
 
     def as_trainer(self) -> TrainerSystem:
         """The reference trainer these nodes run, as one host would run it (its flags, and
@@ -93,7 +130,8 @@ class NodesSystem(Strict):
         size = self.nodes * self.per_node
         return TrainerSystem(
             reference="trainer", world=World(replicas=size // t.shards, shards=t.shards),
-            recovery=t.recovery, steps=t.steps, checkpoint_every=t.checkpoint_every,
+            recovery=t.recovery, spares=t.spares, steps=t.steps,
+            checkpoint_every=t.checkpoint_every,
             collective_timeout=t.collective_timeout, step_sleep=t.step_sleep,
             max_restarts=self.max_restarts, timeout=self.timeout)
 
@@ -106,11 +144,15 @@ class NodesLaunch(Launch):
     restart: str = "on-failure"
     max_restarts: int = 0  # the engine's, per node
     mounts: tuple[str, ...] = ()
+    #: Node 0's command when it differs from the others' (``argv``): hot_spare's spares.
+    node0_argv: tuple[str, ...] = ()
+    #: A node that died and stays down is a lost host, not a failed job (Cluster.poll).
+    node_loss_ok: bool = False
 
 
 #: Settings that pace a run, detect or recover failures: never the math of a fault-free run.
 TIMING = ("restart", "node_restarts", "max_restarts", "rdzv_conf", "timeout", "env")
-TRAINER_TIMING = ("collective_timeout", "step_sleep", "checkpoint_every")
+TRAINER_TIMING = ("collective_timeout", "step_sleep", "checkpoint_every", "spares")
 
 
 class Nodes:
@@ -127,20 +169,29 @@ class Nodes:
         # Mounted at the same path in every node, whose processes run from another folder.
         run_dir = run_dir.absolute()
         mounts: tuple[str, ...] = ()
+        spares = system.spares
         if system.trainer is not None:
             program, cwd = trainer_program(system.as_trainer(), run_dir, seed), PROJECT_ROOT
+            if spares:  # node 0's slots come first: its ranks, then the spares
+                program.append(f"--first-spare={system.per_node}")
         else:
             assert system.program is not None
             program, cwd = list(system.program), scenario_dir.resolve()
             if not cwd.is_relative_to(PROJECT_ROOT):  # the project is every node's already
                 mounts = (f"{cwd}:{cwd}:ro",)
-        argv = torchrun_argv(nodes=system.nodes, nproc=system.per_node, rdzv_host="node0",
-                             run_id=RDZV_ID, max_restarts=system.max_restarts,
-                             log_dir=run_dir / "logs" / "torchrun",
-                             program=[*program, *extra_args], rdzv_conf=system.rdzv_conf)
-        return NodesLaunch(argv, cwd, dict(system.env), self.world(system), (),
-                           nodes=system.nodes, restart=system.restart,
-                           max_restarts=system.node_restarts, mounts=mounts)
+
+        def node_argv(nproc: int) -> list[str]:
+            return torchrun_argv(
+                nodes=system.nodes, nproc=nproc, rdzv_host="node0", run_id=RDZV_ID,
+                max_restarts=system.max_restarts, log_dir=run_dir / "logs" / "torchrun",
+                program=[*program, *extra_args], rdzv_conf=system.rdzv_conf,
+                exit_barrier_s=EXIT_BARRIER_S if spares else None)
+
+        node0 = tuple(node_argv(system.per_node + spares)) if spares else ()
+        return NodesLaunch(node_argv(system.per_node), cwd, dict(system.env),
+                           self.world(system), (), nodes=system.nodes, restart=system.restart,
+                           max_restarts=system.node_restarts, mounts=mounts,
+                           node0_argv=node0, node_loss_ok=bool(spares))
 
     def target(self, launch: Launch, *, run_dir: Path, run_id: str,
                timeline: Timeline) -> Target:
@@ -149,7 +200,8 @@ class Nodes:
         assert isinstance(launch, NodesLaunch), "a nodes system's launch comes from launch()"
         return NodesTarget(launch, run_dir=run_dir, run_id=run_id, timeline=timeline,
                            nodes=launch.nodes, restart=launch.restart,
-                           max_restarts=launch.max_restarts, mounts=launch.mounts)
+                           max_restarts=launch.max_restarts, mounts=launch.mounts,
+                           node0_argv=launch.node0_argv, node_loss_ok=launch.node_loss_ok)
 
     def capabilities(self, system: NodesSystem | None) -> frozenset[str]:
         from harness.nodes.target import NodesTarget

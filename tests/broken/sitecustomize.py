@@ -136,6 +136,21 @@ def snapshot_without_optimizer(resilient: ModuleType) -> None:
     resilient.Worker.restore_snapshots = broken
 
 
+def fence_by_pid(controller: ModuleType) -> None:
+    """The controller fences a silent member by SIGKILL to the pid it reported, wherever the
+    member runs. On one host that is right; a member on another node reported its pid in its
+    own PID namespace, which names some other process of the controller's node, or none."""
+    import contextlib
+    import signal
+
+    def broken(self: Any, proc: Any) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.alive = False
+
+    controller.Controller.fence = broken
+
+
 BUGS: dict[str, tuple[str, Callable[[ModuleType], None]]] = {
     "prune_before_commit": ("reference_impl.checkpoint", prune_before_commit),
     "quarantine_on_failed_agreement": ("reference_impl.checkpoint",
@@ -145,6 +160,7 @@ BUGS: dict[str, tuple[str, Callable[[ModuleType], None]]] = {
     "stale_snapshot": ("reference_impl.resilient", stale_snapshot),
     "full_average": ("reference_impl.resilient", full_average),
     "snapshot_without_optimizer": ("reference_impl.resilient", snapshot_without_optimizer),
+    "fence_by_pid": ("reference_impl.controller", fence_by_pid),
 }
 
 
