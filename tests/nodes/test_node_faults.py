@@ -118,8 +118,18 @@ def test_kill_ends_the_node_and_its_restart_policy_brings_it_back(udp_nodes: Any
     assert "SIGKILL" in applied.detail
     # Every process of the node died at once, as with a host that lost power.
     assert _wait(lambda: not any(r.alive() for r in victims), 10)
-    back = _docker.wait_status(cluster.api, cluster.containers[1], ["running"], 20)
-    assert back is not None
+    # "running" alone may still be the state from before the death (the engine had not
+    # seen it yet under load): wait for the restart itself.
+    seen: list[Any] = []
+
+    def restarted() -> bool:
+        state = _docker.inspect(cluster.api, cluster.containers[1])
+        seen.append(state)
+        return (state is not None and state.status == "running"
+                and state.restarts > before.restarts)
+
+    assert _wait(restarted, 20), seen[-1:]
+    back = seen[-1]
     assert back.restarts == before.restarts + 1
     assert back.pid != before.pid
     again = time.monotonic()
