@@ -2,12 +2,22 @@
 
 ``python -m bench.harness_overhead [SCENARIO ...]`` (default: the shipped 2-rank training
 scenario ``scenarios/faults/process_term_restart.yaml``) runs each scenario through the CLI
-twice with a fresh cache folder: the first run pays the one-off work (the fault-free twin,
-the platform line of the goldens), the second is what every later run of the scenario
-costs. For each run it reports the CLI process's wall time, the job's span (the harness's
-``launch`` event to its ``teardown`` event, which comes right after the job's launcher has
-exited) and their difference: the harness's own time (start-up, preflight, the reaper,
-checks, report) plus any twin or oracle it ran. Results go to
+with a fresh cache folder: once first, which pays the one-off work (the fault-free twin, the
+platform line of the goldens), then ``--repeat`` times cached, which is what every later run
+of the scenario costs. For each run it reports the CLI process's wall time, the job's span
+(the harness's ``launch`` event to its ``teardown`` event, which comes right after the job's
+launcher has exited) and their difference: the harness's own time (start-up, preflight, the
+reaper, checks, report) plus any twin or oracle it ran. That difference is split into the
+time from the CLI's start to ``launch`` and from ``teardown`` to the CLI's exit (one
+monotonic clock for every process), and the CLI process's own CPU time (user + system, its
+children excluded; read from ``/proc/PID/stat`` once it has exited, before it is reaped) is
+given beside it: the wall times grow with the machine's load, the CPU time much less.
+
+Bytecode: the CLI gets a private ``PYTHONPYCACHEPREFIX`` (in the temporary folder) and no
+``PYTHONDONTWRITEBYTECODE``, so the first run compiles the sources and the later ones load
+``.pyc`` files, as an installed aftershock does (pip writes them at install). With
+``--env-bytecode`` the caller's environment decides (``PYTHONDONTWRITEBYTECODE=1`` compiles
+every harness module again on every run). Results go to
 ``bench/results/harness_overhead.{json,md}``.
 """
 
@@ -16,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -26,28 +37,52 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
 DEFAULT = REPO / "scenarios" / "faults" / "process_term_restart.yaml"
+#: The cached run must cost at most this much beyond its job (docs/benchmarks.md, targets).
+TARGET_S = 1.0
 
 
-def one_run(scenario: Path, cache: Path, run_dir: Path) -> dict[str, Any]:
+def own_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` itself (not its children), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    # After the name: state is field 3, utime 14 and stime 15 (1-based, man 5 proc).
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def one_run(scenario: Path, cache: Path, run_dir: Path, env_bytecode: bool) -> dict[str, Any]:
     env = {**os.environ, "AFTERSHOCK_CACHE_DIR": str(cache),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "harness", "run", str(scenario),
-                           "--run-dir", str(run_dir)], env=env, cwd=REPO, capture_output=True,
-                          text=True, timeout=900, check=False)
-    wall = time.monotonic() - started
+    if not env_bytecode:
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        env["PYTHONPYCACHEPREFIX"] = str(cache.parent / "pycache")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    # Files, not pipes: the CLI must never block on a full pipe while it is being waited for.
+    with open(run_dir / "cli.out", "w+") as out:
+        started = time.monotonic()
+        proc = subprocess.Popen([sys.executable, "-m", "harness", "run", str(scenario),
+                                 "--run-dir", str(run_dir)], env=env, cwd=REPO,
+                                stdout=out, stderr=subprocess.STDOUT)
+        # Wait without reaping: its /proc entry (and its CPU times) stays until it is reaped.
+        os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
+        exited = time.monotonic()
+        cpu = own_cpu_s(proc.pid)
+        code = proc.wait(timeout=60)
+        out.seek(0)
+        output = out.read()
+    wall = exited - started
     # --run-dir is the parent of the run's own folder (named after the scenario).
     found = sorted(run_dir.glob("*/events.jsonl"))
     if not found:
-        raise SystemExit(f"no run folder under {run_dir} (exit {proc.returncode}):\n"
-                         f"{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+        raise SystemExit(f"no run folder under {run_dir} (exit {code}):\n{output[-4000:]}")
     events = [json.loads(line) for line in found[0].read_text().splitlines() if line.strip()]
     harness = {e["event"]: e["t"] for e in events if e.get("source") == "harness"}
-    job = harness["teardown"] - harness["launch"] if {"launch", "teardown"} <= set(harness) \
-        else None
-    return {"exit": proc.returncode, "wall_s": round(wall, 2),
+    spans = {"launch", "teardown"} <= set(harness)
+    job = harness["teardown"] - harness["launch"] if spans else None
+    return {"exit": code, "wall_s": round(wall, 2),
             "job_s": None if job is None else round(job, 2),
             "harness_s": None if job is None else round(wall - job, 2),
+            "to_launch_s": round(harness["launch"] - started, 3) if spans else None,
+            "after_teardown_s": round(exited - harness["teardown"], 3) if spans else None,
+            "cli_cpu_s": round(cpu, 2),
             "loadavg": round(os.getloadavg()[0], 1)}
 
 
@@ -55,28 +90,46 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.harness_overhead", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("scenarios", nargs="*", type=Path, default=[DEFAULT])
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="cached runs per scenario (the verdict takes their median)")
+    parser.add_argument("--env-bytecode", action="store_true",
+                        help="leave bytecode caching to the environment (see above)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory(prefix="aftershock-harness-overhead-") as tmp:
         for scenario in args.scenarios:
             cache = Path(tmp) / f"cache-{scenario.stem}"
-            for attempt in ("first", "cached"):
-                result = one_run(scenario, cache, Path(tmp) / f"{scenario.stem}-{attempt}")
+            for attempt in ["first"] + [f"cached {i + 1}" for i in range(args.repeat)]:
+                result = one_run(scenario, cache,
+                                 Path(tmp) / f"{scenario.stem}-{attempt.replace(' ', '')}",
+                                 args.env_bytecode)
                 rows.append({"scenario": str(scenario.relative_to(REPO)
                                              if scenario.is_relative_to(REPO) else scenario),
                              "run": attempt, **result})
                 print(json.dumps(rows[-1]), flush=True)
-    lines = ["| scenario | run | exit | CLI wall s | job s (launch → teardown) | harness s | "
-             "load average |", "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    bytecode = ("as the environment says (PYTHONDONTWRITEBYTECODE="
+                f"{os.environ.get('PYTHONDONTWRITEBYTECODE', '')!r})" if args.env_bytecode
+                else "private .pyc cache, written by the first run")
+    lines = [f"bytecode: {bytecode}", "",
+             "| scenario | run | exit | CLI wall s | job s (launch → teardown) | harness s | "
+             "start → launch s | teardown → exit s | CLI CPU s | load average |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     lines += [f"| `{r['scenario']}` | {r['run']} | {r['exit']} | {r['wall_s']} | {r['job_s']} "
-              f"| {r['harness_s']} | {r['loadavg']} |" for r in rows]
+              f"| {r['harness_s']} | {r['to_launch_s']} | {r['after_teardown_s']} "
+              f"| {r['cli_cpu_s']} | {r['loadavg']} |" for r in rows]
     lines.append("")
-    for r in rows:
-        if r["run"] == "cached":
-            value, met = r["harness_s"], r["harness_s"] is not None and r["harness_s"] <= 1.0
-            lines.append(f"- `{r['scenario']}`: harness time beyond the job, twin cached, "
-                         f"<= 1 s: {value} -> {'met' if met else 'NOT met'}")
+    for name in dict.fromkeys(r["scenario"] for r in rows):
+        cached = [r["harness_s"] for r in rows if r["scenario"] == name
+                  and r["run"].startswith("cached") and r["harness_s"] is not None]
+        if not cached:
+            lines.append(f"- `{name}`: no cached run recorded its launch and teardown")
+            continue
+        value = round(statistics.median(cached), 2)
+        met = value <= TARGET_S
+        lines.append(f"- `{name}`: harness time beyond the job, twin cached (median of "
+                     f"{len(cached)}), <= {TARGET_S:g} s: {value} -> "
+                     f"{'met' if met else 'NOT met'}")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "harness_overhead.json").write_text(json.dumps(rows, indent=1) + "\n")
     (args.out / "harness_overhead.md").write_text("\n".join(lines) + "\n")
