@@ -17,7 +17,12 @@ Bytecode: the CLI gets a private ``PYTHONPYCACHEPREFIX`` (in the temporary folde
 ``PYTHONDONTWRITEBYTECODE``, so the first run compiles the sources and the later ones load
 ``.pyc`` files, as an installed aftershock does (pip writes them at install). With
 ``--env-bytecode`` the caller's environment decides (``PYTHONDONTWRITEBYTECODE=1`` compiles
-every harness module again on every run). Results go to
+every harness module again on every run).
+
+``--against DIR`` measures another checkout (e.g. ``git worktree add /tmp/before COMMIT``)
+side by side: its runs alternate with this checkout's, each with a cache of its own.
+``--startup N`` times ``aftershock --help`` and ``aftershock validate scenarios/`` N times
+(in each checkout, alternating; CPU from ``wait4``). Results go to
 ``bench/results/harness_overhead.{json,md}``.
 """
 
@@ -48,18 +53,26 @@ def own_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def one_run(scenario: Path, cache: Path, run_dir: Path, env_bytecode: bool) -> dict[str, Any]:
-    env = {**os.environ, "AFTERSHOCK_CACHE_DIR": str(cache),
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    if not env_bytecode:
+def cli_env(repo: Path, pycache: Path | None) -> dict[str, str]:
+    """The CLI's environment: ``repo`` first on the path; a private .pyc cache unless None."""
+    env = {**os.environ,
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))}
+    if pycache is not None:
         env.pop("PYTHONDONTWRITEBYTECODE", None)
-        env["PYTHONPYCACHEPREFIX"] = str(cache.parent / "pycache")
+        env["PYTHONPYCACHEPREFIX"] = str(pycache)
+    return env
+
+
+def one_run(scenario: Path, cache: Path, run_dir: Path, env_bytecode: bool,
+            repo: Path = REPO) -> dict[str, Any]:
+    env = {**cli_env(repo, None if env_bytecode else cache.parent / "pycache"),
+           "AFTERSHOCK_CACHE_DIR": str(cache)}
     run_dir.mkdir(parents=True, exist_ok=True)
     # Files, not pipes: the CLI must never block on a full pipe while it is being waited for.
     with open(run_dir / "cli.out", "w+") as out:
         started = time.monotonic()
         proc = subprocess.Popen([sys.executable, "-m", "harness", "run", str(scenario),
-                                 "--run-dir", str(run_dir)], env=env, cwd=REPO,
+                                 "--run-dir", str(run_dir)], env=env, cwd=repo,
                                 stdout=out, stderr=subprocess.STDOUT)
         # Wait without reaping: its /proc entry (and its CPU times) stays until it is reaped.
         os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
@@ -86,6 +99,16 @@ def one_run(scenario: Path, cache: Path, run_dir: Path, env_bytecode: bool) -> d
             "loadavg": round(os.getloadavg()[0], 1)}
 
 
+def startup(repo: Path, argv: list[str], pycache: Path | None) -> tuple[float, float]:
+    """CPU (user + system, from wait4) and wall seconds of ``python -m harness ARGV``."""
+    started = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "harness", *argv], cwd=repo,
+                            env=cli_env(repo, pycache), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    _, _, usage = os.wait4(proc.pid, 0)
+    return usage.ru_utime + usage.ru_stime, time.monotonic() - started
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.harness_overhead", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -94,44 +117,84 @@ def main(argv: list[str] | None = None) -> int:
                         help="cached runs per scenario (the verdict takes their median)")
     parser.add_argument("--env-bytecode", action="store_true",
                         help="leave bytecode caching to the environment (see above)")
+    parser.add_argument("--against", type=Path, metavar="DIR",
+                        help="another checkout, measured side by side (see above)")
+    parser.add_argument("--startup", type=int, default=0, metavar="N",
+                        help="time --help and validate N times (in each checkout)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
-    rows = []
+    codes = {"this": REPO} if args.against is None else {"this": REPO,
+                                                         "against": args.against.resolve()}
+    rows: list[dict[str, Any]] = []
+    starts: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="aftershock-harness-overhead-") as tmp:
         for scenario in args.scenarios:
-            cache = Path(tmp) / f"cache-{scenario.stem}"
-            for attempt in ["first"] + [f"cached {i + 1}" for i in range(args.repeat)]:
-                result = one_run(scenario, cache,
-                                 Path(tmp) / f"{scenario.stem}-{attempt.replace(' ', '')}",
-                                 args.env_bytecode)
-                rows.append({"scenario": str(scenario.relative_to(REPO)
-                                             if scenario.is_relative_to(REPO) else scenario),
-                             "run": attempt, **result})
-                print(json.dumps(rows[-1]), flush=True)
+            relative = scenario.resolve().relative_to(REPO) \
+                if scenario.resolve().is_relative_to(REPO) else None
+            for index, attempt in enumerate(
+                    ["first"] + [f"cached {i + 1}" for i in range(args.repeat)]):
+                # Alternate which code goes first, so a load that changes hurts both alike.
+                for code in list(codes)[:: 1 if index % 2 == 0 else -1]:
+                    repo = codes[code]
+                    path = repo / relative if relative is not None else scenario
+                    cache = Path(tmp) / f"cache-{code}-{scenario.stem}"
+                    result = one_run(path, cache, Path(tmp) / f"{code}-{scenario.stem}-{index}",
+                                     args.env_bytecode, repo)
+                    rows.append({"scenario": str(relative or scenario), "code": code,
+                                 "run": attempt, **result})
+                    print(json.dumps(rows[-1]), flush=True)
+        for index in range(args.startup):
+            for code in list(codes)[:: 1 if index % 2 == 0 else -1]:
+                # The runs' .pyc cache (one_run), so the first startup compiles nothing.
+                pycache = None if args.env_bytecode else Path(tmp) / "pycache"
+                for command in (["--help"], ["validate", "scenarios"]):
+                    cpu, wall = startup(codes[code], command, pycache)
+                    starts.append({"code": code, "command": " ".join(command),
+                                   "cpu_s": round(cpu, 3), "wall_s": round(wall, 3),
+                                   "loadavg": round(os.getloadavg()[0], 1)})
     bytecode = ("as the environment says (PYTHONDONTWRITEBYTECODE="
                 f"{os.environ.get('PYTHONDONTWRITEBYTECODE', '')!r})" if args.env_bytecode
                 else "private .pyc cache, written by the first run")
-    lines = [f"bytecode: {bytecode}", "",
-             "| scenario | run | exit | CLI wall s | job s (launch → teardown) | harness s | "
-             "start → launch s | teardown → exit s | CLI CPU s | load average |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    lines += [f"| `{r['scenario']}` | {r['run']} | {r['exit']} | {r['wall_s']} | {r['job_s']} "
-              f"| {r['harness_s']} | {r['to_launch_s']} | {r['after_teardown_s']} "
-              f"| {r['cli_cpu_s']} | {r['loadavg']} |" for r in rows]
+    lines = [f"bytecode: {bytecode}", ""]
+    if args.against is not None:
+        lines += [f"this: {REPO}; against: {codes['against']}", ""]
+    lines += ["| scenario | code | run | exit | CLI wall s | job s (launch → teardown) | "
+              "harness s | start → launch s | teardown → exit s | CLI CPU s | load average |",
+              "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines += [f"| `{r['scenario']}` | {r['code']} | {r['run']} | {r['exit']} | {r['wall_s']} "
+              f"| {r['job_s']} | {r['harness_s']} | {r['to_launch_s']} "
+              f"| {r['after_teardown_s']} | {r['cli_cpu_s']} | {r['loadavg']} |" for r in rows]
     lines.append("")
     for name in dict.fromkeys(r["scenario"] for r in rows):
-        cached = [r["harness_s"] for r in rows if r["scenario"] == name
-                  and r["run"].startswith("cached") and r["harness_s"] is not None]
-        if not cached:
-            lines.append(f"- `{name}`: no cached run recorded its launch and teardown")
-            continue
-        value = round(statistics.median(cached), 2)
-        met = value <= TARGET_S
-        lines.append(f"- `{name}`: harness time beyond the job, twin cached (median of "
-                     f"{len(cached)}), <= {TARGET_S:g} s: {value} -> "
-                     f"{'met' if met else 'NOT met'}")
+        for code in codes:
+            cached = [r for r in rows if r["scenario"] == name and r["code"] == code
+                      and r["run"].startswith("cached") and r["harness_s"] is not None]
+            if not cached:
+                lines.append(f"- `{name}` ({code}): no cached run recorded its launch and "
+                             "teardown")
+                continue
+            med = {k: round(statistics.median(r[k] for r in cached), 3)
+                   for k in ("harness_s", "to_launch_s", "after_teardown_s", "cli_cpu_s")}
+            met = med["harness_s"] <= TARGET_S
+            lines.append(
+                f"- `{name}` ({code}): harness time beyond the job, twin cached (median of "
+                f"{len(cached)}), <= {TARGET_S:g} s: {med['harness_s']} -> "
+                f"{'met' if met else 'NOT met'}; start → launch {med['to_launch_s']} s, "
+                f"teardown → exit {med['after_teardown_s']} s, CLI CPU {med['cli_cpu_s']} s")
+    if starts:
+        lines += ["", "| command | code | CPU s (median) | wall s (median) | runs | load average |",
+                  "| --- | --- | ---: | ---: | ---: | ---: |"]
+        for command in dict.fromkeys(r["command"] for r in starts):
+            for code in codes:
+                mine = [r for r in starts if r["command"] == command and r["code"] == code]
+                lines.append(
+                    f"| `aftershock {command}` | {code} "
+                    f"| {statistics.median(r['cpu_s'] for r in mine):.3f} "
+                    f"| {statistics.median(r['wall_s'] for r in mine):.3f} | {len(mine)} "
+                    f"| {min(r['loadavg'] for r in mine)}–{max(r['loadavg'] for r in mine)} |")
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "harness_overhead.json").write_text(json.dumps(rows, indent=1) + "\n")
+    (args.out / "harness_overhead.json").write_text(
+        json.dumps({"runs": rows, "startup": starts}, indent=1) + "\n")
     (args.out / "harness_overhead.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
