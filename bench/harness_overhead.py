@@ -121,10 +121,15 @@ def one_run(scenario: Path, cache: Path, run_dir: Path, env_bytecode: bool,
     if not found:
         raise SystemExit(f"no run folder under {run_dir} (exit {code}):\n{output[-4000:]}")
     events = [json.loads(line) for line in found[0].read_text().splitlines() if line.strip()]
+    # The verdict too: a fast run that checked nothing, or got recovery wrong, is no result.
+    record = found[0].parent / "result.json"
+    checks = json.loads(record.read_text()).get("checks", []) if record.exists() else []
+    failed = [c["name"] for c in checks if not c["passed"]]
     harness = {e["event"]: e["t"] for e in events if e.get("source") == "harness"}
     spans = {"launch", "teardown"} <= set(harness)
     job = harness["teardown"] - harness["launch"] if spans else None
-    return {"exit": code, "wall_s": round(wall, 2),
+    return {"exit": code, "failed": failed if checks else ["no result.json"],
+            "wall_s": round(wall, 2),
             "job_s": None if job is None else round(job, 2),
             "harness_s": None if job is None else round(wall - job, 2),
             "to_launch_s": round(harness["launch"] - started, 3) if spans else None,
@@ -196,13 +201,14 @@ def main(argv: list[str] | None = None) -> int:
                 else "private .pyc cache, written by the first run")
     lines = [f"bytecode: {bytecode}", ""]
     if args.against is not None:
-        lines += [f"this: {REPO}; against: {codes['against']}", ""]
-    lines += ["| scenario | code | run | exit | CLI wall s | job s (launch → teardown) | "
-              "harness s | start → launch s | teardown → exit s | CLI CPU s | of it to launch "
-              "| of it after teardown | load average |",
-              "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
-              "| ---: |"]
-    lines += [f"| `{r['scenario']}` | {r['code']} | {r['run']} | {r['exit']} | {r['wall_s']} "
+        lines += [f"this: this checkout; against: {args.against}", ""]
+    lines += ["| scenario | code | run | exit | failed checks | CLI wall s "
+              "| job s (launch → teardown) | harness s | start → launch s | teardown → exit s "
+              "| CLI CPU s | of it to launch | of it after teardown | load average |",
+              "| --- | --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+              "| ---: | ---: |"]
+    lines += [f"| `{r['scenario']}` | {r['code']} | {r['run']} | {r['exit']} "
+              f"| {', '.join(r['failed']) or '–'} | {r['wall_s']} "
               f"| {r['job_s']} | {r['harness_s']} | {r['to_launch_s']} "
               f"| {r['after_teardown_s']} | {r['cli_cpu_s']} | {r['cpu_to_launch_s']} "
               f"| {r['cpu_after_teardown_s']} | {r['loadavg']} |" for r in rows]
