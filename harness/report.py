@@ -10,7 +10,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
-from xml.etree import ElementTree as ET
 
 from rich.console import Console, Group
 from rich.live import Live
@@ -350,6 +349,9 @@ def junit_xml(results: Sequence[RunResult], html: Path | None = None) -> str:
     """One <testcase> per scenario run; a failed check is a <failure>. Each carries its run
     folder and, with ``html``, the HTML report (``#run-N`` for the Nth run of several) as
     properties, for a CI page to link."""
+    # Here, not at the top: most runs write no JUnit, and ElementTree costs ~4 ms to import.
+    from xml.etree import ElementTree as ET
+
     suite = ET.Element(
         "testsuite",
         name="aftershock",

@@ -3,6 +3,12 @@ suite, so its pure parts are tested here (a renamed metric once broke it silentl
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
 from harness.records import Event
 
 
@@ -153,3 +159,53 @@ def test_router_cpu_counts_every_token_with_and_without_the_journal(tmp_path) ->
     assert result["bare"]["median"] > 0
     assert result["journal"]["median"] > 0
     assert result["journal_extra_us"] == result["journal"]["median"] - result["bare"]["median"]
+
+
+def _cpu_split(folder: Path) -> tuple[float, float, float]:
+    """A stand-in CLI (a real process) burns 0.2 s of CPU before its launch event, 0.1 s
+    between launch and teardown, while a child of its own burns 0.3 s, and 0.15 s after
+    teardown; what bench.harness_overhead charges to each part."""
+    from bench.harness_overhead import own_cpu_s, watch
+
+    timeline = folder / "run" / "events.jsonl"
+    timeline.parent.mkdir()
+    code = f"""
+import json, subprocess, sys, time
+def burn(s):
+    end = time.process_time() + s
+    while time.process_time() < end:
+        pass
+def emit(name):
+    with open({str(timeline)!r}, "a") as f:
+        f.write(json.dumps({{"t": time.monotonic(), "event": name, "source": "harness"}},
+                           separators=(",", ":")) + "\\n")
+burn(0.2); emit("launch")
+subprocess.run([sys.executable, "-c", "import time\\nt = time.process_time() + 0.3\\n"
+                "while time.process_time() < t: pass"], check=True)
+burn(0.1); emit("teardown"); time.sleep(0.05); burn(0.15)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    cpu_at = watch(proc.pid, folder)
+    total = own_cpu_s(proc.pid)
+    assert proc.wait(timeout=30) == 0
+    return cpu_at["launch"], cpu_at["teardown"] - cpu_at["launch"], total - cpu_at["teardown"]
+
+
+def test_harness_overhead_charges_the_clis_own_cpu_to_each_side_of_the_job(
+        tmp_path: Path) -> None:
+    before, during, after = _cpu_split(tmp_path)
+    assert 0.18 <= before <= 0.3
+    assert 0.08 <= during <= 0.2  # the child's 0.3 s is not the CLI's
+    assert 0.13 <= after <= 0.25
+
+
+def test_harness_overhead_cpu_check_catches_a_reading_that_counts_the_children(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import bench.harness_overhead
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "broken"))
+    from bench_cpu import own_cpu_s_with_children
+
+    monkeypatch.setattr(bench.harness_overhead, "own_cpu_s", own_cpu_s_with_children)
+    _, during, _ = _cpu_split(tmp_path)
+    assert during > 0.35  # the child's CPU shows: the check above would fail

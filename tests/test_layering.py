@@ -10,6 +10,8 @@ from pathlib import Path
 
 from _helpers import ROOT
 
+BROKEN = ROOT / "tests" / "broken" / "layering"
+
 
 def imports(folder: Path) -> dict[Path, set[str]]:
     found: dict[Path, set[str]] = {}
@@ -46,3 +48,58 @@ def test_the_probe_and_the_in_process_engine_import_only_the_standard_library() 
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           cwd=ROOT, timeout=60, check=True)
     assert done.stdout.strip() == "[]"
+
+
+def loaded(modules: list[str], *, argv: list[str] | None = None,
+           path: Path | None = None) -> set[str]:
+    """Every module a fresh interpreter has loaded after importing ``modules`` (then, with
+    ``argv``, after running ``python -m harness ARGV`` to its exit)."""
+    code = "import importlib, runpy, sys\n"
+    if path is not None:
+        code += f"sys.path.insert(0, {str(path)!r})\n"
+    code += f"for name in {modules!r}: importlib.import_module(name)\n"
+    if argv is not None:
+        code += (f"sys.argv = ['aftershock', *{argv!r}]\n"
+                 "try:\n    runpy.run_module('harness', run_name='__main__')\n"
+                 "except SystemExit:\n    pass\n")
+    code += "print('modules:', *sorted(sys.modules))"  # the last line, after any help text
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=ROOT, timeout=60, check=True)
+    last = done.stdout.splitlines()[-1].split()
+    assert last[0] == "modules:", done.stdout
+    return set(last[1:])
+
+
+def tops(modules: set[str]) -> set[str]:
+    return {m.split(".")[0] for m in modules}
+
+
+#: Never needed to start the command line or print its help: each costs tens of milliseconds
+#: of every `aftershock` call, or is an optional extra (docs/benchmarks.md, "What `aftershock
+#: run` costs beyond the job").
+NOT_FOR_HELP = {"pydantic", "pydantic_core", "yaml", "faults", "torch", "docker", "hypothesis",
+                "jinja2", "numpy"}
+#: Not needed to load and run a training scenario: the serving client's HTTP, JUnit's XML,
+#: and what lives behind its own extra.
+NOT_FOR_A_RUN = {"http.client", "ssl", "xml.etree.ElementTree", "torch", "docker",
+                 "hypothesis", "numpy"}
+RUN_PATH = ["harness.cli", "harness.runner", "harness.report", "harness.spec"]
+
+
+def test_the_command_line_and_its_help_load_no_heavy_module() -> None:
+    for found in (loaded(["harness.cli"]), loaded([], argv=["--help"])):
+        heavy = tops(found) & NOT_FOR_HELP
+        assert not heavy
+        assert {m for m in found if m.startswith("harness.")} == {"harness.cli"}
+
+
+def test_the_run_path_loads_neither_serving_nor_junit_nor_optional_extras() -> None:
+    found = loaded(RUN_PATH)
+    needless = (found | tops(found)) & NOT_FOR_A_RUN
+    assert not needless
+
+
+def test_the_import_checks_catch_a_command_line_that_imports_eagerly() -> None:
+    found = loaded(["eager_cli"], path=BROKEN)
+    assert {"pydantic", "yaml", "faults"} <= tops(found) & NOT_FOR_HELP
+    assert {"http.client", "xml.etree.ElementTree"} <= found & NOT_FOR_A_RUN

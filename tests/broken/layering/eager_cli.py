@@ -1,0 +1,12 @@
+"""Deliberately broken: a command line that imports, at import, what only some of its
+commands need (the scenario models, JUnit's ElementTree, the serving client's http.client,
+the Docker SDK's engine module), as harness/cli.py, harness/report.py and harness/loadgen.py
+did or could. tests/test_layering.py shows its import checks catch each of them."""
+
+from __future__ import annotations
+
+import http.client  # noqa: F401
+from xml.etree import ElementTree  # noqa: F401
+
+import harness.cli
+import harness.spec  # noqa: F401
