@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv demo test test-fast test-scenarios test-explore torchft fuzz lint typecheck docs bench clean docker-engine
+.PHONY: venv bytecode demo test test-fast test-scenarios test-explore torchft fuzz lint typecheck docs bench clean docker-engine
 
 venv: $(STAMP)
 
@@ -23,12 +23,17 @@ demo: venv
 
 # Everything but the sweep over every shipped scenario and the search for broken trainers,
 # which CI runs as steps of their own.
-test: venv
+# The project's own modules compiled once, as an install would: the tests start hundreds of
+# Python processes, which otherwise each compile them again where PYTHONDONTWRITEBYTECODE is set.
+bytecode: venv
+	$(PY) -m compileall -q -j 0 harness faults reference_impl bench tests examples _aftershock_pytestplugin.py
+
+test: venv bytecode
 	$(PY) -m pytest -m "not scenarios and not explore"
 
 # Every shipped scenario, through the CLI and the pytest plugin, with its timeline evidence.
 # The scenario sweep runs examples/torchft_ddp too, so it installs torchft first.
-test-scenarios: torchft
+test-scenarios: torchft bytecode
 	$(PY) -m pytest -m scenarios
 
 # torchft 0.2.0 without its dependencies, so it cannot pull a CUDA build of torch over the
@@ -45,10 +50,10 @@ docker-engine: venv
 
 # aftershock explore against deliberately broken reference trainers that every shipped
 # scenario misses: each must be found and shrunk within 40 runs (tests/test_explore_broken.py).
-test-explore: venv
+test-explore: venv bytecode
 	$(PY) -m pytest -m explore
 
-test-fast: venv
+test-fast: venv bytecode
 	$(PY) -m pytest -m "not slow and not scenarios and not explore"
 
 # 10,000 malformed scenario files through the loader, and 1,250 of them through
