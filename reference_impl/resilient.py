@@ -38,7 +38,6 @@ import contextlib
 import gc
 import hashlib
 import io
-import json
 import os
 import queue
 import signal
@@ -56,7 +55,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from harness import probe
-from reference_impl import _store, checkpoint, controller
+from reference_impl import _snapshots, _store, checkpoint, controller
 from reference_impl.model import (
     Layout,
     ParallelBlock,
@@ -201,29 +200,21 @@ class Worker:
                 self.gen_changed.clear()
 
     def _snapshot_sender(self) -> None:
-        store = _store.connect(self.host, self.port)
-        every = max(self.cfg.snapshot_every, 1)
+        sender: _snapshots.Sender | None = None
         while (item := self.snapshots.get()) is not None:
             step, shard, flat = item
-            header = json.dumps({"step": step, "shard": shard}).encode()
-            # One copy of the state into the message (a tobytes() and a concatenation made
-            # two more, 3 MB each for the bench's model, with the GIL held).
-            # (numpy's stubs do not declare the buffer protocol its arrays implement.)
-            view = memoryview(flat.numpy())  # type: ignore[arg-type]
-            payload = b"".join((header, b"\n", view))
             with contextlib.suppress(Exception):
-                # torch's annotation says str; the binding takes bytes (a snapshot is binary).
-                store.set(f"snap/{shard}/{(step // every) % 2}", payload)  # type: ignore[arg-type]
+                if sender is None:  # the controller publishes it before the first plan
+                    sender = _snapshots.Sender(self.store.get("snapshots").decode())
+                # The tensor's own memory, no copy in Python: the kernel copies it while
+                # sendall has released the GIL. (numpy's stubs do not declare the buffer
+                # protocol its arrays implement.)
+                sender.put(shard, step, memoryview(flat.numpy()).cast("B"))  # type: ignore[arg-type]
 
     def read_snapshot(self, shard: int) -> dict[int, torch.Tensor]:
-        found = {}
-        for k in (0, 1):
-            key = f"snap/{shard}/{k}"
-            if _store.has(self.store, key):
-                header, _, data = self.store.get(key).partition(b"\n")
-                step = json.loads(header)["step"]
-                found[step] = torch.frombuffer(bytearray(data), dtype=torch.float32)
-        return found
+        """The controller's snapshots of ``shard``: step -> flat state."""
+        held = _snapshots.fetch(self.store.get("snapshots").decode(), shard)
+        return {step: torch.frombuffer(data, dtype=torch.float32) for step, data in held.items()}
 
     # -- state ------------------------------------------------------------------------------
 
@@ -489,7 +480,10 @@ class Worker:
                 self.verified, self.candidate = self.candidate, None
             if cfg.fingerprint_every and step % cfg.fingerprint_every == 0:
                 self.check_fingerprints(g, step)
-            if snapshotter and step % cfg.snapshot_every == 0 and not self.snapshots.full():
+            # Never a state the replicas disagree on (the fingerprints just differed: the
+            # vote rolls every member back at the next step).
+            if snapshotter and step % cfg.snapshot_every == 0 and not self.mismatch \
+                    and not self.snapshots.full():
                 # Lazy: if the sender is still busy with the previous one, skip this one. The
                 # state just fingerprinted is this step's: share it (both are read-only).
                 fresh = self.candidate if self.candidate and self.candidate[0] == step else None
