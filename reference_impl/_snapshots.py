@@ -10,8 +10,8 @@ cost the sender ~3 ms of CPU per snapshot, most of it with the GIL held, so the 
 thread waited (the header's concatenation, pybind's copy of the bytes into a ``std::string``),
 and the store's thread in the controller ~1.5 ms more. Here the sender's ``sendall`` releases
 the GIL while the kernel copies the tensor's own memory, and the server receives straight into
-a buffer it keeps (``python -m bench --only hot_spare,hot_spare_nosnap`` measures the
-difference; docs/benchmarks.md).
+a buffer it keeps: the sending thread's CPU went from 0.6 to 0.03 ms per training step
+with a snapshot every 10 (docs/benchmarks.md).
 
 Wire format, over one TCP connection per sender (and one per reader)::
 
