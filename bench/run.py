@@ -739,7 +739,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for rep in range(settings.repeat):
             for peer in chosen:
-                result = run_job(peer, settings, model, marker, args.keep_logs, oracle_cache)
+                # Every job's logs: an outlier is often in one repetition only.
+                keep = args.keep_logs / f"rep{rep + 1}" if args.keep_logs else None
+                result = run_job(peer, settings, model, marker, keep, oracle_cache)
                 runs[peer.name].append(result)
                 shown = {k: (round(v, 3) if isinstance(v, float) else v)
                          for k, v in result.items()}

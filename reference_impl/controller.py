@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import probe
-from reference_impl import _store
+from reference_impl import _snapshots, _store
 
 #: What the controller writes over a member's heartbeat counter to fence a process it cannot
 #: signal (one on another node, in another PID namespace): the member's next beat reads a
@@ -498,6 +498,9 @@ def _read_reports(host: str, port: int, out: queue.Queue[dict[str, Any]]) -> Non
 def run(cfg: Any, host: str, port: int, slots: int, host_store: bool) -> int:
     """Entry point of the controller process."""
     store = _store.connect(host, port, host_it=host_store)
+    # Before the first plan, so every member finds it (it keeps the snapshots in this process).
+    snapshots = _snapshots.Server(host)
+    store.set("snapshots", snapshots.address)
     events: queue.Queue[dict[str, Any]] = queue.Queue()
     threading.Thread(target=_read_reports, args=(host, port, events), daemon=True,
                      name="reports").start()

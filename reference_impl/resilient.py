@@ -38,7 +38,6 @@ import contextlib
 import gc
 import hashlib
 import io
-import json
 import os
 import queue
 import signal
@@ -56,7 +55,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from harness import probe
-from reference_impl import _store, checkpoint, controller
+from reference_impl import _snapshots, _store, checkpoint, controller
 from reference_impl.model import (
     Layout,
     ParallelBlock,
@@ -204,29 +203,21 @@ class Worker:
                 self.gen_changed.clear()
 
     def _snapshot_sender(self) -> None:
-        store = _store.connect(self.host, self.port)
-        every = max(self.cfg.snapshot_every, 1)
+        sender: _snapshots.Sender | None = None
         while (item := self.snapshots.get()) is not None:
             step, shard, flat = item
-            header = json.dumps({"step": step, "shard": shard}).encode()
-            # One copy of the state into the message (a tobytes() and a concatenation made
-            # two more, 3 MB each for the bench's model, with the GIL held).
-            # (numpy's stubs do not declare the buffer protocol its arrays implement.)
-            view = memoryview(flat.numpy())  # type: ignore[arg-type]
-            payload = b"".join((header, b"\n", view))
             with contextlib.suppress(Exception):
-                # torch's annotation says str; the binding takes bytes (a snapshot is binary).
-                store.set(f"snap/{shard}/{(step // every) % 2}", payload)  # type: ignore[arg-type]
+                if sender is None:  # the controller publishes it before the first plan
+                    sender = _snapshots.Sender(self.store.get("snapshots").decode())
+                # The tensor's own memory, no copy in Python: the kernel copies it while
+                # sendall has released the GIL. (numpy's stubs do not declare the buffer
+                # protocol its arrays implement.)
+                sender.put(shard, step, memoryview(flat.numpy()).cast("B"))  # type: ignore[arg-type]
 
     def read_snapshot(self, shard: int) -> dict[int, torch.Tensor]:
-        found = {}
-        for k in (0, 1):
-            key = f"snap/{shard}/{k}"
-            if _store.has(self.store, key):
-                header, _, data = self.store.get(key).partition(b"\n")
-                step = json.loads(header)["step"]
-                found[step] = torch.frombuffer(bytearray(data), dtype=torch.float32)
-        return found
+        """The controller's snapshots of ``shard``: step -> flat state."""
+        held = _snapshots.fetch(self.store.get("snapshots").decode(), shard)
+        return {step: torch.frombuffer(data, dtype=torch.float32) for step, data in held.items()}
 
     # -- state ------------------------------------------------------------------------------
 
@@ -492,7 +483,10 @@ class Worker:
                 self.verified, self.candidate = self.candidate, None
             if cfg.fingerprint_every and step % cfg.fingerprint_every == 0:
                 self.check_fingerprints(g, step)
-            if snapshotter and step % cfg.snapshot_every == 0 and not self.snapshots.full():
+            # Never a state the replicas disagree on (the fingerprints just differed: the
+            # vote rolls every member back at the next step).
+            if snapshotter and step % cfg.snapshot_every == 0 and not self.mismatch \
+                    and not self.snapshots.full():
                 # Lazy: if the sender is still busy with the previous one, skip this one. The
                 # state just fingerprinted is this step's: share it (both are read-only).
                 fresh = self.candidate if self.candidate and self.candidate[0] == step else None
@@ -543,13 +537,25 @@ class Worker:
     def close_groups(self) -> None:
         """Destroy this generation's groups: that closes our Gloo sockets, so a peer still
         blocked on us fails now instead of at its timeout. (``abort()`` and ``shutdown()``
-        do not close them for Gloo in torch 2.13; dropping the last reference does.)"""
-        self.groups = None
+        do not close them for Gloo in torch 2.13; dropping the last reference does.)
+
+        Each group is dropped in a thread of its own, and nobody waits for it. A Gloo group's
+        destructor (torch runs it without the GIL) closes its connections one at a time, each
+        after a tick of the group's event loop, which sleeps up to 10 ms when idle: the world,
+        TP and DP groups of the bench's 4 ranks took ~50 ms, one after another, on the way to
+        the next plan, and a peer blocked on our DP connection learnt of the failure only at
+        the end of it. In parallel, the DP and TP connections close within a tick, and this
+        process reaches the next start line at once."""
+        g, self.groups = self.groups, None
+        boxes = [] if g is None else [[g.world], [g.tp], [g.dp]]
+        del g
         if self.model is not None:
             for block in self.model.blocks:
                 assert isinstance(block, ParallelBlock)
                 block.tp_group = None
-        gc.collect()
+        gc.collect()  # cycles (a traceback's frames) that still hold a group
+        for box in boxes:  # each box holds the last reference: the thread's clear() drops it
+            threading.Thread(target=box.clear, daemon=True, name="close_group").start()
 
     def run(self, left: int | None = None) -> int:
         """Train (or wait as a spare) until the job ends; ``left``: a pipe to the supervisor,
@@ -590,8 +596,8 @@ class Worker:
             except RuntimeError as exc:  # DistBackendError, DistNetworkError, Gloo errors
                 text = str(exc).strip().splitlines()
                 failure = text[0] if text else type(exc).__name__
-            # Out of the generation, said before the teardown, which can take seconds (Gloo
-            # destroys a broken group holding the GIL: even the heartbeat pauses), so that the
+            # Out of the generation, said before the teardown (a group whose collective is
+            # still pending is destroyed only once that collective ends), so that the
             # controller never takes a member on its way for one wedged in a collective.
             self.store.set(f"loop/{self.slot}/{self.inc}", f"{self.gen} out")
             # Out of the handler, so the traceback (and its frames' references) is gone.
