@@ -537,25 +537,13 @@ class Worker:
     def close_groups(self) -> None:
         """Destroy this generation's groups: that closes our Gloo sockets, so a peer still
         blocked on us fails now instead of at its timeout. (``abort()`` and ``shutdown()``
-        do not close them for Gloo in torch 2.13; dropping the last reference does.)
-
-        Each group is dropped in a thread of its own, and nobody waits for it. A Gloo group's
-        destructor (torch runs it without the GIL) closes its connections one at a time, each
-        after a tick of the group's event loop, which sleeps up to 10 ms when idle: the world,
-        TP and DP groups of the bench's 4 ranks took ~50 ms, one after another, on the way to
-        the next plan, and a peer blocked on our DP connection learnt of the failure only at
-        the end of it. In parallel, the DP and TP connections close within a tick, and this
-        process reaches the next start line at once."""
-        g, self.groups = self.groups, None
-        boxes = [] if g is None else [[g.world], [g.tp], [g.dp]]
-        del g
+        do not close them for Gloo in torch 2.13; dropping the last reference does.)"""
+        self.groups = None
         if self.model is not None:
             for block in self.model.blocks:
                 assert isinstance(block, ParallelBlock)
                 block.tp_group = None
-        gc.collect()  # cycles (a traceback's frames) that still hold a group
-        for box in boxes:  # each box holds the last reference: the thread's clear() drops it
-            threading.Thread(target=box.clear, daemon=True, name="close_group").start()
+        gc.collect()
 
     def run(self, left: int | None = None) -> int:
         """Train (or wait as a spare) until the job ends; ``left``: a pipe to the supervisor,
@@ -596,8 +584,8 @@ class Worker:
             except RuntimeError as exc:  # DistBackendError, DistNetworkError, Gloo errors
                 text = str(exc).strip().splitlines()
                 failure = text[0] if text else type(exc).__name__
-            # Out of the generation, said before the teardown (a group whose collective is
-            # still pending is destroyed only once that collective ends), so that the
+            # Out of the generation, said before the teardown, which can take seconds (Gloo
+            # destroys a broken group holding the GIL: even the heartbeat pauses), so that the
             # controller never takes a member on its way for one wedged in a collective.
             self.store.set(f"loop/{self.slot}/{self.inc}", f"{self.gen} out")
             # Out of the handler, so the traceback (and its frames' references) is gone.
