@@ -60,6 +60,10 @@ def start(tmp_path: Path) -> tuple[subprocess.Popen[str], Path]:
          "--junit", str(tmp_path / "out.xml")],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "AFTERSHOCK_STATE_DIR": str(tmp_path / "state")},
+        # As from a terminal: a shell without job control starts background commands with
+        # SIGINT ignored, and the suite may run as one (`make test &`); Python then leaves
+        # it ignored, rightly, and Ctrl-C could not be tested.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     # Wait until the fault is in place: a rank of the run is stopped.
     deadline = time.monotonic() + 60
@@ -85,7 +89,12 @@ def wait_gone(runs: Path, timeout: float = 20.0) -> list[tuple[int, str | None]]
 def test_interrupt_heals_and_ends_everything(tmp_path: Path, sig: int, code: int) -> None:
     harness, runs = start(tmp_path)
     harness.send_signal(sig)
-    out, _ = harness.communicate(timeout=60)
+    try:
+        out, _ = harness.communicate(timeout=60)
+    except subprocess.TimeoutExpired as exc:
+        harness.kill()  # (its reaper heals the run) never left running into later tests
+        harness.communicate()
+        pytest.fail(f"the harness went on after {signal.Signals(sig).name}:\n{exc.output}")
     assert harness.returncode == code, out
     assert "every fault was healed" in out
     # The harness waits for its teardown before exiting: nothing is left, at once.
