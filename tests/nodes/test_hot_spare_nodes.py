@@ -119,6 +119,8 @@ def test_the_default_spares_follow_every_rank() -> None:
     assert [s for s in range(6) if controller.is_spare_slot(placed, s)] == [2, 3]
 
 
+# A whole shipped node scenario per broken trainer (11-33 s each): with the scenario sweep.
+@pytest.mark.scenarios
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize(("bug", "extra"), [
