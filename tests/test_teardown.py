@@ -133,7 +133,13 @@ def test_without_a_cgroup_teardown_is_bounded_and_says_what_it_could_not_end(
     run must still end in bounded time and its timeline say why and what was left."""
     monkeypatch.setattr(target_module._cgroup, "run_group_dir",
                         lambda run_id: (None, "no cgroup2 mount"))
-    path = scenario(tmp_path, f'env -i setsid sleep {marker} & echo "step 1"; exit 0')
+    # The job exits only once the daemon has its own session: until its setsid() it is in
+    # the launcher's process group, which the teardown's SIGTERM reaches (a slow exec of
+    # env and setsid once lost that race, and the daemon died with the job).
+    detached = ('d=$!; until [ "$(cut -d" " -f6 /proc/$d/stat)" = "$d" ]; '
+                'do sleep 0.01; done')
+    path = scenario(tmp_path, f'env -i setsid sleep {marker} & {detached}; echo "step 1"; '
+                    "exit 0")
     _execute_in_thread(path, tmp_path / "run", limit=30)
     events = read_events(tmp_path / "run" / "events.jsonl")
     (launch,) = [e for e in events if e["event"] == "launch"]
