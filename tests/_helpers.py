@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import resource
+import signal
 import subprocess
 import sys
 import tempfile
@@ -130,3 +131,14 @@ def reaper_of(pid: int) -> int | None:
         if b"faults.heal" in argv and str(pid).encode() in argv:
             return other
     return None
+
+
+def killed(proc: subprocess.Popen[bytes]) -> bool:
+    """``proc`` was sent SIGKILL: it exited, or the signal is pending. (Its death follows
+    the signal by a scheduling delay; reading the pending set makes the answer exact.)"""
+    if proc.poll() is not None:
+        return True
+    status = dict(line.split(":", 1) for line in
+                  Path(f"/proc/{proc.pid}/status").read_text().splitlines())
+    pending = int(status["SigPnd"], 16) | int(status["ShdPnd"], 16)
+    return status["State"].strip().startswith("Z") or bool(pending & 1 << signal.SIGKILL - 1)

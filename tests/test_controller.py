@@ -15,23 +15,13 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
+from _helpers import killed
 
 from reference_impl import controller
 from reference_impl.trainer import TrainConfig
 
 T = 3.0  # collective timeout; the heartbeat timeout defaults to it
 TICK = 0.02  # the controller's own check interval
-
-
-def killed(proc: subprocess.Popen[bytes]) -> bool:
-    """``proc`` was sent SIGKILL: it exited, or the signal is pending. (Its death follows
-    the signal by a scheduling delay; reading the pending set makes the answer exact.)"""
-    if proc.poll() is not None:
-        return True
-    status = dict(line.split(":", 1) for line in
-                  Path(f"/proc/{proc.pid}/status").read_text().splitlines())
-    pending = int(status["SigPnd"], 16) | int(status["ShdPnd"], 16)
-    return status["State"].strip().startswith("Z") or bool(pending & 1 << signal.SIGKILL - 1)
 
 
 class Job:

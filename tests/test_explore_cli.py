@@ -136,13 +136,19 @@ def test_explore_needs_an_explore_block_and_names_bad_ones(tmp_path: Path) -> No
     assert "Traceback" not in proc.stderr
 
 
-def test_sigterm_while_shrinking_writes_what_was_found_and_exits_143(tmp_path: Path) -> None:
+def start_explore(tmp_path: Path) -> tuple[subprocess.Popen[str], Path]:
+    """`aftershock explore` of the job, seed 2, started and left running; its --out folder."""
     scenario = write(tmp_path, "job", job_scenario("job"))
     out = tmp_path / "out"
     proc = subprocess.Popen(
         [sys.executable, "-m", "harness", "explore", str(scenario), "--runs", "40", "--seed",
          "2", "--out", str(out), "--no-db"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=tmp_path)
+    return proc, out
+
+
+def test_sigterm_while_shrinking_writes_what_was_found_and_exits_143(tmp_path: Path) -> None:
+    proc, out = start_explore(tmp_path)
     assert proc.stdout is not None
     lines = []
     deadline = time.monotonic() + 240
@@ -163,12 +169,7 @@ def test_sigterm_while_shrinking_writes_what_was_found_and_exits_143(tmp_path: P
 
 
 def test_sigterm_before_any_failure_says_nothing_was_written(tmp_path: Path) -> None:
-    scenario = write(tmp_path, "job", job_scenario("job"))
-    out = tmp_path / "out"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "harness", "explore", str(scenario), "--runs", "40", "--seed",
-         "2", "--out", str(out), "--no-db"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=tmp_path)
+    proc, out = start_explore(tmp_path)
     assert proc.stdout is not None
     first = proc.stdout.readline()  # "exploring ...": no run has ended yet
     assert "exploring" in first

@@ -11,7 +11,6 @@ side of each pair is the shipped scenario itself (tests/test_shipped_scenarios.p
 from __future__ import annotations
 
 import importlib.util
-import signal
 import subprocess
 import types
 from collections.abc import Iterator
@@ -24,7 +23,7 @@ pytest.importorskip("torch")
 
 import torch.distributed as dist
 from _broken import checks, run_broken
-from _helpers import ROOT, read_events
+from _helpers import ROOT, killed, read_events
 
 from reference_impl import controller
 from reference_impl.trainer import TrainConfig
@@ -44,16 +43,6 @@ def _bug(name: str) -> Any:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.BUGS[name][1]
-
-
-def _signalled(proc: subprocess.Popen[bytes]) -> bool:
-    """``proc`` got SIGKILL (it exited, or the signal is pending)."""
-    if proc.poll() is not None:
-        return True
-    status = dict(line.split(":", 1) for line in
-                  Path(f"/proc/{proc.pid}/status").read_text().splitlines())
-    pending = int(status["SigPnd"], 16) | int(status["ShdPnd"], 16)
-    return status["State"].strip().startswith("Z") or bool(pending & 1 << signal.SIGKILL - 1)
 
 
 @pytest.fixture
@@ -102,8 +91,8 @@ def test_a_silent_member_on_another_node_is_fenced_by_its_heartbeat_not_by_pid(
         ctl.check_heartbeats()
     assert ctl.gen == 1
     assert ctl.plan["members"] == {"0": (0, 1), "1": (1, 1)}
-    assert not _signalled(sleepers[0])
-    assert _signalled(bystander) == broken
+    assert not killed(sleepers[0])
+    assert killed(bystander) == broken
     if not broken:
         assert int(store.get("hb/2/1")) == controller.FENCED
 
