@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
@@ -33,13 +34,20 @@ MIN_QUOTA_US = 1_000  # the kernel refuses quotas below 1 ms
 _cyclers: dict[str, tuple[threading.Event, threading.Thread]] = {}
 
 
-def _cycle(target: ProcessRef, run_s: float, stop_s: float, quit_: threading.Event) -> None:
+def _cycle(target: ProcessRef, factor: float, period_s: float, quit_: threading.Event) -> None:
+    """Let the process run ``period_s / factor``, then stop it for as long as it actually ran
+    times ``factor - 1``. The thread wakes late on a busy machine (or behind the GIL), so the
+    runs are often longer than asked; sizing each stop from the run it follows keeps the share
+    of wall time at 1/factor whatever the lateness."""
+    run_s = period_s / factor
     try:
         while not quit_.is_set() and target.alive():
+            resumed = time.monotonic()
             if quit_.wait(run_s):
                 break
             target.signal(signal.SIGSTOP)
-            quit_.wait(stop_s)
+            ran = time.monotonic() - resumed
+            quit_.wait(ran * (factor - 1))
             target.signal(signal.SIGCONT)
     finally:
         target.signal(signal.SIGCONT)
@@ -67,7 +75,9 @@ class Straggle:
         caused_by="cgroup v1 `cpu` controller: the process (all its threads, and children it "
         "starts later) is moved into /sys/fs/cgroup/cpu/<its group>/aftershock_<id> with "
         "cpu.cfs_quota_us = cpu.cfs_period_us × cpus / factor. Fallback (method: signal, or "
-        "auto without the controller): SIGSTOP/SIGCONT on a 100 ms duty cycle.",
+        "auto without the controller): SIGSTOP/SIGCONT on a 100 ms duty cycle; a run that "
+        "overran (the harness thread woke late) is paid for by a longer stop, so the share "
+        "stays 1/factor.",
         reverted_by="move the process back to its original cpu group and remove the fault's "
         "group (cgroup); or stop the duty cycle and SIGCONT (signal).",
     )
@@ -131,13 +141,14 @@ class Straggle:
         quit_ = threading.Event()
         thread = threading.Thread(
             target=_cycle,
-            args=(target, run_s, 0.1 - run_s, quit_),
+            args=(target, factor, 0.1, quit_),
             name=f"aftershock-straggle-{target.pid}",
             daemon=True,
         )
         _cyclers[token] = (quit_, thread)
         thread.start()
-        detail = f"pid {target.pid} runs {run_s * 1000:.0f} ms of every 100 ms (SIGSTOP/SIGCONT)"
+        detail = (f"pid {target.pid} runs {run_s * 1000:.0f} ms of every 100 ms (SIGSTOP/SIGCONT; "
+                  "a late run is paid for by a longer stop)")
         return Applied(self.info.kind, entry, undo, detail)
 
     def revert(self, undo: Mapping[str, Any]) -> None:

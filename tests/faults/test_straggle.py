@@ -114,3 +114,44 @@ def test_straggle_slows_by_factor_and_recovers(
     if method == "cgroup":
         assert not Path(applied.undo["cgroup"]).exists()
         assert _cgroup.group_of(ref.pid, "cpu") == home
+
+
+@pytest.mark.timeout(60)
+def test_signal_straggle_holds_its_factor_when_the_harness_thread_is_late(
+    spinner: Spinner, tmp_path: Path
+) -> None:
+    """The duty cycle's thread wakes late on a busy machine (CI: a 2-core machine with a test
+    suite on it). Here a thread hogging the GIL delays every wake-up by up to 30 ms, far past
+    the 10 ms the spinner may run per cycle. The cap must hold anyway: each stop lasts as long
+    as the run before it actually took, times factor - 1."""
+    factor = 10
+    _, share_before = spinner.rate(0.5)
+    if share_before < 0.5:
+        pytest.skip(f"machine too busy to measure: the spinner got {share_before:.3f} CPUs")
+    ref = ProcessRef.of(spinner.proc.pid)
+    assert ref is not None
+    done = threading.Event()
+
+    def hog() -> None:
+        while not done.is_set():
+            for _ in range(10_000):
+                pass
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.03)
+    hogger = threading.Thread(target=hog, daemon=True)
+    journal = Journal.create("straggle", tmp_path)
+    try:
+        hogger.start()
+        applied = STRAGGLE.inject(ref, {"factor": factor, "method": "signal"}, journal)
+        try:
+            time.sleep(0.2)
+            _, share = spinner.rate(2.0)
+        finally:
+            STRAGGLE.revert(applied.undo)
+    finally:
+        done.set()
+        hogger.join()
+        sys.setswitchinterval(interval)
+    assert share < 1 / factor + 0.03, share
+    assert not ref.stopped()
