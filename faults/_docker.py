@@ -13,6 +13,7 @@ import contextlib
 import os
 import re
 import signal
+import socket
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -43,11 +44,17 @@ def engine_problem() -> str | None:
         import docker
     except ImportError:
         return "the Docker SDK is not installed: pip install 'aftershock[nodes]'"
+    host = os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")
     try:
+        if host.startswith("unix://"):
+            # Knocked on first: the SDK's own connect to a socket nobody listens on leaks
+            # the socket it made (docker 7.2), a ResourceWarning in whoever collects it.
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as knock:
+                knock.settimeout(5)
+                knock.connect(host.removeprefix("unix://"))
         with contextlib.closing(docker.from_env(timeout=5)) as api:
             api.ping()
     except Exception as exc:  # DockerException, connection refused, permission denied
-        host = os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")
         return (f"no Docker engine answers at {host} ({type(exc).__name__}): start one with "
                 "`make docker-engine` (ci/docker-engine)")
     return None

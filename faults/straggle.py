@@ -40,15 +40,19 @@ def _cycle(target: ProcessRef, factor: float, period_s: float, quit_: threading.
     runs are often longer than asked; sizing each stop from the run it follows keeps the share
     of wall time at 1/factor whatever the lateness."""
     run_s = period_s / factor
+    # Each run is timed from before the SIGCONT that starts it to after the SIGSTOP that ends
+    # it: any lateness of this thread in between (a /proc read releases the GIL) is counted.
+    resumed = time.monotonic()
     try:
-        while not quit_.is_set() and target.alive():
-            resumed = time.monotonic()
-            if quit_.wait(run_s):
+        while True:
+            if quit_.wait(run_s) or not target.signal(signal.SIGSTOP):
                 break
-            target.signal(signal.SIGSTOP)
             ran = time.monotonic() - resumed
-            quit_.wait(ran * (factor - 1))
-            target.signal(signal.SIGCONT)
+            if quit_.wait(ran * (factor - 1)):
+                break
+            resumed = time.monotonic()
+            if not target.signal(signal.SIGCONT):
+                break
     finally:
         target.signal(signal.SIGCONT)
 

@@ -126,7 +126,7 @@ def test_signal_straggle_holds_its_factor_when_the_harness_thread_is_late(
     as the run before it actually took, times factor - 1."""
     factor = 10
     _, share_before = spinner.rate(0.5)
-    if share_before < 0.5:
+    if share_before < 0.3:
         pytest.skip(f"machine too busy to measure: the spinner got {share_before:.3f} CPUs")
     ref = ProcessRef.of(spinner.proc.pid)
     assert ref is not None

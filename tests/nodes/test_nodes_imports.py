@@ -18,3 +18,20 @@ def test_harness_and_the_fault_catalogue_never_import_docker() -> None:
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                             text=True, timeout=60, check=False)
     assert result.returncode == 0, result.stderr
+
+
+def test_asking_an_absent_engine_leaves_no_socket_open(tmp_path: Path) -> None:
+    """Every node test (and `validate` of a node scenario) asks the engine first; where none
+    answers, the question must not leak the client's socket (a ResourceWarning that pytest
+    reports as an error in whichever test's teardown the collector runs)."""
+    code = ("import gc\nfrom faults import _docker\n"
+            "problem = _docker.engine_problem()\n"
+            "assert problem and 'no Docker engine answers' in problem, problem\n"
+            "gc.collect()\nprint('asked')\n")
+    env = {"DOCKER_HOST": f"unix://{tmp_path}/absent.sock", "PATH": "/usr/bin:/bin"}
+    result = subprocess.run([sys.executable, "-X", "dev", "-W", "error::ResourceWarning",
+                             "-c", code], cwd=ROOT, capture_output=True, text=True,
+                            timeout=60, check=False, env=env)
+    assert result.returncode == 0, result.stderr
+    assert "asked" in result.stdout
+    assert "unclosed" not in result.stderr, result.stderr
