@@ -98,13 +98,42 @@ def _cmd(pid: int) -> str:
     return " ".join(a.decode(errors="replace") for a in argv if a)
 
 
-def cpu_sample(marker: str) -> dict[int, tuple[float, str]]:
-    """pid -> (CPU seconds so far, command line) for every process of the job."""
+# Threads told apart by the name the kernel has for them (/proc/PID/task/TID/comm): Gloo's
+# transport (one epoll loop per device: reads and writes every collective's bytes) and its
+# work threads (run each collective's algorithm); a process's first thread is "main" (the
+# training loop), any other is "other threads" (the trainer's heartbeat, snapshot sender
+# and plan watcher, the TCPStore client's, the interpreter's).
+THREAD_KINDS = {"gloo_tcp_loop": "gloo transport", "pt_gloo_runloop": "gloo work"}
+THREAD_ORDER = ("main", "gloo transport", "gloo work", "other threads")
+
+
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds so far of the live threads of ``pid``, by kind (``THREAD_ORDER``)."""
+    found: dict[str, float] = defaultdict(float)
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return {}
+    for tid in tids:
+        try:
+            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+        except OSError:
+            continue  # ended between the listing and the read
+        comm = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat.rsplit(")", 1)[-1].split()
+        kind = "main" if int(tid) == pid else THREAD_KINDS.get(comm, "other threads")
+        found[kind] += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return dict(found)
+
+
+def cpu_sample(marker: str) -> dict[int, tuple[float, str, dict[str, float]]]:
+    """pid -> (CPU seconds so far, command line, the same by kind of thread) for every
+    process of the job."""
     found = {}
     for pid in _marked_pids(marker):
         cpu = _cpu_seconds(pid)
         if cpu is not None:
-            found[pid] = (cpu, _cmd(pid))
+            found[pid] = (cpu, _cmd(pid), thread_cpu(pid))
     return found
 
 
@@ -186,7 +215,7 @@ def run_job(peer: Peer, settings: Settings, model: Model, marker: str, keep: Pat
     outcome = "completed"
     # CPU of every process of the job at rank 0's step `warmup` and `kill_at - CPU_TAIL`:
     # what a failure-free step costs, by process, whatever else loads the machine.
-    cpu: dict[int, dict[int, tuple[float, str]]] = {}
+    cpu: dict[int, dict[int, tuple[float, str, dict[str, float]]]] = {}
     cpu_marks = (settings.warmup, settings.kill_at - CPU_TAIL)
     t0 = time.monotonic()
     try:
@@ -286,23 +315,32 @@ def _roles(events: list[Event]) -> dict[int, str]:
     return roles
 
 
-def cpu_profile(events: list[Event], cpu: dict[int, dict[int, tuple[float, str]]],
+def cpu_profile(events: list[Event],
+                cpu: dict[int, dict[int, tuple[float, str, dict[str, float]]]],
                 marks: tuple[int, int]) -> dict[str, Any]:
-    """CPU milliseconds per step between the two marks, in all and by kind of process.
+    """CPU milliseconds per step between the two marks, in all, by kind of process, and the
+    ranks' by kind of thread (all ranks together).
 
     Only processes alive at both marks count (a failure-free window: nobody dies in it).
     Ranks, spares and the controller name themselves in their events; the rest is told
     apart by its command line (torchrun's agent, torchft's lighthouse) or is a supervisor
-    (hot_spare/elastic: the torchrun worker that forks the rank and outlives it)."""
+    (hot_spare/elastic: the torchrun worker that forks the rank and outlives it). A thread
+    that ended inside the window leaves its CPU in the process's total only."""
     first, last = (cpu.get(m) for m in marks)
     if not first or not last:
-        return {"cpu_ms_per_step": None, "cpu_by_role": None}
+        return {"cpu_ms_per_step": None, "cpu_by_role": None, "cpu_rank_threads": None}
     roles = _roles(events)
     steps = marks[1] - marks[0]
     by_role: dict[str, float] = defaultdict(float)
-    for pid, (end, cmd) in last.items():
+    by_thread: dict[str, float] = defaultdict(float)
+    for pid, (end, cmd, threads) in last.items():
         if pid not in first:
             continue
+        if roles.get(pid) == "rank":
+            before = first[pid][2]
+            for kind, seconds in threads.items():
+                if kind in before:
+                    by_thread[kind] += max(0.0, seconds - before[kind]) * 1e3 / steps
         role = roles.get(pid)
         if role is None:
             if "torch.distributed.run" in cmd:
@@ -316,7 +354,8 @@ def cpu_profile(events: list[Event], cpu: dict[int, dict[int, tuple[float, str]]
         by_role[role] += (end - first[pid][0]) * 1e3 / steps
     total = sum(by_role.values())
     return {"cpu_ms_per_step": total,
-            "cpu_by_role": {k: round(v, 3) for k, v in sorted(by_role.items())}}
+            "cpu_by_role": {k: round(v, 3) for k, v in sorted(by_role.items())},
+            "cpu_rank_threads": {k: round(v, 3) for k, v in sorted(by_thread.items())}}
 
 
 def _final_digests(events: list[Event]) -> dict[int, str]:
@@ -468,9 +507,10 @@ def summarise(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]
             "match": sum(1 for c in checked if c is True),
             "differ": sum(1 for c in checked if c is False),
             "not_observed": sum(1 for c in checked if c is None), "n": len(checked)}
-        roles = sorted({k for r in reps for k in (r.get("cpu_by_role") or {})})
-        entry["cpu_by_role"] = {role: _stats([(r.get("cpu_by_role") or {}).get(role)
-                                              for r in reps]) for role in roles}
+        for key in ("cpu_by_role", "cpu_rank_threads"):
+            kinds = sorted({k for r in reps for k in (r.get(key) or {})})
+            entry[key] = {kind: _stats([(r.get(key) or {}).get(kind) for r in reps])
+                          for kind in kinds}
         summary[name] = entry
     return summary
 
@@ -615,6 +655,22 @@ def markdown(record: dict[str, Any]) -> str:
         total = stats.get("cpu_ms_per_step")
         lines.append(f"| `{name}` | " + " | ".join(cells)
                      + f" | {_num(total['median'] if total else None, 1)} |")
+    lines += ["", "The ranks' CPU by thread (ms per step, all ranks together, the same window; "
+              "`main`: the training loop; `gloo transport`: Gloo's epoll loops, which move "
+              "every collective's bytes; `gloo work`: the threads that run each collective; "
+              "`other threads`: heartbeats, snapshot sender, plan watcher, the store "
+              "client's):", "",
+              "| row | " + " | ".join(THREAD_ORDER) + " | ranks |",
+              "| --- |" + " ---: |" * (len(THREAD_ORDER) + 1)]
+    for name, stats in summary.items():
+        threads = stats.get("cpu_rank_threads") or {}
+        if not threads:
+            continue
+        cells = [_num(threads[k]["median"], 2) if threads.get(k) else "–"
+                 for k in THREAD_ORDER]
+        rank = (stats.get("cpu_by_role") or {}).get("rank")
+        lines.append(f"| `{name}` | " + " | ".join(cells)
+                     + f" | {_num(rank['median'] if rank else None, 1)} |")
     lines += ["", "| target | value | limit | met |", "| --- | ---: | ---: | --- |"]
     for t in record["targets"]:
         met = {True: "yes", False: "**no**", None: f"not measured ({t['note']})"}[t["met"]]

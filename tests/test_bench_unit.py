@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -122,16 +123,48 @@ def test_cpu_per_step_is_split_by_what_each_process_said_it_is() -> None:
         # The spare becomes rank 3 after the kill: it was a spare in the window.
         Event(t=9.0, event="hello", source="rank3", fields={"rank": 3, "pid": 11}),
     ]
-    first = {10: (1.0, "python -m reference_impl.trainer"), 11: (0.5, "python"),
-             12: (0.2, "python"), 13: (0.0, "python -m torch.distributed.run"),
-             14: (0.0, "python -m reference_impl.trainer")}
-    last = {10: (2.0, "python -m reference_impl.trainer"), 11: (0.6, "python"),
-            12: (0.3, "python"), 13: (0.05, "python -m torch.distributed.run"),
-            14: (0.01, "python -m reference_impl.trainer"), 15: (9.0, "born late")}
+    first = {10: (1.0, "python -m reference_impl.trainer",
+                  {"main": 0.5, "gloo transport": 0.3, "gloo work": 0.2}),
+             11: (0.5, "python", {"main": 0.5}),
+             12: (0.2, "python", {}), 13: (0.0, "python -m torch.distributed.run", {}),
+             14: (0.0, "python -m reference_impl.trainer", {})}
+    # Rank 0's heartbeat thread started inside the window: its CPU counts in the process's
+    # total (rank) but in no thread kind, which names only threads seen at both marks.
+    last = {10: (2.0, "python -m reference_impl.trainer",
+                 {"main": 1.0, "gloo transport": 0.55, "gloo work": 0.35,
+                  "other threads": 0.1}),
+            11: (0.6, "python", {"main": 0.6}),
+            12: (0.3, "python", {}), 13: (0.05, "python -m torch.distributed.run", {}),
+            14: (0.01, "python -m reference_impl.trainer", {}), 15: (9.0, "born late", {})}
     out = cpu_profile(events, {20: first, 70: last}, (20, 70))
     assert out["cpu_by_role"] == {"controller": 2.0, "rank": 20.0, "spare": 2.0,
                                   "supervisor": 0.2, "torchrun agent": 1.0}
     assert round(out["cpu_ms_per_step"], 6) == 25.2
+    # The spare's main thread is not a rank's.
+    assert out["cpu_rank_threads"] == {"gloo transport": 5.0, "gloo work": 3.0, "main": 10.0}
+
+
+def test_thread_cpu_finds_the_thread_that_spends_it() -> None:
+    """A real process whose second thread spins while its main thread sleeps: the split by
+    thread must put the CPU on "other threads", not on "main"."""
+    from bench.run import thread_cpu
+
+    code = ("import threading, time\n"
+            "def spin():\n    end = time.monotonic() + 1.5\n"
+            "    while time.monotonic() < end: pass\n"
+            "t = threading.Thread(target=spin); t.start(); print('go', flush=True); t.join()\n"
+            "time.sleep(5)\n")
+    with subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                          text=True) as proc:
+        try:
+            assert proc.stdout is not None
+            assert proc.stdout.readline() == "go\n"
+            time.sleep(1.0)  # the spinning thread still runs for 0.5 s
+            seen = thread_cpu(proc.pid)
+        finally:
+            proc.kill()
+    assert seen["other threads"] > 0.3, seen
+    assert seen["main"] < 0.2, seen
 
 
 def test_torchft_is_at_full_strength_when_all_ranks_commit_one_step_whatever_their_group() -> None:
