@@ -242,3 +242,19 @@ def test_harness_overhead_cpu_check_catches_a_reading_that_counts_the_children(
     monkeypatch.setattr(bench.harness_overhead, "own_cpu_s", own_cpu_s_with_children)
     _, during, _ = _cpu_split(tmp_path)
     assert during > 0.35  # the child's CPU shows: the check above would fail
+
+
+def test_allreduce_sizes_times_real_gloo_collectives_and_checks_their_sums() -> None:
+    """A small run of the vote's microbenchmark: every size gets a row, each result was
+    checked against the sum (the "wrong" column), and rank 0's CPU is split by thread."""
+    done = subprocess.run([sys.executable, "-m", "bench.allreduce_sizes", "--ranks", "2",
+                           "--sizes", "1,3", "--calls", "30", "--repeat", "1"],
+                          cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                          text=True, timeout=240, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line.split("|")[1:-1] for line in done.stdout.splitlines()
+            if line.startswith("| 1 ") or line.startswith("| 3 ")]
+    assert [int(r[0]) for r in rows] == [1, 3], done.stdout
+    for row in rows:
+        assert float(row[1]) > 0  # wall µs per call
+        assert int(row[-1]) == 0  # wrong results

@@ -1,0 +1,115 @@
+"""``python -m bench.allreduce_sizes``: what a tiny Gloo all_reduce costs, by element count.
+
+The trainer's vote is a tiny all_reduce over the whole world every step. This runs one under
+torchrun (``--ranks`` processes, Gloo on CPU, one thread each, as the bench's jobs run) for
+each element count, interleaved ``--repeat`` times, and prints per call the wall time and the
+CPU rank 0's threads spent, by kind (the bench's ``thread_cpu``: the caller's main thread,
+Gloo's transport loop, Gloo's work threads). Every call's result is checked against the sum
+computed here, so a fast wrong collective cannot look good.
+
+    python -m bench.allreduce_sizes [--ranks 4] [--sizes 1,2,3,8,64] [--calls 2000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _rank(sizes: list[int], calls: int, out: str) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from bench.run import thread_cpu
+
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    group = dist.new_group(list(range(world)))
+    rows = []
+    for size in sizes:
+        mine = torch.arange(size, dtype=torch.float64) + rank
+        want = torch.arange(size, dtype=torch.float64) * world + world * (world - 1) / 2
+        for _ in range(50):  # warm: connections made, buffers allocated
+            t = mine.clone()
+            dist.all_reduce(t, group=group)
+        dist.barrier(group=group)
+        before, start = thread_cpu(os.getpid()), time.monotonic()
+        wrong = 0
+        for _ in range(calls):
+            t = mine.clone()
+            dist.all_reduce(t, group=group)
+            wrong += int(not torch.equal(t, want))
+        wall = time.monotonic() - start
+        after = thread_cpu(os.getpid())
+        cpu = {k: (after[k] - before.get(k, 0.0)) / calls * 1e6 for k in after}
+        rows.append({"size": size, "wall_us": wall / calls * 1e6, "cpu_us": cpu,
+                     "wrong": wrong})
+        dist.barrier(group=group)
+    if rank == 0:
+        Path(out).write_text(json.dumps(rows))
+    dist.destroy_process_group()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.allreduce_sizes",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--sizes", default="1,2,3,8,64",
+                        help="element counts, comma-separated (float64)")
+    parser.add_argument("--calls", type=int, default=2000, help="timed calls per size and run")
+    parser.add_argument("--repeat", type=int, default=3, help="runs, each over every size")
+    parser.add_argument("--rank-worker", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    if args.rank_worker:
+        return _rank(sizes, int(args.rank_worker[0]), args.rank_worker[1])
+    runs: list[list[dict[str, Any]]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.repeat):
+            order = sizes if i % 2 == 0 else sizes[::-1]  # interleaved: drift hits both ends
+            out = Path(tmp) / f"run{i}.json"
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc-per-node={args.ranks}", "-m", "bench.allreduce_sizes",
+                   f"--sizes={','.join(map(str, order))}",
+                   "--rank-worker", str(args.calls), str(out)]
+            done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False,
+                                  env={**os.environ, "OMP_NUM_THREADS": "1"})
+            if done.returncode != 0 or not out.exists():
+                print(done.stderr[-2000:], file=sys.stderr)
+                return 1
+            runs.append(json.loads(out.read_text()))
+    load = os.getloadavg()[0]
+    print(f"{args.ranks} ranks, Gloo on CPU, {args.calls} calls per size and run, "
+          f"median of {args.repeat} runs (load {load:.1f} at the end); rank 0's CPU per call")
+    print("| elements | wall µs/call | main µs | gloo transport µs | gloo work µs | wrong |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+    for size in sizes:
+        rows = [r for run in runs for r in run if r["size"] == size]
+
+        def med(key: str, rows: list[dict[str, Any]] = rows) -> float:
+            return median(r["cpu_us"].get(key, 0.0) for r in rows)
+
+        wrong = sum(r["wrong"] for r in rows)
+        print(f"| {size} | {median(r['wall_us'] for r in rows):.0f} | {med('main'):.0f} "
+              f"| {med('gloo transport'):.0f} | {med('gloo work'):.0f} | {wrong} |")
+        if wrong:
+            print(f"{wrong} results differ from the sum", file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
