@@ -48,6 +48,9 @@ from reference_impl import _snapshots, _store
 #: signal (one on another node, in another PID namespace): the member's next beat reads a
 #: negative count and it kills itself (``resilient.Worker._heartbeat``).
 FENCED = -(2**40)
+# How long the controller keeps hosting the store after the end for a slot it never heard
+# from (its first process still starting): it then finds the job over and leaves.
+LATE_SLOT_S = 60.0
 
 # Heartbeat counters are read every 1/50 of the heartbeat timeout (a silent member is fenced
 # at most 2% late), but at least every 0.1 s and at most every 0.02 s: each read is a store
@@ -453,10 +456,26 @@ class Controller:
         self.store.set(f"arrived/{self.gen}", "superseded")
         # Wakes every process blocked waiting for the next plan (Worker.wait_for_plan).
         self.store.set(f"plan/{self.gen + 1}", json.dumps({"end": True}))
-        # Keep hosting the store until everyone still alive has seen the end.
-        deadline = time.monotonic() + 10.0
-        alive = sum(1 for p in self.procs.values() if p.alive)
-        while time.monotonic() < deadline and self.store.add("exited", 0) < alive:
+        # Keep hosting the store until everyone still alive has seen the end, and until every
+        # slot has shown up once: a slot whose first process starts after a short job ended
+        # (seconds of torch import on a busy host) would otherwise find no store, and
+        # TCPStore waits out its connect timeout (120 s, then retries): the job would hang.
+        now = time.monotonic()
+        deadline, late_deadline = now + 10.0, now + LATE_SLOT_S
+        while True:
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    ev = events.get_nowait()
+                    if ev["type"] == "ready" and ev["slot"] not in self.procs:
+                        # Only counted: nothing is planned after the end.
+                        self.procs[ev["slot"]] = Proc(ev["slot"], ev["inc"], ev["pid"],
+                                                      ev.get("host", self.host))
+            now = time.monotonic()
+            unseen = self.slots - len(self.procs)
+            alive = sum(1 for p in self.procs.values() if p.alive)
+            seen_end = now > deadline or self.store.add("exited", 0) >= alive
+            if seen_end and (unseen <= 0 or now > late_deadline):
+                break
             time.sleep(0.01)
         return code
 
