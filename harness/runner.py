@@ -39,7 +39,7 @@ from harness.records import CheckResult, Event, FaultRecord, RunResult
 from harness.schedule import Progress, Schedule
 from harness.spec import LoadedScenario, Scenario, in_process
 from harness.systems import Driver
-from harness.target import Target
+from harness.target import SERVED_STOP_GRACE_S, STOP_GRACE_S, Target
 from harness.timeline import Timeline
 from harness.triggers import FileTriggers
 
@@ -180,7 +180,7 @@ def execute(
         triggers.close()
         if loop.driver is not None:
             loop.driver.stop()
-        teardown = target.stop()
+        teardown = target.stop(SERVED_STOP_GRACE_S if loop.driven else STOP_GRACE_S)
         # What was set up at launch goes once nothing of the system can still use it.
         errors.extend(injector.unprepare())
         if loop.driven:

@@ -89,6 +89,15 @@ class Teardown:
         return not self.survivors and self.cgroup_removed is not False
 
 
+# How long the run's processes get to exit after SIGTERM at the end, before SIGKILL: a job
+# stopped early (its timeout, Ctrl-C) gets STOP_GRACE_S; a server whose load was served gets
+# SERVED_STOP_GRACE_S, since SIGTERM is how such a run always ends and `completes` judges how
+# it shut down (a last journal fsync behind a busy disk can take seconds; Kubernetes gives
+# 30 s by default).
+STOP_GRACE_S = 3.0
+SERVED_STOP_GRACE_S = 10.0
+
+
 class Target(Protocol):
     """A system under test as the run loop drives it. Every method returns in bounded time.
 
@@ -148,10 +157,12 @@ class Target(Protocol):
         or where the target has no nodes."""
         ...
 
-    def stop(self) -> Teardown:
-        """End every process of the run; what could not be ended is reported, not waited
-        for."""
+    def stop(self, grace: float = STOP_GRACE_S) -> Teardown:
+        """End every process of the run, giving them ``grace`` seconds after SIGTERM where
+        the target has such a step; what could not be ended is reported, not waited for."""
         ...
+
+
 
 
 class _LogPump:
@@ -601,7 +612,7 @@ class LocalTarget:
                 result[0] = root
         return result
 
-    def stop(self, grace: float = 3.0) -> Teardown:
+    def stop(self, grace: float = STOP_GRACE_S) -> Teardown:
         """End every process of the run, within bounded time whatever they do.
 
         SIGTERM to the launcher's process group first (a job that shuts down cleanly

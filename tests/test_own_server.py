@@ -195,3 +195,20 @@ def test_an_event_that_never_comes_fails_saying_which(tmp_path: Path) -> None:
     passed, detail = verdicts(result)["no_lost_requests"]
     assert not passed
     assert "never became ready: no `serving_ready` event within 1s" in detail
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_server_gets_its_stop_grace_after_the_load_and_no_more(tmp_path: Path) -> None:
+    """Once the load is served the server is sent SIGTERM and `completes` wants exit 0. A
+    server that takes 5 s to shut down (a journal's last fsync behind a busy disk, say)
+    shut down cleanly; one that never stops is killed after the grace period and fails."""
+    from harness.target import SERVED_STOP_GRACE_S
+
+    slow = run(tmp_path / "slow", text(args=", --stop-s=5"))
+    assert verdicts(slow)["completes"][0], verdicts(slow)["completes"]
+    stuck = run(tmp_path / "stuck", text(args=", --ignore-term"))
+    passed, detail = verdicts(stuck)["completes"]
+    assert not passed
+    assert "-9" in detail, detail
+    assert stuck.duration_s >= SERVED_STOP_GRACE_S, stuck.duration_s

@@ -27,7 +27,7 @@ from harness import probe
 from harness.errors import TargetError
 from harness.nodes.cluster import Cluster, node_env
 from harness.records import Event
-from harness.target import Launch, Teardown, reported_ranks
+from harness.target import STOP_GRACE_S, Launch, Teardown, reported_ranks
 from harness.timeline import Timeline
 
 KILL_S = 5.0  # how long teardown keeps ending processes of the run left on the host
@@ -150,9 +150,10 @@ class NodesTarget:
         (state,) = [s for s in self.cluster.states() if s.index == node]
         return state.pid if state.status == "running" and state.pid > 0 else None
 
-    def stop(self) -> Teardown:
+    def stop(self, grace: float = STOP_GRACE_S) -> Teardown:
         """Collect each node's log, remove the run's containers and network (paused ones
-        thawed first), then end whatever process of the run the host still has."""
+        thawed first), then end whatever process of the run the host still has. (No
+        ``grace``: removing a container is the engine's stop, with its own.)"""
         if self.cluster.containers:
             with contextlib.suppress(Exception):  # the engine's account, as evidence
                 states = self.cluster.states()
