@@ -351,17 +351,26 @@ def serve(args: argparse.Namespace) -> int:
             elif announced:
                 stop.wait(0.5)
     finally:
+        # Each part timed, and said on stderr: a shutdown that overran the harness's grace
+        # period then shows where its time went.
+        print("[server] stopping", file=sys.stderr, flush=True)
+        took: dict[str, float] = {}
+        began = time.monotonic()
         # Stop accepting first, so no request is accepted that the journal will not see.
         http.shutdown()
+        took["http"], began = time.monotonic() - began, time.monotonic()
         router.stop()
         keeper.stop()
         http.server_close()
+        took["workers"], began = time.monotonic() - began, time.monotonic()
         if journal is not None:
             journal.close()
+            took["journal"] = time.monotonic() - began
         stats = router.stats()
         probe.emit("serving_stats", **flat_stats(stats))
-        print(f"[server] stopped: {stats['requests']}, {stats['migrations']} migrations, "
-              f"{stats['failures']} failures", file=sys.stderr, flush=True)
+        parts = ", ".join(f"{name} {seconds:.2f} s" for name, seconds in took.items())
+        print(f"[server] stopped ({parts}): {stats['requests']}, {stats['migrations']} "
+              f"migrations, {stats['failures']} failures", file=sys.stderr, flush=True)
     return 0
 
 
