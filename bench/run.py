@@ -24,6 +24,7 @@ import tempfile
 import time
 import uuid
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -612,6 +613,22 @@ ROLE_ORDER = ("rank", "spare", "controller", "supervisor", "torchrun agent", "li
               "other")
 
 
+def _split_rows(summary: dict[str, dict[str, Any]], key: str, order: tuple[str, ...],
+                digits: int, total: Callable[[dict[str, Any]], Any]) -> list[str]:
+    """One table row per bench row: the medians of ``summary[row][key]`` in ``order``, then
+    the median of what ``total`` picks."""
+    rows = []
+    for name, stats in summary.items():
+        split = stats.get(key) or {}
+        if not split:
+            continue
+        cells = [_num(split[k]["median"], digits) if split.get(k) else "–" for k in order]
+        last = total(stats)
+        rows.append(f"| `{name}` | " + " | ".join(cells)
+                    + f" | {_num(last['median'] if last else None, 1)} |")
+    return rows
+
+
 def markdown(record: dict[str, Any]) -> str:
     summary, peers = record["summary"], {p["name"]: p for p in record["peers"]}
     load = record["machine"].get("loadavg_end")
@@ -647,14 +664,8 @@ def markdown(record: dict[str, Any]) -> str:
               f"{record['settings']['kill_at'] - CPU_TAIL}):", "",
               "| row | " + " | ".join(ROLE_ORDER) + " | total |",
               "| --- |" + " ---: |" * (len(ROLE_ORDER) + 1)]
-    for name, stats in summary.items():
-        roles = stats.get("cpu_by_role") or {}
-        if not roles:
-            continue
-        cells = [_num(roles[r]["median"], 1) if roles.get(r) else "–" for r in ROLE_ORDER]
-        total = stats.get("cpu_ms_per_step")
-        lines.append(f"| `{name}` | " + " | ".join(cells)
-                     + f" | {_num(total['median'] if total else None, 1)} |")
+    lines += _split_rows(summary, "cpu_by_role", ROLE_ORDER, 1,
+                         lambda stats: stats.get("cpu_ms_per_step"))
     lines += ["", "The ranks' CPU by thread (ms per step, all ranks together, the same window; "
               "`main`: the training loop; `gloo transport`: Gloo's epoll loops, which move "
               "every collective's bytes; `gloo work`: the threads that run each collective; "
@@ -662,15 +673,8 @@ def markdown(record: dict[str, Any]) -> str:
               "client's):", "",
               "| row | " + " | ".join(THREAD_ORDER) + " | ranks |",
               "| --- |" + " ---: |" * (len(THREAD_ORDER) + 1)]
-    for name, stats in summary.items():
-        threads = stats.get("cpu_rank_threads") or {}
-        if not threads:
-            continue
-        cells = [_num(threads[k]["median"], 2) if threads.get(k) else "–"
-                 for k in THREAD_ORDER]
-        rank = (stats.get("cpu_by_role") or {}).get("rank")
-        lines.append(f"| `{name}` | " + " | ".join(cells)
-                     + f" | {_num(rank['median'] if rank else None, 1)} |")
+    lines += _split_rows(summary, "cpu_rank_threads", THREAD_ORDER, 2,
+                         lambda stats: (stats.get("cpu_by_role") or {}).get("rank"))
     lines += ["", "| target | value | limit | met |", "| --- | ---: | ---: | --- |"]
     for t in record["targets"]:
         met = {True: "yes", False: "**no**", None: f"not measured ({t['note']})"}[t["met"]]
