@@ -543,19 +543,48 @@ def _minimize(search: _Search) -> None:
                 break
 
 
+#: How many other failures are re-run when the smallest one turns out flaky.
+FALLBACKS = 3
+
+
+def _reproduces(search: _Search, key: str, confirm: int) -> bool:
+    """Re-run the schedule ``key`` up to ``confirm`` times: whether every run failed."""
+    tried = search.tried[key]
+    for _ in range(confirm):
+        search.run(tried.spec, key, "confirm")
+        if search.exploration.attempts[-1].verdict != "fail":
+            return False  # one pass, or a run not as drawn, is enough to doubt it
+    return True
+
+
+def _fallbacks(search: _Search, flaky: str) -> list[str]:
+    """The other schedules that failed and never passed, smallest first: shrinking may have
+    ended on one that failed once by chance (a kill that hit the moment that matters only
+    sometimes), while a larger one on its way failed for a reason."""
+    failed = [(key, t) for key, t in search.tried.items()
+              if key != flaky and t.failures and not t.passes]
+    failed.sort(key=lambda item: (_size(item[1].spec), -item[1].index))
+    return [key for key, _ in failed[:FALLBACKS]]
+
+
 def _report(search: _Search, *, status_if_unconfirmed: bool, confirm: int = 0) -> None:
     """Re-run the best failure ``confirm`` times and write it: confirmed when every re-run
-    failed too, flaky when one passed; unconfirmed when interrupted before the re-runs."""
+    failed too, flaky when one passed; unconfirmed when interrupted before the re-runs.
+    When the best one is flaky, the next simplest failures are re-run in turn, and the
+    first that fails every re-run is written instead (its description names the flaky
+    one)."""
     if search.best is None:
         return
-    tried = search.tried[search.best]
     reproduced = True
+    flaky: _Tried | None = None
     if not status_if_unconfirmed:
-        for _ in range(confirm):
-            search.run(tried.spec, search.best, "confirm")
-            if search.exploration.attempts[-1].verdict != "fail":
-                reproduced = False  # one pass, or a run not as drawn, is enough to doubt it
-                break
+        reproduced = _reproduces(search, search.best, confirm)
+        if not reproduced:
+            for key in _fallbacks(search, search.best):
+                if _reproduces(search, key, confirm):
+                    flaky, search.best, reproduced = search.tried[search.best], key, True
+                    break
+    tried = search.tried[search.best]
     status: Status = ("unconfirmed" if status_if_unconfirmed
                       else "confirmed" if reproduced else "flaky")
     exploration = search.exploration
@@ -568,7 +597,11 @@ def _report(search: _Search, *, status_if_unconfirmed: bool, confirm: int = 0) -
         f"(run {tried.index}), shrunk to {len(tried.spec.faults)} fault(s): {schedule}. "
         f"It failed {tried.failures} of {runs_of_it} run(s) of exactly this schedule"
         + (" and was interrupted before a re-run" if status == "unconfirmed" else "")
-        + f": {tried.reason}")
+        + f": {tried.reason}"
+        + ("" if flaky is None else
+           f". The simpler schedule {describe(flaky.spec.faults)} failed only "
+           f"{flaky.failures} of {flaky.failures + flaky.passes} run(s) (flaky), so this is "
+           "the simplest failure found that failed every re-run"))
     written = tried.spec.model_copy(update={"name": name, "description": description})
     file = search.out / f"{name}.yaml"
     file.parent.mkdir(parents=True, exist_ok=True)

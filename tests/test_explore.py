@@ -377,3 +377,37 @@ def test_the_live_view_and_plain_lines_show_runs_failures_and_findings(
     assert "shrink runs " in text
     assert "explore stand-in · seed 0" in text
     assert "FAILING SCHEDULE" in screen.getvalue()
+
+
+def test_a_flaky_shrink_falls_back_to_the_simplest_failure_that_reproduces(
+    base: LoadedScenario, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Shrinking can end on a schedule that failed once by chance: a kill at a step alone,
+    which hit the moment that matters only sometimes (CI: explore shrank `at: {step: 10,
+    phase: save}` to `at: {step: 10}`, which failed 1 run of 2). A user needs a scenario
+    that fails when run: the engine re-runs the simpler failures seen before it and reports
+    the simplest that fails every re-run, naming the flaky one it came from."""
+    seen: dict[str, int] = {}
+    bug_seen = False
+
+    def rule(faults: Sequence[Any]) -> str:
+        nonlocal bug_seen
+        verdict = second_fault_during_recovery(faults)
+        if verdict == "fail":
+            bug_seen = True
+            return verdict
+        key = describe(faults)
+        seen[key] = seen.get(key, 0) + 1
+        lone_kill = len(faults) == 1 and faults[0].kind == "process.kill"
+        return "fail" if lone_kill and bug_seen and seen[key] == 1 else "pass"
+
+    stand_in(monkeypatch, rule)
+    found = run(base, tmp_path, confirm=2)
+    (finding,) = found.findings
+    assert finding.status == "confirmed", finding
+    assert finding.faults == 2, finding.schedule
+    assert found.failed
+    text = Path(finding.file).read_text()
+    assert "flaky" in text  # the description names the simpler schedule that did not hold
+    loaded = load_scenario(Path(finding.file))
+    assert second_fault_during_recovery(loaded.spec.faults) == "fail"
