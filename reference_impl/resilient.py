@@ -17,15 +17,16 @@ Process shape (one torchrun worker per *slot*; torchrun only launches, it never 
   named ``gen{g}/...``; on any failure it destroys its groups (which makes its peers' pending
   collectives fail at once instead of at their timeout) and waits for the next plan.
 
-Commit protocol. Every step ends with a tiny all_reduce over the world (the *vote*) after the
-data-parallel gradient all_reduce: it carries "gradients not finite", "fingerprints differ" and
-"a new plan is waiting". The optimizer step is applied, and the step reported, only after the
-vote completed. A completed vote on any rank proves every rank holds the averaged gradients, so
-after a failure a rank whose vote failed can still apply them (roll forward) and no reported
-step is ever lost. State for a replacement comes from a live data-parallel peer (all replicas of
-a shard are bitwise identical); if every replica of a shard is gone, from the peer-memory
-snapshots that one replica per shard sends off the critical path (a background thread) into
-the controller's memory.
+Commit protocol. Every step ends with a tiny sum over the world (the *vote*, through the
+world group's rank 0) after the data-parallel gradient all_reduce: it carries "gradients not
+finite", "fingerprints differ" and "a new plan is waiting". The optimizer step is applied, and
+the step reported, only after the vote completed. A completed vote on any rank proves every
+rank holds the averaged gradients (rank 0 heard from all, the others from rank 0 after that),
+so after a failure a rank whose vote failed can still apply them (roll forward) and no
+reported step is ever lost. State for a replacement comes from a live data-parallel peer (all
+replicas of a shard are bitwise identical); if every replica of a shard is gone, from the
+peer-memory snapshots that one replica per shard sends off the critical path (a background
+thread) into the controller's memory.
 
 Faults come from outside (the harness's chaos engine) or through the probe's fault points
 (``harness.probe.fault_point``); deliberately broken variants of this trainer live in the tests
@@ -63,6 +64,7 @@ from reference_impl.model import (
     ParallelMLP,
     all_finite,
     param_digest,
+    sum_through_root,
     synthetic_batch,
 )
 
@@ -445,6 +447,14 @@ class Worker:
         if self.replay is not None and g.gen + 1 < len(self.replay):
             stop_at = self.replay[g.gen + 1]["first_step"] - 1
         params = list(model.parameters())
+        world_rank = g.members.index(g.rank)  # the vote's point-to-point calls use group ranks
+
+        def send(tensor: torch.Tensor, peer: int) -> Any:
+            return g.world.send([tensor], peer, 0)
+
+        def recv(tensor: torch.Tensor, peer: int) -> Any:
+            return g.world.recv([tensor], peer, 0)
+
         while self.steps_done < cfg.steps:
             if stop_at is not None and self.steps_done >= stop_at:
                 _store.report(self.store, type="leave", gen=g.gen, rank=g.rank)
@@ -470,7 +480,7 @@ class Worker:
             self.pending, self.pending_gen = True, g.gen
             vote = encode_vote((nonfinite, self.mismatch, self.plan_ahead > g.gen),
                                len(g.members))
-            g.world.allreduce([vote]).wait()
+            sum_through_root(vote, world_rank, len(g.members), send=send, recv=recv)
             self.pending = False
             bad, mismatch, ahead = decode_vote(vote, len(g.members))
             if bad:  # nobody applies it; compute the same step again
