@@ -1,13 +1,17 @@
-"""``python -m bench.allreduce_sizes``: what a tiny Gloo all_reduce costs, by element count.
+"""``python -m bench.allreduce_sizes``: what a tiny Gloo sum over the world costs, by element
+count and by method.
 
-The trainer's vote is a tiny all_reduce over the whole world every step. This runs one under
-torchrun (``--ranks`` processes, Gloo on CPU, one thread each, as the bench's jobs run) for
-each element count, interleaved ``--repeat`` times, and prints per call the wall time and the
-CPU rank 0's threads spent, by kind (the bench's ``thread_cpu``: the caller's main thread,
-Gloo's transport loop, Gloo's work threads). Every call's result is checked against the sum
-computed here, so a fast wrong collective cannot look good.
+The trainer's vote is a tiny sum over the whole world every step. This runs one under torchrun
+(``--ranks`` processes, Gloo on CPU, one thread each, as the bench's jobs run) for each
+element count and method, interleaved ``--repeat`` times, and prints per call the wall time
+and the CPU the ranks' threads spent, by kind (the bench's ``thread_cpu``: the caller's main
+thread, Gloo's transport loop, Gloo's work threads), rank 0's and all ranks' together. The
+methods: ``all_reduce`` (Gloo's), ``star`` (``reference_impl.model.sum_through_root``, what the
+vote uses: through rank 0 over point-to-point calls). Every call's result is checked against
+the sum computed here, so a fast wrong collective cannot look good.
 
     python -m bench.allreduce_sizes [--ranks 4] [--sizes 1,2,3,8,64] [--calls 2000]
+                                    [--methods all_reduce,star]
 """
 
 from __future__ import annotations
@@ -27,37 +31,52 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _rank(sizes: list[int], calls: int, out: str) -> int:
+def _rank(sizes: list[int], methods: list[str], calls: int, out: str) -> int:
     import torch
     import torch.distributed as dist
 
     from bench.run import thread_cpu
+    from reference_impl.model import sum_through_root
 
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     group = dist.new_group(list(range(world)))
+
+    def star(t: Any) -> None:
+        sum_through_root(t, rank, world, send=lambda x, peer: group.send([x], peer, 0),
+                         recv=lambda x, peer: group.recv([x], peer, 0))
+
+    run = {"all_reduce": lambda t: dist.all_reduce(t, group=group), "star": star}
     rows = []
     for size in sizes:
-        mine = torch.arange(size, dtype=torch.float64) + rank
-        want = torch.arange(size, dtype=torch.float64) * world + world * (world - 1) / 2
-        for _ in range(50):  # warm: connections made, buffers allocated
-            t = mine.clone()
-            dist.all_reduce(t, group=group)
-        dist.barrier(group=group)
-        before, start = thread_cpu(os.getpid()), time.monotonic()
-        wrong = 0
-        for _ in range(calls):
-            t = mine.clone()
-            dist.all_reduce(t, group=group)
-            wrong += int(not torch.equal(t, want))
-        wall = time.monotonic() - start
-        after = thread_cpu(os.getpid())
-        cpu = {k: (after[k] - before.get(k, 0.0)) / calls * 1e6 for k in after}
-        rows.append({"size": size, "wall_us": wall / calls * 1e6, "cpu_us": cpu,
-                     "wrong": wrong})
-        dist.barrier(group=group)
+        for method in methods:
+            mine = torch.arange(size, dtype=torch.float64) + rank
+            want = torch.arange(size, dtype=torch.float64) * world + world * (world - 1) / 2
+            call = run[method]
+            for _ in range(50):  # warm: connections made, buffers allocated
+                call(mine.clone())
+            dist.barrier(group=group)
+            before, start = thread_cpu(os.getpid()), time.monotonic()
+            wrong = 0
+            for _ in range(calls):
+                t = mine.clone()
+                call(t)
+                wrong += int(not torch.equal(t, want))
+            wall = time.monotonic() - start
+            after = thread_cpu(os.getpid())
+            cpu = {k: (after[k] - before.get(k, 0.0)) / calls * 1e6 for k in after}
+            every: list[Any] = [None] * world
+            dist.all_gather_object(every, cpu, group=group)
+            total = {k: sum(c.get(k, 0.0) for c in every) for k in set().union(*every)}
+            rows.append({"size": size, "method": method, "wall_us": wall / calls * 1e6,
+                         "cpu_us": cpu, "all_cpu_us": total, "wrong": wrong})
+            dist.barrier(group=group)
+    wrong_anywhere: list[Any] = [None] * world
+    dist.all_gather_object(wrong_anywhere, [r["wrong"] for r in rows], group=group)
     if rank == 0:
+        for i, row in enumerate(rows):
+            row["wrong"] = sum(w[i] for w in wrong_anywhere)
         Path(out).write_text(json.dumps(rows))
     dist.destroy_process_group()
     return 0
@@ -69,21 +88,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--sizes", default="1,2,3,8,64",
                         help="element counts, comma-separated (float64)")
+    parser.add_argument("--methods", default="all_reduce,star",
+                        help="comma-separated: all_reduce (Gloo's), star (through rank 0)")
     parser.add_argument("--calls", type=int, default=2000, help="timed calls per size and run")
     parser.add_argument("--repeat", type=int, default=3, help="runs, each over every size")
     parser.add_argument("--rank-worker", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
+    methods = args.methods.split(",")
+    unknown = sorted(set(methods) - {"all_reduce", "star"})
+    if unknown:
+        parser.error(f"unknown --methods {','.join(unknown)}: use all_reduce, star")
     if args.rank_worker:
-        return _rank(sizes, int(args.rank_worker[0]), args.rank_worker[1])
+        return _rank(sizes, methods, int(args.rank_worker[0]), args.rank_worker[1])
     runs: list[list[dict[str, Any]]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.repeat):
-            order = sizes if i % 2 == 0 else sizes[::-1]  # interleaved: drift hits both ends
+            # Interleaved: drift hits both ends.
+            order = sizes if i % 2 == 0 else sizes[::-1]
+            how = methods if i % 2 == 0 else methods[::-1]
             out = Path(tmp) / f"run{i}.json"
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                    f"--nproc-per-node={args.ranks}", "-m", "bench.allreduce_sizes",
-                   f"--sizes={','.join(map(str, order))}",
+                   f"--sizes={','.join(map(str, order))}", f"--methods={','.join(how)}",
                    "--rank-worker", str(args.calls), str(out)]
             done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False,
                                   env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -92,22 +119,30 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             runs.append(json.loads(out.read_text()))
     load = os.getloadavg()[0]
-    print(f"{args.ranks} ranks, Gloo on CPU, {args.calls} calls per size and run, "
-          f"median of {args.repeat} runs (load {load:.1f} at the end); rank 0's CPU per call")
-    print("| elements | wall µs/call | main µs | gloo transport µs | gloo work µs | wrong |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+    print(f"{args.ranks} ranks, Gloo on CPU, {args.calls} calls per size, method and run, "
+          f"median of {args.repeat} runs (load {load:.1f} at the end); CPU per call, "
+          "rank 0's threads and all ranks' together")
+    print("| elements | method | wall µs/call | main µs | gloo transport µs | gloo work µs "
+          "| all ranks' CPU µs | wrong |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    failed = 0
     for size in sizes:
-        rows = [r for run in runs for r in run if r["size"] == size]
+        for method in methods:
+            rows = [r for run in runs for r in run
+                    if r["size"] == size and r["method"] == method]
 
-        def med(key: str, rows: list[dict[str, Any]] = rows) -> float:
-            return median(r["cpu_us"].get(key, 0.0) for r in rows)
+            def med(key: str, rows: list[dict[str, Any]] = rows) -> float:
+                return median(r["cpu_us"].get(key, 0.0) for r in rows)
 
-        wrong = sum(r["wrong"] for r in rows)
-        print(f"| {size} | {median(r['wall_us'] for r in rows):.0f} | {med('main'):.0f} "
-              f"| {med('gloo transport'):.0f} | {med('gloo work'):.0f} | {wrong} |")
-        if wrong:
-            print(f"{wrong} results differ from the sum", file=sys.stderr)
-            return 1
+            wrong = sum(r["wrong"] for r in rows)
+            failed += wrong
+            every = median(sum(r["all_cpu_us"].values()) for r in rows)
+            print(f"| {size} | {method} | {median(r['wall_us'] for r in rows):.0f} "
+                  f"| {med('main'):.0f} | {med('gloo transport'):.0f} "
+                  f"| {med('gloo work'):.0f} | {every:.0f} | {wrong} |")
+    if failed:
+        print(f"{failed} results differ from the sum", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -3,8 +3,10 @@ suite, so its pure parts are tested here (a renamed metric once broke it silentl
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -245,16 +247,45 @@ def test_harness_overhead_cpu_check_catches_a_reading_that_counts_the_children(
 
 
 def test_allreduce_sizes_times_real_gloo_collectives_and_checks_their_sums() -> None:
-    """A small run of the vote's microbenchmark: every size gets a row, each result was
-    checked against the sum (the "wrong" column), and rank 0's CPU is split by thread."""
-    done = subprocess.run([sys.executable, "-m", "bench.allreduce_sizes", "--ranks", "2",
+    """A small run of the vote's microbenchmark: every size and method gets a row, each result
+    was checked against the sum (the "wrong" column), and the CPU is split by thread."""
+    done = subprocess.run([sys.executable, "-m", "bench.allreduce_sizes", "--ranks", "3",
                            "--sizes", "1,3", "--calls", "30", "--repeat", "1"],
                           cwd=Path(__file__).resolve().parents[1], capture_output=True,
                           text=True, timeout=240, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = [line.split("|")[1:-1] for line in done.stdout.splitlines()
             if line.startswith("| 1 ") or line.startswith("| 3 ")]
-    assert [int(r[0]) for r in rows] == [1, 3], done.stdout
+    assert [(int(r[0]), r[1].strip()) for r in rows] == [
+        (1, "all_reduce"), (1, "star"), (3, "all_reduce"), (3, "star")], done.stdout
     for row in rows:
-        assert float(row[1]) > 0  # wall µs per call
+        assert float(row[2]) > 0  # wall µs per call
+        assert float(row[6]) >= float(row[3])  # all ranks' CPU covers rank 0's main thread
         assert int(row[-1]) == 0  # wrong results
+
+
+def test_allreduce_sizes_fails_on_a_wrong_sum(tmp_path: Path) -> None:
+    """The "wrong" column is not decoration: a sum through rank 0 that forgets the last rank's
+    part makes the run fail and say so."""
+    (tmp_path / "sitecustomize.py").write_text(textwrap.dedent("""\
+        import reference_impl.model as m
+        good = m.sum_through_root
+        def broken(value, rank, size, send, recv):
+            def lossy(t, peer):
+                work = recv(t, peer)
+                if work is not None:
+                    work.wait()
+                if rank == 0 and peer == size - 1:
+                    t.zero_()
+            return good(value, rank, size, send, lossy)
+        m.sum_through_root = broken
+    """))
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{root}"}
+    done = subprocess.run([sys.executable, "-m", "bench.allreduce_sizes", "--ranks", "3",
+                           "--sizes", "1", "--calls", "5", "--repeat", "1",
+                           "--methods", "star"],
+                          cwd=root, capture_output=True, text=True, timeout=240, check=False,
+                          env=env)
+    assert done.returncode == 1, done.stdout + done.stderr[-2000:]
+    assert "results differ from the sum" in done.stderr
