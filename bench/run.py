@@ -489,6 +489,14 @@ def _stats(values: list[float | None]) -> dict[str, Any] | None:
     return {"median": statistics.median(got), "min": min(got), "max": max(got), "n": len(got)}
 
 
+def run_order(chosen: list[Peer], rep: int) -> list[Peer]:
+    """The rows of repetition ``rep`` (0-based): in table order, every other repetition
+    reversed, so that a drift along a repetition (a neighbour's load, a warm page cache, the
+    previous job's teardown) lands on both sides of each pair instead of always on the rows
+    that run later than ``ddp``."""
+    return list(chosen) if rep % 2 == 0 else list(reversed(chosen))
+
+
 def summarise(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
     # Overheads are paired per repetition: the row's time (CPU) per step over plain DDP's in
     # the same repetition, minus 1; then the median over repetitions.
@@ -798,7 +806,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         for rep in range(settings.repeat):
-            for peer in chosen:
+            for peer in run_order(chosen, rep):
                 # Every job's logs: an outlier is often in one repetition only.
                 keep = args.keep_logs / f"rep{rep + 1}" if args.keep_logs else None
                 result = run_job(peer, settings, model, marker, keep, oracle_cache)

@@ -9,6 +9,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -289,3 +290,24 @@ def test_allreduce_sizes_fails_on_a_wrong_sum(tmp_path: Path) -> None:
                           env=env)
     assert done.returncode == 1, done.stdout + done.stderr[-2000:]
     assert "results differ from the sum" in done.stderr
+
+
+def test_every_other_repetition_runs_the_rows_in_reverse(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pairs are taken within a repetition; with a fixed order, whatever drifts along a
+    repetition would always land on the rows after ``ddp``."""
+    import bench.run
+
+    ran: list[str] = []
+
+    def fake_job(peer: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        ran.append(peer.name)
+        return {"steps_per_s": 10.0}
+
+    monkeypatch.setattr(bench.run, "run_job", fake_job)
+    monkeypatch.setattr(bench.run, "accepted_strategies", dict)
+    assert bench.run.main(["--only", "ddp,trainer_no_ckpt,hot_spare", "--repeat", "3",
+                           "--out", str(tmp_path)]) == 0
+    order = ["ddp", "trainer_no_ckpt", "hot_spare"]
+    assert ran == order + order[::-1] + order
