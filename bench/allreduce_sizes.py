@@ -7,11 +7,14 @@ element count and method, interleaved ``--repeat`` times, and prints per call th
 and the CPU the ranks' threads spent, by kind (the bench's ``thread_cpu``: the caller's main
 thread, Gloo's transport loop, Gloo's work threads), rank 0's and all ranks' together. The
 methods: ``all_reduce`` (Gloo's), ``star`` (``reference_impl.model.sum_through_root``, what the
-vote uses: through rank 0 over point-to-point calls). Every call's result is checked against
-the sum computed here, so a fast wrong collective cannot look good.
+vote uses: through rank 0 over point-to-point calls); and, for the trainer's straggler
+figures, ``all_gather`` (every rank gets every rank's values) against ``to_root`` (what the
+trainer does now: the others send, rank 0 receives; the others do not wait). Every call's
+result is checked against the sum computed here (the gathers' parts are summed to check
+them; ``to_root`` on rank 0 only), so a fast wrong collective cannot look good.
 
     python -m bench.allreduce_sizes [--ranks 4] [--sizes 1,2,3,8,64] [--calls 2000]
-                                    [--methods all_reduce,star]
+                                    [--methods all_reduce,star,all_gather,to_root]
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from statistics import median
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
+METHODS = ("all_reduce", "star", "all_gather", "to_root")
 
 
 def _rank(sizes: list[int], methods: list[str], calls: int, out: str) -> int:
@@ -47,7 +51,23 @@ def _rank(sizes: list[int], methods: list[str], calls: int, out: str) -> int:
         sum_through_root(t, rank, world, send=lambda x, peer: group.send([x], peer, 0),
                          recv=lambda x, peer: group.recv([x], peer, 0))
 
-    run = {"all_reduce": lambda t: dist.all_reduce(t, group=group), "star": star}
+    def all_gather(t: Any) -> None:
+        parts = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(parts, t, group=group)
+        t.copy_(torch.stack(parts).sum(0))  # summed only to check what arrived
+
+    def to_root(t: Any) -> bool:
+        if rank != 0:
+            group.send([t], 0, 1).wait()
+            return False  # nothing arrives here to check
+        parts = [torch.empty_like(t) for _ in range(1, world)]
+        for work in [group.recv([part], peer, 1) for peer, part in enumerate(parts, start=1)]:
+            work.wait()
+        t.add_(torch.stack(parts).sum(0))
+        return True
+
+    run = {"all_reduce": lambda t: dist.all_reduce(t, group=group), "star": star,
+           "all_gather": all_gather, "to_root": to_root}
     rows = []
     for size in sizes:
         for method in methods:
@@ -61,8 +81,8 @@ def _rank(sizes: list[int], methods: list[str], calls: int, out: str) -> int:
             wrong = 0
             for _ in range(calls):
                 t = mine.clone()
-                call(t)
-                wrong += int(not torch.equal(t, want))
+                if call(t) is not False:
+                    wrong += int(not torch.equal(t, want))
             wall = time.monotonic() - start
             after = thread_cpu(os.getpid())
             cpu = {k: (after[k] - before.get(k, 0.0)) / calls * 1e6 for k in after}
@@ -89,16 +109,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="1,2,3,8,64",
                         help="element counts, comma-separated (float64)")
     parser.add_argument("--methods", default="all_reduce,star",
-                        help="comma-separated: all_reduce (Gloo's), star (through rank 0)")
+                        help=f"comma-separated, of {', '.join(METHODS)}")
     parser.add_argument("--calls", type=int, default=2000, help="timed calls per size and run")
     parser.add_argument("--repeat", type=int, default=3, help="runs, each over every size")
     parser.add_argument("--rank-worker", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     methods = args.methods.split(",")
-    unknown = sorted(set(methods) - {"all_reduce", "star"})
+    unknown = sorted(set(methods) - set(METHODS))
     if unknown:
-        parser.error(f"unknown --methods {','.join(unknown)}: use all_reduce, star")
+        parser.error(f"unknown --methods {','.join(unknown)}: use {', '.join(METHODS)}")
     if args.rank_worker:
         return _rank(sizes, methods, int(args.rank_worker[0]), args.rank_worker[1])
     runs: list[list[dict[str, Any]]] = []
