@@ -213,6 +213,7 @@ def run_job(peer: Peer, settings: Settings, model: Model, marker: str, keep: Pat
     }
     procs: list[subprocess.Popen[bytes]] = []
     tail = EventTail(events_path)
+    kill_watch = KillWatch(settings.kill_at)
     t_kill: float | None = None
     outcome = "completed"
     # CPU of every process of the job at rank 0's step `warmup` and `kill_at - CPU_TAIL`:
@@ -240,7 +241,7 @@ def run_job(peer: Peer, settings: Settings, model: Model, marker: str, keep: Pat
                                            and e.fields.get("step") == mark for e in new):
                     cpu[mark] = cpu_sample(marker)
             if t_kill is None and peer.fault:
-                pid = _kill_target(tail.events, settings.kill_at)
+                pid = kill_watch.feed(new)
                 if pid is not None:
                     os.kill(pid, signal.SIGKILL)
                     t_kill = time.monotonic()
@@ -285,17 +286,27 @@ def run_job(peer: Peer, settings: Settings, model: Model, marker: str, keep: Pat
     return result
 
 
-def _kill_target(events: list[Event], kill_at: int) -> int | None:
-    """pid of the newest non-spare process that says it is KILL_RANK, once it reached kill_at."""
-    reached = any(
-        e.event == "step" and e.rank == KILL_RANK and e.fields.get("step", 0) >= kill_at
-        for e in events
-    )
-    if not reached:
-        return None
-    hellos = [e for e in events if e.event == "hello" and e.rank == KILL_RANK
-              and e.fields.get("role") != "spare"]
-    return int(hellos[-1].fields["pid"]) if hellos else None
+class KillWatch:
+    """When to kill, and whom: the newest non-spare process that says it is KILL_RANK, once
+    that rank reported step ``kill_at``. Fed each poll's new events only, so a poll costs the
+    same at step 300 as at step 1 (the bench polls every 5 ms on the job's own cores, and only
+    for the faulted rows: a rescan of every event so far charged them alone a CPU cost that
+    grew with the job)."""
+
+    def __init__(self, kill_at: int) -> None:
+        self.kill_at = kill_at
+        self.reached = False
+        self.pid: int | None = None  # the newest non-spare KILL_RANK process said so far
+
+    def feed(self, new: list[Event]) -> int | None:
+        for e in new:
+            if e.rank != KILL_RANK:
+                continue
+            if e.event == "hello" and e.fields.get("role") != "spare":
+                self.pid = int(e.fields["pid"])
+            elif e.event == "step" and e.fields.get("step", 0) >= self.kill_at:
+                self.reached = True
+        return self.pid if self.reached else None
 
 
 # ---------------------------------------------------------------------------------------------

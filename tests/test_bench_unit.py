@@ -313,3 +313,35 @@ def test_every_other_repetition_runs_the_rows_in_reverse(
                            "--out", str(tmp_path)]) == 0
     order = ["ddp", "trainer_no_ckpt", "hot_spare"]
     assert ran == order + order[::-1] + order
+
+
+def test_the_kill_is_decided_from_each_polls_new_events_alone() -> None:
+    """The bench polls the job's events every 5 ms, on the same 2 cores as the job, and only
+    for the faulted rows. Rescanning every event so far at each poll cost those rows CPU that
+    grew with the job (the failure-free rows were never charged it): the watcher must look
+    at each event once, and still find the newest non-spare process of the rank to kill."""
+    from bench.run import KILL_RANK, KillWatch
+
+    looked = [0]
+
+    class Counted(Event):  # counts every look at an event's rank
+        @property
+        def rank(self) -> int | None:
+            looked[0] += 1
+            return super().rank
+
+    def ev(event: str, rank: int, **fields: Any) -> Event:
+        return Counted(t=0.0, event=event, source=f"rank{rank}",
+                       fields={"rank": rank, **fields})
+
+    watch = KillWatch(kill_at=5)
+    batches = [
+        [ev("hello", KILL_RANK, pid=11), ev("hello", 0, pid=10)],
+        [ev("step", KILL_RANK, step=s) for s in range(1, 5)],
+        [ev("hello", KILL_RANK, pid=12, role="spare"), ev("hello", KILL_RANK, pid=13)],
+        [ev("step", 0, step=5)],
+        [ev("step", KILL_RANK, step=5)],
+    ]
+    found = [watch.feed(batch) for batch in batches]
+    assert found == [None, None, None, None, 13]
+    assert looked[0] == sum(len(b) for b in batches)  # each event looked at once
