@@ -180,7 +180,7 @@ def execute(
         triggers.close()
         if loop.driver is not None:
             loop.driver.stop()
-        teardown = target.stop(SERVED_STOP_GRACE_S if loop.driven else STOP_GRACE_S)
+        teardown = target.stop(_served_grace(spec) if loop.driven else STOP_GRACE_S)
         # What was set up at launch goes once nothing of the system can still use it.
         errors.extend(injector.unprepare())
         if loop.driven:
@@ -344,6 +344,13 @@ class _Loop:
             self.observer.event(self.timeline.emit("timeout", after_s=round(now - self.t0, 3)))
             return True
         return False
+
+
+def _served_grace(spec: Scenario) -> float:
+    """Seconds a system whose load was served gets after SIGTERM: a command's
+    ``stop_grace``, otherwise :data:`SERVED_STOP_GRACE_S`."""
+    grace = getattr(spec.system, "stop_grace", None)
+    return SERVED_STOP_GRACE_S if grace is None else float(grace.total_seconds())
 
 
 def _storage_root(spec: Scenario, run_dir: Path, given: str | None) -> str:

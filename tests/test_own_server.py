@@ -23,13 +23,14 @@ TINY = Path(__file__).resolve().parent / "fixtures" / "tiny_server.py"
 
 
 def text(*, args: str = "", env: str = "{}", load: str = "", expect: str = "",
-         faults: str = "") -> str:
+         faults: str = "", system: str = "") -> str:
     return f"""\
 name: own-server
 system:
   command: [{sys.executable}, {TINY}, '--port=${{port}}'{args}]
   env: {env}
   timeout: 60s
+  {system}
 load:
   url: 'http://127.0.0.1:${{port}}'
   requests: 12
@@ -72,6 +73,15 @@ def test_serving_checks_without_a_load_are_refused_naming_the_fix(tmp_path: Path
         api.loads(scenario, folder=tmp_path)
     assert "expect.no_lost_requests needs a load" in str(info.value)
     assert "load:" in str(info.value)
+
+
+def test_stop_grace_is_refused_without_a_load_it_would_follow(tmp_path: Path) -> None:
+    scenario = (f"name: x\nsystem:\n  command: [{sys.executable}, {TINY}]\n"
+                "  stop_grace: 30s\n")
+    with pytest.raises(SpecError) as info:
+        api.loads(scenario, folder=tmp_path)
+    assert "system.stop_grace" in str(info.value)
+    assert "add a `load:` block" in str(info.value)
 
 
 def test_the_reference_server_keeps_its_load_in_system(tmp_path: Path) -> None:
@@ -200,15 +210,19 @@ def test_an_event_that_never_comes_fails_saying_which(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_server_gets_its_stop_grace_after_the_load_and_no_more(tmp_path: Path) -> None:
-    """Once the load is served the server is sent SIGTERM and `completes` wants exit 0. A
-    server that takes 5 s to shut down (a journal's last fsync behind a busy disk, say)
-    shut down cleanly; one that never stops is killed after the grace period and fails."""
+    """Once the load is served the server is sent SIGTERM and `completes` wants exit 0
+    within the scenario's `system.stop_grace` (10 s unless it says). A server that takes
+    1.5 s to shut down (a journal's last fsync behind a busy disk, say) shut down cleanly
+    within a grace of 3 s; one that never stops is killed once its 2 s are up, not after the
+    default 10 s, and fails."""
     from harness.target import SERVED_STOP_GRACE_S
 
-    slow = run(tmp_path / "slow", text(args=", --stop-s=5"))
+    assert api.loads(text(), folder=tmp_path).spec.system.stop_grace.total_seconds() \
+        == SERVED_STOP_GRACE_S == 10
+    slow = run(tmp_path / "slow", text(args=", --stop-s=1.5", system="stop_grace: 3s"))
     assert verdicts(slow)["completes"][0], verdicts(slow)["completes"]
-    stuck = run(tmp_path / "stuck", text(args=", --ignore-term"))
+    stuck = run(tmp_path / "stuck", text(args=", --ignore-term", system="stop_grace: 2s"))
     passed, detail = verdicts(stuck)["completes"]
     assert not passed
     assert "-9" in detail, detail
-    assert stuck.duration_s >= SERVED_STOP_GRACE_S, stuck.duration_s
+    assert 2 <= stuck.duration_s < SERVED_STOP_GRACE_S, stuck.duration_s

@@ -20,7 +20,7 @@ from pydantic import Field
 from harness.logprobe import LogProbe
 from harness.schema import MAX_STEPS, MAX_WORLD, Duration, Strict
 from harness.systems import Driver, register
-from harness.target import Launch, LocalTarget, Target
+from harness.target import SERVED_STOP_GRACE_S, Launch, LocalTarget, Target
 from harness.timeline import Timeline
 
 
@@ -61,6 +61,11 @@ class CommandSystem(Strict):
         "content is part of the fault-free twin's cache key; each must exist",
     )
     timeout: Duration = Field(timedelta(minutes=5), description="limit for the whole run")
+    stop_grace: Duration = Field(
+        timedelta(seconds=SERVED_STOP_GRACE_S),
+        description="with a `load:`: how long the server gets to exit after SIGTERM once the "
+        "load was served, before SIGKILL (`completes` wants exit 0 within it; Kubernetes' "
+        "terminationGracePeriodSeconds). A run stopped early (its timeout, Ctrl-C) gives 3 s")
     in_process_probe: bool | None = Field(
         None, description="whether the job calls harness.probe.install(), which in-process "
         "faults need (collective.*, process.hang, memory.* with `tensor`, process.kill with "
@@ -368,6 +373,11 @@ class Command:
             problems.append("expect.checkpoint_durable on a command needs log probes with "
                             + " and ".join(f"`event: {e}`" for e in missing)
                             + " (and a `(?P<step>...)` group)")
+        if "stop_grace" in system.model_fields_set and scenario.load is None:
+            problems.append("system.stop_grace is how long a server gets to exit once its "
+                            "`load:` was served; without a `load:` the command ends by itself "
+                            "(or at its `timeout`, with 3 s to exit): remove stop_grace, or add "
+                            "a `load:` block")
         return problems
 
 
