@@ -21,8 +21,8 @@ $(STAMP): pyproject.toml
 demo: venv
 	$(VENV)/bin/aftershock run scenarios/training/
 
-# Everything but the sweep over every shipped scenario and the search for broken trainers,
-# which CI runs as steps of their own.
+# Everything but the sweep over every shipped scenario (with the shipped scenarios against
+# broken trainers) and the search for broken trainers, which CI runs as steps of their own.
 # The project's own modules compiled once, as an install would: the tests start hundreds of
 # Python processes, which otherwise each compile them again where PYTHONDONTWRITEBYTECODE is set.
 bytecode: venv
@@ -31,7 +31,8 @@ bytecode: venv
 test: venv bytecode
 	$(PY) -m pytest -m "not scenarios and not explore"
 
-# Every shipped scenario, through the CLI and the pytest plugin, with its timeline evidence.
+# Every shipped scenario, through the CLI and the pytest plugin, with its timeline evidence,
+# and the shipped scenarios against the broken trainers they exist to catch.
 # The scenario sweep runs examples/torchft_ddp too, so it installs torchft first.
 test-scenarios: torchft bytecode
 	$(PY) -m pytest -m scenarios

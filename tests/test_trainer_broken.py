@@ -18,7 +18,9 @@ from _helpers import ROOT, read_events
 
 pytest.importorskip("torch")
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+# Whole shipped scenarios, one per broken trainer (8-22 s each, 80 s in all): with the scenario
+# sweep (`make test-scenarios`, its own CI step), like the node scenarios' broken trainers.
+pytestmark = [pytest.mark.slow, pytest.mark.scenarios, pytest.mark.timeout(300)]
 
 FAULTS = ROOT / "scenarios" / "faults"
 TRAINING = ROOT / "scenarios" / "training"
