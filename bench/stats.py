@@ -1,9 +1,10 @@
 """When a few noisy repetitions prove a target: a distribution-free interval for their median.
 
 On a shared 2-core host neighbouring runs of the same code differ by several percent, so a
-median under a limit proves nothing unless the repetitions agree. Both benches
-(``bench.run``, ``bench.serving``) call a target met only when this interval is within its
-limit, not met only when it is beyond it, and otherwise say "not resolved".
+median under a limit proves nothing unless the repetitions agree. The benches
+(``bench.run``, ``bench.serving``, ``bench.harness_overhead``) call a target met only when
+this interval is within its limit, not met only when it is beyond it, and otherwise say
+"not resolved".
 """
 
 from __future__ import annotations
