@@ -66,22 +66,18 @@ def test_a_command_with_a_load_takes_serving_checks(tmp_path: Path) -> None:
     assert loaded.spec.load.url == "http://127.0.0.1:${port}"
 
 
-def test_serving_checks_without_a_load_are_refused_naming_the_fix(tmp_path: Path) -> None:
-    scenario = (f"name: x\nsystem:\n  command: [{sys.executable}, {TINY}]\n"
-                "expect:\n  no_lost_requests: true\n")
+@pytest.mark.parametrize(("extra", "says"), [
+    ("expect:\n  no_lost_requests: true\n", "expect.no_lost_requests needs a load"),
+    ("  stop_grace: 30s\n", "system.stop_grace is how long a server gets"),
+])
+def test_what_needs_a_load_is_refused_without_one_naming_the_fix(
+    tmp_path: Path, extra: str, says: str
+) -> None:
+    scenario = f"name: x\nsystem:\n  command: [{sys.executable}, {TINY}]\n{extra}"
     with pytest.raises(SpecError) as info:
         api.loads(scenario, folder=tmp_path)
-    assert "expect.no_lost_requests needs a load" in str(info.value)
+    assert says in str(info.value)
     assert "load:" in str(info.value)
-
-
-def test_stop_grace_is_refused_without_a_load_it_would_follow(tmp_path: Path) -> None:
-    scenario = (f"name: x\nsystem:\n  command: [{sys.executable}, {TINY}]\n"
-                "  stop_grace: 30s\n")
-    with pytest.raises(SpecError) as info:
-        api.loads(scenario, folder=tmp_path)
-    assert "system.stop_grace" in str(info.value)
-    assert "add a `load:` block" in str(info.value)
 
 
 def test_the_reference_server_keeps_its_load_in_system(tmp_path: Path) -> None:
