@@ -35,7 +35,9 @@ catches it before the next step. Measured with ``python -m reference_impl.servin
 (16 requests, 64-token prompts sharing 48 tokens, 32 new tokens each, one CPU thread),
 checksums took 0.2% of the engine's time with ``"hit"`` and 1.3% with ``"read"`` (1.9% with the
 faster, non-invariant kernel). The cost of ``"read"`` grows with the context the batch holds:
-with 448-token prompts it was 7% of decode time, where ``"hit"`` may be the better trade.
+with 448-token prompts it was 7% of decode time, where ``"hit"`` may be the better trade; in
+the shape ``python -m bench.serving`` sends one worker (the bench's ``served`` workload),
+2.5% in the sums and 3.5-9.5% of tokens per CPU second in all (docs/serving.md).
 
 Logits digests. Every output carries :func:`logits_digest` of the logits row its token was
 chosen from. Greedy tokens hide most numerics changes: re-prefilling 20 migrated requests
@@ -482,13 +484,18 @@ def _timed(
 
 
 def _bench(repeats: int = 5) -> None:
-    """16 concurrent requests (64-token prompts sharing a 48-token prefix, 32 new tokens).
+    """Two workloads: ``shared``, 16 concurrent requests (64-token prompts sharing a 48-token
+    prefix, 32 new tokens); ``served``, the shape ``python -m bench.serving`` sends one
+    worker: 64 requests, at most 8 at a time, prompts of one of 4 shared 32-token prefixes
+    and 16-64 tokens of their own, 32 new tokens (more distinct blocks per step to verify).
 
     Reports tokens/s per CPU second of this process (not wall time: on a shared machine the
     wall clock mostly measures the neighbours), best of ``repeats``, for each verify mode and
-    for the non-invariant batched kernel, and the share of that time spent computing
-    checksums (sealing and verifying), timed inside the same runs. The prefix cache is
-    warmed by one earlier request, so ``hit`` has hits to verify.
+    for the non-invariant batched kernel; the share of that time spent computing checksums
+    (the sums when sealing and verifying, timed inside the same runs); and, per workload,
+    what ``read`` costs against ``off`` in tokens per CPU second (medians of the repeats):
+    the sums plus the Python around them. The prefix cache is warmed by one earlier
+    request, so ``hit`` has hits to verify.
     """
     import random
     import time
@@ -496,7 +503,14 @@ def _bench(repeats: int = 5) -> None:
     torch.set_num_threads(1)
     rng = random.Random(0)
     prefix = [rng.randrange(256) for _ in range(48)]
-    prompts = [prefix + [rng.randrange(256) for _ in range(16)] for _ in range(16)]
+    prefixes = [[rng.randrange(256) for _ in range(32)] for _ in range(4)]
+    workloads = {
+        "shared": (prefix, [prefix + [rng.randrange(256) for _ in range(16)]
+                            for _ in range(16)], 16),
+        "served": (prefixes[0], [prefixes[i % 4] + [rng.randrange(256)
+                                                    for _ in range(rng.randint(16, 64))]
+                                 for i in range(64)], 8),
+    }
     modes = {
         "invariant, verify=off": EngineConfig(verify="off"),
         "invariant, verify=hit": EngineConfig(verify="hit"),
@@ -504,28 +518,37 @@ def _bench(repeats: int = 5) -> None:
         "batched (not invariant), verify=off": EngineConfig(batch_invariant=False, verify="off"),
         "batched (not invariant), verify=read": EngineConfig(batch_invariant=False),
     }
-    rate = dict.fromkeys(modes, 0.0)
-    share: dict[str, list[float]] = {name: [] for name in modes}
-    for _ in range(repeats):
-        for name, config in modes.items():  # interleaved, so load changes hit every mode
-            engine = Engine(config=config)
-            engine.add("warm", [*prefix, 0], 1)
-            engine.step()
-            spent = [0.0]
-            # Shadow the checksum kernel with a timed copy (a probe for this bench only).
-            setattr(engine.cache, "_sums", _timed(engine.cache._sums, spent))  # noqa: B010
-            for i, prompt in enumerate(prompts):
-                engine.add(f"r{i}", prompt, 32)
-            started = time.process_time()
-            generated = 0
-            while engine.has_work():
-                generated += len(engine.step())
-            elapsed = time.process_time() - started
-            rate[name] = max(rate[name], generated / elapsed)
-            share[name].append(spent[0] / elapsed)
-    for name in modes:
-        median = sorted(share[name])[len(share[name]) // 2]
-        print(f"{name:38s} {rate[name]:7.0f} tokens/s, checksums {median:6.2%} of the time")
+    for workload, (warm, prompts, in_flight) in workloads.items():
+        rates: dict[str, list[float]] = {name: [] for name in modes}
+        share: dict[str, list[float]] = {name: [] for name in modes}
+        for _ in range(repeats):
+            for name, config in modes.items():  # interleaved, so load changes hit every mode
+                engine = Engine(config=config)
+                engine.add("warm", [*warm, 0], 1)
+                engine.step()
+                spent = [0.0]
+                # Shadow the checksum kernel with a timed copy (a probe for this bench only).
+                setattr(engine.cache, "_sums", _timed(engine.cache._sums, spent))  # noqa: B010
+                waiting = list(enumerate(prompts))
+                started = time.process_time()
+                generated = 0
+                while waiting or engine.has_work():
+                    while waiting and len(engine.running()) < in_flight:
+                        i, prompt = waiting.pop(0)
+                        engine.add(f"r{i}", prompt, 32)
+                    generated += len(engine.step())
+                elapsed = time.process_time() - started
+                rates[name].append(generated / elapsed)
+                share[name].append(spent[0] / elapsed)
+        print(f"{workload}: {len(prompts)} requests, at most {in_flight} at a time")
+        for name in modes:
+            median = sorted(share[name])[len(share[name]) // 2]
+            print(f"  {name:38s} {max(rates[name]):7.0f} tokens/s, checksums {median:6.2%} "
+                  "of the time")
+        off = sorted(rates["invariant, verify=off"])[repeats // 2]
+        read = sorted(rates["invariant, verify=read"])[repeats // 2]
+        print(f"  verify=read against off: {1 - read / off:+.1%} of tokens per CPU second "
+              "(medians)")
 
 
 if __name__ == "__main__":
