@@ -554,3 +554,22 @@ def test_model_weights_follow_the_seed_and_tokens_are_bytes() -> None:
     assert tokens == list(text.encode("utf-8"))
     assert len(decode(tokens)) == len(tokens)  # one character per token, whatever the bytes
     assert decode(tokens).encode("latin-1").decode("utf-8") == text
+
+
+def test_the_engine_bench_runs_both_workloads_and_says_what_read_costs(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`python -m reference_impl.serving.engine` (docs/serving.md quotes it): each workload,
+    each mode, and verify=read against off."""
+    from reference_impl.serving.engine import _bench
+
+    threads = torch.get_num_threads()
+    try:
+        _bench(repeats=1)
+    finally:
+        torch.set_num_threads(threads)  # the bench pins this process to one thread
+    out = capsys.readouterr().out
+    assert "shared: 16 requests, at most 16 at a time" in out
+    assert "served: 64 requests, at most 8 at a time" in out
+    assert out.count("verify=read against off:") == 2
+    assert out.count("checksums") == 10
