@@ -31,7 +31,7 @@ from typing import Any
 
 from bench.oracle import expected as expected_digests
 from bench.peers import PEERS, REPLICAS, SHARDS, WORLD, Context, Model, Peer
-from bench.stats import verdict
+from bench.stats import run_order, verdict
 from harness import metrics
 from harness.oracle import read_membership as oracle_membership
 from harness.records import Event
@@ -503,14 +503,6 @@ def _stats(values: list[float | None]) -> dict[str, Any] | None:
             "values": got}
 
 
-
-
-def run_order(chosen: list[Peer], rep: int) -> list[Peer]:
-    """The rows of repetition ``rep`` (0-based): in table order, every other repetition
-    reversed, so that a drift along a repetition (a neighbour's load, a warm page cache, the
-    previous job's teardown) lands on both sides of each pair instead of always on the rows
-    that run later than ``ddp``."""
-    return list(chosen) if rep % 2 == 0 else list(reversed(chosen))
 
 
 def summarise(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:

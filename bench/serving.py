@@ -1,8 +1,9 @@
 """Serving benchmark: what durability costs and what migration buys, side by side.
 
 ``python -m bench.serving`` runs the reference server through the harness (the same
-load generator, timeline and metrics as ``aftershock run``), alternating the rows
-inside each repetition so a loaded machine slows them alike:
+load generator, timeline and metrics as ``aftershock run``), every row once per
+repetition, every other repetition in reverse order, so that a loaded machine slows them
+alike and a drift along a repetition lands on both sides of each pair:
 
 - ``durable`` vs ``bare``: a fault-free, saturating load with the write-ahead journal
   and KV checksums on, then off. Output tokens per second (client-side: every token
@@ -45,7 +46,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.stats import verdict
+from bench.stats import run_order, verdict
 from harness import metrics
 from harness.records import RunResult
 from harness.runner import run_scenario
@@ -380,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["AFTERSHOCK_CACHE_DIR"] = str(folder / "cache")
         alone = {**router_cpu(folder, repeat=7), "repeat": 7} if "durable" in rows else None
         for rep in range(args.repeat):
-            for row in rows:
+            for row in run_order(rows, rep):
                 requests = (args.overhead_requests if row in (*OVERHEAD_ROWS, "bare")
                             else args.requests)
                 loaded = scenario(row, requests, folder)

@@ -10,6 +10,10 @@ this interval is within its limit, not met only when it is beyond it, and otherw
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import TypeVar
+
+T = TypeVar("T")
 
 # A target is met only when an interval for the median at this confidence lies within its
 # limit; with fewer repetitions than that takes (5), every repetition must, and 3 at least.
@@ -50,3 +54,11 @@ def verdict(values: list[float], limit: float, *, scale: float = 1.0, unit: str 
              f"from {n} repetition(s), fewer than {MIN_REPEATS}")
     return None, (f"not resolved (the median's {coverage:.0%} interval "
                   f"{lo * scale:.{digits}f}–{hi * scale:.{digits}f}{unit} {where})")
+
+
+def run_order(rows: Sequence[T], rep: int) -> list[T]:
+    """The rows of repetition ``rep`` (0-based): in the given order, every other repetition
+    reversed, so that a drift along a repetition (a neighbour's load, a warm page cache, the
+    previous job's teardown) lands on both sides of each pair instead of always on the rows
+    that run later."""
+    return list(rows) if rep % 2 == 0 else list(reversed(rows))

@@ -405,3 +405,32 @@ def test_the_kill_is_decided_from_each_polls_new_events_alone() -> None:
     found = [watch.feed(batch) for batch in batches]
     assert found == [None, None, None, None, 13]
     assert looked[0] == sum(len(b) for b in batches)  # each event looked at once
+
+
+def test_rows_run_in_reverse_order_every_other_repetition(monkeypatch, tmp_path) -> None:
+    """A drift along a repetition (a neighbour's load, a warm cache) must land on both sides
+    of each pair: the serving bench ran `durable` before `bare` in every repetition."""
+    from bench import serving
+    from bench.stats import run_order
+
+    assert run_order(["a", "b", "c"], 0) == ["a", "b", "c"]
+    assert run_order(["a", "b", "c"], 1) == ["c", "b", "a"]
+    assert run_order(("a", "b"), 2) == ["a", "b"]
+
+    ran: list[tuple[int, str]] = []
+
+    def fake_run(loaded, *, run_dir, seed, use_cache):  # noqa: ANN001, ANN202
+        ran.append((seed, Path(run_dir).name.rsplit("-", 1)[0]))
+        return None
+
+    cpu = {"median": 1.0, "min": 1.0, "max": 1.0}
+    monkeypatch.setattr(serving, "router_cpu", lambda folder, repeat: {
+        "bare": cpu, "journal": cpu, "journal_extra_us": 0.0})
+    monkeypatch.setattr(serving, "scenario", lambda row, requests, folder: row)
+    monkeypatch.setattr(serving, "run_scenario", fake_run)
+    monkeypatch.setattr(serving, "measure", lambda result: {"tokens_per_s": 100.0,
+                                                             "passed": True})
+    serving.main(["--repeat", "3", "--only", "durable", "--only", "bare",
+                  "--out", str(tmp_path)])
+    assert ran == [(0, "durable"), (0, "bare"), (1, "bare"), (1, "durable"),
+                   (2, "durable"), (2, "bare")]
