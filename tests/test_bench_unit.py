@@ -99,6 +99,30 @@ def test_serving_bench_overhead_is_the_median_of_paired_repetitions() -> None:
     _, recovery = verdicts(summarise(runs))
     assert recovery["value"] == 0.075
     assert not recovery["met"]
+    assert "not measured" in recovery["note"]
+    assert "migrate" in recovery["note"]
+    assert overhead["met"] is None
+    assert "not measured" in overhead["note"]
+    assert "bare" in overhead["note"]
+
+
+def test_serving_targets_whose_rows_did_not_run_are_not_measured_not_failed() -> None:
+    """`--only durable --only bare` measures no recovery: it said "NOT met"."""
+    from bench.serving import markdown, overheads, summarise, verdicts
+
+    runs = {"durable": [{"tokens_per_s": 96.0, "passed": True}] * 3,
+            "bare": [{"tokens_per_s": 100.0, "passed": True}] * 3}
+    overhead, recovery = verdicts(summarise(runs), overheads(runs))
+    assert overhead["met"] is True
+    assert recovery["met"] is None
+    assert recovery["value"] is None
+    assert recovery["note"] == "not measured (no migrate or fail_stop runs)"
+    record = {"command": "c", "repeat": 3, "duration_s": 1.0, "loadavg_end": [0.0],
+              "runs": runs, "summary": summarise(runs), "overheads": overheads(runs),
+              "verdicts": [overhead, recovery]}
+    text = markdown(record)
+    assert "-> not measured (no migrate or fail_stop runs)" in text
+    assert "NOT met" not in text
 
 
 def test_the_median_interval_is_distribution_free_order_statistics() -> None:
@@ -419,7 +443,7 @@ def test_rows_run_in_reverse_order_every_other_repetition(monkeypatch, tmp_path)
 
     ran: list[tuple[int, str]] = []
 
-    def fake_run(loaded, *, run_dir, seed, use_cache):  # noqa: ANN001, ANN202
+    def fake_run(loaded, *, run_dir, seed, use_cache):
         ran.append((seed, Path(run_dir).name.rsplit("-", 1)[0]))
         return None
 
