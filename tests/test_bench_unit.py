@@ -145,8 +145,9 @@ def test_an_overhead_target_is_met_only_when_the_repetitions_resolve_it() -> Non
     from bench.run import summarise, targets
 
     def overhead(pairs: list[float]) -> dict[str, Any]:
-        runs = {"ddp": [{"steps_per_s": 100.0} for _ in pairs],
-                "hot_spare": [{"steps_per_s": 100.0 / (1 + p)} for p in pairs]}
+        runs = {"ddp": [{"steps_per_s": 100.0, "params_match": True} for _ in pairs],
+                "hot_spare": [{"steps_per_s": 100.0 / (1 + p), "params_match": True}
+                              for p in pairs]}
         found = {t["target"]: t for t in targets(summarise(runs))}
         return found["hot_spare failure-free overhead ≤ 10% vs plain DDP"]
 
@@ -169,8 +170,9 @@ def test_an_overhead_target_is_met_only_when_the_repetitions_resolve_it() -> Non
 def test_the_rendered_table_says_not_resolved() -> None:
     from bench.run import summarise, target_line, targets
 
-    runs = {"ddp": [{"steps_per_s": 100.0}] * 3,
-            "hot_spare": [{"steps_per_s": 100.0 / (1 + p)} for p in (0.0, 0.06, 0.2)]}
+    runs = {"ddp": [{"steps_per_s": 100.0, "params_match": True}] * 3,
+            "hot_spare": [{"steps_per_s": 100.0 / (1 + p), "params_match": True}
+                          for p in (0.0, 0.06, 0.2)]}
     found = {t["target"]: t for t in targets(summarise(runs))}
     line = target_line(found["hot_spare failure-free overhead ≤ 10% vs plain DDP"])
     assert line == ("| hot_spare failure-free overhead ≤ 10% vs plain DDP | 6.00% | 10.00% "
@@ -187,7 +189,7 @@ def test_a_fast_recovery_to_wrong_parameters_does_not_meet_its_target() -> None:
         return {"steps_per_s": rate, "resume_s": full, "full_s": full, "lost_steps": 0,
                 "params_match": match}
 
-    ddp = {"steps_per_s": 10.0}
+    ddp = {"steps_per_s": 10.0, "params_match": True}
     for match, want in ((True, True), (False, False), (None, None)):
         runs = {"ddp": [ddp, ddp, ddp],
                 "hot_spare": [rep(10.0, 0.1, True), rep(10.0, 0.1, True),
@@ -195,8 +197,36 @@ def test_a_fast_recovery_to_wrong_parameters_does_not_meet_its_target() -> None:
         found = {t["target"]: t for t in targets(summarise(runs))}
         full = found["hot_spare kill → full strength ≤ 0.3 s"]
         assert full["met"] is want, (match, full)
-        assert found["hot_spare failure-free overhead ≤ 10% vs plain DDP"]["met"] is True
+        # A cheap run is no proof of a cheap correct run: the overhead target too.
+        cheap = found["hot_spare failure-free overhead ≤ 10% vs plain DDP"]
+        assert cheap["met"] is want, (match, cheap)
     assert full["note"] == "parameters not observed"
+    assert cheap["note"] == "parameters not observed"
+
+
+def test_an_overhead_against_an_unchecked_baseline_is_not_measured() -> None:
+    """The overhead targets compare against DDP: a DDP run whose parameters differ from the
+    oracle, or were not observed, is no baseline, and a trainer that skips work (the vote,
+    the average) must not look cheap either."""
+    from bench.run import summarise, targets
+
+    name = "trainer loop alone (trainer_no_ckpt) ≤ 3% vs plain DDP"
+    for base, row, want, note in (
+        (True, True, True, None),
+        (False, True, None, "not measured: ddp's parameters differ from the oracle"),
+        (None, True, None, "not measured: ddp's parameters not observed"),
+        (True, False, False, "wrong parameters"),
+    ):
+        runs = {"ddp": [{"steps_per_s": 100.0, "params_match": base}] * 3,
+                "trainer_no_ckpt": [{"steps_per_s": 99.0, "params_match": row}] * 3}
+        found = {t["target"]: t for t in targets(summarise(runs))}
+        assert found[name]["met"] is want, (base, row, found[name])
+        if note is not None:
+            assert found[name]["note"] == note
+    # Without any parameter check at all (an older record): not measured either.
+    runs = {"ddp": [{"steps_per_s": 100.0}] * 3, "trainer_no_ckpt": [{"steps_per_s": 99.0}] * 3}
+    found = {t["target"]: t for t in targets(summarise(runs))}
+    assert found[name]["met"] is None
 
 
 def test_cpu_per_step_is_split_by_what_each_process_said_it_is() -> None:

@@ -1,0 +1,44 @@
+"""The training bench holds its failure-free rows to the oracle too (real torchrun jobs)."""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from typing import Any
+
+from bench.peers import PEERS, Command, Context, Model, Peer
+from bench.run import QUICK, _marked_pids, run_job
+
+SHORT = dataclasses.replace(QUICK, kill_at=12, warmup=4, deadline_s=120.0)
+
+
+def _run(peer: Peer) -> dict[str, Any]:
+    marker = uuid.uuid4().hex
+    result = run_job(peer, SHORT, Model(), marker, None, {})
+    assert _marked_pids(marker) == []  # nothing of the job survives it
+    return result
+
+
+def _ddp() -> Peer:
+    return next(p for p in PEERS if p.name == "ddp")
+
+
+def test_a_failure_free_row_ends_with_the_oracles_parameters() -> None:
+    result = _run(_ddp())
+    assert result["outcome"] == "completed", result
+    assert result["params_match"] is True, result["params_note"]
+
+
+def test_a_failure_free_row_that_trains_differently_is_caught() -> None:
+    """A deliberately broken baseline: plain DDP with another learning rate. It is as fast
+    as DDP, and its parameters are not the oracle's."""
+    ddp = _ddp()
+
+    def broken(ctx: Context) -> list[Command]:
+        return [Command([*c.argv, "--lr=0.002"], c.env, c.name) for c in ddp.commands(ctx)]
+
+    peer = dataclasses.replace(ddp, name="ddp_other_lr", commands=broken)
+    result = _run(peer)
+    assert result["outcome"] == "completed", result
+    assert result["params_match"] is False, result.get("params_note")
+    assert "differ from the oracle" in result["params_note"]
