@@ -81,9 +81,9 @@ bench: torchft
 	$(PY) -m bench.serving
 	$(PY) -m bench.harness_overhead
 
-# The failure-free overhead targets with enough repetitions to resolve them on a noisy 2-core
-# host (3 do not; docs/benchmarks.md, "The 16-repetition run"): ~17 minutes. Writes
-# bench/results/partial.* and serving-partial.*.
+# The failure-free overhead targets with 16 repetitions each: `make bench`'s 3 never resolve
+# them on a noisy 2-core host, 16 sometimes do (docs/benchmarks.md, "The 16-repetition
+# runs"). ~17 minutes. Writes bench/results/partial.* and serving-partial.*.
 bench-targets: venv
 	$(PY) -m bench --only ddp,trainer_no_ckpt,hot_spare,elastic --repeat 16
 	$(PY) -m bench.serving --only durable --only bare --repeat 16
