@@ -372,6 +372,13 @@ def markdown(record: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _put_env(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.serving", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -394,11 +401,15 @@ def main(argv: list[str] | None = None) -> int:
         f" --overhead-requests {args.overhead_requests}"
         if args.overhead_requests != 240 else "") + "".join(
         f" --only {r}" for r in args.only)
-    with tempfile.TemporaryDirectory(prefix="aftershock-bench-serving-") as tmp:
+    cache_was = os.environ.get("AFTERSHOCK_CACHE_DIR")
+    with tempfile.TemporaryDirectory(prefix="aftershock-bench-serving-") as tmp, \
+            contextlib.ExitStack() as restore:
         folder = Path(tmp)
         # The fault-free twins outputs_match needs: run once per system and seed in this
-        # bench run (never taken from, nor left in, the user's cache).
+        # bench run (never taken from, nor left in, the user's cache). Put back afterwards:
+        # the folder is gone then, and a caller in the same process (a test) keeps its own.
         os.environ["AFTERSHOCK_CACHE_DIR"] = str(folder / "cache")
+        restore.callback(_put_env, "AFTERSHOCK_CACHE_DIR", cache_was)
         alone = {**router_cpu(folder, repeat=7), "repeat": 7} if "durable" in rows else None
         for rep in range(args.repeat):
             for row in run_order(rows, rep):
