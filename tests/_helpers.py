@@ -5,12 +5,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import resource
 import signal
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -76,6 +74,26 @@ class Bounded:
     timed_out: bool
 
 
+# Forks the command and reports its own resource usage. It runs as a small process of its
+# own: a child forked from pytest would start with a copy of pytest's page tables, and the
+# kernel's peak RSS of a process survives exec, so the command's peak would include whatever
+# memory the test process had grown to.
+_MEASURE = """
+import json, os, resource, sys
+cpu_s, size, report = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+pid = os.fork()
+if pid == 0:
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
+    resource.setrlimit(resource.RLIMIT_AS, (size, size))
+    os.execv(sys.argv[4], sys.argv[4:])
+_, status, usage = os.wait4(pid, 0)
+with open(report, "w") as out:
+    json.dump({"returncode": os.waitstatus_to_exitcode(status),
+               "cpu_s": usage.ru_utime + usage.ru_stime,
+               "max_rss_mb": usage.ru_maxrss / 1024}, out)
+"""
+
+
 def bounded_cli(*args: str, cpu_s: int = 5, wall_s: float = 30.0,
                 address_space_mb: int = 2048) -> Bounded:
     """``python -m harness ARGS`` with its CPU seconds (RLIMIT_CPU) and address space capped.
@@ -83,38 +101,32 @@ def bounded_cli(*args: str, cpu_s: int = 5, wall_s: float = 30.0,
     The CPU limit is what "within N seconds" means here: wall time on a loaded 2-core machine
     says more about other tests than about this process; a hang (a process blocked without
     using CPU) is caught by ``wall_s`` instead. The address-space cap only keeps a runaway
-    from hurting the machine; tests assert on ``max_rss_mb``, the peak that ``wait4``
-    reports for this child alone (RUSAGE_CHILDREN would mix in every earlier child).
+    from hurting the machine; tests assert on ``max_rss_mb``, the command's own peak, which
+    ``wait4`` reports to the small process that forked it (``_MEASURE``).
     """
-
-    def limit() -> None:
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
-        size = address_space_mb * 1024 * 1024
-        resource.setrlimit(resource.RLIMIT_AS, (size, size))
-
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen([sys.executable, "-m", "harness", *args], stdout=out,
-                                stderr=err, stdin=subprocess.DEVNULL, preexec_fn=limit)
-        deadline = time.monotonic() + wall_s
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
+            tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "usage.json"
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _MEASURE, str(cpu_s), str(address_space_mb * 1024 * 1024),
+             str(report), sys.executable, "-m", "harness", *args],
+            stdout=out, stderr=err, stdin=subprocess.DEVNULL, start_new_session=True)
         timed_out = False
-        while True:
-            # wait4 ourselves, not Popen.wait: it gives this child's own resource usage.
-            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-            if pid:
-                break
-            if time.monotonic() > deadline and not timed_out:
-                timed_out = True
-                proc.kill()
-            time.sleep(0.01)
-        proc.returncode = os.waitstatus_to_exitcode(status)
+        try:
+            proc.wait(timeout=wall_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            os.killpg(proc.pid, signal.SIGKILL)  # the command too: it shares the session
+            proc.wait()
+        usage = json.loads(report.read_text()) if report.exists() else {}
         out.seek(0)
         err.seek(0)
         return Bounded(
-            returncode=proc.returncode,
+            returncode=usage.get("returncode", proc.returncode),
             stdout=out.read().decode(errors="replace"),
             stderr=err.read().decode(errors="replace"),
-            cpu_s=usage.ru_utime + usage.ru_stime,
-            max_rss_mb=usage.ru_maxrss / 1024,
+            cpu_s=usage.get("cpu_s", 0.0),
+            max_rss_mb=usage.get("max_rss_mb", 0.0),
             timed_out=timed_out,
         )
 

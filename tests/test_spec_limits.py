@@ -191,3 +191,17 @@ def test_named_pipe_is_refused_without_waiting_for_a_writer(tmp_path: Path) -> N
     path = tmp_path / "pipe.yaml"
     os.mkfifo(path)
     assert_invalid_in_bounds(path, ":1:1: not a regular file (a named pipe)")
+
+
+def test_the_memory_bound_is_the_clis_own_not_the_test_process() -> None:
+    """A forked child starts with a copy of its parent's page tables, and the kernel's peak
+    RSS of a process survives exec: measured on a direct child of pytest, every bound above
+    counted pytest's own memory too, and failed once a long suite had grown it past 300 MB
+    (330 MB for a 0.4 s `validate`)."""
+    ballast = bytearray(400 * 1024 * 1024)
+    ballast[::4096] = b"\x01" * len(range(0, len(ballast), 4096))  # every page resident
+    result = bounded_cli("--help")
+    del ballast
+    assert result.returncode == 0, result.stderr
+    assert result.max_rss_mb < 200, result.max_rss_mb
+    assert 0 < result.cpu_s < 5
