@@ -18,7 +18,7 @@ import contextlib
 import dataclasses
 import hashlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -425,7 +425,7 @@ def explore(
 
     try:
         with _quiet_hypothesis():
-            attempt()
+            _unmasking_interrupts(attempt)
         exploration.stopped = "time" if search.out_of_time() else "budget"
     except _SearchSpent:
         exploration.stopped = "time" if search.out_of_time() else "budget"
@@ -463,6 +463,27 @@ def explore(
             "machine can do")
     observer.done(exploration)
     return exploration
+
+
+def _unmasking_interrupts(call: Callable[[], None]) -> None:
+    """``call()``, but an interrupt that another exception hides is raised as itself.
+
+    A signal can land inside hypothesis's own code, whose cleanup may then fail on the state
+    it never finished making (an ``assert`` on a runner not yet built, seen under load): that
+    error, not the interrupt, would come out, and an interrupted search would end as a
+    harness error. Only an exception whose chain holds the interrupt is replaced.
+    """
+    try:
+        call()
+    except Exception as exc:
+        seen: set[int] = set()
+        cause: BaseException | None = exc
+        while cause is not None and id(cause) not in seen:
+            if isinstance(cause, KeyboardInterrupt):
+                raise cause from None
+            seen.add(id(cause))
+            cause = cause.__cause__ or cause.__context__
+        raise
 
 
 def _runnable(space: Space) -> tuple[Space, list[tuple[str, str]]]:

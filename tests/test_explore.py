@@ -286,6 +286,47 @@ def test_an_interrupt_while_a_failure_is_shown_still_writes_it(
     assert Path(finding.file).is_file()
 
 
+def test_an_interrupt_inside_hypothesis_before_its_first_run_is_still_an_interrupt(
+    base: LoadedScenario, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # SIGTERM that lands while hypothesis builds its engine (CI saw it under load): the
+    # engine's own `except BaseException` then fails an assertion on the runner it never
+    # made, so an AssertionError came out, and the CLI said "harness error" with exit 3
+    # where an interrupted search exits 143.
+    import hypothesis.core
+
+    def signal_lands_here(*args: Any, **kwargs: Any) -> None:
+        raise runner.Interrupted()
+
+    stand_in(monkeypatch, second_fault_during_recovery)
+    monkeypatch.setattr(hypothesis.core, "ConjectureRunner", signal_lands_here)
+    sink: list[Exploration] = []
+    with pytest.raises(runner.Interrupted):
+        run(base, tmp_path, sink=sink)
+    (found,) = sink
+    assert found.stopped == "interrupted"
+    assert found.findings == []
+
+
+def test_a_harness_error_inside_hypothesis_is_not_taken_for_an_interrupt(
+    base: LoadedScenario, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import hypothesis.core
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("a bug")
+
+    stand_in(monkeypatch, second_fault_during_recovery)
+    monkeypatch.setattr(hypothesis.core, "ConjectureRunner", broken)
+    # Whatever hypothesis makes of it (today its own AssertionError, the bug as context),
+    # it is not an interrupt, and the bug is in it.
+    with pytest.raises(Exception) as raised:  # noqa: PT011
+        run(base, tmp_path)
+    assert not isinstance(raised.value, KeyboardInterrupt)
+    chain = [raised.value, raised.value.__cause__, raised.value.__context__]
+    assert any(isinstance(e, RuntimeError) and str(e) == "a bug" for e in chain), chain
+
+
 def test_the_fault_free_twin_is_prepared_once_and_read_from_the_cache(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
