@@ -28,8 +28,12 @@ demo: venv
 bytecode: venv
 	$(PY) -m compileall -q -j 0 harness faults reference_impl bench tests examples _aftershock_pytestplugin.py
 
+# Two test processes (pytest-xdist): the suite waits on real processes, signals, sockets and
+# timeouts for about half its wall time, so one process kept one of this 2-core machine's
+# cores idle (docs/benchmarks.md, "The suite's length"). TEST_WORKERS=0 runs it in one.
+TEST_WORKERS ?= 2
 test: venv bytecode
-	$(PY) -m pytest -m "not scenarios and not explore"
+	$(PY) -m pytest -m "not scenarios and not explore" -n $(TEST_WORKERS)
 
 # Every shipped scenario, through the CLI and the pytest plugin, with its timeline evidence,
 # and the shipped scenarios against the broken trainers they exist to catch.
