@@ -91,8 +91,18 @@ def test_explore_finds_shrinks_and_writes_a_scenario_that_fails(tmp_path: Path) 
             f"- kind: process.kill\n  target: {{rank: {spec.faults[index].target.rank}}}\n"
             f"  at: {{{_at(spec.faults[index])}}}\n", "", 1))
         assert len(load_scenario(fewer).spec.faults) == len(spec.faults) - 1
-        alone = cli("run", str(fewer), "--run-dir", str(tmp_path / f"w{index}"))
-        assert alone.returncode == 0, alone.stdout[-2000:]
+        record_file = tmp_path / f"w{index}.json"
+        alone = cli("run", str(fewer), "--run-dir", str(tmp_path / f"w{index}"),
+                    "--json", str(record_file))
+        # The job survives: what explore found is gone. (A fault triggered by the other
+        # one's failure_detected then never lands, and says so: that is not a failure of
+        # the job. Which schedule the search finds depends on the machine's speed.)
+        (result,) = json.loads(record_file.read_text())
+        checks = {c["name"]: c for c in result["checks"]}
+        assert checks["completes"]["passed"], alone.stdout[-2000:]
+        unlanded = [f for f in load_scenario(fewer).spec.faults if f.at.event is not None]
+        assert alone.returncode == 0 or (unlanded and not checks["faults_injected"]["passed"]
+                                         ), alone.stdout[-2000:]
 
 
 def _at(fault: object) -> str:
