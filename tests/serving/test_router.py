@@ -314,9 +314,10 @@ def _collect(router: Router, request: _Request, into: list[Chunk | End],
 
     def run() -> None:
         for item in router.stream(request):
-            held_now = replay(path).requests[request.id]
-            on_disk = (held_now.finished if isinstance(item, End)
-                       else len(held_now.tokens) > item.index)
+            # A broken router may stream before even the request's record is written.
+            held_now = replay(path).requests.get(request.id)
+            on_disk = held_now is not None and (
+                held_now.finished if isinstance(item, End) else len(held_now.tokens) > item.index)
             into.append(item)
             durable.append(on_disk)
 
