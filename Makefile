@@ -59,7 +59,7 @@ test-explore: venv bytecode
 	$(PY) -m pytest -m explore
 
 test-fast: venv bytecode
-	$(PY) -m pytest -m "not slow and not scenarios and not explore"
+	$(PY) -m pytest -m "not slow and not scenarios and not explore" -n $(TEST_WORKERS)
 
 # 10,000 malformed scenario files through the loader, and 1,250 of them through
 # `aftershock validate` under CPU and memory limits (tests/test_fuzz_spec.py; `make test` runs
