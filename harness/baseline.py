@@ -12,6 +12,7 @@ import contextlib
 import hashlib
 import json
 import os
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -97,8 +98,20 @@ def fault_free_result(
     if execution.outcome.exit_code != 0 or not found or not complete:
         return None, (f"fault-free run failed (exit {execution.outcome.exit_code}"
                       f"{'' if complete else ', requests lost'}); see {run_dir}")
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cached.with_suffix(".tmp")
-    tmp.write_text(json.dumps({what: found, "seed": seed, "scenario": spec.name}))
-    os.replace(tmp, cached)
+    _write_atomically(cached, json.dumps({what: found, "seed": seed, "scenario": spec.name}))
     return found, f"ran ({run_dir})"
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """``text`` as ``path``, whole or not at all. The temporary file is this writer's own:
+    harnesses side by side (``pytest -n``) may cache the same twin at the same moment."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise

@@ -111,3 +111,49 @@ def test_the_baseline_module_does_not_import_the_run_loop() -> None:
     imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
                  for alias in node.names}
     assert not {m for m in imported if m and m.startswith("harness.runner")}
+
+
+def test_two_harnesses_caching_the_same_twin_at_once_both_succeed(
+    loaded: LoadedScenario, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Two harness processes (`pytest -n 2` over scenarios of one system, two `aftershock run`s
+    # side by side) find the cache empty, run the same twin and write the same entry. They
+    # used to share one temporary file: the second os.replace found it gone and the run
+    # ended in a harness error. Both writers are held just before their replace.
+    import os
+    import threading
+
+    real_replace = os.replace
+    both_written = threading.Barrier(2, timeout=10)
+
+    def replace(src: Any, dst: Any) -> None:
+        if Path(dst).parent.name == "fault_free":
+            both_written.wait()
+        real_replace(src, dst)
+
+    monkeypatch.setattr(baseline.os, "replace", replace)
+    results: list[Any] = []
+    errors: list[BaseException] = []
+
+    def harness() -> None:
+        try:
+            results.append(baseline.fault_free_result(
+                loaded, seed=3, run_dir=tmp_path / "ff", use_cache=True, what="digests",
+                run=digests_run([])))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=harness) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(20)
+    assert errors == []
+    assert [found for found, _ in results] == [{"0": "aa", "1": "bb"}] * 2
+    (entry,) = (tmp_path / "cache" / "fault_free").iterdir()  # no temporary file left
+    assert entry.suffix == ".json"
+    again, note = baseline.fault_free_result(loaded, seed=3, run_dir=tmp_path / "ff",
+                                             use_cache=True, what="digests",
+                                             run=digests_run([]))
+    assert again == {"0": "aa", "1": "bb"}
+    assert note.startswith("cached (")
