@@ -1009,7 +1009,10 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path == "/health/live":
             self._json(200, {"status": "live"})
         elif self.path == "/health/ready":
-            ready = router.is_ready()
+            # Started (every worker came up once, as `serving_ready` says) and able to serve
+            # now. Any one healthy worker can serve, but a load let in before the others are
+            # up would run on that one alone.
+            ready = router.ready.is_set() and router.is_ready()
             self._json(200 if ready else 503, {"status": "ready" if ready else "not ready"})
         elif self.path == "/v1/stats":
             self._json(200, router.stats())

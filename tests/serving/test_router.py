@@ -24,7 +24,15 @@ import pytest
 from reference_impl.serving import _wire
 from reference_impl.serving import journal as journal_module
 from reference_impl.serving.journal import Journal, replay
-from reference_impl.serving.router import Chunk, End, Router, RouterConfig, _Link, _Request
+from reference_impl.serving.router import (
+    Chunk,
+    End,
+    Router,
+    RouterConfig,
+    _Link,
+    _Request,
+    http_server,
+)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -211,6 +219,42 @@ def test_a_resuming_client_gets_the_stream_from_its_offset(workers,
     assert router.submit("r", PROMPT, 6) is request  # a re-POST: the same request
     assert indices(router, request, offset=4) == ([4, 5] if variant is None
                                                   else list(range(6)))
+
+
+def test_http_ready_waits_for_every_worker_to_come_up_once(workers) -> None:
+    """`GET /health/ready` is what a load waits for (examples/own_server): 200 only once every
+    worker has come up. It used to answer 200 with one worker of two: on a slow host the load
+    then ran on worker 1 alone, and the example's kill of worker 0 moved no request, so the
+    scenario passed without the migration it exists to show."""
+    import urllib.error
+    import urllib.request
+
+    router = Router(RouterConfig(workers=2))
+    server = http_server(router)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/health/ready"
+
+    def status() -> int:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                return int(response.status)
+        except urllib.error.HTTPError as exc:
+            exc.close()
+            return int(exc.code)
+
+    try:
+        assert status() == 503
+        workers.append(Worker(router, 0, 1))
+        assert router.is_ready()  # it can serve ...
+        assert status() == 503  # ... but has not finished starting
+        workers.append(Worker(router, 1, 2))
+        assert status() == 200
+        fail(router, 0)  # a worker lost later: still ready while one serves
+        assert status() == 200
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_fail_stop_takes_no_work_to_a_worker_it_is_restarting(workers) -> None:
