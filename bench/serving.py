@@ -24,9 +24,10 @@ alike and a drift along a repetition lands on both sides of each pair:
   flight has received a token again).
 
 - the router alone (``router_cpu``): CPU per token of a ``Router`` in this process, fed
-  by a fake worker over a socket pair (24 requests, one token each per 2 ms step, 24
-  stream readers), journal on and off, alternating: the journal's cost to the router
-  without the HTTP layer, the workers or the neighbours' load in the figure.
+  by 3 fake workers over socket pairs, each from a thread of its own (8 requests each,
+  one token each per 2.7 ms step, 24 stream readers), journal on and off, alternating:
+  the journal's cost to the router without the HTTP layer, the workers or the
+  neighbours' load in the figure.
 
 Results go to ``bench/results/serving.{json,md}``; docs/serving.md quotes them.
 """
@@ -150,9 +151,26 @@ def measure(result: RunResult) -> dict[str, Any]:
     }
 
 
-def _router_cpu_once(journal_path: Path | None, requests: int = 24, tokens: int = 64
-                     ) -> float:
-    """CPU µs of this process per token streamed by a Router (see the module docstring)."""
+THREADS = ("streams", "link readers", "journal writer", "journal fsync", "other")
+
+
+def _thread_cpu_s(thread: threading.Thread) -> float:
+    """CPU seconds of a live ``thread`` of this process (its POSIX CPU clock)."""
+    assert thread.ident is not None
+    return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+
+
+def _router_cpu_once(journal_path: Path | None, workers: int = 3, per_worker: int = 8,
+                     tokens: int = 64) -> dict[str, float]:
+    """CPU µs of this process per token streamed by a Router (see the module docstring):
+    ``total``, and by thread (``THREADS``): the stream readers (each an HTTP handler's
+    loop over ``Router.stream``), the link readers (here the threads feeding the links),
+    the journal's writer and fsync threads, and the rest (link writers, the main thread,
+    the interpreter between threads: the total less the others).
+
+    The served shape: ``workers`` links, each fed by a thread of its own (as each link has
+    its reader in the router) with one Outputs message per step of ``per_worker`` requests,
+    a step every 2.7 ms (a worker's decode step in ``python -m bench.serving``)."""
     import socket
 
     from reference_impl.serving import _wire
@@ -160,57 +178,92 @@ def _router_cpu_once(journal_path: Path | None, requests: int = 24, tokens: int 
     from reference_impl.serving.router import Chunk, Router, RouterConfig, _Link
 
     journal = Journal(journal_path) if journal_path is not None else None
-    router = Router(RouterConfig(workers=1), journal, None)
-    mine, theirs = socket.socketpair()
-    link = _Link(1, mine)
+    router = Router(RouterConfig(workers=workers), journal, None)
+    pairs = [socket.socketpair() for _ in range(workers)]
+    links = [_Link(i + 1, mine) for i, (mine, _) in enumerate(pairs)]
     try:
-        router._dispatch(link, _wire.Hello(0, 0, os.getpid(), "bench", 16, 4096))
-        streams = [router.submit(f"r{i}", "x" * 40, tokens) for i in range(requests)]
-        epochs: dict[str, int] = {}
-        for message in _wire.read_messages(theirs):
-            if isinstance(message, _wire.Add):
-                epochs[message.request_id] = message.epoch
-            if len(epochs) == requests:
-                break
+        for index, link in enumerate(links):
+            router._dispatch(link, _wire.Hello(index, 0, os.getpid(), "bench", 16, 4096))
+        # Prompts without a shared prefix: the router spreads them evenly.
+        streams = [router.submit(f"r{i}", f"{i:03d}" + "x" * 40, tokens)
+                   for i in range(workers * per_worker)]
+        epochs: dict[str, tuple[int, int]] = {}  # request -> (worker, epoch)
+        for index, (_, theirs) in enumerate(pairs):
+            theirs.settimeout(0.5)
+            for message in _wire.read_messages(theirs):
+                if message is None:
+                    break  # nothing more within 0.5 s: every Add sent is here
+                if isinstance(message, _wire.Add):
+                    epochs[message.request_id] = (index, message.epoch)
+        if len(epochs) != len(streams):
+            raise RuntimeError(f"{len(epochs)} of {len(streams)} requests assigned")
         counted: list[int] = []
+        spent_by: dict[str, float] = dict.fromkeys(THREADS, 0.0)
 
         def read(request: Any) -> None:
+            began = time.thread_time()
             counted.append(sum(isinstance(c, Chunk) for c in router.stream(request)))
+            spent_by["streams"] += time.thread_time() - began
 
+        def feed(index: int) -> None:
+            began = time.thread_time()
+            mine = [r for r in streams if epochs[r.id][0] == index]
+            for i in range(tokens):
+                router._dispatch(links[index], _wire.Outputs(tuple(
+                    (r.id, epochs[r.id][1], i, 65, "0123456789abcdef", i + 1 == tokens)
+                    for r in mine)))
+                time.sleep(0.0027)  # a worker's step
+            spent_by["link readers"] += time.thread_time() - began
+
+        # The router's own threads, by name, alive for the whole run.
+        own = {t: _thread_cpu_s(t) for t in threading.enumerate()
+               if t.name in ("journal-writer", "journal-fsync")}
         readers = [threading.Thread(target=read, args=(r,)) for r in streams]
-        for reader in readers:
-            reader.start()
+        feeders = [threading.Thread(target=feed, args=(i,)) for i in range(workers)]
+        for thread in readers:
+            thread.start()
         began = time.process_time()
-        for i in range(tokens):
-            router._dispatch(link, _wire.Outputs(tuple(
-                (r.id, epochs[r.id], i, 65, "0123456789abcdef", i + 1 == tokens)
-                for r in streams)))
-            time.sleep(0.002)  # a worker's step
-        for reader in readers:
-            reader.join(30)
+        for thread in feeders:
+            thread.start()
+        for thread in feeders + readers:
+            thread.join(30)
         spent = time.process_time() - began
-        if sum(counted) != requests * tokens:
-            raise RuntimeError(f"streamed {sum(counted)} of {requests * tokens} tokens")
-        return spent / sum(counted) * 1e6
+        for thread, before in own.items():
+            spent_by[thread.name.replace("-", " ")] += _thread_cpu_s(thread) - before
+        if sum(counted) != len(streams) * tokens:
+            raise RuntimeError(f"streamed {sum(counted)} of {len(streams) * tokens} tokens")
+        spent_by["other"] = spent - sum(spent_by.values())
+        return {"total": spent / sum(counted) * 1e6,
+                **{name: cpu / sum(counted) * 1e6 for name, cpu in spent_by.items()}}
     finally:
         router.stop()
-        link.stop_writer()
-        mine.close()
-        theirs.close()
+        for link in links:
+            link.stop_writer()
+        for mine, theirs in pairs:
+            mine.close()
+            theirs.close()
         if journal is not None:
             journal.close()
 
 
 def router_cpu(folder: Path, repeat: int = 7) -> dict[str, Any]:
-    """Router CPU µs per token, journal off and on, alternating; medians and ranges."""
-    runs: dict[str, list[float]] = {"bare": [], "journal": []}
+    """Router CPU µs per token, journal off and on, alternating: medians and ranges of the
+    total, the paired difference, and the median of each thread's part (``by_thread``)."""
+    runs: dict[str, list[dict[str, float]]] = {"bare": [], "journal": []}
     with contextlib.redirect_stderr(io.StringIO()):  # the router's "worker 0 ready" lines
         for i in range(repeat):
             runs["bare"].append(_router_cpu_once(None))
             runs["journal"].append(_router_cpu_once(folder / f"router-cpu-{i}.wal"))
-    out: dict[str, Any] = {row: {"median": statistics.median(v), "min": min(v),
-                                 "max": max(v)} for row, v in runs.items()}
+    out: dict[str, Any] = {}
+    for row, results in runs.items():
+        totals = [r["total"] for r in results]
+        out[row] = {"median": statistics.median(totals), "min": min(totals),
+                    "max": max(totals)}
     out["journal_extra_us"] = out["journal"]["median"] - out["bare"]["median"]
+    out["journal_extra_paired_us"] = statistics.median(
+        j["total"] - b["total"] for b, j in zip(runs["bare"], runs["journal"], strict=True))
+    out["by_thread"] = {row: {name: statistics.median(r[name] for r in results)
+                              for name in THREADS} for row, results in runs.items()}
     return out
 
 
@@ -331,8 +384,16 @@ def markdown(record: dict[str, Any]) -> str:
                   f"({alone['bare']['min']:.1f}-{alone['bare']['max']:.1f}) without the "
                   f"journal, {alone['journal']['median']:.1f} µs "
                   f"({alone['journal']['min']:.1f}-{alone['journal']['max']:.1f}) with it: "
-                  f"the journal costs the router {alone['journal_extra_us']:.1f} µs a token.",
+                  f"the journal costs the router {alone['journal_extra_us']:.1f} µs a token"
+                  + (f" ({alone['journal_extra_paired_us']:.1f} µs, median of the pairs)."
+                     if "journal_extra_paired_us" in alone else "."),
                   ""]
+        threads = alone.get("by_thread")
+        if threads:
+            lines += ["By thread, µs per token (medians): "
+                      + "; ".join(f"{row}: " + ", ".join(f"{name} {part[name]:.1f}"
+                                                         for name in THREADS)
+                                  for row, part in threads.items()) + ".", ""]
     paired = record.get("overheads", {})
     if paired:
         lines.append("Throughput cost against `bare` in the same repetition, median (min-max) "

@@ -309,6 +309,17 @@ def test_router_cpu_counts_every_token_with_and_without_the_journal(tmp_path) ->
     assert result["bare"]["median"] > 0
     assert result["journal"]["median"] > 0
     assert result["journal_extra_us"] == result["journal"]["median"] - result["bare"]["median"]
+    assert result["journal_extra_paired_us"] == pytest.approx(result["journal_extra_us"])
+    bare, journal = result["by_thread"]["bare"], result["by_thread"]["journal"]
+    # Without a journal its threads do not exist; with it, its writer writes every record.
+    assert bare["journal writer"] == bare["journal fsync"] == 0
+    assert journal["journal writer"] > 0
+    for part in (bare, journal):
+        assert part["streams"] > 0
+        assert part["link readers"] > 0
+    # The parts add up to the total (the rest is "other", never negative by much).
+    assert sum(bare.values()) == pytest.approx(result["bare"]["median"])
+    assert bare["other"] > -1.0
 
 
 def _cpu_split(folder: Path) -> tuple[float, float, float]:
