@@ -47,6 +47,56 @@ def test_training_bench_analysis_of_a_kill_and_a_restart() -> None:
     assert out["restarts"] == 1
 
 
+def test_serving_bench_cpu_cost_is_paired_per_repetition_and_part() -> None:
+    from bench.serving import cpu_overheads
+
+    def run(router: float, workers: float | None) -> dict[str, object]:
+        return {"router_cpu_ms_per_1k_tokens": router, "worker_cpu_ms_per_1k_tokens": workers}
+
+    runs = {  # the host twice as slow in the second repetition: the pairs still agree
+        "durable": [run(120.0, 440.0), run(240.0, 880.0), run(110.0, 400.0)],
+        "bare": [run(100.0, 400.0), run(200.0, 800.0), run(100.0, None)],
+        "journal": [run(110.0, 400.0)],
+    }
+    cpu = cpu_overheads(runs)
+    assert [round(p, 4) for p in cpu["durable"]["server"]["pairs"]] == [0.12, 0.12]
+    assert [round(p, 4) for p in cpu["durable"]["router"]["pairs"]] == [0.2, 0.2, 0.1]
+    assert round(cpu["durable"]["router"]["median"], 4) == 0.2
+    assert [round(p, 4) for p in cpu["durable"]["workers"]["pairs"]] == [0.1, 0.1]
+    assert round(cpu["journal"]["server"]["median"], 4) == 0.02
+    assert "checksums" not in cpu  # no runs of it
+
+
+def test_serving_bench_cpu_verdict_follows_the_pairs() -> None:
+    """The CPU target is held to the same rule as throughput: met or not only when the
+    pairs resolve it, and not measured when a run failed its checks."""
+    from bench.serving import cpu_overheads, summarise, verdicts
+
+    def runs(extra: list[float], passed: bool = True) -> dict[str, list[dict[str, object]]]:
+        def run(cpu: float, ok: bool) -> dict[str, object]:
+            return {"tokens_per_s": 100.0, "passed": ok, "router_cpu_ms_per_1k_tokens": 0.0,
+                    "worker_cpu_ms_per_1k_tokens": cpu}
+        # router 0 ms: only the workers' figures count, 100 ms bare per repetition
+        return {"durable": [run(100.0 * (1 + e), passed) for e in extra],
+                "bare": [run(100.0, True) for _ in extra]}
+
+    def cpu_verdict(measured: dict[str, list[dict[str, object]]]) -> dict[str, object]:
+        found = verdicts(summarise(measured), None, cpu_overheads(measured))
+        assert len(found) == 3
+        return found[2]
+
+    over = cpu_verdict(runs([0.10, 0.11, 0.12, 0.09, 0.13]))
+    assert over["met"] is False
+    assert round(float(over["value"]), 3) == 0.11  # type: ignore[arg-type]
+    assert cpu_verdict(runs([0.01, 0.02, 0.0, 0.03, 0.01]))["met"] is True
+    spread = cpu_verdict(runs([-0.10, 0.02, 0.03, 0.04, 0.20]))
+    assert spread["met"] is None
+    assert "not resolved" in str(spread["note"])
+    failed = cpu_verdict(runs([0.01, 0.02, 0.0, 0.03, 0.01], passed=False))
+    assert failed["met"] is None
+    assert "failed its checks" in str(failed["note"])
+
+
 def test_serving_bench_overhead_is_the_median_of_paired_repetitions() -> None:
     from bench.serving import overheads, summarise, verdicts
 
