@@ -107,6 +107,12 @@ OVERHEAD_ROWS = ("durable", "journal", "checksums")  # each against `bare`
 OVERHEAD_TARGET = 0.05  # the issue's target for durable against bare
 
 
+def _ratio(value: object, over: object) -> float | None:
+    if isinstance(value, int | float) and isinstance(over, int | float) and over:
+        return value / over
+    return None
+
+
 def measure(result: RunResult) -> dict[str, Any]:
     events = read_events(Path(result.run_dir) / "events.jsonl")
     records = metrics.requests(events)
@@ -140,6 +146,10 @@ def measure(result: RunResult) -> dict[str, Any]:
         "journal_records_per_write": (records_n / writes if isinstance(records_n, int)
                                       and isinstance(writes, int) and writes else None),
         "journal_fsyncs": journal.get("fsyncs"),
+        # The workers' batches: tokens per engine step (fewer per step costs more CPU per
+        # token), and what a step cost them, all workers together.
+        "tokens_per_step": _ratio(client.get("generated_tokens"), client.get("steps")),
+        "worker_cpu_ms_per_step": _ratio(client.get("cpu_ms"), client.get("steps")),
         "time_to_recover_s": m.get("time_to_recover_s"),
         "time_to_detect_s": m.get("time_to_detect_s"),
         "lost_requests": m.get("lost_requests"),
@@ -467,16 +477,20 @@ def markdown(record: dict[str, Any]) -> str:
         lines += [
             "Where the time goes, median (min-max): CPU ms per 1000 tokens served, of the "
             "router process and of all workers together (since they were ready); the "
-            "journal's time in write(2), its longest write, records per write, fsyncs:",
+            "workers' tokens per engine step and CPU ms per step; the journal's time in "
+            "write(2), its longest write, records per write, fsyncs:",
             "",
-            "| row | router CPU ms / 1k tokens | workers CPU ms / 1k tokens | journal write s "
-            "| longest write ms | records per write | fsyncs |",
-            "| --- | --- | --- | --- | --- | --- | --- |",
+            "| row | router CPU ms / 1k tokens | workers CPU ms / 1k tokens | tokens per step "
+            "| workers CPU ms / step | journal write s | longest write ms | records per write "
+            "| fsyncs |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for row in record["runs"]:
             lines.append(
                 f"| {row} | {cell(row, 'router_cpu_ms_per_1k_tokens', digits=0)}"
                 f" | {cell(row, 'worker_cpu_ms_per_1k_tokens', digits=0)}"
+                f" | {cell(row, 'tokens_per_step', digits=2)}"
+                f" | {cell(row, 'worker_cpu_ms_per_step', digits=2)}"
                 f" | {cell(row, 'journal_write_s', digits=3)}"
                 f" | {cell(row, 'journal_write_max_ms', digits=1)}"
                 f" | {cell(row, 'journal_records_per_write', digits=2)}"

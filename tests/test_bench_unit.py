@@ -553,3 +553,27 @@ def test_rows_run_in_reverse_order_every_other_repetition(monkeypatch, tmp_path)
     assert os.environ.get("AFTERSHOCK_CACHE_DIR") == cache
     assert ran == [(0, "durable"), (0, "bare"), (1, "bare"), (1, "durable"),
                    (2, "durable"), (2, "bare")]
+
+
+def test_serving_measure_reads_the_workers_batches_from_their_counters(tmp_path: Path) -> None:
+    """Tokens per engine step and the workers' CPU per step come from the engine counters
+    the client fetched when the load was done (steps, generated tokens, cpu_ms), not from
+    the router's own stats at shutdown; absent counters are not measured, not zero."""
+    from bench.serving import measure
+    from harness.records import RunResult
+    from harness.timeline import Timeline
+
+    timeline = Timeline(tmp_path / "events.jsonl")
+    timeline.emit("serving_stats", "server", steps=1, generated_tokens=1, cpu_ms=1)
+    timeline.emit("serving_stats", "client", steps=400, generated_tokens=2900, cpu_ms=1400)
+    timeline.close()
+    result = RunResult("x", "x.yaml", True, 0, 1.0, (), {}, (), str(tmp_path))
+    measured = measure(result)
+    assert measured["tokens_per_step"] == 7.25
+    assert measured["worker_cpu_ms_per_step"] == 3.5
+
+    bare = tmp_path / "bare"
+    Timeline(bare / "events.jsonl").close()
+    unmeasured = measure(RunResult("x", "x.yaml", True, 0, 1.0, (), {}, (), str(bare)))
+    assert unmeasured["tokens_per_step"] is None
+    assert unmeasured["worker_cpu_ms_per_step"] is None
