@@ -558,7 +558,8 @@ def targets(summary: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     every repetition did too."""
 
     def check(target: str, metric: str, limit: float | None, row: str,
-              *, recovery: bool = False, baseline: str | None = None) -> dict[str, Any]:
+              *, recovery: bool = False, baseline: str | None = None,
+              over_only: bool = False) -> dict[str, Any]:
         entry = summary.get(row, {}).get(metric)
         value = None if entry is None else entry["median"]
         met: bool | None = None
@@ -570,6 +571,9 @@ def targets(summary: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             met, why = verdict(entry.get("values") or [entry["median"]], limit,
                                scale=scale, unit=unit, digits=digits)
             note = why or note
+            if met and over_only:  # CPU counts work, not waits: it can only show "over"
+                met, note = None, ("not resolved in CPU: under the limit, but CPU does not "
+                                   "count waits; the throughput line decides")
         correct = _correct(summary, row) if recovery or baseline else True
         if correct is False:
             met, note = False, "wrong parameters"
@@ -594,6 +598,15 @@ def targets(summary: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
               baseline="ddp"),
         check("trainer loop alone (trainer_no_ckpt) ≤ 3% vs plain DDP", "overhead", 0.03, tn,
               baseline="ddp"),
+        # The same limits in CPU per step, paired per repetition: a cost the wall clock does
+        # not resolve here may still show over the limit in CPU (never under it: waiting
+        # for the slowest rank costs steps and no CPU).
+        check("hot_spare failure-free CPU ≤ 10% over plain DDP (shows only over)",
+              "cpu_overhead", 0.10, hs, baseline="ddp", over_only=True),
+        check("elastic failure-free CPU ≤ 10% over plain DDP (shows only over)",
+              "cpu_overhead", 0.10, el, baseline="ddp", over_only=True),
+        check("trainer loop alone (trainer_no_ckpt) CPU ≤ 3% over plain DDP (shows only over)",
+              "cpu_overhead", 0.03, tn, baseline="ddp", over_only=True),
         check("hot_spare kill → full strength ≤ 0.3 s", "full_s", 0.3, hs, recovery=True),
         check("hot_spare kill → survivors commit ≤ 0.15 s", "resume_s", 0.15, hs,
               recovery=True),
@@ -673,7 +686,7 @@ def target_line(t: dict[str, Any]) -> str:
         met = {True: "yes", False: "**no**", None: f"not measured ({t['note']})"}[t["met"]]
     if t["met"] is False and t["note"] == "wrong parameters":
         met += " (wrong parameters)"
-    pct = "overhead" in t["target"] or "≤ 3%" in t["target"]
+    pct = "overhead" in t["target"] or "%" in t["target"]
     scale = 100.0 if pct else 1.0
     unit = "%" if pct else ""
     value = None if t["value"] is None else t["value"] * scale

@@ -402,8 +402,9 @@ def verdicts(summary: dict[str, dict[str, Any]],
             cpu_met, cpu_note = verdict(server["pairs"], OVERHEAD_TARGET, scale=100.0,
                                         unit="%", digits=1)
             if cpu_met:  # CPU shows what work costs, not what waiting costs: only "over"
-                cpu_met, cpu_note = None, ("under the limit in CPU, which does not count "
-                                           "waits: the throughput line decides")
+                cpu_met, cpu_note = None, ("not resolved in CPU: under the limit, but CPU "
+                                           "does not count waits; the throughput line "
+                                           "decides")
         out.append({"target": "journal + checksums cost <= 5% of the server's CPU per token "
                               "(router and workers; median of the paired repetitions)",
                     "value": server["median"] if server else None, "met": cpu_met,

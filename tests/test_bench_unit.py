@@ -92,6 +92,7 @@ def test_serving_bench_cpu_verdict_follows_the_pairs() -> None:
     under = cpu_verdict(runs([0.01, 0.02, 0.0, 0.03, 0.01]))
     assert under["met"] is None  # CPU cannot show waits: only throughput may say met
     assert "does not count waits" in str(under["note"])
+    assert str(under["note"]).startswith("not resolved")
     spread = cpu_verdict(runs([-0.10, 0.02, 0.03, 0.04, 0.20]))
     assert spread["met"] is None
     assert "not resolved" in str(spread["note"])
@@ -218,6 +219,35 @@ def test_an_overhead_target_is_met_only_when_the_repetitions_resolve_it() -> Non
     few = overhead([0.01, 0.02])
     assert few["met"] is None
     assert few["note"].startswith("not resolved"), few["note"]
+
+
+def test_a_cpu_overhead_target_shows_only_over_the_limit() -> None:
+    """The CPU lines pair CPU per step with DDP's like the throughput lines pair steps/s,
+    and say "no" when the interval is over the limit; under it they prove nothing (waiting
+    for the slowest rank costs steps, not CPU) and leave the verdict to throughput."""
+    from bench.run import summarise, target_line, targets
+
+    name = "trainer loop alone (trainer_no_ckpt) CPU ≤ 3% over plain DDP (shows only over)"
+
+    def cpu(pairs: list[float], match: bool = True) -> dict[str, Any]:
+        runs = {"ddp": [{"steps_per_s": 100.0, "cpu_ms_per_step": 20.0, "params_match": True}
+                        for _ in pairs],
+                "trainer_no_ckpt": [{"steps_per_s": 100.0, "cpu_ms_per_step": 20.0 * (1 + p),
+                                     "params_match": match} for p in pairs]}
+        return {t["target"]: t for t in targets(summarise(runs))}[name]
+
+    over = cpu([0.05, 0.06, 0.07, 0.05, 0.08])
+    assert over["met"] is False
+    assert round(over["value"], 3) == 0.06
+    assert target_line(over) == f"| {name} | 6.00% | 3.00% | **no** |"
+    under = cpu([0.01, 0.0, 0.02, 0.01, 0.015])
+    assert under["met"] is None
+    assert target_line(under).endswith(
+        "| not resolved in CPU: under the limit, but CPU does not count waits; "
+        "the throughput line decides |")
+    assert cpu([-0.02, 0.01, 0.1, 0.02, 0.2])["met"] is None  # spans it
+    # Over the limit but the row's parameters differ from the oracle: a wrong run.
+    assert cpu([0.05, 0.06, 0.07, 0.05, 0.08], match=False)["note"] == "wrong parameters"
 
 
 def test_the_rendered_table_says_not_resolved() -> None:
