@@ -363,20 +363,21 @@ def verdicts(summary: dict[str, dict[str, Any]],
             return f"not measured ({', '.join(failed)}: a run failed its checks)"
         return None
 
+    def overhead_verdict(entry: dict[str, Any] | None,
+                         missing: str) -> tuple[bool | None, str | None]:
+        """The pairs must resolve the target: a median under it from repetitions spread
+        across it (+20% next to -5%) is noise, not a measurement, and is not shown met
+        (bench.stats: the median's interval must be within the limit)."""
+        note = unproven("durable", "bare")
+        if note is not None:
+            return None, note
+        if entry is None:
+            return None, f"not measured ({missing})"
+        return verdict(entry["pairs"], OVERHEAD_TARGET, scale=100.0, unit="%", digits=1)
+
     durable = (paired or {}).get("durable")
     overhead = durable["median"] if durable else None
-    # The pairs must resolve the target: a median under it from repetitions spread across
-    # it (+20% next to -5%) is noise, not a measurement, and is not shown met
-    # (bench.stats: the median's interval must be within the limit).
-    met: bool | None
-    note = unproven("durable", "bare")
-    if note is not None:
-        met = None
-    elif durable is None:
-        met, note = None, "not measured (no paired repetitions)"
-    else:
-        met, note = verdict(durable["pairs"], OVERHEAD_TARGET, scale=100.0, unit="%",
-                            digits=1)
+    met, note = overhead_verdict(durable, "no paired repetitions")
     migrate, fail = med("migrate", "time_to_recover_s"), med("fail_stop", "time_to_recover_s")
     ratio = migrate / fail if migrate is not None and fail else None
     why = unproven("migrate", "fail_stop")
@@ -392,19 +393,10 @@ def verdicts(summary: dict[str, dict[str, Any]],
     ]
     if cpu is not None:
         server = cpu.get("durable", {}).get("server")
-        cpu_met: bool | None
-        cpu_note = unproven("durable", "bare")
-        if cpu_note is not None:
-            cpu_met = None
-        elif server is None:
-            cpu_met, cpu_note = None, "not measured (no paired CPU figures)"
-        else:
-            cpu_met, cpu_note = verdict(server["pairs"], OVERHEAD_TARGET, scale=100.0,
-                                        unit="%", digits=1)
-            if cpu_met:  # CPU shows what work costs, not what waiting costs: only "over"
-                cpu_met, cpu_note = None, ("not resolved in CPU: under the limit, but CPU "
-                                           "does not count waits; the throughput line "
-                                           "decides")
+        cpu_met, cpu_note = overhead_verdict(server, "no paired CPU figures")
+        if cpu_met:  # CPU shows what work costs, not what waiting costs: only "over"
+            cpu_met, cpu_note = None, ("not resolved in CPU: under the limit, but CPU does "
+                                       "not count waits; the throughput line decides")
         out.append({"target": "journal + checksums cost <= 5% of the server's CPU per token "
                               "(router and workers; median of the paired repetitions)",
                     "value": server["median"] if server else None, "met": cpu_met,
@@ -457,26 +449,22 @@ def markdown(record: dict[str, Any]) -> str:
                       + "; ".join(f"{row}: " + ", ".join(f"{name} {part[name]:.1f}"
                                                          for name in THREADS)
                                   for row, part in threads.items()) + ".", ""]
+    def spread(e: dict[str, Any]) -> str:
+        return f"{e['median']:+.1%} ({e['min']:+.1%} to {e['max']:+.1%})"
+
     cpu = record.get("cpu_overheads", {})
     if cpu:
-        lines.append("CPU per 1000 tokens against `bare` in the same repetition, median "
-                     "(min-max): the server (router and workers), the router, the workers:")
-        lines.append("")
-        for row, parts in cpu.items():
-            lines.append(f"- {row}: " + "; ".join(
-                f"{part} {e['median']:+.1%} ({e['min']:+.1%} to {e['max']:+.1%})"
-                for part, e in parts.items()))
-        lines.append("")
+        lines += ["CPU per 1000 tokens against `bare` in the same repetition, median "
+                  "(min-max): the server (router and workers), the router, the workers:", "",
+                  *(f"- {row}: " + "; ".join(f"{part} {spread(e)}" for part, e in parts.items())
+                    for row, parts in cpu.items()), ""]
     paired = record.get("overheads", {})
     if paired:
-        lines.append("Throughput cost against `bare` in the same repetition, median (min-max) "
-                     "[each repetition]:")
-        lines.append("")
-        for row, entry in paired.items():
-            each = ", ".join(f"{p:+.1%}" for p in entry["pairs"])
-            lines.append(f"- {row}: {entry['median']:+.1%} ({entry['min']:+.1%} to "
-                         f"{entry['max']:+.1%}) [{each}]")
-        lines.append("")
+        lines += ["Throughput cost against `bare` in the same repetition, median (min-max) "
+                  "[each repetition]:", "",
+                  *(f"- {row}: {spread(entry)} ["
+                    + ", ".join(f"{p:+.1%}" for p in entry["pairs"]) + "]"
+                    for row, entry in paired.items()), ""]
     if any(record["summary"].get(row, {}).get("router_cpu_ms_per_1k_tokens")
            for row in record["summary"]):
         lines += [
