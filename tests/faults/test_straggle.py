@@ -41,6 +41,10 @@ class Spinner:
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
+    def join_reader(self) -> None:
+        self._reader.join(10)
+        assert not self._reader.is_alive(), "the spinner's output never ended"
+
     def _read(self) -> None:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
@@ -68,6 +72,10 @@ def spinner() -> Iterator[Spinner]:
         yield spin
     finally:
         spin.proc.kill()
+        spin.proc.wait()
+        # The reader ends at the pipe's EOF; closing the pipe under it (`with proc`) while
+        # it still reads raised "I/O operation on closed file" in its thread.
+        spin.join_reader()
         with spin.proc:
             pass
 
