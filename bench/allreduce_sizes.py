@@ -6,15 +6,21 @@ The trainer's vote is a tiny sum over the whole world every step. This runs one 
 element count and method, interleaved ``--repeat`` times, and prints per call the wall time
 and the CPU the ranks' threads spent, by kind (the bench's ``thread_cpu``: the caller's main
 thread, Gloo's transport loop, Gloo's work threads), rank 0's and all ranks' together. The
-methods: ``all_reduce`` (Gloo's), ``star`` (``reference_impl.model.sum_through_root``, what the
-vote uses: through rank 0 over point-to-point calls); and, for the trainer's straggler
+methods: ``all_reduce`` (Gloo's, through ``torch.distributed.all_reduce``, as the ``restart``
+loop and the model's tensor-parallel layers call it there), ``group_all_reduce`` (the same, through
+the group's own ``allreduce`` method, as the ``hot_spare`` and ``elastic`` loops call their
+groups), ``star`` (``reference_impl.model.sum_through_root``, what the vote uses: through rank 0
+over point-to-point calls, here the group's non-blocking ones, as the ``hot_spare`` loop's vote),
+``star_blocking`` (the same over the blocking ``dist.send``/``dist.recv``, as the ``restart``
+loop's vote); and, for the trainer's straggler
 figures, ``all_gather`` (every rank gets every rank's values) against ``to_root`` (what the
 trainer does now: the others send, rank 0 receives; the others do not wait). Every call's
 result is checked against the sum computed here (the gathers' parts are summed to check
 them; ``to_root`` on rank 0 only), so a fast wrong collective cannot look good.
 
     python -m bench.allreduce_sizes [--ranks 4] [--sizes 1,2,3,8,64] [--calls 2000]
-                                    [--methods all_reduce,star,all_gather,to_root]
+                                    [--methods all_reduce,group_all_reduce,star,
+                                               star_blocking,all_gather,to_root]
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from statistics import median
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-METHODS = ("all_reduce", "star", "all_gather", "to_root")
+METHODS = ("all_reduce", "group_all_reduce", "star", "star_blocking", "all_gather", "to_root")
 
 
 def _rank(sizes: list[int], methods: list[str], calls: int, out: str) -> int:
@@ -51,6 +57,15 @@ def _rank(sizes: list[int], methods: list[str], calls: int, out: str) -> int:
         sum_through_root(t, rank, world, send=lambda x, peer: group.send([x], peer, 0),
                          recv=lambda x, peer: group.recv([x], peer, 0))
 
+    def star_blocking(t: Any) -> None:
+        def send(x: Any, peer: int) -> None:
+            dist.send(x, group=group, group_dst=peer)
+
+        def recv(x: Any, peer: int) -> None:
+            dist.recv(x, group=group, group_src=peer)
+
+        sum_through_root(t, rank, world, send=send, recv=recv)
+
     def all_gather(t: Any) -> None:
         parts = [torch.empty_like(t) for _ in range(world)]
         dist.all_gather(parts, t, group=group)
@@ -66,8 +81,9 @@ def _rank(sizes: list[int], methods: list[str], calls: int, out: str) -> int:
         t.add_(torch.stack(parts).sum(0))
         return True
 
-    run = {"all_reduce": lambda t: dist.all_reduce(t, group=group), "star": star,
-           "all_gather": all_gather, "to_root": to_root}
+    run = {"all_reduce": lambda t: dist.all_reduce(t, group=group),
+           "group_all_reduce": lambda t: group.allreduce([t]).wait(), "star": star,
+           "star_blocking": star_blocking, "all_gather": all_gather, "to_root": to_root}
     rows = []
     for size in sizes:
         for method in methods:

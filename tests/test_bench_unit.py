@@ -457,8 +457,12 @@ def test_harness_overhead_cpu_check_catches_a_reading_that_counts_the_children(
 
 def test_allreduce_sizes_times_real_gloo_collectives_and_checks_their_sums() -> None:
     """A small run of the vote's microbenchmark: every size and method gets a row, each result
-    was checked against the sum (the "wrong" column), and the CPU is split by thread."""
-    methods = ["all_reduce", "star", "all_gather", "to_root"]
+    was checked against the sum (the "wrong" column), and the CPU is split by thread. The
+    methods include the two call paths the `restart` and `hot_spare` loops differ in:
+    `torch.distributed`'s functions against the group's own methods (`group_all_reduce`), and
+    the blocking vote against the non-blocking one (`star_blocking`)."""
+    methods = ["all_reduce", "group_all_reduce", "star", "star_blocking", "all_gather",
+               "to_root"]
     done = subprocess.run([sys.executable, "-m", "bench.allreduce_sizes", "--ranks", "3",
                            "--sizes", "1,3", "--calls", "30", "--repeat", "1",
                            "--methods", ",".join(methods)],
