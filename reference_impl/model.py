@@ -251,6 +251,35 @@ def synthetic_batch(
     return x, torch.sin(3.0 * x @ target_map)
 
 
+class GradBuffer:
+    """One flat buffer for a step's gradients (and the loss), reused step after step.
+
+    The loops average their gradients in one flat all_reduce and then make each gradient a
+    view of its slice (DDP's ``gradient_as_bucket_view``). A fresh buffer every step cost
+    each rank ~0.2-0.3 ms of CPU for 1-2 MB: its allocation and page faults, and its release
+    when ``zero_grad(set_to_none=True)`` dropped the last view (docs/benchmarks.md). The
+    values are those of ``torch.cat``, bit for bit. The loops drop the previous step's views
+    before the next backward; a view still passed in as an input makes ``torch.cat`` refuse
+    (the input and its output would share memory) rather than overwrite it while it is read.
+    """
+
+    def __init__(self) -> None:
+        self._flat: torch.Tensor | None = None
+
+    def flatten(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """``torch.cat`` of the parts, flattened, into the buffer (a new one when their total
+        size, dtype or device changed)."""
+        dtype = parts[0].dtype
+        for part in parts[1:]:
+            dtype = torch.promote_types(dtype, part.dtype)
+        size = sum(part.numel() for part in parts)
+        flat = self._flat
+        if (flat is None or flat.numel() != size or flat.dtype != dtype
+                or flat.device != parts[0].device):
+            flat = self._flat = torch.empty(size, dtype=dtype, device=parts[0].device)
+        return torch.cat([part.reshape(-1) for part in parts], out=flat)
+
+
 def all_finite(tensor: torch.Tensor) -> bool:
     """Whether every element is finite, from the tensor's largest and smallest element.
 

@@ -59,6 +59,7 @@ import torch.nn.functional as F
 from harness import probe
 from reference_impl import _snapshots, _store, checkpoint, controller
 from reference_impl.model import (
+    GradBuffer,
     Layout,
     ParallelBlock,
     ParallelMLP,
@@ -447,6 +448,7 @@ class Worker:
         if self.replay is not None and g.gen + 1 < len(self.replay):
             stop_at = self.replay[g.gen + 1]["first_step"] - 1
         params = list(model.parameters())
+        grads = GradBuffer()  # the flat gradient buffer, reused every step
         world_rank = g.members.index(g.rank)  # the vote's point-to-point calls use group ranks
 
         def send(tensor: torch.Tensor, peer: int) -> Any:
@@ -467,8 +469,7 @@ class Worker:
             opt.zero_grad(set_to_none=True)
             loss.backward()
             probe.fault_point("backward", step)
-            flat = torch.cat([_grad(p).reshape(-1) for p in params]
-                             + [loss.detach().reshape(1)])
+            flat = grads.flatten([_grad(p) for p in params] + [loss.detach().reshape(1)])
             g.dp.allreduce([flat]).wait()
             self.average(flat, live)
             nonfinite = not all_finite(flat)

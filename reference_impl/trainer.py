@@ -42,6 +42,7 @@ from harness import probe
 from reference_impl import checkpoint, health
 from reference_impl import model as model_lib
 from reference_impl.model import (
+    GradBuffer,
     Layout,
     ModelConfig,
     ParallelMLP,
@@ -255,8 +256,8 @@ class NonFiniteFailure(RuntimeError):
 # Training
 
 
-def average_gradients(model: torch.nn.Module, loss: torch.Tensor, layout: Layout
-                      ) -> tuple[float, bool]:
+def average_gradients(model: torch.nn.Module, loss: torch.Tensor, layout: Layout,
+                      buffer: GradBuffer) -> tuple[float, bool]:
     """Average gradients over the DP group in one all_reduce; return (the mean loss, whether
     this rank's averaged gradients are all finite).
 
@@ -265,10 +266,11 @@ def average_gradients(model: torch.nn.Module, loss: torch.Tensor, layout: Layout
     a + b on every rank, which is bitwise deterministic. Afterwards each gradient is a view of
     its slice of the buffer (DDP's ``gradient_as_bucket_view``): the same values as a copy
     back, without the copy; ``zero_grad(set_to_none=True)`` drops the views before the next
-    backward. One finiteness check over the whole buffer replaces one per parameter.
+    backward, and the next step reuses the buffer (``GradBuffer``). One finiteness check over
+    the whole buffer replaces one per parameter.
     """
     pairs = [(p, p.grad) for p in model.parameters() if p.grad is not None]
-    flat = torch.cat([g.reshape(-1) for _, g in pairs] + [loss.detach().reshape(1)])
+    flat = buffer.flatten([g for _, g in pairs] + [loss.detach().reshape(1)])
     dist.all_reduce(flat, group=layout.dp_group)
     flat /= layout.replicas
     finite = model_lib.all_finite(flat[:-1])
@@ -420,6 +422,7 @@ def train(cfg: TrainConfig, layout: Layout, world: int, device: torch.device,
 
     compute_s = 0.0  # this rank's compute time in the current straggler window
     non_finite = 0  # consecutive non-finite attempts at the current step
+    grads = GradBuffer()  # the flat gradient buffer, reused every step
     while step < cfg.steps:
         if xid is not None:
             xid.check()
@@ -433,7 +436,7 @@ def train(cfg: TrainConfig, layout: Layout, world: int, device: torch.device,
         loss.backward()
         compute_s += (time.perf_counter() - started) - (model_lib.comm_seconds[0] - comm)
         probe.fault_point("backward", current)
-        global_loss, mine = average_gradients(model, loss, layout)
+        global_loss, mine = average_gradients(model, loss, layout, grads)
         everyone = vote(mine, layout)
         if not everyone:
             # Never apply a poisoned update. The step's data is a function of the step, so

@@ -1,0 +1,96 @@
+"""The training loops' flat gradient buffer, reused step after step.
+
+A fresh 1-2 MB buffer per step cost each rank ~0.2-0.3 ms of CPU (its allocation, page faults
+and, when the last gradient view was dropped, its release): docs/benchmarks.md. Reusing one
+must not change a single bit, and must never overwrite gradients still in use.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+
+def _parts(seed: int) -> list[object]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(4, 3, generator=gen), torch.randn(5, generator=gen),
+            torch.randn(1, generator=gen)]
+
+
+def test_the_buffer_holds_what_a_fresh_concatenation_holds_step_after_step() -> None:
+    from reference_impl.model import GradBuffer
+
+    buffer = GradBuffer()
+    first = buffer.flatten(_parts(0))
+    address = first.data_ptr()
+    assert torch.equal(first, torch.cat([t.reshape(-1) for t in _parts(0)]))
+    del first
+    second = buffer.flatten(_parts(1))
+    assert torch.equal(second, torch.cat([t.reshape(-1) for t in _parts(1)]))
+    assert second.data_ptr() == address, "a new buffer was allocated for the same shapes"
+
+
+def test_a_change_of_size_or_dtype_gets_a_new_buffer() -> None:
+    from reference_impl.model import GradBuffer
+
+    buffer = GradBuffer()
+    buffer.flatten(_parts(0))
+    bigger = [*_parts(1), torch.ones(3)]
+    assert torch.equal(buffer.flatten(bigger), torch.cat([t.reshape(-1) for t in bigger]))
+    doubles = [t.double() for t in _parts(2)]
+    out = buffer.flatten(doubles)
+    assert out.dtype == torch.float64
+    assert torch.equal(out, torch.cat([t.reshape(-1) for t in doubles]))
+    # Mixed dtypes promote as torch.cat does.
+    mixed = [torch.ones(2, dtype=torch.float32), torch.ones(2, dtype=torch.float64)]
+    assert buffer.flatten(mixed).dtype == torch.cat(mixed).dtype
+
+
+def test_gradients_still_viewing_the_buffer_are_never_overwritten() -> None:
+    """The loops drop the previous step's gradient views (``zero_grad(set_to_none=True)``)
+    before the next backward. A view still read as an input must fail the step loudly, not
+    be overwritten while it is read."""
+    from reference_impl.model import GradBuffer
+
+    buffer = GradBuffer()
+    flat = buffer.flatten(_parts(0))
+    stale = flat[:12].view(4, 3)  # as p.grad after the loop's scatter
+    with pytest.raises(RuntimeError, match="single memory location"):
+        buffer.flatten([stale, torch.zeros(5), torch.zeros(1)])
+
+
+def test_the_trainer_reuses_one_buffer_and_ends_bitwise_where_it_did(tmp_path: object) -> None:
+    """average_gradients on a 1-rank world, two steps: the second step's gradients live in the
+    first step's buffer, and equal a fresh concatenation's average bit for bit."""
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from reference_impl import trainer
+    from reference_impl.model import GradBuffer, ModelConfig, ParallelMLP, build_layout
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29655")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        layout = build_layout(1, 1, timedelta(seconds=30))
+        model = ParallelMLP(ModelConfig(d_model=8, hidden=16, blocks=1), layout, 0)
+        buffer = GradBuffer()
+        addresses = []
+        for step in range(2):
+            model.zero_grad(set_to_none=True)
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            want = [p.grad.clone() for p in model.parameters()]
+            global_loss, finite = trainer.average_gradients(model, loss, layout, buffer)
+            assert finite
+            assert global_loss == float(loss.detach())
+            for p, g in zip(model.parameters(), want, strict=True):
+                assert torch.equal(p.grad, g)  # one replica: the average is the gradient
+            addresses.append(next(model.parameters()).grad.data_ptr())
+        assert addresses[0] == addresses[1]
+    finally:
+        dist.destroy_process_group()
