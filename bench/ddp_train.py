@@ -32,6 +32,7 @@ from reference_impl.model import (
     param_digest,
     synthetic_batch,
 )
+from reference_impl.phases import Laps
 
 COMMIT = "COMMIT"
 
@@ -70,15 +71,22 @@ def main() -> int:
             optimizer.load_state_dict(state["optimizer"])
             step = state["step"]
             probe.checkpoint_loaded(step, str(path))
+        laps = Laps()  # the same phases as the reference trainer's, where they exist
         while step < args.steps:
             x, y = synthetic_batch(cfg, args.seed, step, layout.replica, args.batch_size)
+            laps.lap("batch")
             loss = F.mse_loss(model(x), y)
+            laps.lap("forward")
             optimizer.zero_grad(set_to_none=True)
+            laps.lap("zero_grad")
             loss.backward()  # DDP all-reduces gradient buckets over the DP group here
+            laps.lap("backward")
             optimizer.step()
+            laps.lap("optimizer")
             step += 1
             probe.step(step, world=world)
             if args.checkpoint_every and step % args.checkpoint_every == 0:
+                laps.lap("rest")
                 folder = root / f"step_{step:06d}"
                 folder.mkdir(parents=True, exist_ok=True)
                 tmp = folder / f".rank_{rank}.pt.tmp"
@@ -89,8 +97,10 @@ def main() -> int:
                 if rank == 0:
                     (folder / COMMIT).touch()
                     probe.checkpoint_saved(step, str(folder))
+                laps.lap("checkpoint")
             if args.step_sleep:
                 time.sleep(args.step_sleep)
+            laps.step_done(step)
         # The bench holds every row's final parameters to the oracle's (bench/oracle.py).
         probe.params(param_digest(model.module.state_dict()), step=step)
     except RuntimeError as exc:  # Gloo: a peer died or a collective timed out

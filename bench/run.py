@@ -35,6 +35,7 @@ from bench.stats import run_order, verdict
 from harness import metrics
 from harness.oracle import read_membership as oracle_membership
 from harness.records import Event
+from reference_impl import phases as phases_lib
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
@@ -211,6 +212,9 @@ def run_job(peer: Peer, settings: Settings, model: Model, marker: str, keep: Pat
         "PYTHONUNBUFFERED": "1",
         # A restart attempt would otherwise be wasted on stale Gloo addresses (DESIGN.md).
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        # The loops that time their phases (reference_impl/phases.py) do it over the CPU
+        # window: rank 0's steps warmup + 1 to kill_at - CPU_TAIL.
+        phases_lib.ENV: f"{settings.warmup}:{settings.kill_at - CPU_TAIL}",
     }
     procs: list[subprocess.Popen[bytes]] = []
     tail = EventTail(events_path)
@@ -275,6 +279,7 @@ def run_job(peer: Peer, settings: Settings, model: Model, marker: str, keep: Pat
     result = analyse(tail.events, settings, t_kill, peer)
     result.update(outcome=outcome, wall_s=round(time.monotonic() - t0, 2))
     result.update(cpu_profile(tail.events, cpu, cpu_marks))
+    result["phases"] = phase_profile(tail.events, cpu_marks)
     # Every row that trains to a fixed step, faulted or not: a fast recovery that is wrong,
     # or a cheap failure-free run that skipped work (or a baseline that trained something
     # else), must not look good.
@@ -373,6 +378,43 @@ def cpu_profile(events: list[Event],
     return {"cpu_ms_per_step": total,
             "cpu_by_role": {k: round(v, 3) for k, v in sorted(by_role.items())},
             "cpu_rank_threads": {k: round(v, 3) for k, v in sorted(by_thread.items())}}
+
+
+PHASE_ORDER = ("batch", "forward", "zero_grad", "backward", "average", "vote", "optimizer",
+               "straggler figures", "fingerprints", "snapshot", "checkpoint", "rest")
+
+
+def _in_phase_order(names: Any) -> list[str]:
+    """The phase names in the loop's order (PHASE_ORDER), any other after them by name."""
+    return sorted(set(names), key=lambda n: (PHASE_ORDER.index(n) if n in PHASE_ORDER
+                                             else len(PHASE_ORDER), n))
+
+
+def phase_profile(events: list[Event], marks: tuple[int, int]) -> dict[str, Any] | None:
+    """Where a failure-free step goes, from the ranks' ``phases`` events (their training
+    loops' lap timers over the CPU window, reference_impl/phases.py): per phase, rank 0's
+    wall time and all ranks' main-thread CPU, in ms per step.
+
+    None, not measured, unless every rank of the world reported the same window once: a
+    phase table missing a rank would understate the CPU, and one from another window would
+    not be this row's failure-free step."""
+    reports: dict[int, dict[str, Any]] = {}
+    for e in events:
+        if e.event != phases_lib.EVENT or e.rank is None:
+            continue
+        if (e.fields.get("first"), e.fields.get("last")) != marks or e.rank in reports:
+            return None
+        reports[e.rank] = e.fields
+    if sorted(reports) != list(range(WORLD)):
+        return None
+    steps = marks[1] - marks[0]
+    table: dict[str, dict[str, float]] = {}
+    for name in _in_phase_order(n for r in reports.values() for n in r["phases"]):
+        wall = reports[0]["phases"].get(name, {}).get("wall_ns", 0)
+        cpu = sum(r["phases"].get(name, {}).get("cpu_ns", 0) for r in reports.values())
+        table[name] = {"wall_ms": round(wall / 1e6 / steps, 4),
+                       "cpu_ms": round(cpu / 1e6 / steps, 4)}
+    return table
 
 
 def _final_digests(events: list[Event]) -> dict[int, str]:
@@ -531,6 +573,10 @@ def summarise(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]
             kinds = sorted({k for r in reps for k in (r.get(key) or {})})
             entry[key] = {kind: _stats([(r.get(key) or {}).get(kind) for r in reps])
                           for kind in kinds}
+        timed = [r["phases"] for r in reps if r.get("phases")]
+        names = _in_phase_order(n for t in timed for n in t)
+        entry["phases"] = {n: {part: _stats([t.get(n, {}).get(part, 0.0) for t in timed])
+                               for part in ("wall_ms", "cpu_ms")} for n in names}
         summary[name] = entry
     return summary
 
@@ -677,6 +723,37 @@ def _split_rows(summary: dict[str, dict[str, Any]], key: str, order: tuple[str, 
     return rows
 
 
+def phase_table(summary: dict[str, dict[str, Any]], settings: dict[str, Any]) -> list[str]:
+    """Where a failure-free step goes, phase by phase, for the rows whose loops time their
+    phases (reference_impl/phases.py): one column per row, "rank 0's wall / all ranks' CPU"."""
+    rows = [name for name, stats in summary.items() if stats.get("phases")]
+    if not rows:
+        return []
+    names = _in_phase_order(n for r in rows for n in summary[r]["phases"])
+    lines = ["", "Where a failure-free step goes, by phase of the training loop (ms per step, "
+             "median over repetitions: rank 0's wall time / all ranks' main-thread CPU; steps "
+             f"{settings['warmup'] + 1}–{settings['kill_at'] - CPU_TAIL}, timed inside the "
+             "ranks by reference_impl/phases.py; – where a loop has no such phase; "
+             "`backward` is DDP's bucketed all-reduces too, `rest` the step's event and "
+             "what else the loop does):", "",
+             "| phase | " + " | ".join(f"`{r}`" for r in rows) + " |",
+             "| --- |" + " ---: |" * len(rows)]
+    for name in names:
+        cells = []
+        for r in rows:
+            got = summary[r]["phases"].get(name)
+            cells.append("–" if got is None else
+                         f"{_num(got['wall_ms']['median'])} / {_num(got['cpu_ms']['median'])}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    totals = []
+    for r in rows:
+        split = summary[r]["phases"]
+        totals.append(f"{_num(sum(v['wall_ms']['median'] for v in split.values()))} / "
+                      f"{_num(sum(v['cpu_ms']['median'] for v in split.values()))}")
+    lines.append("| all phases | " + " | ".join(totals) + " |")
+    return lines
+
+
 def target_line(t: dict[str, Any]) -> str:
     """One row of the targets table: the median, the limit, and met, not met, not
     resolved (the repetitions cannot tell) or not measured."""
@@ -740,6 +817,7 @@ def markdown(record: dict[str, Any]) -> str:
               "| --- |" + " ---: |" * (len(THREAD_ORDER) + 1)]
     lines += _split_rows(summary, "cpu_rank_threads", THREAD_ORDER, 2,
                          lambda stats: (stats.get("cpu_by_role") or {}).get("rank"))
+    lines += phase_table(summary, record["settings"])
     lines += ["", "| target | value | limit | met |", "| --- | ---: | ---: | --- |"]
     lines += [target_line(t) for t in record["targets"]]
     lines += ["", "Ratios, ours / peer (median over median; < 1 means ours is lower):", "",

@@ -68,6 +68,7 @@ from reference_impl.model import (
     sum_through_root,
     synthetic_batch,
 )
+from reference_impl.phases import Laps
 
 
 class Superseded(Exception):
@@ -449,6 +450,7 @@ class Worker:
             stop_at = self.replay[g.gen + 1]["first_step"] - 1
         params = list(model.parameters())
         grads = GradBuffer()  # the flat gradient buffer, reused every step
+        laps = Laps()  # where each step's time goes, when AFTERSHOCK_PHASES asks (make bench)
         world_rank = g.members.index(g.rank)  # the vote's point-to-point calls use group ranks
 
         def send(tensor: torch.Tensor, peer: int) -> Any:
@@ -464,11 +466,15 @@ class Worker:
             step = self.steps_done + 1  # the step being computed, 1-based
             x, y = synthetic_batch(cfg.model_config(), cfg.seed, step - 1, replica,
                                    cfg.batch_size)
+            laps.lap("batch")
             probe.fault_point("forward", step)
             loss = F.mse_loss(model(x), y)
+            laps.lap("forward")
             opt.zero_grad(set_to_none=True)
+            laps.lap("zero_grad")
             loss.backward()
             probe.fault_point("backward", step)
+            laps.lap("backward")
             flat = grads.flatten([_grad(p) for p in params] + [loss.detach().reshape(1)])
             g.dp.allreduce([flat]).wait()
             self.average(flat, live)
@@ -479,11 +485,13 @@ class Worker:
                 p.grad = flat[offset : offset + n].view_as(p)
                 offset += n
             self.pending, self.pending_gen = True, g.gen
+            laps.lap("average")
             vote = encode_vote((nonfinite, self.mismatch, self.plan_ahead > g.gen),
                                len(g.members))
             sum_through_root(vote, world_rank, len(g.members), send=send, recv=recv)
             self.pending = False
             bad, mismatch, ahead = decode_vote(vote, len(g.members))
+            laps.lap("vote")
             if bad:  # nobody applies it; compute the same step again
                 if nonfinite:
                     probe.detected(cause="non_finite", rank=g.rank, step=step, replica=replica,
@@ -510,6 +518,7 @@ class Worker:
                 continue
             probe.fault_point("optimizer", step)
             opt.step()
+            laps.lap("optimizer")
             self.steps_done, self.state_gen = step, g.gen
             if not self.committed:  # fresh processes no longer hold the state of step 0
                 self.committed = True
@@ -519,21 +528,26 @@ class Worker:
             if self.candidate is not None:
                 self.verified, self.candidate = self.candidate, None
             if cfg.fingerprint_every and step % cfg.fingerprint_every == 0:
+                laps.lap("rest")
                 self.check_fingerprints(g, step)
+                laps.lap("fingerprints")
             # Never a state the replicas disagree on (the fingerprints just differed: the
             # vote rolls every member back at the next step).
             if snapshotter and step % cfg.snapshot_every == 0 and not self.mismatch \
                     and not self.snapshots.full():
+                laps.lap("rest")
                 # Lazy: if the sender is still busy with the previous one, skip this one. The
                 # state just fingerprinted is this step's: share it (both are read-only).
                 fresh = self.candidate if self.candidate and self.candidate[0] == step else None
                 state = fresh[1] if fresh else self.flat_state()
                 with contextlib.suppress(queue.Full):
                     self.snapshots.put_nowait((step, shard, state))
+                laps.lap("snapshot")
             if ahead:
                 raise Switch
             if cfg.step_sleep:
                 time.sleep(cfg.step_sleep)
+            laps.step_done(step)
 
     @staticmethod
     def average(flat: torch.Tensor, live: int) -> None:

@@ -51,6 +51,7 @@ from reference_impl.model import (
     sum_through_root,
 )
 from reference_impl.model import synthetic_batch as make_batch
+from reference_impl.phases import Laps
 
 RECOVERY_STRATEGIES = ("restart", "hot_spare", "elastic")
 STRAGGLER_EVERY = 10  # steps between comparisons of the ranks' compute times
@@ -423,21 +424,28 @@ def train(cfg: TrainConfig, layout: Layout, world: int, device: torch.device,
     compute_s = 0.0  # this rank's compute time in the current straggler window
     non_finite = 0  # consecutive non-finite attempts at the current step
     grads = GradBuffer()  # the flat gradient buffer, reused every step
+    laps = Laps()  # where each step's time goes, when AFTERSHOCK_PHASES asks (make bench)
     while step < cfg.steps:
         if xid is not None:
             xid.check()
         current = step + 1  # the step being computed, 1-based, as probe.step will report it
         # Every batch is a function of (seed, step, replica); `step` is the data position.
         x, y = make_batch(cfg.model_config(), cfg.seed, step, layout.replica, cfg.batch_size)
+        laps.lap("batch")
         started, comm = time.perf_counter(), model_lib.comm_seconds[0]
         probe.fault_point("forward", current)
         loss = F.mse_loss(model(x.to(device)), y.to(device))
+        laps.lap("forward")
         optimizer.zero_grad(set_to_none=True)
+        laps.lap("zero_grad")
         loss.backward()
         compute_s += (time.perf_counter() - started) - (model_lib.comm_seconds[0] - comm)
         probe.fault_point("backward", current)
+        laps.lap("backward")
         global_loss, mine = average_gradients(model, loss, layout, grads)
+        laps.lap("average")
         everyone = vote(mine, layout)
+        laps.lap("vote")
         if not everyone:
             # Never apply a poisoned update. The step's data is a function of the step, so
             # computing it again from the same state gives the fault-free update, unless the
@@ -452,13 +460,17 @@ def train(cfg: TrainConfig, layout: Layout, world: int, device: torch.device,
         non_finite = 0
         probe.fault_point("optimizer", current)
         optimizer.step()
+        laps.lap("optimizer")
         step += 1  # `step` optimizer steps are now applied on this rank
         probe.step(step, world=world, loss=global_loss)
 
         if step % STRAGGLER_EVERY == 0:
+            laps.lap("rest")
             report_stragglers(compute_s, layout, step)
             compute_s = 0.0
+            laps.lap("straggler figures")
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+            laps.lap("rest")
             state = {
                 "model": model.state_dict(),
                 "optimizer": optimizer.state_dict(),
@@ -473,8 +485,10 @@ def train(cfg: TrainConfig, layout: Layout, world: int, device: torch.device,
             if rank == 0 and saved is not None:
                 probe.checkpoint_saved(step, str(saved))
                 checkpoint.prune(ckpt_root, cfg.keep_checkpoints, step)
+            laps.lap("checkpoint")
         if cfg.step_sleep:
             time.sleep(cfg.step_sleep)
+        laps.step_done(step)
 
     probe.fault_point("finish", step)
     final = {k: v.detach().cpu() for k, v in model.state_dict().items()}

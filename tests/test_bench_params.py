@@ -23,10 +23,30 @@ def _ddp() -> Peer:
     return next(p for p in PEERS if p.name == "ddp")
 
 
+def _row(name: str) -> Peer:
+    return next(p for p in PEERS if p.name == name)
+
+
 def test_a_failure_free_row_ends_with_the_oracles_parameters() -> None:
     result = _run(_ddp())
     assert result["outcome"] == "completed", result
     assert result["params_match"] is True, result["params_note"]
+    # Its loop timed its phases over the CPU window, every rank (reference_impl/phases.py).
+    phases = result["phases"]
+    assert phases is not None, "no phase table from the DDP loop"
+    assert set(phases) == {"batch", "forward", "zero_grad", "backward", "optimizer", "rest"}
+    assert phases["backward"]["wall_ms"] > 0
+    assert phases["forward"]["cpu_ms"] > 0
+
+
+def test_the_reference_loop_times_its_average_and_its_vote() -> None:
+    result = _run(_row("trainer_no_ckpt"))
+    assert result["outcome"] == "completed", result
+    assert result["params_match"] is True, result["params_note"]
+    phases = result["phases"]
+    assert phases is not None, "no phase table from the reference trainer's loop"
+    assert {"average", "vote", "backward", "optimizer"} <= set(phases), phases
+    assert all(v["wall_ms"] >= 0 and v["cpu_ms"] >= 0 for v in phases.values())
 
 
 def test_a_failure_free_row_that_trains_differently_is_caught() -> None:

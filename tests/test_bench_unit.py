@@ -614,3 +614,59 @@ def test_serving_measure_reads_the_workers_batches_from_their_counters(tmp_path:
     unmeasured = measure(RunResult("x", "x.yaml", True, 0, 1.0, (), {}, (), str(bare)))
     assert unmeasured["tokens_per_step"] is None
     assert unmeasured["worker_cpu_ms_per_step"] is None
+
+
+def _phases(rank: int, window: tuple[int, int], **ms: tuple[float, float]) -> Event:
+    """A rank's ``phases`` event: per phase (cpu ms, wall ms) over the window, in all."""
+    return Event(t=1.0, event="phases", source=f"rank{rank}", fields={
+        "rank": rank, "first": window[0], "last": window[1], "steps": window[1] - window[0],
+        "phases": {name: {"cpu_ns": int(cpu * 1e6), "wall_ns": int(wall * 1e6)}
+                   for name, (cpu, wall) in ms.items()}})
+
+
+def test_the_phase_table_is_rank_0s_wall_time_and_every_ranks_cpu() -> None:
+    from bench.run import phase_profile
+
+    window = (20, 30)  # 10 steps
+    events = [_phases(r, window, forward=(10.0 * (r + 1), 40.0 + r), vote=(1.0, 20.0 + r))
+              for r in range(4)]
+    table = phase_profile(events, window)
+    assert table == {"forward": {"wall_ms": 4.0, "cpu_ms": 10.0},   # 100 ms of CPU / 10
+                     "vote": {"wall_ms": 2.0, "cpu_ms": 0.4}}
+    assert list(table) == ["forward", "vote"]  # the loop's order, not the events'
+
+
+@pytest.mark.parametrize("case", ["a rank missing", "another window", "a rank twice"])
+def test_a_phase_table_that_cannot_cover_every_rank_is_not_measured(case: str) -> None:
+    from bench.run import phase_profile
+
+    window = (20, 30)
+    events = [_phases(r, window, forward=(1.0, 1.0)) for r in range(4)]
+    if case == "a rank missing":
+        events.pop(2)
+    elif case == "another window":
+        events[3] = _phases(3, (0, 30), forward=(1.0, 1.0))
+    else:
+        events.append(_phases(1, window, forward=(1.0, 1.0)))
+    assert phase_profile(events, window) is None
+
+
+def test_the_rendered_phase_table_puts_rows_side_by_side() -> None:
+    from bench.run import phase_table, summarise
+
+    runs = {
+        "ddp": [{"phases": {"backward": {"wall_ms": 9.0, "cpu_ms": 6.0}}}],
+        "trainer_no_ckpt": [{"phases": {"backward": {"wall_ms": 3.0, "cpu_ms": 4.0},
+                                        "vote": {"wall_ms": 2.5, "cpu_ms": 1.0}}}],
+        "torchft": [{"phases": None}],  # a loop that does not time its phases
+    }
+    lines = phase_table(summarise(runs), {"warmup": 20, "kill_at": 300})
+    text = "\n".join(lines)
+    assert "| phase | `ddp` | `trainer_no_ckpt` |" in text
+    assert "torchft" not in text
+    assert "| backward | 9.00 / 6.00 | 3.00 / 4.00 |" in text
+    assert "| vote | – | 2.50 / 1.00 |" in text
+    assert "| all phases | 9.00 / 6.00 | 5.50 / 5.00 |" in text
+    assert "steps 21–295" in text
+    assert phase_table(summarise({"torchft": [{"phases": None}]}), {"warmup": 20,
+                                                                     "kill_at": 300}) == []
