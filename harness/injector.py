@@ -144,13 +144,13 @@ class Injector:
         self._observer.event(self._timeline.emit("fault_failed", kind=spec.kind,
                                                  fault=index, error=reason))
         self.records.append(FaultRecord(spec.kind, spec.target.describe(), None, None,
-                                        f"could not be applied: {reason}"))
+                                        f"could not be applied: {reason}", index))
 
     def unreached(self, index: int) -> None:
         spec = self._faults[index]
         self.records.append(FaultRecord(spec.kind, spec.target.describe(), None, None,
                                         f"trigger {spec.at.describe()} not reached, or the "
-                                        "target never appeared"))
+                                        "target never appeared", index))
 
     def observe(self, event: Event) -> None:
         """What the system's own events mean for the faults: the probe applied an armed
@@ -163,6 +163,12 @@ class Injector:
             published = event.fields.get("tensors")
             if isinstance(published, dict):
                 self._published[event.rank] = published
+
+    def in_scenario_order(self) -> list[FaultRecord]:
+        """The records in the order of the scenario's faults (repetitions of one fault in the
+        order they were applied), not in the order the faults found their targets: a rank
+        that appeared between two lookups lets fault 1 be applied a poll before fault 0."""
+        return sorted(self.records, key=lambda r: -1 if r.fault is None else r.fault)
 
     def heal_due(self, now: float) -> None:
         """Heal every fault whose duration is over."""
@@ -303,7 +309,7 @@ class Injector:
         self._observer.event(self._timeline.emit("fault_armed", kind=spec.kind, fault=index,
                                                  detail=applied.detail, rank=rank))
         where = found.label or (f"rank {rank}" if rank is not None else "all")
-        self.records.append(FaultRecord(spec.kind, where, None, None, applied.detail))
+        self.records.append(FaultRecord(spec.kind, where, None, None, applied.detail, index))
         if applied.journal_id is not None:
             self._active.append(_Active(applied, len(self.records) - 1, None,
                                         getattr(spec, "duration", None), index))
@@ -355,7 +361,7 @@ class Injector:
             where = label or ("rank " if len(group) == 1 else "ranks ") + ", ".join(
                 str(r) for r in group)
             self.records.append(FaultRecord(spec.kind, where, round(ev.t - self._t0, 4), None,
-                                            applied.detail))
+                                            applied.detail, index))
             if applied.journal_id is not None:
                 # Counted from the injection, not from the loop's tick: finding the target
                 # can take a while on a loaded machine.
@@ -377,7 +383,7 @@ class Injector:
         detail = str(ev.fields.get("detail") or ev.fields.get("tensor") or old.detail)
         where = f"rank {ev.rank}" if ev.rank is not None else old.target
         self.records[record_index] = FaultRecord(old.kind, where, round(ev.t - self._t0, 4),
-                                                 None, detail)
+                                                 None, detail, old.fault)
         for item in self._active:
             if item.fault == index and item.heal_at is None and item.duration is not None:
                 item.heal_at = time.monotonic() + item.duration.total_seconds()
@@ -393,5 +399,6 @@ class Injector:
             self._observer.event(ev)
             old = self.records[item.record_index]
             self.records[item.record_index] = FaultRecord(
-                old.kind, old.target, old.injected_at_s, round(ev.t - self._t0, 4), old.detail
+                old.kind, old.target, old.injected_at_s, round(ev.t - self._t0, 4), old.detail,
+                old.fault,
             )

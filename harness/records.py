@@ -57,6 +57,7 @@ class FaultRecord:
     injected_at_s: float | None
     healed_at_s: float | None
     detail: str = ""
+    fault: int | None = None  # its index in the scenario's `faults`
 
 
 @dataclass(frozen=True, slots=True)

@@ -219,7 +219,7 @@ def execute(
     # The run's own duration: the time teardown took (its grace period) is not the job's.
     ended = loop.ended or time.monotonic()
     outcome = Outcome(loop.exit_code, loop.timed_out, round(ended - t0, 3))
-    return Execution(events, outcome, injector.records, run_dir)
+    return Execution(events, outcome, injector.in_scenario_order(), run_dir)
 
 
 def _watch_files(spec: Scenario, triggers: FileTriggers, schedule: Schedule,

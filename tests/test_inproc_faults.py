@@ -61,6 +61,8 @@ def test_nan_gradient_at_a_phase_is_detected_and_a_hang_holds_until_healed(
 """, "expect: {time_to_detect: {max: 2s}}")
     assert code == 0, record
     nan, hang = record["faults"]
+    assert (nan["kind"], nan["fault"], hang["kind"], hang["fault"]) == (
+        "memory.nan", 0, "collective.hang", 1)
 
     # The NaN: injected at the named step, phase and tensor, seen by both ranks (the
     # all_reduce spread it), and the poisoned step was skipped, never committed.
