@@ -19,7 +19,8 @@ Process shape (one torchrun worker per *slot*; torchrun only launches, it never 
 
 Commit protocol. Every step ends with a tiny sum over the world (the *vote*, through the
 world group's rank 0) after the data-parallel gradient all_reduce: it carries "gradients not
-finite", "fingerprints differ" and "a new plan is waiting". The optimizer step is applied, and
+finite", "fingerprints differed" and "a new plan is waiting", and after a fingerprint step
+every rank's fingerprint of that step's state. The optimizer step is applied, and
 the step reported, only after the vote completed. A completed vote on any rank proves every
 rank holds the averaged gradients (rank 0 heard from all, the others from rank 0 after that),
 so after a failure a rank whose vote failed can still apply them (roll forward) and no
@@ -148,6 +149,111 @@ def decode_vote(total: torch.Tensor, world: int) -> tuple[bool, bool, bool]:
     return (code % base > 0, (code // base) % base > 0, code // (base * base) > 0)
 
 
+def encode_fingerprint(fingerprint: int, index: int, world: int) -> torch.Tensor:
+    """This rank's part of a vote that carries the fingerprints: ``2 * world`` float64 zeros
+    but for its own two slots, which hold its 64-bit fingerprint as two 32-bit halves. The SUM
+    over the world is then every rank's fingerprint, exactly (each slot adds one value below
+    2³² to zeros), in the order of the world group's ranks."""
+    unsigned = fingerprint & (2**64 - 1)
+    part = torch.zeros(2 * world, dtype=torch.float64)
+    part[2 * index] = float(unsigned >> 32)
+    part[2 * index + 1] = float(unsigned & 0xFFFFFFFF)
+    return part
+
+
+def decode_fingerprints(total: torch.Tensor, world: int) -> list[int | None]:
+    """Every rank's fingerprint from the summed vote, by its index in the world group; None
+    where the slots cannot hold one (a corrupted vote: NaN, ±inf, a fraction, out of range)."""
+    values = total.tolist()
+    out: list[int | None] = []
+    for index in range(world):
+        halves = values[2 * index : 2 * index + 2]
+        if len(halves) != 2 or not all(
+                math.isfinite(h) and h == int(h) and 0 <= h < 2**32 for h in halves):
+            out.append(None)
+            continue
+        unsigned = (int(halves[0]) << 32) | int(halves[1])
+        out.append(unsigned - 2**64 if unsigned >= 2**63 else unsigned)
+    return out
+
+
+def disagreeing_shards(fingerprints: list[int | None], members: list[int],
+                       shards: int) -> dict[int, list[int]]:
+    """The shards whose replicas' fingerprints differ, each with its odd replicas: those
+    outside the majority, or all of them where no value has one (two replicas that differ).
+    ``fingerprints[i]`` is member ``members[i]``'s; an unreadable one (None) agrees with
+    nothing, so it is never taken for agreement."""
+    found: dict[int, list[int]] = {}
+    for shard in range(shards):
+        pairs = [(rank // shards, fp) for rank, fp in zip(members, fingerprints, strict=True)
+                 if rank % shards == shard]
+        values = [fp for _, fp in pairs]
+        if None not in values and len(set(values)) <= 1:
+            continue
+        counts = {v: values.count(v) for v in values if v is not None}
+        best = max(counts.values(), default=0)
+        found[shard] = [replica for replica, fp in pairs
+                        if fp is None or counts[fp] < best or best == 1]
+    return found
+
+
+class KeptStates:
+    """Flat copies of the state (parameters and optimizer state) in buffers that are reused:
+    the state kept for a rollback, the one awaiting its fingerprints' comparison, and the
+    snapshots the sender thread is sending. A fresh 3 MB tensor costs ~0.9 ms (the kernel
+    hands over and zeroes new pages), a copy into a used one ~0.08 ms (docs/benchmarks.md).
+
+    A buffer goes back to the free list only when nothing holds it any more: each holder
+    (the loop's kept states, the sender until its put returned) takes a hold and drops it,
+    from either thread. A buffer never written while anyone reads it is what makes the
+    reuse safe: a rollback or a snapshot reading a buffer the next copy overwrites would be
+    a torn state."""
+
+    def __init__(self, free_limit: int = 2) -> None:
+        self._lock = threading.Lock()
+        self._holds: dict[int, int] = {}  # id(buffer) -> holders, for the pool's buffers
+        self._free: list[torch.Tensor] = []
+        self._free_limit = free_limit
+
+    def copy(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """A flat copy of ``tensors`` in a free buffer (or a new one), held once."""
+        numel = sum(t.numel() for t in tensors)
+        with self._lock:
+            reuse = next((b for b in self._free if b.numel() == numel), None)
+            if reuse is not None:
+                self._free.remove(reuse)
+        buffer = reuse if reuse is not None else torch.empty(numel, dtype=torch.float32)
+        torch.cat([t.reshape(-1) for t in tensors], out=buffer)
+        with self._lock:
+            self._holds[id(buffer)] = 1
+        return buffer
+
+    def hold(self, buffer: torch.Tensor) -> None:
+        with self._lock:
+            if id(buffer) in self._holds:
+                self._holds[id(buffer)] += 1
+
+    def drop(self, buffer: torch.Tensor | None) -> None:
+        """One holder is done with ``buffer``; a buffer the pool did not make is left alone."""
+        if buffer is None:
+            return
+        with self._lock:
+            left = self._holds.get(id(buffer))
+            if left is None:
+                return
+            if left > 1:
+                self._holds[id(buffer)] = left - 1
+                return
+            del self._holds[id(buffer)]
+            if len(self._free) < self._free_limit:
+                self._free.append(buffer)
+
+    def held(self) -> int:
+        """How many of the pool's buffers something holds (for tests)."""
+        with self._lock:
+            return len(self._holds)
+
+
 def _grad(param: torch.Tensor) -> torch.Tensor:
     """A parameter's gradient after backward (every parameter of the model has one)."""
     grad = param.grad
@@ -179,10 +285,13 @@ class Worker:
         self.pending_gen = -1  # the generation that averaged them
         self.committed = False  # this process committed a step (and told the store so)
         self.rolled_back_to = -1  # step of the last fingerprint rollback
-        self.mismatch = False  # our DP group's fingerprints differed at the last check
-        # The newest state all fingerprints agreed on, and one checked here awaiting the vote.
+        self.mismatch = False  # some shard's fingerprints differed: roll back at the next vote
+        # The newest state all fingerprints agreed on, and one fingerprinted here whose
+        # fingerprints ride in the next vote (step, fingerprint); buffers from ``kept``.
         self.verified: tuple[int, torch.Tensor] | None = None
         self.candidate: tuple[int, torch.Tensor] | None = None
+        self.fp_pending: tuple[int, int] | None = None
+        self.kept = KeptStates()
         self.gen = -1
         self.groups: Groups | None = None
         self.plan_ahead = -1  # newest generation the heartbeat thread saw published
@@ -235,13 +344,25 @@ class Worker:
         sender: _snapshots.Sender | None = None
         while (item := self.snapshots.get()) is not None:
             step, shard, flat = item
-            with contextlib.suppress(Exception):
-                if sender is None:  # the controller publishes it before the first plan
-                    sender = _snapshots.Sender(self.store.get("snapshots").decode())
-                # The tensor's own memory, no copy in Python: the kernel copies it while
-                # sendall has released the GIL. (numpy's stubs do not declare the buffer
-                # protocol its arrays implement.)
-                sender.put(shard, step, memoryview(flat.numpy()).cast("B"))  # type: ignore[arg-type]
+            try:
+                with contextlib.suppress(Exception):
+                    if sender is None:  # the controller publishes it before the first plan
+                        sender = _snapshots.Sender(self.store.get("snapshots").decode())
+                    # The tensor's own memory, no copy in Python: the kernel copies it while
+                    # sendall has released the GIL. (numpy's stubs do not declare the buffer
+                    # protocol its arrays implement.)
+                    sender.put(shard, step, memoryview(flat.numpy()).cast("B"))  # type: ignore[arg-type]
+            finally:
+                self.kept.drop(flat)  # the loop may write this buffer again
+
+    def send_snapshot(self, step: int, shard: int, state: torch.Tensor) -> None:
+        """Hand ``state`` (a buffer of ``kept``) to the sender thread, unless it is still busy
+        with the previous one (then this one is skipped); the sender holds it until sent."""
+        self.kept.hold(state)
+        try:
+            self.snapshots.put_nowait((step, shard, state))
+        except queue.Full:
+            self.kept.drop(state)
 
     def read_snapshot(self, shard: int) -> dict[int, torch.Tensor]:
         """The controller's snapshots of ``shard``: step -> flat state."""
@@ -293,14 +414,14 @@ class Worker:
             t.copy_(flat[offset : offset + n].view_as(t))
             offset += n
 
-    def fingerprint(self) -> int:
-        """sha256 of the parameters' bytes in order (the first 8 bytes, signed), hashed in
-        place: the same value as hashing their concatenation, without two 1 MB copies."""
+    def fingerprint(self, flat: torch.Tensor) -> int:
+        """sha256 of the parameters' bytes in order (the first 8 bytes, signed), from a flat
+        state (``tensors()`` begins with the parameters): hashed from the very copy kept for
+        a rollback, so the two cannot differ even when a bit flips while they are taken."""
         assert self.model is not None
-        digest = hashlib.sha256()
-        for p in self.model.parameters():
-            array = p.detach().contiguous().numpy()
-            digest.update(memoryview(array).cast("B"))  # type: ignore[arg-type]
+        params = sum(p.numel() for p in self.model.parameters())
+        array = flat[:params].numpy()
+        digest = hashlib.sha256(memoryview(array).cast("B"))  # type: ignore[arg-type]
         return int.from_bytes(digest.digest()[:8], "big", signed=True)
 
     # -- membership -------------------------------------------------------------------------
@@ -396,12 +517,14 @@ class Worker:
             # a lineage of this generation's own.
             resume, lineage = self.restore_snapshots(g), g.gen
         self.steps_done, self.state_gen = resume, lineage
-        self.verified, self.candidate, self.mismatch = (resume, self.flat_state()), None, False
+        for old in (self.verified, self.candidate):
+            self.kept.drop(old[1] if old else None)
+        self.verified = (resume, self.kept.copy(self.tensors()))
+        self.candidate, self.mismatch, self.fp_pending = None, False, None
         if self.cfg.snapshot_every > 0 and g.rank // shards == g.replicas[0]:
             # The state every member holds now, so that losing every holder of a shard before
             # the next step's snapshot still finds this one.
-            with contextlib.suppress(queue.Full):
-                self.snapshots.put_nowait((resume, g.rank % shards, self.verified[1]))
+            self.send_snapshot(resume, g.rank % shards, self.verified[1])
         if g.rank == g.members[0]:
             self.store.set(f"resume/{g.gen}", str(resume))
             _store.report(self.store, type="resumed", gen=g.gen, step=resume)
@@ -488,9 +611,18 @@ class Worker:
             laps.lap("average")
             vote = encode_vote((nonfinite, self.mismatch, self.plan_ahead > g.gen),
                                len(g.members))
+            riding = self.fp_pending  # the last fingerprint step's fingerprints ride along
+            if riding is not None:
+                vote = torch.cat([vote, encode_fingerprint(riding[1], world_rank,
+                                                           len(g.members))])
             sum_through_root(vote, world_rank, len(g.members), send=send, recv=recv)
             self.pending = False
-            bad, mismatch, ahead = decode_vote(vote, len(g.members))
+            bad, mismatch, ahead = decode_vote(vote[:1], len(g.members))
+            if riding is not None:
+                self.fp_pending = None
+                self.judge_fingerprints(
+                    g, riding[0], decode_fingerprints(vote[1:], len(g.members)), snapshotter)
+                mismatch = mismatch or self.mismatch
             laps.lap("vote")
             if bad:  # nobody applies it; compute the same step again
                 if nonfinite:
@@ -501,6 +633,7 @@ class Worker:
                 assert self.verified is not None
                 back, state = self.verified
                 self.load_flat(state)
+                self.kept.drop(self.candidate[1] if self.candidate else None)
                 self.steps_done, self.mismatch, self.candidate = back, False, None
                 self.state_gen = g.gen  # every member of the generation rolls back with us
                 why = "rolled back to the last matching fingerprints"
@@ -508,9 +641,10 @@ class Worker:
                     # The same disagreement again from the same state: the saved state itself
                     # differs between replicas. Make every shard agree with its lowest replica
                     # (with two replicas there is no majority to prefer), then go on.
-                    flat = self.flat_state()
+                    flat = self.kept.copy(self.tensors())
                     g.dp.broadcast([flat], dist.BroadcastOptions()).wait()
                     self.load_flat(flat)
+                    self.kept.drop(state)
                     self.verified = (back, flat)
                     why = f"copied from replica {g.replicas[0]} after a repeated mismatch"
                 self.rolled_back_to = back
@@ -525,23 +659,21 @@ class Worker:
                 self.store.set("committed", "1")
             probe.step(step, world=self.world_size, rank=g.rank, loss=float(flat[-1]),
                        generation=g.gen, replicas=live)
-            if self.candidate is not None:
-                self.verified, self.candidate = self.candidate, None
-            if cfg.fingerprint_every and step % cfg.fingerprint_every == 0:
+            fingerprinted = cfg.fingerprint_every and step % cfg.fingerprint_every == 0
+            if fingerprinted:
                 laps.lap("rest")
-                self.check_fingerprints(g, step)
+                self.take_fingerprint(step)
                 laps.lap("fingerprints")
-            # Never a state the replicas disagree on (the fingerprints just differed: the
-            # vote rolls every member back at the next step).
-            if snapshotter and step % cfg.snapshot_every == 0 and not self.mismatch \
-                    and not self.snapshots.full():
+            # A fingerprinted state is sent once its fingerprints agreed, after the next vote
+            # (judge_fingerprints), never while the replicas may disagree on it; and none while
+            # they are known to (the vote rolls every member back at the next step). Lazy:
+            # if the sender is still busy with the previous one, this one is skipped.
+            if snapshotter and step % cfg.snapshot_every == 0 and not fingerprinted \
+                    and not self.mismatch and not self.snapshots.full():
                 laps.lap("rest")
-                # Lazy: if the sender is still busy with the previous one, skip this one. The
-                # state just fingerprinted is this step's: share it (both are read-only).
-                fresh = self.candidate if self.candidate and self.candidate[0] == step else None
-                state = fresh[1] if fresh else self.flat_state()
-                with contextlib.suppress(queue.Full):
-                    self.snapshots.put_nowait((step, shard, state))
+                state = self.kept.copy(self.tensors())
+                self.send_snapshot(step, shard, state)
+                self.kept.drop(state)  # the sender's hold is the only one
                 laps.lap("snapshot")
             if ahead:
                 raise Switch
@@ -556,21 +688,38 @@ class Worker:
         log says so, which is what a replay recomputes."""
         flat /= live
 
-    def check_fingerprints(self, g: Groups, step: int) -> None:
-        mine = torch.tensor([self.fingerprint()])
-        rows = [torch.zeros(1, dtype=torch.int64) for _ in g.dp_ranks]
-        g.dp.allgather([rows], [mine]).wait()
-        values = [int(r) for r in rows]
-        if len(set(values)) == 1:
-            self.candidate = (step, self.flat_state())
+    def take_fingerprint(self, step: int) -> None:
+        """Keep a copy of this step's state and fingerprint it; the fingerprint rides in the
+        next step's vote, which compares every shard's replicas (judge_fingerprints). No
+        collective of its own: an all_gather over the replicas here cost each rank a round
+        and a wait (~1 ms of CPU on the bench's host, docs/benchmarks.md)."""
+        self.kept.drop(self.candidate[1] if self.candidate else None)
+        state = self.kept.copy(self.tensors())
+        self.candidate = (step, state)
+        self.fp_pending = (step, self.fingerprint(state))
+
+    def judge_fingerprints(self, g: Groups, step: int, fingerprints: list[int | None],
+                           snapshotter: bool) -> None:
+        """The fingerprints of ``step``'s state, every member's, from the vote: every member
+        reads the same values and takes the same decision. Agreed: that state is the one a
+        rollback returns to, and the snapshot that waited for it is sent. Differed: nobody
+        keeps it, and the vote's caller rolls every member back to the last agreed state."""
+        found = disagreeing_shards(fingerprints, g.members, self.cfg.shards)
+        candidate, self.candidate = self.candidate, None
+        shard = g.rank % self.cfg.shards
+        if found:
+            self.mismatch = True
+            self.kept.drop(candidate[1] if candidate else None)
+            if shard in found and g.rank == g.dp_ranks[0]:
+                probe.detected(cause="fingerprint_mismatch", rank=g.rank, step=step,
+                               shard=shard, replicas=found[shard], generation=g.gen)
             return
-        self.mismatch = True
-        counts = {v: values.count(v) for v in values}
-        best = max(counts.values())
-        odd = [g.replicas[i] for i, v in enumerate(values) if counts[v] < best or best == 1]
-        if g.rank == g.dp_ranks[0]:
-            probe.detected(cause="fingerprint_mismatch", rank=g.rank, step=step,
-                           shard=g.rank % self.cfg.shards, replicas=odd, generation=g.gen)
+        if candidate is None or candidate[0] != step:
+            return
+        self.kept.drop(self.verified[1] if self.verified else None)
+        self.verified = candidate
+        if snapshotter and step % self.cfg.snapshot_every == 0 and not self.snapshots.full():
+            self.send_snapshot(step, shard, candidate[1])
 
     def finish(self, g: Groups) -> None:
         assert self.model is not None

@@ -145,3 +145,99 @@ def test_a_rank_that_drops_its_group_fails_every_other_rank_at_once(gone: int) -
     waited = [w for rank, w in enumerate(_on_threads(size, vote)) if rank != gone]
     assert all(isinstance(w, float) for w in waited), waited
     assert max(waited) < 3.0, waited
+
+
+# ---------------------------------------------------------------------------------------------
+# Fingerprints ride in the vote after the step they fingerprint (hot_spare, elastic)
+
+
+@pytest.mark.parametrize("size", [1, 2, 4])
+def test_fingerprints_ride_in_the_vote_and_every_rank_reads_every_one(size: int) -> None:
+    """Each rank adds its 64-bit fingerprint (any sign, any bits) to its own two slots of
+    the vote; after the sum through rank 0 over real Gloo groups, every rank reads every
+    rank's fingerprint exactly, and the flags as before."""
+    import random
+
+    from reference_impl.resilient import (
+        decode_fingerprints,
+        decode_vote,
+        encode_fingerprint,
+        encode_vote,
+    )
+
+    rng = random.Random(7)
+    groups = _gloo_world(size)
+    for _ in range(5):
+        fps = [rng.choice([-(2**63), 2**63 - 1, 0, -1, rng.getrandbits(64) - 2**63])
+               for _ in range(size)]
+        flags = [(rng.random() < 0.3, False, rng.random() < 0.3) for _ in range(size)]
+
+        def vote(rank: int, fps: list[int] = fps, flags: list[Any] = flags) -> Any:
+            value = torch.cat([encode_vote(flags[rank], size),
+                               encode_fingerprint(fps[rank], rank, size)])
+            _star(groups[rank], rank, size, value)
+            return decode_vote(value[:1], size), decode_fingerprints(value[1:], size)
+
+        want = tuple(any(f[i] for f in flags) for i in range(3))
+        assert _on_threads(size, vote) == [(want, fps)] * size
+
+
+def test_a_fingerprint_a_corrupted_vote_cannot_hold_is_read_as_none() -> None:
+    from reference_impl.resilient import decode_fingerprints, encode_fingerprint
+
+    total = encode_fingerprint(-5, 0, 3) + encode_fingerprint(12345, 1, 3) \
+        + encode_fingerprint(2**40, 2, 3)
+    assert decode_fingerprints(total, 3) == [-5, 12345, 2**40]
+    for bad in (math.nan, math.inf, -1.0, 0.5, float(2**32)):
+        poisoned = total.clone()
+        poisoned[3] = bad
+        assert decode_fingerprints(poisoned, 3) == [-5, None, 2**40], bad
+
+
+def test_the_odd_replicas_are_outside_the_majority_and_unreadable_ones_never_agree() -> None:
+    from reference_impl.resilient import disagreeing_shards
+
+    # 3 replicas x 2 shards: ranks 0..5, shard = rank % 2, replica = rank // 2.
+    members = [0, 1, 2, 3, 4, 5]
+    assert disagreeing_shards([7, 9, 7, 9, 7, 9], members, 2) == {}
+    assert disagreeing_shards([7, 9, 8, 9, 7, 9], members, 2) == {0: [1]}
+    assert disagreeing_shards([7, 9, 8, 9, 6, 9], members, 2) == {0: [0, 1, 2]}
+    assert disagreeing_shards([7, 9, 7, None, 7, 9], members, 2) == {1: [1]}
+    # Two replicas that differ: no majority, both odd. One replica alone: nothing to compare.
+    assert disagreeing_shards([1, 2], [0, 2], 2) == {0: [0, 1]}
+    assert disagreeing_shards([1], [0], 1) == {}
+    # A lone unreadable fingerprint agrees with nothing either.
+    assert disagreeing_shards([None], [0], 1) == {0: [0]}
+    # Members after a loss: ranks 1, 2, 3 left of 4 (shard 1 has replicas 0 and 1).
+    assert disagreeing_shards([5, 6, 4], [1, 2, 3], 2) == {1: [0, 1]}
+
+
+def test_a_kept_buffer_is_reused_only_once_nothing_holds_it() -> None:
+    """The snapshot sender may still be sending a kept state when the loop takes its next
+    copy: that copy must go to another buffer, or the snapshot would be torn."""
+    from reference_impl.resilient import KeptStates
+
+    kept = KeptStates()
+    state = [torch.arange(4, dtype=torch.float32), torch.ones(2)]
+    first = kept.copy(state)
+    assert first.tolist() == [0, 1, 2, 3, 1, 1]
+    kept.hold(first)  # the sender takes it
+    kept.drop(first)  # the loop is done with it
+    second = kept.copy([t * 2 for t in state])
+    assert second.data_ptr() != first.data_ptr()
+    assert first.tolist() == [0, 1, 2, 3, 1, 1]  # untouched while the sender reads it
+    kept.drop(first)  # sent
+    third = kept.copy([t * 3 for t in state])
+    assert third.data_ptr() == first.data_ptr()  # reused, nothing held it
+    assert third.tolist() == [0, 3, 6, 9, 3, 3]
+    assert kept.held() == 2  # second and third
+    # A buffer of another size is never handed out for this one; one the pool did not make
+    # is left alone.
+    kept.drop(second)
+    other = kept.copy([torch.ones(3)])
+    assert other.numel() == 3
+    assert other.data_ptr() != second.data_ptr()
+    stranger = torch.zeros(6)
+    kept.drop(stranger)
+    kept.hold(stranger)
+    assert kept.held() == 2
