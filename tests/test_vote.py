@@ -241,3 +241,68 @@ def test_a_kept_buffer_is_reused_only_once_nothing_holds_it() -> None:
     kept.drop(stranger)
     kept.hold(stranger)
     assert kept.held() == 2
+
+
+def _judge(tmp_path: Any, monkeypatch: Any, fingerprints: list[int | None]) -> Any:
+    """A worker of replica 0, shard 0 (the snapshotter), 2 replicas x 1 shard, whose step-10
+    state awaits the fingerprints the vote just brought; the step-0 state is the rollback's."""
+    import queue
+    from types import SimpleNamespace
+
+    from harness.probe import EVENTS_ENV
+    from reference_impl.resilient import Groups, KeptStates, Worker
+
+    monkeypatch.setenv(EVENTS_ENV, str(tmp_path / "events.jsonl"))
+    worker = Worker.__new__(Worker)  # no store, no threads: the decision alone
+    worker.cfg = SimpleNamespace(shards=1, snapshot_every=10)
+    worker.kept = KeptStates()
+    worker.snapshots = queue.Queue(1)
+    worker.mismatch = False
+    worker.verified = (0, worker.kept.copy([torch.zeros(3)]))
+    worker.candidate = (10, worker.kept.copy([torch.ones(3)]))
+    g = Groups(gen=0, rank=0, members=[0, 1], replicas=[0, 1], world=None, tp=None, dp=None,
+               dp_ranks=[0, 1])
+    worker.judge_fingerprints(g, 10, fingerprints, snapshotter=True)
+    return worker
+
+
+def test_agreed_fingerprints_keep_the_state_and_send_its_snapshot(tmp_path: Any,
+                                                                   monkeypatch: Any) -> None:
+    worker = _judge(tmp_path, monkeypatch, [5, 5])
+    assert not worker.mismatch
+    assert worker.candidate is None
+    step, state = worker.verified
+    assert (step, state.tolist()) == (10, [1.0, 1.0, 1.0])
+    sent_step, _, sent = worker.snapshots.get_nowait()
+    assert sent_step == 10
+    assert sent is state
+    # The loop's next copy cannot land in the buffer being sent or the one kept; the old
+    # rollback state's buffer is free again.
+    assert worker.kept.held() == 1
+    nxt = worker.kept.copy([torch.full((3,), 2.0)])
+    assert nxt.data_ptr() != state.data_ptr()
+    # Even once the loop lets go of it (a later agreement replaced it), the sender's hold
+    # keeps the buffer from the next copies until it was sent.
+    worker.kept.drop(state)
+    later = [worker.kept.copy([torch.full((3,), 3.0)]) for _ in range(2)]
+    assert state.data_ptr() not in {t.data_ptr() for t in later}
+    assert state.tolist() == [1.0, 1.0, 1.0]
+    assert not (tmp_path / "events.jsonl").exists()
+
+
+@pytest.mark.parametrize("fingerprints", [[5, 6], [5, None]])
+def test_differing_fingerprints_send_nothing_and_keep_the_last_agreed_state(
+    tmp_path: Any, monkeypatch: Any, fingerprints: list[int | None],
+) -> None:
+    import json
+
+    worker = _judge(tmp_path, monkeypatch, fingerprints)
+    assert worker.mismatch
+    assert worker.candidate is None
+    step, state = worker.verified
+    assert (step, state.tolist()) == (0, [0.0, 0.0, 0.0])
+    assert worker.snapshots.empty()
+    (event,) = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert (event["event"], event["cause"], event["step"], event["shard"]) == (
+        "failure_detected", "fingerprint_mismatch", 10, 0)
+    assert event["replicas"] == [0, 1]
