@@ -9,7 +9,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, Any
 
 from rich.console import Console, Group
 from rich.live import Live
@@ -129,7 +129,25 @@ def _describe_teardown(f: dict[str, object]) -> str:
     held = f.get("logs_open")
     if isinstance(held, list) and held:
         said += f"; a process the harness could not end still holds its {'/'.join(held)}"
+    overran = f.get("overran")
+    if isinstance(overran, list) and overran:
+        said += (f"; SIGTERM's grace ({f.get('grace_s', '?')} s) ran out with "
+                 + "; ".join(_overran(p) for p in overran if isinstance(p, dict))
+                 + ", then SIGKILL")
     return said
+
+
+def _overran(p: dict[str, Any]) -> str:
+    """One process that outlived SIGTERM: what it is and where its threads waited."""
+    pending = ", one pending" if p.get("sigterm_pending") else ""
+    listed = p.get("threads")
+    threads: list[Any] = listed if isinstance(listed, list) else []
+    waits = ", ".join(f"{t.get('name')} {str(t.get('state', ''))[:1]} in {t.get('wchan')}"
+                      for t in threads[:4] if isinstance(t, dict))
+    more = len(threads) - 4
+    return (f"pid {p.get('pid')} ({p.get('name')}) still running: SIGTERM "
+            f"{p.get('sigterm')}{pending}; threads: {waits}"
+            + (f" and {more} more" if more > 0 else ""))
 
 
 class PlainObserver:

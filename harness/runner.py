@@ -180,16 +180,20 @@ def execute(
         triggers.close()
         if loop.driver is not None:
             loop.driver.stop()
-        teardown = target.stop(_served_grace(spec) if loop.driven else STOP_GRACE_S)
+        grace = _served_grace(spec) if loop.driven else STOP_GRACE_S
+        teardown = target.stop(grace)
         # What was set up at launch goes once nothing of the system can still use it.
         errors.extend(injector.unprepare())
         if loop.driven:
             # The system ran until its driver was done (a server's load served); how it then
             # shut down (SIGTERM, exit 0 expected) is its exit code.
             loop.exit_code = target.poll()
+        overran: dict[str, Any] = (
+            {"overran": list(teardown.overran), "grace_s": grace} if teardown.overran else {})
         observer.event(timeline.emit(
             "teardown", tracking=teardown.tracking, survivors=list(teardown.survivors),
-            logs_open=list(teardown.logs_open), cgroup_removed=teardown.cgroup_removed))
+            logs_open=list(teardown.logs_open), cgroup_removed=teardown.cgroup_removed,
+            **overran))
         if teardown.complete:
             journal.done(launch_entry)
         # else the launch stays pending: the reaper, the next run or `aftershock heal`

@@ -83,6 +83,9 @@ class Teardown:
     survivors: tuple[int, ...]  # pids of the run still alive when the harness gave up
     logs_open: tuple[str, ...]  # launcher streams still held open by a process not ended
     cgroup_removed: bool | None  # None: the run had no cgroup
+    #: The processes still running when SIGTERM's grace ran out, and why SIGTERM had not
+    #: ended them (``why_alive``); empty when the run ended within it.
+    overran: tuple[dict[str, Any], ...] = ()
 
     @property
     def complete(self) -> bool:
@@ -627,6 +630,12 @@ class LocalTarget:
             deadline = time.monotonic() + grace
             while self.proc.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.05)
+        overran: tuple[dict[str, Any], ...] = ()
+        if self.proc is not None and self.proc.poll() is None:
+            # Said before SIGKILL removes the evidence: which processes outlived SIGTERM,
+            # and what each did with it.
+            found = (why_alive(ref.pid) for ref in self.processes()[:OVERRAN_LIMIT])
+            overran = tuple(entry for entry in found if entry is not None)
         survivors = self._end_all(KILL_S)
         if self.proc is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -652,6 +661,7 @@ class LocalTarget:
         return Teardown(
             tracking="env" if self.cgroup is None else "cgroup",
             survivors=survivors,
+            overran=overran,
             logs_open=tuple(p.name for p in self._pumps if not p.eof),
             cgroup_removed=removed,
         )
@@ -675,6 +685,63 @@ class LocalTarget:
                     left.update(_cgroup.subtree_members(self.cgroup))
                 return tuple(sorted(left))
             time.sleep(0.05)
+
+
+OVERRAN_LIMIT = 16  # processes, and threads per process, described when SIGTERM's grace ran out
+_SIGTERM_BIT = 1 << (signal.SIGTERM - 1)
+
+
+def why_alive(pid: int) -> dict[str, Any] | None:
+    """Why process ``pid`` is still running after SIGTERM, from /proc: its state, what it
+    does with SIGTERM (``ignored``, ``caught by a handler``, ``blocked in every thread``,
+    ``default``), whether one is pending, and each thread's state and kernel wait channel
+    (where a thread that never ran its handler is stuck). None if it is gone."""
+    base = Path(f"/proc/{pid}")
+    try:
+        status = _status(base / "status")
+        cmd = (base / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        tids = sorted(int(t) for t in os.listdir(base / "task"))
+    except (OSError, ValueError):
+        return None
+    threads: list[dict[str, Any]] = []
+    blocked_everywhere = True
+    pending = bool(_mask(status, "ShdPnd") & _SIGTERM_BIT)
+    for tid in tids[:OVERRAN_LIMIT]:
+        task = base / "task" / str(tid)
+        try:
+            tstatus = _status(task / "status")
+            wchan = (task / "wchan").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        blocked = bool(_mask(tstatus, "SigBlk") & _SIGTERM_BIT)
+        blocked_everywhere = blocked_everywhere and blocked
+        pending = pending or bool(_mask(tstatus, "SigPnd") & _SIGTERM_BIT)
+        threads.append({"tid": tid, "name": tstatus.get("Name", ""),
+                        "state": tstatus.get("State", ""), "wchan": wchan or "-",
+                        "sigterm_blocked": blocked})
+    if _mask(status, "SigIgn") & _SIGTERM_BIT:
+        sigterm = "ignored"
+    elif threads and blocked_everywhere:
+        sigterm = "blocked in every thread"
+    elif _mask(status, "SigCgt") & _SIGTERM_BIT:
+        sigterm = "caught by a handler"
+    else:
+        sigterm = "default"
+    return {"pid": pid, "name": status.get("Name", ""), "cmd": cmd.strip()[:200],
+            "state": status.get("State", ""), "sigterm": sigterm, "sigterm_pending": pending,
+            "threads": threads, "threads_total": len(tids)}
+
+
+def _status(path: Path) -> dict[str, str]:
+    fields = {}
+    for line in path.read_text().splitlines():
+        key, _, value = line.partition(":")
+        fields[key] = value.strip()
+    return fields
+
+
+def _mask(status: dict[str, str], key: str) -> int:
+    return int(status.get(key, "0") or "0", 16)
 
 
 def interpreter_bin() -> str:
