@@ -27,7 +27,7 @@ from faults.contract import HELLO, NODE_ENV, STEP, TENSORS
 from faults.contract import OUTPUT_ENV as OUTPUT_ENV
 from faults.contract import RUN_ID_ENV as RUN_ID_ENV
 
-_lock = threading.Lock()
+_lock = threading.RLock()  # re-entrant: a signal handler may report while emit() holds it
 _fd: int | None = None
 _fd_path: str | None = None
 _logical_rank: int | None = None

@@ -45,7 +45,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from harness import probe
-from reference_impl.serving._lifetime import die_with_parent
+from reference_impl.serving._lifetime import StopRequest, die_with_parent
 from reference_impl.serving.journal import Journal
 from reference_impl.serving.router import (
     RECOVERIES,
@@ -299,18 +299,12 @@ def _journal(args: argparse.Namespace) -> str | None:
 def serve(args: argparse.Namespace) -> int:
     """The router process: the router on the launcher's HTTP socket, and its workers."""
     die_with_parent(args.parent_pid)
-    stop = threading.Event()
-    quiet: list[Router | WorkerKeeper] = []
-
-    def on_signal(signum: int, frame: object) -> None:
-        # The harness signals the whole process group: the workers are dying too. Say so
-        # at once (flags only), before their exits look like failures to recover from.
-        for part in quiet:
-            part.quiesce()
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    # The harness signals the whole process group: the workers are dying too. The handler
+    # says so at once, before their exits look like failures to recover from, and sets
+    # flags only (StopRequest: a second SIGTERM, the launcher's, can interrupt it anywhere).
+    stop = StopRequest()
+    signal.signal(signal.SIGTERM, stop.on_signal)
+    signal.signal(signal.SIGINT, stop.on_signal)
 
     generation = args.router_generation
     probe.hello(world=args.workers, generation=generation, role="router")
@@ -325,7 +319,7 @@ def serve(args: argparse.Namespace) -> int:
                     process_gone=lambda i: keeper is None or keeper.process_gone(i),
                     kill=lambda i: keeper.kill(i) if keeper else None,
                     restart_all=lambda: keeper.restart_all() if keeper else None)
-    quiet.append(router)
+    stop.also(router.quiesce)
     link = router.listen("127.0.0.1")
     http = http_server(router, sock=socket.socket(fileno=args.http_fd))
     host, port = http.server_address[:2]
@@ -335,11 +329,11 @@ def serve(args: argparse.Namespace) -> int:
                                name="http", daemon=True)
     serving.start()
     keeper = WorkerKeeper(args, router, link)
-    quiet.append(keeper)
+    stop.also(keeper.quiesce)
     keeper.start()
     announced = False
     try:
-        while not stop.is_set():
+        while not stop.requested:
             if not announced and router.ready.wait(0.1):
                 announced = True
                 probe.emit("serving_ready", url=url, workers=args.workers,
@@ -389,12 +383,13 @@ class Launcher:
         self.argv = list(argv)
         self.sock = sock
         self.journal = journal
-        self.stop = threading.Event()
+        self.stop = StopRequest()
         self.proc: subprocess.Popen[bytes] | None = None
         self._backoff = 0.0
 
     def on_signal(self, signum: int, frame: object) -> None:
-        self.stop.set()
+        """Flags and non-blocking calls only: a second signal may interrupt it anywhere."""
+        self.stop.on_signal(signum, frame)
         proc = self.proc
         if proc is not None and proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
@@ -416,10 +411,10 @@ class Launcher:
         while True:
             started = time.monotonic()
             self.proc = proc = self._spawn(generation)
-            if self.stop.is_set():
+            if self.stop.requested:
                 self.on_signal(signal.SIGTERM, None)  # the signal came while it was starting
             code = proc.wait()
-            if self.stop.is_set():
+            if self.stop.requested:
                 return code
             probe.detected("router_exit", role="router", pid=proc.pid, generation=generation,
                            returncode=code)
