@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import shlex
+import shutil
 import signal
 import time
 import traceback
@@ -124,12 +125,8 @@ def execute(
     extra_args: tuple[str, ...] = (),
 ) -> Execution:
     """Launch the system, drive the fault schedule, tear everything down."""
-    run_dir.mkdir(parents=True, exist_ok=True)
+    _clean_run_dir(run_dir)
     run_id = uuid.uuid4().hex
-    # A reused run folder starts clean: an old timeline would replay old events (a server's
-    # old address, steps already reached) and an old command file would re-arm old faults.
-    for stale in ("events.jsonl", "commands.jsonl"):
-        (run_dir / stale).unlink(missing_ok=True)
     timeline = Timeline(run_dir / "events.jsonl")
     kind = systems.of(spec.system)
     launch = kind.launch(spec.system, run_dir=run_dir, scenario_dir=scenario_dir, seed=seed,
@@ -224,6 +221,34 @@ def execute(
     ended = loop.ended or time.monotonic()
     outcome = Outcome(loop.exit_code, loop.timed_out, round(ended - t0, 3))
     return Execution(events, outcome, injector.in_scenario_order(), run_dir)
+
+
+#: What a run writes in its folder: the harness's records, and the folders it gives the
+#: system (its output, checkpoints, TMPDIR, simulated NVML, logs). The fault-free twin's
+#: folder (``fault_free``) is its own run folder, cleaned by its own run.
+RUN_DIR_MARK = ".aftershock-run"
+_RUN_WRITES = ("events.jsonl", "commands.jsonl", "result.json", "harness_error.txt",
+               "output", "checkpoints", "tmp", "nvml", "logs", "work")
+
+
+def _clean_run_dir(run_dir: Path) -> None:
+    """A reused run folder starts clean: an old timeline would replay old events, an old
+    command file re-arm old faults, a server's old journal answer every request without
+    computing it, a trainer's old checkpoints be resumed from. Only a folder a run made
+    (its mark) is emptied, and only of what a run writes. Any other folder is used as it
+    is and stays unmarked: one that held something else when a run first used it is never
+    emptied."""
+    if (run_dir / RUN_DIR_MARK).exists():
+        for name in _RUN_WRITES:
+            path = run_dir / name
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            elif path.exists() or path.is_symlink():
+                path.unlink()
+    elif run_dir.is_dir() and any(run_dir.iterdir()):
+        return  # someone else's folder: leave it unmarked, so it is never emptied
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / RUN_DIR_MARK).touch()
 
 
 def _watch_files(spec: Scenario, triggers: FileTriggers, schedule: Schedule,
@@ -517,7 +542,7 @@ def run_scenario(
     seed = spec.seed if seed is None else seed
     observer = observer or NullObserver()
     run_dir = (run_dir or default_run_dir(spec.name)).resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
+    _clean_run_dir(run_dir)
     (run_dir / "scenario.yaml").write_text(loaded.text)
     started = time.monotonic()
 
