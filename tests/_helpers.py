@@ -14,6 +14,20 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+
+#: Two faults that end no process, in one run: a NaN in rank 1's gradient at step 4, then a
+#: 1 s hang of its all_reduce at step 7 (tests/test_inproc_faults.py). Rank 1 appearing
+#: between two lookups once armed them in the other order (tests/test_injector_order.py).
+NAN_THEN_HANG = """\
+  - kind: memory.nan
+    target: {rank: 1}
+    at: {step: 4, phase: backward}
+    tensor: "grad:weight"
+  - kind: collective.hang
+    target: {rank: 1}
+    at: {step: 7}
+    duration: 1s
+"""
 RANKS_JOB = ROOT / "tests" / "fixtures" / "ranks_job.py"
 
 

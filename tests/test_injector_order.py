@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from _helpers import NAN_THEN_HANG
 
 from faults import ProcessRef
 from faults.contract import COMMANDS_ENV
@@ -29,15 +30,7 @@ system:
   world: 2
   in_process_probe: true
 faults:
-  - kind: memory.nan
-    target: {rank: 1}
-    at: {step: 4, phase: backward}
-    tensor: "grad:weight"
-  - kind: collective.hang
-    target: {rank: 1}
-    at: {step: 7}
-    duration: 1s
-"""
+""" + NAN_THEN_HANG
 
 
 class _Ranks:

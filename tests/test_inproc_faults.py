@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _helpers import ROOT, cli
+from _helpers import NAN_THEN_HANG, ROOT, cli
 
 JOB = ROOT / "tests" / "fixtures" / "probe_job.py"
 
@@ -49,16 +49,7 @@ def test_nan_gradient_at_a_phase_is_detected_and_a_hang_holds_until_healed(
 ) -> None:
     # Two faults that end no process share one run (each job costs seconds of torch start-up):
     # a NaN in rank 1's gradient at step 4, then a 1 s hang of its all_reduce at step 7.
-    code, record, events = run(tmp_path, """\
-  - kind: memory.nan
-    target: {rank: 1}
-    at: {step: 4, phase: backward}
-    tensor: "grad:weight"
-  - kind: collective.hang
-    target: {rank: 1}
-    at: {step: 7}
-    duration: 1s
-""", "expect: {time_to_detect: {max: 2s}}")
+    code, record, events = run(tmp_path, NAN_THEN_HANG, "expect: {time_to_detect: {max: 2s}}")
     assert code == 0, record
     nan, hang = record["faults"]
     assert (nan["kind"], nan["fault"], hang["kind"], hang["fault"]) == (
