@@ -12,7 +12,8 @@ the group's own ``allreduce`` method, as the ``hot_spare`` and ``elastic`` loops
 groups), ``star`` (``reference_impl.model.sum_through_root``, what the vote uses: through rank 0
 over point-to-point calls, here the group's non-blocking ones, as the ``hot_spare`` loop's vote),
 ``star_blocking`` (the same over the blocking ``dist.send``/``dist.recv``, as the ``restart``
-loop's vote); and, for the trainer's straggler
+loop's vote used to), ``socket_star`` (the same over the star's own TCP connections,
+``reference_impl._star``, what both loops' votes use now); and, for the trainer's straggler
 figures, ``all_gather`` (every rank gets every rank's values) against ``to_root`` (what the
 trainer does now: the others send, rank 0 receives; the others do not wait). Every call's
 result is checked against the sum computed here (the gathers' parts are summed to check
@@ -20,7 +21,8 @@ them; ``to_root`` on rank 0 only), so a fast wrong collective cannot look good.
 
     python -m bench.allreduce_sizes [--ranks 4] [--sizes 1,2,3,8,64] [--calls 2000]
                                     [--methods all_reduce,group_all_reduce,star,
-                                               star_blocking,all_gather,to_root]
+                                               star_blocking,socket_star,all_gather,
+                                               to_root]
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ from statistics import median
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-METHODS = ("all_reduce", "group_all_reduce", "star", "star_blocking", "all_gather", "to_root")
+METHODS = ("all_reduce", "group_all_reduce", "star", "star_blocking", "socket_star", "all_gather",
+           "to_root")
 
 
 def _rank(sizes: list[int], methods: list[str], calls: int, out: str) -> int:
@@ -46,6 +49,7 @@ def _rank(sizes: list[int], methods: list[str], calls: int, out: str) -> int:
     import torch.distributed as dist
 
     from bench.run import thread_cpu
+    from reference_impl._star import Star
     from reference_impl.model import sum_through_root
 
     torch.set_num_threads(1)
@@ -66,6 +70,14 @@ def _rank(sizes: list[int], methods: list[str], calls: int, out: str) -> int:
 
         sum_through_root(t, rank, world, send=send, recv=recv)
 
+    lazy: list[Star] = []
+
+    def socket_star(t: Any) -> None:
+        if not lazy:  # built at its first call, inside the warm-up, by every rank at once
+            lazy.append(Star.connect(dist.distributed_c10d._get_default_store(), rank, world,
+                                     60.0, key="bench/star"))
+        sum_through_root(t, rank, world, send=lazy[0].send, recv=lazy[0].recv)
+
     def all_gather(t: Any) -> None:
         parts = [torch.empty_like(t) for _ in range(world)]
         dist.all_gather(parts, t, group=group)
@@ -83,7 +95,8 @@ def _rank(sizes: list[int], methods: list[str], calls: int, out: str) -> int:
 
     run = {"all_reduce": lambda t: dist.all_reduce(t, group=group),
            "group_all_reduce": lambda t: group.allreduce([t]).wait(), "star": star,
-           "star_blocking": star_blocking, "all_gather": all_gather, "to_root": to_root}
+           "star_blocking": star_blocking, "socket_star": socket_star,
+           "all_gather": all_gather, "to_root": to_root}
     rows = []
     for size in sizes:
         for method in methods:
@@ -114,6 +127,8 @@ def _rank(sizes: list[int], methods: list[str], calls: int, out: str) -> int:
         for i, row in enumerate(rows):
             row["wrong"] = sum(w[i] for w in wrong_anywhere)
         Path(out).write_text(json.dumps(rows))
+    for built in lazy:
+        built.close()
     dist.destroy_process_group()
     return 0
 

@@ -43,6 +43,7 @@ class Layout:
     tp_group: Any  # dist.ProcessGroup of this rank's replica (its `shards` ranks)
     dp_group: Any  # dist.ProcessGroup of this rank's shard index across replicas
     world_group: Any  # the whole world, with the short collective timeout
+    star: Any = None  # the vote's connections (reference_impl._star.Star); the trainer's own
 
     @property
     def replica(self) -> int:
@@ -107,13 +108,14 @@ def sum_through_root(value: torch.Tensor, rank: int, size: int,
     sends its value to rank 0, which adds them in rank order and sends the total back. Every
     rank ends with the same bits; integers below 2**53 in float64 add up exactly.
 
-    ``send(tensor, peer)`` and ``recv(tensor, peer)`` are the group's point-to-point calls
-    (group ranks); each returns a ``Work`` to wait for, or None when it already completed.
-    They fail as a collective does: at the group's timeout, or at once when the peer's
-    connection closes, so a rank that completes has heard from every rank (rank 0 from all,
-    the others from rank 0 after it heard from all). 2 (size - 1) messages in two hops: for
-    one float64 over 4 ranks on 2 cores ~0.4 ms per call against ~0.65 ms for Gloo's
-    all_reduce, and ~40% less CPU (``python -m bench.allreduce_sizes``, docs/benchmarks.md).
+    ``send(tensor, peer)`` and ``recv(tensor, peer)`` are point-to-point calls by group
+    rank: a Gloo group's (each returns a ``Work`` to wait for) or a star's
+    (``reference_impl._star``, what the trainer's votes use; they return None, done). They
+    fail as a collective does: at the timeout, or at once when the peer's connection closes,
+    so a rank that completes has heard from every rank (rank 0 from all, the others from
+    rank 0 after it heard from all). 2 (size - 1) messages in two hops: for one float64 over
+    4 ranks on 2 cores, over Gloo's calls ~40% less wall time and CPU than Gloo's all_reduce,
+    and over a star ~4x less again (``python -m bench.allreduce_sizes``, docs/benchmarks.md).
     """
     if size == 1:
         return

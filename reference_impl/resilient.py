@@ -14,11 +14,13 @@ Process shape (one torchrun worker per *slot*; torchrun only launches, it never 
   takes the store with it), watches deaths, heartbeats and failed collectives, and publishes
   numbered membership plans.
 - A **worker** joins a plan by building fresh ``ProcessGroupGloo``s over a ``PrefixStore``
-  named ``gen{g}/...``; on any failure it destroys its groups (which makes its peers' pending
-  collectives fail at once instead of at their timeout) and waits for the next plan.
+  named ``gen{g}/...``, and the vote's star (``reference_impl._star``); on any failure it
+  destroys its groups and closes its star (which makes its peers' pending collectives and
+  votes fail at once instead of at their timeout) and waits for the next plan.
 
 Commit protocol. Every step ends with a tiny sum over the world (the *vote*, through the
-world group's rank 0) after the data-parallel gradient all_reduce: it carries "gradients not
+world's rank 0, over the star's own connections) after the data-parallel gradient
+all_reduce: it carries "gradients not
 finite", "fingerprints differed" and "a new plan is waiting", and after a fingerprint step
 every rank's fingerprint of that step's state. The optimizer step is applied, and
 the step reported, only after the vote completed. A completed vote on any rank proves every
@@ -59,6 +61,7 @@ import torch.nn.functional as F
 
 from harness import probe
 from reference_impl import _snapshots, _store, checkpoint, controller
+from reference_impl._star import Star
 from reference_impl.model import (
     GradBuffer,
     Layout,
@@ -66,7 +69,6 @@ from reference_impl.model import (
     ParallelMLP,
     all_finite,
     param_digest,
-    sum_through_root,
     synthetic_batch,
 )
 from reference_impl.phases import Laps
@@ -90,6 +92,7 @@ class Groups:
     tp: Any
     dp: Any
     dp_ranks: list[int]
+    star: Star  # the vote's connections (world ranks, as ``world``'s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -481,7 +484,9 @@ class Worker:
         world = group("world", members)
         tp = group(f"tp{replica}", [replica * shards + s for s in range(shards)])
         dp = group(f"dp{shard}", dp_ranks)
-        return Groups(gen, rank, members, plan["replicas"], world, tp, dp, dp_ranks)
+        star = Star.connect(dist.PrefixStore(f"gen{gen}/", self.store), members.index(rank),
+                            len(members), self.cfg.collective_timeout)
+        return Groups(gen, rank, members, plan["replicas"], world, tp, dp, dp_ranks, star)
 
     def sync(self, g: Groups) -> int:
         """Agree on the step to resume from and give every member that state."""
@@ -574,14 +579,7 @@ class Worker:
         params = list(model.parameters())
         grads = GradBuffer()  # the flat gradient buffer, reused every step
         laps = Laps()  # where each step's time goes, when AFTERSHOCK_PHASES asks (make bench)
-        world_rank = g.members.index(g.rank)  # the vote's point-to-point calls use group ranks
-
-        def send(tensor: torch.Tensor, peer: int) -> Any:
-            return g.world.send([tensor], peer, 0)
-
-        def recv(tensor: torch.Tensor, peer: int) -> Any:
-            return g.world.recv([tensor], peer, 0)
-
+        world_rank = g.members.index(g.rank)  # the fingerprints' slots are by world rank
         while self.steps_done < cfg.steps:
             if stop_at is not None and self.steps_done >= stop_at:
                 _store.report(self.store, type="leave", gen=g.gen, rank=g.rank)
@@ -615,7 +613,7 @@ class Worker:
             if riding is not None:
                 vote = torch.cat([vote, encode_fingerprint(riding[1], world_rank,
                                                            len(g.members))])
-            sum_through_root(vote, world_rank, len(g.members), send=send, recv=recv)
+            g.star.sum(vote)
             self.pending = False
             bad, mismatch, ahead = decode_vote(vote[:1], len(g.members))
             if riding is not None:
@@ -738,6 +736,8 @@ class Worker:
         """Destroy this generation's groups: that closes our Gloo sockets, so a peer still
         blocked on us fails now instead of at its timeout. (``abort()`` and ``shutdown()``
         do not close them for Gloo in torch 2.13; dropping the last reference does.)"""
+        if self.groups is not None:
+            self.groups.star.close()
         self.groups = None
         if self.model is not None:
             for block in self.model.blocks:

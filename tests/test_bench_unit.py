@@ -460,9 +460,10 @@ def test_allreduce_sizes_times_real_gloo_collectives_and_checks_their_sums() -> 
     was checked against the sum (the "wrong" column), and the CPU is split by thread. The
     methods include the two call paths the `restart` and `hot_spare` loops differ in:
     `torch.distributed`'s functions against the group's own methods (`group_all_reduce`), and
-    the blocking vote against the non-blocking one (`star_blocking`)."""
-    methods = ["all_reduce", "group_all_reduce", "star", "star_blocking", "all_gather",
-               "to_root"]
+    the blocking vote against the non-blocking one (`star_blocking`); and the votes' own
+    connections (`socket_star`), what both loops vote over now."""
+    methods = ["all_reduce", "group_all_reduce", "star", "star_blocking", "socket_star",
+               "all_gather", "to_root"]
     done = subprocess.run([sys.executable, "-m", "bench.allreduce_sizes", "--ranks", "3",
                            "--sizes", "1,3", "--calls", "30", "--repeat", "1",
                            "--methods", ",".join(methods)],
@@ -499,7 +500,7 @@ def test_allreduce_sizes_fails_on_a_wrong_sum(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{root}"}
     done = subprocess.run([sys.executable, "-m", "bench.allreduce_sizes", "--ranks", "3",
                            "--sizes", "1", "--calls", "5", "--repeat", "1",
-                           "--methods", "star"],
+                           "--methods", "star,socket_star"],
                           cwd=root, capture_output=True, text=True, timeout=240, check=False,
                           env=env)
     assert done.returncode == 1, done.stdout + done.stderr[-2000:]

@@ -261,7 +261,7 @@ def _judge(tmp_path: Any, monkeypatch: Any, fingerprints: list[int | None]) -> A
     worker.verified = (0, worker.kept.copy([torch.zeros(3)]))
     worker.candidate = (10, worker.kept.copy([torch.ones(3)]))
     g = Groups(gen=0, rank=0, members=[0, 1], replicas=[0, 1], world=None, tp=None, dp=None,
-               dp_ranks=[0, 1])
+               dp_ranks=[0, 1], star=None)
     worker.judge_fingerprints(g, 10, fingerprints, snapshotter=True)
     return worker
 
