@@ -37,7 +37,7 @@ ENTRY = struct.Struct("!qq")
 KEEP = 2  # snapshots held per shard
 
 
-def _recv_exactly(sock: socket.socket, into: memoryview) -> bool:
+def recv_exactly(sock: socket.socket, into: memoryview) -> bool:
     """Fill ``into`` from ``sock``; False if the peer closed the connection first."""
     got = 0
     while got < len(into):
@@ -79,11 +79,11 @@ class Server:
     def _serve(self, conn: socket.socket) -> None:
         head = bytearray(REQUEST.size)
         with conn, contextlib.suppress(OSError):
-            while _recv_exactly(conn, memoryview(head)):
+            while recv_exactly(conn, memoryview(head)):
                 op, shard, step, size = REQUEST.unpack(head)
                 if op == b"P":
                     buffer = self._buffer(shard, size)
-                    if not _recv_exactly(conn, memoryview(buffer)):
+                    if not recv_exactly(conn, memoryview(buffer)):
                         return  # the sender died in the middle: the snapshot never counts
                     self._keep(shard, step, buffer)
                 elif op == b"G":
@@ -157,15 +157,15 @@ def fetch(address: str, shard: int) -> dict[int, bytearray]:
         sock.sendall(REQUEST.pack(b"G", shard, 0, 0))
         head = bytearray(COUNT.size)
         found: dict[int, bytearray] = {}
-        if not _recv_exactly(sock, memoryview(head)):
+        if not recv_exactly(sock, memoryview(head)):
             raise ConnectionError("the controller closed the snapshot connection")
         for _ in range(COUNT.unpack(head)[0]):
             entry = bytearray(ENTRY.size)
-            if not _recv_exactly(sock, memoryview(entry)):
+            if not recv_exactly(sock, memoryview(entry)):
                 raise ConnectionError("the controller closed the snapshot connection")
             step, size = ENTRY.unpack(entry)
             data = bytearray(size)
-            if not _recv_exactly(sock, memoryview(data)):
+            if not recv_exactly(sock, memoryview(data)):
                 raise ConnectionError("the controller closed the snapshot connection")
             found[step] = data
         return found

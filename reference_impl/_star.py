@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from reference_impl._snapshots import recv_exactly
 from reference_impl.model import sum_through_root
 
 MAGIC = b"ASv1"
@@ -80,17 +81,6 @@ def _interface_address(name: str) -> str:
             raise StarError(f"GLOO_SOCKET_IFNAME={name}: no IPv4 address on that interface "
                             f"({exc.strerror}); name an interface that has one") from exc
     return socket.inet_ntoa(packed[20:24])
-
-
-def _recv_exactly(sock: socket.socket, into: memoryview) -> bool:
-    """Fill ``into`` from ``sock``; False if the peer closed the connection first."""
-    got = 0
-    while got < len(into):
-        n = sock.recv_into(into[got:])
-        if n == 0:
-            return False
-        got += n
-    return True
 
 
 class Star:
@@ -170,13 +160,13 @@ class Star:
             got = sock.recv_into(view)
             if got == 0:
                 self._fail(peer, None)
-            if got < HEADER.size and not _recv_exactly(sock, view[got:HEADER.size]):
+            if got < HEADER.size and not recv_exactly(sock, view[got:HEADER.size]):
                 self._fail(peer, None)
             size, number = HEADER.unpack_from(frame)
             if size != len(into) or number != self.received[peer]:
                 self._protocol(peer, f"message {number} of {size} bytes, expected message "
                                      f"{self.received[peer]} of {len(into)}")
-            if got < len(frame) and not _recv_exactly(sock, view[max(got, HEADER.size):]):
+            if got < len(frame) and not recv_exactly(sock, view[max(got, HEADER.size):]):
                 self._fail(peer, None)
         except OSError as exc:
             self._fail(peer, exc)
@@ -245,7 +235,7 @@ def _accept(store: Any, key: str, size: int, timeout: float,
             hello = bytearray(HELLO.size)
             try:
                 conn.settimeout(max(deadline - time.monotonic(), 0.001))
-                complete = _recv_exactly(conn, memoryview(hello))
+                complete = recv_exactly(conn, memoryview(hello))
             except OSError:
                 complete = False
             magic, theirs, rank, their_size = HELLO.unpack(hello)

@@ -9,6 +9,8 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -168,3 +170,24 @@ def killed(proc: subprocess.Popen[bytes]) -> bool:
                   Path(f"/proc/{proc.pid}/status").read_text().splitlines())
     pending = int(status["SigPnd"], 16) | int(status["ShdPnd"], 16)
     return status["State"].strip().startswith("Z") or bool(pending & 1 << signal.SIGKILL - 1)
+
+
+def on_threads(size: int, body: Callable[[int], Any], join_s: float = 60.0) -> list[Any]:
+    """``body(rank)`` for each of ``size`` ranks, each on a thread of its own (ranks of one
+    group in one process: Gloo's calls and sockets release the GIL); what each returned, or
+    the exception it raised. Fails if a rank has not returned after ``join_s``."""
+    out: list[Any] = [None] * size
+
+    def run(rank: int) -> None:
+        try:
+            out[rank] = body(rank)
+        except Exception as exc:
+            out[rank] = exc
+
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(join_s)
+    assert not any(t.is_alive() for t in threads), "a rank never returned"
+    return out

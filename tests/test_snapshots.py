@@ -77,13 +77,13 @@ class KeepsTornSnapshots(_snapshots.Server):
     def _serve(self, conn: socket.socket) -> None:
         head = bytearray(_snapshots.REQUEST.size)
         with conn:
-            while _snapshots._recv_exactly(conn, memoryview(head)):
+            while _snapshots.recv_exactly(conn, memoryview(head)):
                 op, shard, step, size = _snapshots.REQUEST.unpack(head)
                 if op == b"G":
                     self._send(conn, shard)
                     continue
                 buffer = bytearray(size)
-                _snapshots._recv_exactly(conn, memoryview(buffer))
+                _snapshots.recv_exactly(conn, memoryview(buffer))
                 self._keep(shard, step, buffer)
 
 

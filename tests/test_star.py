@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 
+from tests._helpers import on_threads
+
 torch = pytest.importorskip("torch")
 
 
@@ -22,29 +24,11 @@ def _store() -> Any:
     return dist.HashStore()
 
 
-def _on_threads(size: int, body: Callable[[int], Any], join_s: float = 60.0) -> list[Any]:
-    out: list[Any] = [None] * size
-
-    def run(rank: int) -> None:
-        try:
-            out[rank] = body(rank)
-        except Exception as exc:
-            out[rank] = exc
-
-    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(join_s)
-    assert not any(t.is_alive() for t in threads), "a rank never returned"
-    return out
-
-
 def _stars(size: int, timeout: float = 30.0, store: Any = None) -> list[Any]:
     from reference_impl._star import Star
 
     store = _store() if store is None else store
-    stars = _on_threads(size, lambda rank: Star.connect(store, rank, size, timeout))
+    stars = on_threads(size, lambda rank: Star.connect(store, rank, size, timeout))
     assert all(isinstance(s, Star) for s in stars), stars
     return stars
 
@@ -53,6 +37,23 @@ def _close_all(stars: list[Any]) -> None:
     for star in stars:
         if star is not None and not isinstance(star, Exception):
             star.close()
+
+
+def _votes_failing(stars: list[Any], odd: int, instead: Callable[[], None]) -> list[Any]:
+    """Every rank but ``odd`` votes and must fail (``StarError``): (seconds it took, the
+    error's text) for each; ``odd`` runs ``instead`` of voting."""
+    from reference_impl._star import StarError
+
+    def vote(rank: int) -> Any:
+        if rank == odd:
+            instead()
+            return None
+        started = time.monotonic()
+        with pytest.raises(StarError) as failed:
+            stars[rank].sum(torch.ones(1, dtype=torch.float64))
+        return time.monotonic() - started, str(failed.value)
+
+    return on_threads(len(stars), vote)
 
 
 @pytest.mark.parametrize("size", [1, 2, 4])
@@ -72,7 +73,7 @@ def test_every_rank_ends_with_the_exact_sum_call_after_call(size: int) -> None:
                 return value.tolist()
 
             want = [float(sum(2**31 + r * 7 + call for r in range(size)))] * length
-            assert _on_threads(size, vote) == [want] * size
+            assert on_threads(size, vote) == [want] * size
     finally:
         _close_all(stars)
 
@@ -84,23 +85,17 @@ def test_a_rank_that_closes_its_star_fails_every_other_rank_at_once(gone: int) -
     30 s timeout, saying the connection closed (a collective error, not a timeout): rank 0
     at its receive from the closed rank, the others at their receive from rank 0, whose
     failed star closed every connection."""
-    from reference_impl._star import StarError
 
     size = 4
     stars = _stars(size, timeout=30.0)
 
-    def vote(rank: int) -> Any:
-        if rank == gone:
-            time.sleep(0.3)  # the others are waiting in the vote by now
-            stars[rank].close()
-            return None
-        started = time.monotonic()
-        with pytest.raises(StarError) as failed:
-            stars[rank].sum(torch.ones(1, dtype=torch.float64))
-        return time.monotonic() - started, str(failed.value)
+    def close() -> None:
+        time.sleep(0.3)  # the others are waiting in the vote by now
+        stars[gone].close()
 
     try:
-        results = [r for rank, r in enumerate(_on_threads(size, vote)) if rank != gone]
+        results = [r for rank, r in enumerate(_votes_failing(stars, gone, close))
+                   if rank != gone]
         assert all(isinstance(r, tuple) for r in results), results
         assert max(waited for waited, _ in results) < 3.0, results
         for _, text in results:
@@ -114,22 +109,12 @@ def test_a_silent_rank_fails_the_vote_at_the_timeout_naming_it() -> None:
     """A frozen rank never sends: rank 0 fails at the timeout, saying "timed out" (the loops'
     collective_timeout) and naming the rank; the others, waiting on rank 0 since the same
     moment, fail then too (at their own timeout, or when rank 0's failed star closes)."""
-    from reference_impl._star import StarError
 
     size, silent = 4, 2
     stars = _stars(size, timeout=0.5)
 
-    def vote(rank: int) -> Any:
-        if rank == silent:
-            time.sleep(2.0)
-            return None
-        started = time.monotonic()
-        with pytest.raises(StarError) as failed:
-            stars[rank].sum(torch.ones(1, dtype=torch.float64))
-        return time.monotonic() - started, str(failed.value)
-
     try:
-        results = _on_threads(size, vote)
+        results = _votes_failing(stars, silent, lambda: time.sleep(2.0))
         waited, text = results[0]
         assert 0.4 < waited < 3.0, results[0]
         assert "timed out" in text, text
@@ -158,7 +143,7 @@ def test_a_message_of_another_size_fails_at_once_as_a_protocol_error() -> None:
                 return time.monotonic() - started, str(exc)
             return "no error"
 
-        results = _on_threads(2, vote)
+        results = on_threads(2, vote)
         waited, text = results[0]
         assert waited < 3.0, results
         assert "protocol" in text, text
@@ -197,7 +182,7 @@ def test_strangers_are_refused_and_the_star_still_forms() -> None:
             pass  # closed with bytes of ours unread: the kernel resets instead
         finally:
             stranger.close()
-    others = _on_threads(size - 1, lambda i: Star.connect(store, i + 1, size, 30.0))
+    others = on_threads(size - 1, lambda i: Star.connect(store, i + 1, size, 30.0))
     thread.join(30)
     stars = [zero[0], *others]
     try:
@@ -206,7 +191,7 @@ def test_strangers_are_refused_and_the_star_still_forms() -> None:
             stars[rank].sum(value)
             return float(value[0])
 
-        assert _on_threads(size, vote) == [6.0] * size
+        assert on_threads(size, vote) == [6.0] * size
     finally:
         _close_all(stars)
 
@@ -217,7 +202,7 @@ def test_a_rank_that_never_comes_fails_the_rendezvous_at_the_timeout() -> None:
     from reference_impl._star import Star, StarError
 
     store = _store()
-    results = _on_threads(2, lambda rank: Star.connect(store, rank, 3, 0.5))
+    results = on_threads(2, lambda rank: Star.connect(store, rank, 3, 0.5))
     assert isinstance(results[0], StarError), results
     assert "timed out" in str(results[0])
     assert "[2]" in str(results[0])

@@ -11,10 +11,11 @@ import itertools
 import math
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
+
+from tests._helpers import on_threads
 
 torch = pytest.importorskip("torch")
 
@@ -76,24 +77,6 @@ def _star(group: Any, rank: int, size: int, value: Any) -> None:
                      recv=lambda t, peer: group.recv([t], peer, 0))
 
 
-def _on_threads(size: int, body: Callable[[int], Any]) -> list[Any]:
-    out: list[Any] = [None] * size
-
-    def run(rank: int) -> None:
-        try:
-            out[rank] = body(rank)
-        except Exception as exc:
-            out[rank] = exc
-
-    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not any(t.is_alive() for t in threads), "a rank never returned"
-    return out
-
-
 @pytest.mark.parametrize("size", [1, 2, 4])
 def test_the_vote_through_rank_0_gives_every_rank_the_exact_sum(size: int) -> None:
     """The vote's sum goes through rank 0 over real Gloo point-to-point calls; every rank ends
@@ -108,7 +91,7 @@ def test_the_vote_through_rank_0_gives_every_rank_the_exact_sum(size: int) -> No
             _star(groups[rank], rank, size, value)
             return float(value[0])
 
-        totals = _on_threads(size, vote)
+        totals = on_threads(size, vote)
         want = float(sum(encode_vote(f, size) for f in flags_of)[0])
         assert totals == [want] * size, (flags_of, totals)
         assert decode_vote(torch.tensor([want], dtype=torch.float64), size) == tuple(
@@ -142,7 +125,7 @@ def test_a_rank_that_drops_its_group_fails_every_other_rank_at_once(gone: int) -
         gc.collect()
         return failed
 
-    waited = [w for rank, w in enumerate(_on_threads(size, vote)) if rank != gone]
+    waited = [w for rank, w in enumerate(on_threads(size, vote)) if rank != gone]
     assert all(isinstance(w, float) for w in waited), waited
     assert max(waited) < 3.0, waited
 
@@ -179,7 +162,7 @@ def test_fingerprints_ride_in_the_vote_and_every_rank_reads_every_one(size: int)
             return decode_vote(value[:1], size), decode_fingerprints(value[1:], size)
 
         want = tuple(any(f[i] for f in flags) for i in range(3))
-        assert _on_threads(size, vote) == [(want, fps)] * size
+        assert on_threads(size, vote) == [(want, fps)] * size
 
 
 def test_a_fingerprint_a_corrupted_vote_cannot_hold_is_read_as_none() -> None:
