@@ -289,3 +289,31 @@ def test_differing_fingerprints_send_nothing_and_keep_the_last_agreed_state(
     assert (event["event"], event["cause"], event["step"], event["shard"]) == (
         "failure_detected", "fingerprint_mismatch", 10, 0)
     assert event["replicas"] == [0, 1]
+
+
+def test_every_flipped_bit_of_the_parameters_changes_the_fingerprint() -> None:
+    """A fingerprint must tell apart replicas whose parameters differ by one bit, wherever it
+    is, and only the parameters count (the optimizer state after them in the flat copy may
+    differ between two equal replicas' copies taken at different moments: it does not); the
+    value fits the vote's signed 64-bit slots."""
+    from reference_impl.resilient import Worker
+
+    worker = Worker.__new__(Worker)  # the fingerprint alone: no store, no threads
+    worker.model = torch.nn.Linear(16, 8)
+    params = torch.cat([p.detach().reshape(-1) for p in worker.model.parameters()])
+    flat = torch.cat([params, torch.randn(50)])  # and AdamW's state after them
+    base = worker.fingerprint(flat)
+    assert -(2**63) <= base < 2**63
+    words = flat.view(torch.int32)
+    seen = set()
+    for index in range(params.numel()):
+        for bit in range(32):
+            flipped = words.clone()
+            flipped[index] ^= (1 << bit) if bit < 31 else -(2**31)
+            value = worker.fingerprint(flipped.view(torch.float32))
+            assert value != base, (index, bit)
+            seen.add(value)
+    assert len(seen) == 32 * params.numel()  # no two flips collide either
+    tail = words.clone()
+    tail[params.numel():] ^= 1
+    assert worker.fingerprint(tail.view(torch.float32)) == base
