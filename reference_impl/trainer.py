@@ -312,7 +312,6 @@ def vote(finite: bool, layout: Layout) -> bool:
 # 0.48 of a window, a real straggler, and it is named as one.
 STRAGGLER_SHARE = 0.3
 STRAGGLER_WINDOW_S = 1.0
-STRAGGLER_TAG = 1  # the point-to-point tag of the ranks' figures (over the world group)
 # Rank 0's view of the previous window: its clock, and every rank's cumulative busy and
 # compute seconds. Per process, so a restarted world starts afresh (its first call only
 # takes the baseline: start-up is nobody's straggling).
@@ -345,23 +344,22 @@ def report_stragglers(compute_s: float, layout: Layout, step: int) -> None:
     its compute time, forward+backward wall time minus the model's collectives (catches a
     rank stopped outright while computing, e.g. by SIGSTOP, which schedstat does not
     count). A straggler's peers wait for it inside collectives, asleep, so neither measure
-    grows for them. Every rank calls this at the same steps: the others send their two
-    figures to rank 0 and go on (tag ``STRAGGLER_TAG``, apart from the vote's messages);
-    only rank 0 waits, for all of them. Over 4 ranks on 2 cores that costs ~0.05 ms of CPU
-    per call, where the all_gather it replaces cost ~3 ms of wall time and ~4.5 ms of CPU,
-    every 10 steps (docs/benchmarks.md).
+    grows for them. Every rank calls this at the same steps, right after that step's vote:
+    the others send their two figures to rank 0 over the world's star, after their vote's
+    message on the same connection, and go on; only rank 0 waits, for all of them. (Over
+    Gloo's point-to-point calls it cost ~0.05 ms of CPU per call, where the all_gather before
+    it cost ~3 ms of wall time and ~4.5 ms of CPU, every 10 steps: docs/benchmarks.md.)
     """
     _compute_total[0] += compute_s
     busy = _busy_seconds()
-    group = layout.world_group
-    world = dist.get_world_size(group)
+    star = layout.star
     mine = torch.tensor([-1.0 if busy is None else busy, _compute_total[0]], dtype=torch.float64)
-    if dist.get_rank(group) != 0:
-        dist.send(mine, group=group, group_dst=0, tag=STRAGGLER_TAG)
+    if star.rank != 0:
+        star.send(mine, 0)
         return
-    totals = [mine] + [torch.zeros(2, dtype=torch.float64) for _ in range(1, world)]
-    for peer in range(1, world):
-        dist.recv(totals[peer], group=group, group_src=peer, tag=STRAGGLER_TAG)
+    totals = [mine] + [torch.zeros(2, dtype=torch.float64) for _ in range(1, star.size)]
+    for peer in range(1, star.size):
+        star.recv(totals[peer], peer)
     now = time.monotonic()
     busy_totals = [float(t[0]) for t in totals]
     compute_totals = [float(t[1]) for t in totals]
