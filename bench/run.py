@@ -609,7 +609,7 @@ def targets(summary: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         entry = summary.get(row, {}).get(metric)
         value = None if entry is None else entry["median"]
         met: bool | None = None
-        note = f"{row} missing" if value is None else "a peer row missing"
+        note = f"{row} missing" if value is None else "a peer row missing"  # no limit
         if entry is not None and limit is not None:
             # The median of a few noisy repetitions proves nothing by itself: met or not
             # met only when the median's interval is on one side of the limit.
@@ -763,6 +763,8 @@ def target_line(t: dict[str, Any]) -> str:
         met = {True: "yes", False: "**no**", None: f"not measured ({t['note']})"}[t["met"]]
     if t["met"] is False and t["note"] == "wrong parameters":
         met += " (wrong parameters)"
+    elif t["met"] is not None and str(t["note"]).startswith("the median's"):
+        met += f" ({t['note']})"  # what resolved it
     pct = "overhead" in t["target"] or "%" in t["target"]
     scale = 100.0 if pct else 1.0
     unit = "%" if pct else ""

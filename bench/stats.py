@@ -39,21 +39,22 @@ def median_interval(values: list[float]) -> tuple[float, float, float]:
 
 
 def verdict(values: list[float], limit: float, *, scale: float = 1.0, unit: str = "",
-            digits: int = 2) -> tuple[bool | None, str | None]:
+            digits: int = 2) -> tuple[bool | None, str]:
     """Whether the repetitions ``values`` meet ``value <= limit``: True when the median's
     interval is within the limit, False when it is beyond it (each from MIN_REPEATS
-    repetitions on), else None and why ("not resolved (...)", the interval shown times
-    ``scale`` in ``unit`` with ``digits`` decimals)."""
+    repetitions on), else None; and why: the median's interval (shown times ``scale`` in
+    ``unit`` with ``digits`` decimals) and where it lies, or "not resolved (...)"."""
     lo, hi, coverage = median_interval(values)
     n = len(values)
+    interval = (f"the median's {coverage:.0%} interval "
+                f"{lo * scale:.{digits}f}–{hi * scale:.{digits}f}{unit}")
     if n >= MIN_REPEATS and hi <= limit:
-        return True, None
+        return True, f"{interval} lies under the limit"
     if n >= MIN_REPEATS and lo > limit:
-        return False, None
+        return False, f"{interval} lies over the limit"
     where = ("spans the limit" if n >= MIN_REPEATS else
              f"from {n} repetition(s), fewer than {MIN_REPEATS}")
-    return None, (f"not resolved (the median's {coverage:.0%} interval "
-                  f"{lo * scale:.{digits}f}–{hi * scale:.{digits}f}{unit} {where})")
+    return None, f"not resolved ({interval} {where})"
 
 
 def run_order(rows: Sequence[T], rep: int) -> list[T]:
