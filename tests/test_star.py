@@ -232,5 +232,6 @@ def test_the_address_follows_gloo_socket_ifname(monkeypatch: Any) -> None:
         reachable_host()
     monkeypatch.delenv("GLOO_SOCKET_IFNAME")
     host = reachable_host()
-    with socket.create_server((host, 0)):  # what the host's name resolves to, and bindable
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.create_server((host, 0), family=family):  # the host's name's, and bindable
         pass
