@@ -469,11 +469,11 @@ def generate(
 
 
 def _timed(
-    fn: Callable[[Sequence[int]], torch.Tensor], spent: list[float]
-) -> Callable[[Sequence[int]], torch.Tensor]:
+    fn: Callable[[Sequence[int]], list[int]], spent: list[float]
+) -> Callable[[Sequence[int]], list[int]]:
     import time
 
-    def timed(blocks: Sequence[int]) -> torch.Tensor:
+    def timed(blocks: Sequence[int]) -> list[int]:
         started = time.process_time()
         try:
             return fn(blocks)

@@ -74,7 +74,7 @@ class PagedKVCache:
         )  # fmt: skip
         # The same memory as 64-bit words, one row per block: what checksums read.
         self._words = self.kv.view(num_blocks, -1).view(torch.int64)
-        self._checksum = torch.zeros(num_blocks, dtype=torch.int64, device=device)
+        self._checksum = [0] * num_blocks  # each sealed block's sum, as a Python integer
         self._sealed = [False] * num_blocks
         self._ref = [0] * num_blocks
         self._hits = [0] * num_blocks  # prefix-cache hits on a block since it was last handed out
@@ -206,7 +206,8 @@ class PagedKVCache:
                 parent = name
         if fresh and self.checksums:
             fresh.sort()
-            self._checksum[fresh] = self._sums(fresh)
+            for block, checksum in zip(fresh, self._sums(fresh), strict=True):
+                self._checksum[block] = checksum
         for block in fresh:
             self._sealed[block] = True
         return fresh
@@ -216,16 +217,19 @@ class PagedKVCache:
         sealed = sorted({b for b in blocks if self._sealed[b]})
         if not sealed or not self.checksums:
             return []
-        wrong = (self._sums(sealed) != self._checksum[sealed]).tolist()
-        return [b for b, bad in zip(sealed, wrong, strict=True) if bad]
+        checksum = self._checksum
+        return [b for b, got in zip(sealed, self._sums(sealed), strict=True)
+                if got != checksum[b]]
 
-    def _sums(self, blocks: Sequence[int]) -> torch.Tensor:
+    def _sums(self, blocks: Sequence[int]) -> list[int]:
         """Checksums of ``blocks`` (sorted, distinct), in that order.
 
         Runs of nearby blocks are summed where they lie instead of being gathered first (a
         gather writes every byte once more: it made verification 3x slower); a gap of a few
         blocks is summed through, cheaper than one more call. A pool too fragmented for
-        that is gathered.
+        that is gathered. The sums come back as Python integers, compared with the stored
+        ones in Python: a tensor per step for the comparison cost more than the sums
+        (docs/serving.md).
         """
         spans: list[tuple[int, int]] = []
         for block in blocks:
@@ -235,19 +239,16 @@ class PagedKVCache:
                 spans.append((block, block + 1))
         if len(spans) > _MAX_SPANS:
             index = torch.tensor(blocks, device=self.kv.device)
-            return torch.index_select(self._words, 0, index).sum(dim=1)
-        sums = torch.cat([self._words[lo:hi].sum(dim=1) for lo, hi in spans])
-        if sum(hi - lo for lo, hi in spans) == len(blocks):
+            sums: list[int] = torch.index_select(self._words, 0, index).sum(dim=1).tolist()
             return sums
-        rows, base = [], 0
-        span = iter(spans)
-        lo, hi = next(span)
-        for block in blocks:
-            while block >= hi:
-                base += hi - lo
-                lo, hi = next(span)
-            rows.append(base + block - lo)
-        return sums[torch.tensor(rows, device=sums.device)]
+        out: list[int] = []
+        i, n = 0, len(blocks)
+        for lo, hi in spans:
+            rows = self._words[lo:hi].sum(dim=1).tolist()
+            while i < n and blocks[i] < hi:
+                out.append(rows[blocks[i] - lo])
+                i += 1
+        return out
 
     def discard(self, block: int) -> list[int]:
         """Take a corrupt ``block`` and every cached block chained after it out of the cache.

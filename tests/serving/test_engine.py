@@ -328,6 +328,32 @@ def test_checksum_catches_every_single_bit_flip() -> None:
             assert engine.cache.verify([block]) == []
 
 
+@pytest.mark.parametrize("pattern", ["one run", "gaps summed through", "far apart",
+                                     "more runs than are summed in place"])
+def test_verify_names_exactly_the_changed_blocks_it_was_asked_about(pattern: str) -> None:
+    """However the asked-for blocks lie in the pool (runs, short gaps summed through, long
+    gaps, too many runs to sum in place), ``verify`` names exactly the sealed ones among them
+    whose bytes changed: never a changed block it was not asked about, nor an unsealed one."""
+    cache = PagedKVCache(MODEL, 420, 16)
+    for _ in range(400):
+        assert cache.extend("s")
+    cache.kv.normal_(generator=torch.Generator().manual_seed(0))
+    cache.seal([("s", [7] * (399 * 16), 399 * 16)])  # every block but the last is sealed
+    table = cache.table("s")
+    asked = {"one run": table[100:140], "gaps summed through": table[0:200:3],
+             "far apart": table[5:400:40], "more runs than are summed in place": table[::9],
+             }[pattern] + [table[399]]  # and the unsealed last block
+    assert cache.verify(asked) == []
+    rng = random.Random(pattern)
+    changed = sorted(rng.sample(table, 60))
+    for block in changed:
+        _flip(cache.kv[block], rng.randrange(cache.kv[block].numel()), rng.randrange(32))
+    want = sorted(set(changed) & set(asked) - {table[399]})
+    assert want, "the pattern must ask about some changed block"
+    assert cache.verify(asked) == want
+    assert cache.verify(reversed(asked)) == want  # any order, the same answer
+
+
 SHARED = PREFIX + _tokens(41, 8)  # 48 tokens: three full blocks every sharer holds
 BITS = [pytest.param(30, id="exponent_bit30"), pytest.param(0, id="mantissa_bit0")]
 
