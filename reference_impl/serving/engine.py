@@ -37,7 +37,8 @@ checksums took 0.2% of the engine's time with ``"hit"`` and 1.3% with ``"read"``
 faster, non-invariant kernel). The cost of ``"read"`` grows with the context the batch holds:
 with 448-token prompts it was 7% of decode time, where ``"hit"`` may be the better trade; in
 the shape ``python -m bench.serving`` sends one worker (the bench's ``served`` workload),
-2.5% in the sums and 3.5-9.5% of tokens per CPU second in all (docs/serving.md).
+1.7% in the sums and 1.7-2.0% of tokens per CPU second in all since the sums are compared as
+Python integers (2.4% and 2.7-9.5% before; docs/serving.md).
 
 Logits digests. Every output carries :func:`logits_digest` of the logits row its token was
 chosen from. Greedy tokens hide most numerics changes: re-prefilling 20 migrated requests
