@@ -177,6 +177,29 @@ class Star:
         """Sum ``value`` (a small float64 tensor) in place over the group, through rank 0."""
         sum_through_root(value, self.rank, self.size, send=self.send, recv=self.recv)
 
+    def start_sum(self, value: torch.Tensor) -> None:
+        """The first half of :meth:`sum`, split so that the caller can work between the two:
+        every rank but 0 sends ``value`` to rank 0 now (it does not wait for rank 0)."""
+        if self.rank != 0:
+            self.send(value, 0)
+
+    def finish_sum(self, value: torch.Tensor) -> None:
+        """The second half: rank 0 adds the others' values to its own in rank order and
+        sends the total back; the others receive it into ``value``. The same bits as
+        :meth:`sum`."""
+        if self.size == 1:
+            return
+        if self.rank != 0:
+            self.recv(value, 0)
+            return
+        parts = [torch.empty_like(value) for _ in range(1, self.size)]
+        for peer, part in enumerate(parts, start=1):
+            self.recv(part, peer)
+        for part in parts:
+            value += part
+        for peer in range(1, self.size):
+            self.send(value, peer)
+
     def close(self) -> None:
         """Close every connection: a peer waiting on one fails now."""
         socks, self.socks = self.socks, {}

@@ -57,6 +57,36 @@ def _votes_failing(stars: list[Any], odd: int, instead: Callable[[], None]) -> l
 
 
 @pytest.mark.parametrize("size", [1, 2, 4])
+def test_a_sum_split_in_two_halves_is_the_whole_sum_bit_for_bit(size: int) -> None:
+    """``start_sum``, other work, then ``finish_sum`` (the trainer sends its vote before the
+    gradient all_reduce and reads it after): every rank ends with the bits ``sum`` gives,
+    whichever order the ranks reach the halves in, call after call."""
+    stars = _stars(size)
+    try:
+        for call in range(6):
+            values = [torch.tensor([0.1 * (rank + 1) * (call + 1), 2.0**-40 * rank, 1e16],
+                                   dtype=torch.float64) for rank in range(size)]
+
+            def whole(rank: int, values: list[Any] = values) -> list[float]:
+                value = values[rank].clone()
+                stars[rank].sum(value)
+                return value.tolist()
+
+            def halves(rank: int, call: int = call, values: list[Any] = values) -> list[float]:
+                value = values[rank].clone()
+                stars[rank].start_sum(value)
+                time.sleep(0.002 * ((rank + call) % 3))  # the ranks reach the second half apart
+                stars[rank].finish_sum(value)
+                return value.tolist()
+
+            want = on_threads(size, whole)
+            assert len({tuple(w) for w in want}) == 1
+            assert on_threads(size, halves) == want
+    finally:
+        _close_all(stars)
+
+
+@pytest.mark.parametrize("size", [1, 2, 4])
 def test_every_rank_ends_with_the_exact_sum_call_after_call(size: int) -> None:
     """Votes of one element and of nine (one plus two fingerprint slots per rank, as the
     resilient loop's vote with fingerprints), alternating on the same connections: every
