@@ -259,9 +259,12 @@ class NonFiniteFailure(RuntimeError):
 
 
 def average_gradients(model: torch.nn.Module, loss: torch.Tensor, layout: Layout,
-                      buffer: GradBuffer) -> tuple[float, bool]:
+                      buffer: GradBuffer, flags: torch.Tensor, late: bool = False
+                      ) -> tuple[float, bool]:
     """Average gradients over the DP group in one all_reduce; return (the mean loss, whether
-    this rank's averaged gradients are all finite).
+    this rank's averaged gradients are all finite). On the way, start the vote (``vote``):
+    ``flags[0]`` says whether this rank's own gradients are finite, sent before the average;
+    ``late``: whether its average is, sent after it.
 
     One flat buffer means one collective per step. The loss rides along in the same buffer,
     so the reported loss is the global one at no extra cost. With two replicas the Gloo sum is
@@ -273,9 +276,15 @@ def average_gradients(model: torch.nn.Module, loss: torch.Tensor, layout: Layout
     """
     pairs = [(p, p.grad) for p in model.parameters() if p.grad is not None]
     flat = buffer.flatten([g for _, g in pairs] + [loss.detach().reshape(1)])
+    if not late:
+        flags[0] = 0.0 if model_lib.all_finite(flat[:-1]) else 1.0
+        layout.star.start_sum(flags)
     dist.all_reduce(flat, group=layout.dp_group)
     flat /= layout.replicas
     finite = model_lib.all_finite(flat[:-1])
+    if late:
+        flags[0] = 0.0 if finite else 1.0
+        layout.star.start_sum(flags)
     offset = 0
     for p, grad in pairs:
         n = grad.numel()
@@ -284,22 +293,67 @@ def average_gradients(model: torch.nn.Module, loss: torch.Tensor, layout: Layout
     return float(flat[-1]), finite
 
 
-def vote(finite: bool, layout: Layout) -> bool:
-    """Whether every rank's averaged gradients are finite: this rank's view, MAX over the world.
+def vote(flags: torch.Tensor, finite: bool, layout: Layout) -> tuple[bool, list[int]]:
+    """Finish the vote ``average_gradients`` started: (whether every rank's own gradients
+    were finite, the ranks that wait for a repair). ``finite``: this rank's average.
 
     Ranks of one shard share their averaged gradients, but the shards do not, so a NaN in
-    one shard's gradients would make only that shard skip the step; and a collective that
-    corrupts its result on one rank alone (``collective.corrupt``) reaches no other rank of
-    its shard. A vote over the whole world after the average makes every rank take the same
-    decision in both cases. (Riding in the gradient buffer and finishing over the TP group
-    would cost one 2-rank round instead of a 4-rank one, but cannot see the second case:
-    docs/benchmarks.md.) The flags are summed through rank 0 over the world's star
-    (``reference_impl._star``: its own connections, read by this thread), which costs ~3%
-    of the step less than the same sum over Gloo's point-to-point calls.
+    one shard's gradients would make only that shard skip the step: every rank must take
+    the same decision. Each rank sends whether its own gradients are finite (``flags[0]``)
+    to rank 0 over the world's star (``reference_impl._star``: its own connections, read by
+    this thread) before the gradient all_reduce, and reads the total after it, so the vote
+    waits for the slowest rank's backward, not for its all_reduce. A NaN in any rank's
+    gradients reaches every rank's total: nobody applies the step.
+
+    What that does not see is a collective that corrupts its result on one rank alone
+    (``collective.corrupt``), after every rank's own gradients were finite: that rank alone
+    finds its average not finite. It skips the step, its peers apply it, and at the next
+    step it asks for a repair (``flags[1 + rank]``): every rank reads who waits, nobody
+    applies that step (the world computed it one step apart), and each waiting rank gets
+    the state of a peer of its shard that applied the step (``repair``).
+
+    A *late* vote is sent after the average and carries this rank's average instead, so a
+    corrupted average makes every rank skip the step. The loop votes late where a rank may
+    not fall behind: with one replica (no peer holds its state), before a checkpoint (every
+    rank saves its own state) and at the last step.
     """
-    bad = torch.tensor([0.0 if finite else 1.0], dtype=torch.float64)
-    layout.star.sum(bad)
-    return bad.item() == 0
+    layout.star.finish_sum(flags)
+    waiting = [rank for rank, wait in enumerate(flags[1:].tolist()) if wait]
+    return flags[0].item() == 0, waiting
+
+
+def repair(waiting: list[int], layout: Layout, model: torch.nn.Module,
+           optimizer: torch.optim.Optimizer, last: dict[str, Any]) -> dict[str, Any] | None:
+    """Give each rank in ``waiting`` the state of the first rank of its shard that is not
+    waiting: the parameters, the optimizer's state, and ``last`` (the step and its loss, for
+    its step event). Every rank calls it with the same ``waiting``; only the DP groups with
+    a waiting member exchange anything. Returns what this rank received, or None.
+
+    A shard whose every replica waits has no good copy left: NonFiniteFailure, on every
+    rank (a restart from the newest checkpoint).
+    """
+    shards, replicas = layout.shards, layout.replicas
+    for shard in sorted({rank % shards for rank in waiting}):
+        members = [shard + k * shards for k in range(replicas)]
+        if all(member in waiting for member in members):
+            raise NonFiniteFailure(
+                f"every replica of shard {shard} lost its average of step {last['step'] + 1}: "
+                "no peer holds the step")
+    members = [layout.shard + k * shards for k in range(replicas)]
+    if not any(member in waiting for member in members):
+        return None
+    source = next(member for member in members if member not in waiting)
+    payload: list[Any] = [None]
+    if layout.rank == source:
+        payload[0] = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                      "source": source, **last}
+    dist.broadcast_object_list(payload, src=source, group=layout.dp_group)
+    if layout.rank not in waiting:
+        return None
+    state = payload[0]
+    model.load_state_dict(state["model"])  # copies into the parameters where they are
+    optimizer.load_state_dict(state["optimizer"])
+    return state
 
 
 # A straggler must cost the job, not merely jitter: besides STRAGGLER_RATIO × the median, a
@@ -415,6 +469,8 @@ def train(cfg: TrainConfig, layout: Layout, world: int, device: torch.device,
 
     compute_s = 0.0  # this rank's compute time in the current straggler window
     non_finite = 0  # consecutive non-finite attempts at the current step
+    behind = False  # this rank skipped the last step alone and waits for a repair (``vote``)
+    last: dict[str, Any] = {"step": step, "loss": None}  # the newest applied step and its loss
     grads = GradBuffer()  # the flat gradient buffer, reused every step
     laps = Laps()  # where each step's time goes, when AFTERSHOCK_PHASES asks (make bench)
     while step < cfg.steps:
@@ -434,10 +490,25 @@ def train(cfg: TrainConfig, layout: Layout, world: int, device: torch.device,
         compute_s += (time.perf_counter() - started) - (model_lib.comm_seconds[0] - comm)
         probe.fault_point("backward", current)
         laps.lap("backward")
-        global_loss, mine = average_gradients(model, loss, layout, grads)
+        flags = torch.zeros(1 + world, dtype=torch.float64)
+        flags[1 + rank] = 1.0 if behind else 0.0
+        late = (layout.replicas == 1 or current == cfg.steps
+                or bool(cfg.checkpoint_every and current % cfg.checkpoint_every == 0))
+        global_loss, mine = average_gradients(model, loss, layout, grads, flags, late)
         laps.lap("average")
-        everyone = vote(mine, layout)
+        everyone, waiting = vote(flags, mine, layout)
         laps.lap("vote")
+        if waiting:
+            # Some rank skipped the last step alone: this step was computed by a world one
+            # step apart, so nobody applies it. The waiting ranks take a peer's state, then
+            # every rank computes this step again.
+            repaired = repair(waiting, layout, model, optimizer, last)
+            if repaired is not None:
+                behind = False
+                step = repaired["step"]
+                probe.emit("state_repaired", step=step, source=repaired["source"])
+                probe.step(step, world=world, loss=repaired["loss"])
+            continue
         if not everyone:
             # Never apply a poisoned update. The step's data is a function of the step, so
             # computing it again from the same state gives the fault-free update, unless the
@@ -450,10 +521,21 @@ def train(cfg: TrainConfig, layout: Layout, world: int, device: torch.device,
                     f"gradients of step {current} non-finite {non_finite} times in a row")
             continue
         non_finite = 0
+        if not mine:
+            # Every rank's own gradients were finite, but this rank's average is not: the
+            # all_reduce's result was corrupted here alone. The others apply the step; this
+            # rank skips it and takes their state at the next step (``vote``).
+            probe.detected(cause="non_finite", step=current, attempt=1)
+            behind = True
+            if current % STRAGGLER_EVERY == 0:  # the others send theirs now: so does this rank
+                report_stragglers(compute_s, layout, current)
+                compute_s = 0.0
+            continue
         probe.fault_point("optimizer", current)
         optimizer.step()
         laps.lap("optimizer")
         step += 1  # `step` optimizer steps are now applied on this rank
+        last = {"step": step, "loss": global_loss}
         probe.step(step, world=world, loss=global_loss)
 
         if step % STRAGGLER_EVERY == 0:

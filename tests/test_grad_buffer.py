@@ -7,6 +7,8 @@ must not change a single bit, and must never overwrite gradients still in use.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -69,13 +71,15 @@ def test_the_trainer_reuses_one_buffer_and_ends_bitwise_where_it_did(tmp_path: o
     import torch.distributed as dist
 
     from reference_impl import trainer
+    from reference_impl._star import Star
     from reference_impl.model import GradBuffer, ModelConfig, ParallelMLP, build_layout
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29655")
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
-        layout = build_layout(1, 1, timedelta(seconds=30))
+        layout = dataclasses.replace(build_layout(1, 1, timedelta(seconds=30)),
+                                     star=Star(0, 1, {}, 30.0))
         model = ParallelMLP(ModelConfig(d_model=8, hidden=16, blocks=1), layout, 0)
         buffer = GradBuffer()
         addresses = []
@@ -85,7 +89,8 @@ def test_the_trainer_reuses_one_buffer_and_ends_bitwise_where_it_did(tmp_path: o
             loss = model(x).pow(2).mean()
             loss.backward()
             want = [p.grad.clone() for p in model.parameters()]
-            global_loss, finite = trainer.average_gradients(model, loss, layout, buffer)
+            flags = torch.zeros(2, dtype=torch.float64)
+            global_loss, finite = trainer.average_gradients(model, loss, layout, buffer, flags)
             assert finite
             assert global_loss == float(loss.detach())
             for p, g in zip(model.parameters(), want, strict=True):

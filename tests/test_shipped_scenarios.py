@@ -219,6 +219,25 @@ def _nan_gradient_rollback(run: Run) -> None:
     assert detected == [("non_finite", step), ("non_finite", step)]
 
 
+def _repaired(rank: int, source: int) -> Callable[[Run], None]:
+    """``_vote({rank})``, and ``rank`` alone skipped the step, after every rank's own
+    gradients were finite: it commits the step once, after every other rank did, with the
+    state it took from ``source`` (``state_repaired``), before anyone commits the next."""
+    vote = _vote({rank})
+
+    def check(run: Run) -> None:
+        vote(run)
+        step = run.injection()["step"]
+        repaired = [(e["rank"], e["step"], e["source"]) for e in run.events("state_repaired")]
+        assert repaired == [(rank, step, source)]
+        t = {(e["rank"], e["step"]): e["t"] for e in run.events("step")}
+        others = [r for r in run.ranks if r != rank]
+        assert max(t[(r, step)] for r in others) < t[(rank, step)]
+        assert t[(rank, step)] < min(t[(r, step + 1)] for r in run.ranks)
+
+    return check
+
+
 def _vote(poisoned: set[int]) -> Callable[[Run], None]:
     """Non-finite gradients on the ``poisoned`` ranks only (the others' stay finite, so each
     of those would apply the step if it decided alone): exactly those report the step, and
@@ -595,8 +614,9 @@ EVIDENCE: dict[str, Callable[[Run], None]] = {
     "serving/fail_stop_resume": _clients_resumed_after_fail_stop,
     # The NaN of rank 1 spreads to rank 3 (shard 1) through the average, not to shard 0.
     "faults/memory_nan_gradient": _vote({1, 3}),
-    # Corrupted after the average, on rank 1 alone.
-    "faults/collective_corrupt_nan": _vote({1}),
+    # Corrupted after the average, on rank 1 alone: it takes rank 3's state (its shard's
+    # other replica) at the next step.
+    "faults/collective_corrupt_nan": _repaired(1, source=3),
     "faults/collective_error_hot_spare": _regrouped("collective_error"),
     "faults/collective_hang_elastic": _regrouped("collective_timeout"),
     "faults/collective_hang_elastic_forever": _wedged_member_fenced,

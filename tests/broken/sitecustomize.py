@@ -87,11 +87,14 @@ def lineage_per_sync(resilient: ModuleType) -> None:
 
 
 def vote_alone(trainer: ModuleType) -> None:
-    """Each rank decides alone whether its gradients are finite: no vote over the world.
-    A NaN in one shard's gradients then makes only that shard skip the step."""
+    """Each rank decides alone whether its averaged gradients are finite: the vote's messages
+    still flow, but its verdict is ignored. A NaN in one shard's gradients then makes only
+    that shard skip the step."""
+    vote = trainer.vote
 
-    def broken(finite: bool, layout: Any) -> bool:
-        return finite
+    def broken(flags: Any, finite: bool, layout: Any) -> tuple[bool, list[int]]:
+        vote(flags, finite, layout)
+        return finite, []
 
     trainer.vote = broken
 
