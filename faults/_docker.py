@@ -205,8 +205,11 @@ def netns_of(api: Any, node: Node) -> Iterator[int]:
 
 
 def run_containers(api: Any, run_id: str) -> list[Any]:
-    """Every container of run ``run_id``, whatever its state."""
-    return list(api.containers.list(all=True, filters={"label": f"{RUN_LABEL}={run_id}"}))
+    """Every container of run ``run_id``, whatever its state. docker-py inspects each listed
+    container: one removed in between (the reaper and `aftershock heal` removing one run at
+    once) is left out, not a NotFound."""
+    return list(api.containers.list(all=True, filters={"label": f"{RUN_LABEL}={run_id}"},
+                                    ignore_removed=True))
 
 
 def remove_run(run_id: str, *, patience_s: float = 30.0) -> None:

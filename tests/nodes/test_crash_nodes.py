@@ -27,8 +27,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 def _left(api: Any, run_id: str) -> list[str]:
     label = {"label": f"aftershock.run={run_id}"}
-    found = [f"container {c.short_id} ({c.status})" for c in api.containers.list(all=True,
-                                                                                  filters=label)]
+    # Listed while the reaper removes them: one gone before docker-py inspects it is gone.
+    found = [f"container {c.short_id} ({c.status})"
+             for c in api.containers.list(all=True, filters=label, ignore_removed=True)]
     return found + [f"network {n.name}" for n in api.networks.list(filters=label)]
 
 

@@ -232,3 +232,37 @@ def test_net_reset_of_a_process_in_a_node_resets_its_connections(udp_nodes: Any)
     assert _wait(lambda: _heard(cluster, 0, "reset", before) >= 1, 10), applied.detail
     again = time.monotonic()
     assert _wait(lambda: _heard(cluster, 1, "t0", again) >= 2)
+
+
+
+def test_removing_a_run_that_another_remover_is_removing_finishes(engine: None) -> None:
+    """The reaper and `aftershock heal` may remove one run at once: each lists the run's
+    containers while the other deletes them. A container gone between the engine's list and
+    docker-py's inspect of it must not make the remover fail (as it did: NotFound)."""
+    import threading
+
+    from harness.nodes.image import BASE_IMAGE, ensure_base
+
+    api = _docker.client()
+    ensure_base(api)
+    run_id = f"race-{uuid.uuid4().hex[:8]}"
+    labelled = {"label": f"{_docker.RUN_LABEL}={run_id}"}
+    ids = [api.containers.create(BASE_IMAGE, ["true"], labels={_docker.RUN_LABEL: run_id}).id
+           for _ in range(40)]  # created, never started: cheap to make and to remove
+
+    def other_remover() -> None:
+        other = _docker.client()
+        for container_id in ids:
+            with contextlib.suppress(Exception):
+                other.api.remove_container(container_id, force=True)
+
+    thread = threading.Thread(target=other_remover)
+    try:
+        thread.start()
+        _docker.remove_run(run_id)
+        thread.join(timeout=90)
+    finally:
+        for container_id in ids:
+            with contextlib.suppress(Exception):
+                api.api.remove_container(container_id, force=True)
+    assert api.api.containers(all=True, filters=labelled) == []
