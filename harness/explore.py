@@ -7,6 +7,12 @@ What hypothesis leaves is then made 1-minimal (every fault is tried away once mo
 to tell a bug from a flaky schedule, and written as a standalone scenario that `aftershock
 run` fails on.
 
+A failure counts only once it happens again: every schedule that fails is run a second time
+at once (a `confirm` attempt), and hypothesis is told it failed only when both runs failed.
+A kill at a step alone can hit the moment that matters once by chance (a save's window); told
+"fail", hypothesis would shrink from it and never come back to the bug. When no schedule fails
+twice, the smallest that failed once is reported as flaky.
+
 The engine stays out of the run loop: it builds Scenario objects (the type users write) and
 calls the runner. The fault-free twin is computed once, before the search, and every run
 reads it from the cache (runner.baseline_key: same system, same seed, one twin).
@@ -260,6 +266,19 @@ class _Tried:
     index: int
     failures: int = 0
     passes: int = 0
+    runs: int = 0  # discarded ones included
+
+    @property
+    def reliable(self) -> bool:
+        """Failed every run, and was run more than once."""
+        return self.runs >= 2 and self.failures == self.runs
+
+    @property
+    def outcome(self) -> Verdict:
+        """What hypothesis is told: a failure only when it happened again."""
+        if self.reliable:
+            return "fail"
+        return "pass" if self.failures or self.verdict == "fail" else self.verdict
 
 
 class _Search:
@@ -298,10 +317,21 @@ class _Search:
         spec = self.base.spec.model_copy(update={"faults": list(schedule), "explore": None})
         key = self.key(spec)
         if key in self.tried:
-            return self.tried[key].verdict
+            return self.tried[key].outcome
         if not self.budget_left():
             return None
-        return self.run(spec, key, self.stage).verdict
+        return self.run_twice_if_failing(spec, key, self.stage).outcome
+
+    def run_twice_if_failing(self, spec: Scenario, key: str, stage: Stage) -> _Tried:
+        """Run the schedule; when it fails, run it again at once (a `confirm` attempt): the
+        best failure is one that failed both times."""
+        tried = self.run(spec, key, stage)
+        if tried.runs == 1 and tried.failures == 1:
+            tried = self.run(spec, key, "confirm")
+        if tried.reliable and (self.best is None
+                               or _smaller(spec, self.tried[self.best].spec)):
+            self.best = key
+        return tried
 
     def run(self, spec: Scenario, key: str, stage: Stage) -> _Tried:
         exploration = self.exploration
@@ -331,9 +361,8 @@ class _Search:
         tried = self.tried.get(key) or _Tried(spec, verdict, failed, reason, index)
         tried.failures += verdict == "fail"
         tried.passes += verdict == "pass"
+        tried.runs += 1
         self.tried[key] = tried
-        if verdict == "fail" and (self.best is None or _smaller(spec, self.tried[self.best].spec)):
-            self.best = key
         # Shown only once it is recorded: an interrupt that lands while a failure is on the
         # screen (SIGTERM sent on reading it) must still find it to write.
         self.observer.finished_run(attempt)
@@ -455,6 +484,8 @@ def explore(
             raise
         finally:
             exploration.elapsed_s = time.monotonic() - exploration.started
+    elif exploration.count(verdict="fail"):
+        _report(search, status_if_unconfirmed=False)  # failed once, passed its re-run: flaky
     elif exploration.count(verdict="discarded") == exploration.runs and exploration.runs:
         raise HarnessError(
             f"no schedule ran as drawn: all {exploration.runs} runs were discarded (a fault "
@@ -557,8 +588,9 @@ def _minimize(search: _Search) -> None:
             fewer = [f for i, f in enumerate(best.faults) if i != index]
             candidate = best.model_copy(update={"faults": fewer})
             key = search.key(candidate)
-            tried = search.tried.get(key) or search.run(candidate, key, "minimize")
-            if tried.verdict == "fail":
+            tried = (search.tried.get(key)
+                     or search.run_twice_if_failing(candidate, key, "minimize"))
+            if tried.outcome == "fail":
                 search.best = key
                 improved = True
                 break
@@ -569,49 +601,50 @@ FALLBACKS = 3
 
 
 def _reproduces(search: _Search, key: str, confirm: int) -> bool:
-    """Re-run the schedule ``key`` up to ``confirm`` times: whether every run failed."""
+    """Re-run the schedule ``key`` until ``confirm`` re-runs of it were made (the one made
+    when it first failed counts): whether every run failed."""
     tried = search.tried[key]
-    for _ in range(confirm):
+    while tried.reliable and tried.runs - 1 < confirm:
         search.run(tried.spec, key, "confirm")
-        if search.exploration.attempts[-1].verdict != "fail":
-            return False  # one pass, or a run not as drawn, is enough to doubt it
-    return True
+    return tried.reliable  # one pass, or a run not as drawn, is enough to doubt it
 
 
 def _fallbacks(search: _Search, flaky: str) -> list[str]:
     """The other schedules that failed and never passed, smallest first: shrinking may have
     ended on one that failed once by chance (a kill that hit the moment that matters only
     sometimes), while a larger one on its way failed for a reason."""
-    failed = [(key, t) for key, t in search.tried.items()
-              if key != flaky and t.failures and not t.passes]
+    failed = [(key, t) for key, t in search.tried.items() if key != flaky and t.reliable]
     failed.sort(key=lambda item: (_size(item[1].spec), -item[1].index))
     return [key for key, _ in failed[:FALLBACKS]]
 
 
 def _report(search: _Search, *, status_if_unconfirmed: bool, confirm: int = 0) -> None:
-    """Re-run the best failure ``confirm`` times and write it: confirmed when every re-run
-    failed too, flaky when one passed; unconfirmed when interrupted before the re-runs.
-    When the best one is flaky, the next simplest failures are re-run in turn, and the
-    first that fails every re-run is written instead (its description names the flaky
-    one)."""
-    if search.best is None:
-        return
-    reproduced = True
+    """Re-run the best failure until it has had ``confirm`` re-runs and write it: confirmed
+    when every re-run failed too, flaky when one passed; unconfirmed when interrupted before
+    its first re-run. When the best one is flaky, the next simplest failures are re-run in
+    turn, and the first that fails every re-run is written instead (its description names
+    the flaky one). When no schedule failed twice, the smallest that failed once is written
+    (flaky, or unconfirmed when interrupted before its re-run)."""
+    key = search.best
     flaky: _Tried | None = None
-    if not status_if_unconfirmed:
-        reproduced = _reproduces(search, search.best, confirm)
-        if not reproduced:
-            for key in _fallbacks(search, search.best):
-                if _reproduces(search, key, confirm):
-                    flaky, search.best, reproduced = search.tried[search.best], key, True
-                    break
-    tried = search.tried[search.best]
-    status: Status = ("unconfirmed" if status_if_unconfirmed
-                      else "confirmed" if reproduced else "flaky")
+    if key is None:
+        once = [(k, t) for k, t in search.tried.items() if t.failures]
+        if not once:
+            return
+        key = min(once, key=lambda item: (_size(item[1].spec), item[1].index))[0]
+    elif not status_if_unconfirmed and not _reproduces(search, key, confirm):
+        for other in _fallbacks(search, key):
+            if _reproduces(search, other, confirm):
+                flaky, key = search.tried[key], other
+                break
+    search.best = key
+    tried = search.tried[key]
+    status: Status = ("confirmed" if tried.reliable
+                      else "unconfirmed" if tried.runs == tried.failures else "flaky")
     exploration = search.exploration
     suffix = {"confirmed": "found", "flaky": "flaky", "unconfirmed": "unconfirmed"}[status]
     name = _slug(exploration.name, suffix)
-    runs_of_it = tried.failures + tried.passes
+    runs_of_it = tried.runs
     schedule = describe(tried.spec.faults)
     description = (
         f"Found by `aftershock explore {exploration.file} --seed {exploration.seed}` "
@@ -621,7 +654,7 @@ def _report(search: _Search, *, status_if_unconfirmed: bool, confirm: int = 0) -
         + f": {tried.reason}"
         + ("" if flaky is None else
            f". The simpler schedule {describe(flaky.spec.faults)} failed only "
-           f"{flaky.failures} of {flaky.failures + flaky.passes} run(s) (flaky), so this is "
+           f"{flaky.failures} of {flaky.runs} run(s) (flaky), so this is "
            "the simplest failure found that failed every re-run"))
     written = tried.spec.model_copy(update={"name": name, "description": description})
     file = search.out / f"{name}.yaml"

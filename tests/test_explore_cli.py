@@ -76,7 +76,15 @@ def test_explore_finds_shrinks_and_writes_a_scenario_that_fails(tmp_path: Path) 
     (finding,) = record["findings"]
     assert finding["status"] == "confirmed"
     assert record["runs_per_minute"] > 0
-    assert record["runs_by_stage"]["confirm"] == 1
+    # Each failure was re-run at once: a re-run follows a failing run of its schedule.
+    attempts = record["attempts"]
+    confirms = [i for i, a in enumerate(attempts) if a["stage"] == "confirm"]
+    assert confirms
+    for i in confirms:
+        assert attempts[i - 1]["schedule"] == attempts[i]["schedule"]
+        assert attempts[i - 1]["verdict"] == "fail" or attempts[i - 1]["stage"] == "confirm"
+    assert len(confirms) == sum(1 for a in attempts if a["stage"] != "confirm"
+                                and a["verdict"] == "fail")
     # Shrunk: two faults, and each is needed (explore_job fails only on the second).
     assert finding["faults"] == 2
     found = Path(finding["file"])
