@@ -743,15 +743,33 @@ class Worker:
     def close_groups(self) -> None:
         """Destroy this generation's groups: that closes our Gloo sockets, so a peer still
         blocked on us fails now instead of at its timeout. (``abort()`` and ``shutdown()``
-        do not close them for Gloo in torch 2.13; dropping the last reference does.)"""
-        if self.groups is not None:
-            self.groups.star.close()
-        self.groups = None
+        do not close them for Gloo in torch 2.13; dropping the last reference does.)
+
+        The three groups are destroyed at once, each in a thread of its own, and this
+        returns once all three are. A Gloo group's destructor (torch runs it without the
+        GIL) closes its connections one at a time, each after a tick of its event loop,
+        which sleeps up to 10 ms when idle: one after another the bench's world, TP and DP
+        groups took ~50 ms on the way to the next plan, and a peer blocked on our DP
+        connection learnt of the failure only at the end of it (docs/benchmarks.md,
+        "Recovery: where the time went")."""
+        g, self.groups = self.groups, None
+        boxes: list[list[Any]] = []
+        if g is not None:
+            g.star.close()
+            boxes = [[g.dp], [g.tp], [g.world]]
+        del g
         if self.model is not None:
             for block in self.model.blocks:
                 assert isinstance(block, ParallelBlock)
                 block.tp_group = None
-        gc.collect()
+        gc.collect()  # cycles (a traceback's frames) that may still hold a group
+        # Each box holds the group's last reference: the thread's clear() drops it.
+        threads = [threading.Thread(target=box.clear, daemon=True, name="close_group")
+                   for box in boxes]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
 
     def run(self, left: int | None = None) -> int:
         """Train (or wait as a spare) until the job ends; ``left``: a pipe to the supervisor,
