@@ -149,11 +149,26 @@ def evaluate(
         for name in ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99"):
             budget = getattr(expect.latency, name)
             if budget is not None:
-                what = ("time to first token" if name.startswith("ttft") else
-                        "time between tokens") + f" ({name[-3:]})"
-                results.append(_budget(f"latency.{name}", _f(metrics.get(f"{name}_s")),
-                                       budget.max.total_seconds(), what))
+                results.append(_latency(name, metrics, budget.max.total_seconds()))
     return results
+
+
+def _latency(name: str, metrics: Mapping[str, float | int | None], limit_s: float
+             ) -> CheckResult:
+    """A latency percentile within its budget. Requests that never got a first token, or
+    whose tokens stopped before they finished, count as waits longer than any budget
+    (``metrics.serving``): where the percentile lands on one of them it is not a value, and
+    the check fails saying how many there were."""
+    first = name.startswith("ttft")
+    what = ("time to first token" if first else "time between tokens") + f" ({name[-3:]})"
+    result = _budget(f"latency.{name}", _f(metrics.get(f"{name}_s")), limit_s, what)
+    missing = metrics.get("requests_without_first_token" if first else "requests_stalled")
+    total = metrics.get("requests")
+    if result.observed is not None or not missing:
+        return result
+    how = "never got a first token" if first else "stopped streaming before they finished"
+    return CheckResult(result.name, False, "never", result.expected,
+                       f"{what} is over any budget: {missing} of {total} requests {how}")
 
 
 def _time_to_detect(budget: DetectBudget, observed: float | None,

@@ -622,8 +622,15 @@ def serving_time_to_recover(records: Sequence[RequestRecord], t_fault: float | N
 def serving(events: Sequence[Event]) -> dict[str, float | int | None]:
     records = requests(events)
     t_fault = first_fault_time(events)
-    ttft = [r.times[0] - r.sent for r in records if r.times]
-    tpot = [b - a for r in records for a, b in itertools.pairwise(r.times)]
+    # Over every request, not only the ones that got a token: a request that never got its
+    # first token, or whose tokens stopped before it finished, waited longer than any budget,
+    # and counts as such (math.inf). A percentile that lands on one is no value (None), and
+    # the latency check says how many requests it was.
+    never = sum(1 for r in records if not r.times and r.max_tokens > 0)
+    stalled = sum(1 for r in records if r.times and not r.done)
+    ttft = [r.times[0] - r.sent for r in records if r.times] + [math.inf] * never
+    tpot = [b - a for r in records for a, b in itertools.pairwise(r.times)] \
+        + [math.inf] * stalled
     stats = next((e.fields for e in reversed(events) if e.event == "serving_stats"), {})
 
     def stat(name: str) -> float | int | None:
@@ -642,11 +649,17 @@ def serving(events: Sequence[Event]) -> dict[str, float | int | None]:
         "migrated_requests": sum(1 for e in events if e.event == "request_migrated"),
         "recomputed_tokens": stat("recomputed_tokens"),
         "prefix_hit_rate": stat("prefix_hit_rate"),
-        "ttft_p50_s": percentile(ttft, 50),
-        "ttft_p99_s": percentile(ttft, 99),
-        "tpot_p50_s": percentile(tpot, 50),
-        "tpot_p99_s": percentile(tpot, 99),
+        "requests_without_first_token": never,
+        "requests_stalled": stalled,
+        "ttft_p50_s": _finite(percentile(ttft, 50)),
+        "ttft_p99_s": _finite(percentile(ttft, 99)),
+        "tpot_p50_s": _finite(percentile(tpot, 50)),
+        "tpot_p99_s": _finite(percentile(tpot, 99)),
     }
+
+
+def _finite(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None
 
 
 def is_serving(events: Sequence[Event]) -> bool:

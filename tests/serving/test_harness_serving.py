@@ -214,6 +214,75 @@ def test_a_request_that_never_resumes_has_no_recovery_and_is_lost() -> None:
     assert (m["lost_requests"], m["lost_tokens"]) == (1, 3)
 
 
+def _failed(request: str, sent: float, times: list[float], max_tokens: int = 4) -> Event:
+    return ev(9.0, "request_failed", request=request, sent=sent,
+              tokens=list(range(len(times))), times=times, max_tokens=max_tokens,
+              duplicates=0, error="HTTP 503: no worker is ready")
+
+
+LATENCY = """
+name: s
+system: {reference: server}
+expect:
+  latency: {ttft_p50: {max: 1s}, ttft_p99: {max: 1s}, tpot_p50: {max: 1s}, tpot_p99: {max: 1s}}
+"""
+
+
+def _latency(events: list[Event]) -> dict[str, Any]:
+    results = evaluate(parse_scenario(LATENCY).expect, outcome=Outcome(0, False, 1.0),
+                       metrics=metrics.serving(events), faults=[], digests={}, baseline=None,
+                       events=events)
+    return {r.name: r for r in results if r.name.startswith("latency.")}
+
+
+def test_a_request_that_never_got_a_first_token_fails_every_ttft_budget_it_counts_in() -> None:
+    # A fail-stop whose workers never came back (a real run, tests/serving/
+    # test_serving_checks.py): 6 of 16 requests got their first tokens before the kill, and
+    # the other 10 never got one. A time to first token taken over the 6 alone passed a
+    # 1 s p99 budget, though most requests never saw a token at all.
+    served = [done(f"r{i}", 0.0, [0.05, 0.06]) for i in range(6)]
+    never = [_failed(f"n{i}", 0.1, []) for i in range(10)]
+    events = [ev(0.0, "load_started"), *served, *never]
+    checks = _latency(events)
+    for name in ("latency.ttft_p50", "latency.ttft_p99"):
+        assert not checks[name].passed, checks[name]
+        assert "10 of 16 requests never got a first token" in checks[name].message
+    m = metrics.serving(events)
+    assert m["requests_without_first_token"] == 10
+    assert m["ttft_p99_s"] is None
+    assert m["ttft_p50_s"] is None
+    # A percentile still means what it says: one request in 100 without a first token is
+    # the 1% a p99 leaves out; two are not.
+    most = [done(f"r{i}", 0.0, [0.05, 0.06]) for i in range(98)]
+    one = _latency([ev(0.0, "load_started"), *most, done("r98", 0.0, [0.05]),
+                    _failed("n0", 0.1, [])])
+    assert one["latency.ttft_p50"].passed
+    assert one["latency.ttft_p99"].passed
+    two = _latency([ev(0.0, "load_started"), *most, _failed("n0", 0.1, []),
+                    _failed("n1", 0.1, [])])
+    assert two["latency.ttft_p50"].passed
+    assert not two["latency.ttft_p99"].passed
+    assert "2 of 100 requests never got a first token" in two["latency.ttft_p99"].message
+
+
+def test_a_request_whose_tokens_stopped_fails_the_time_between_tokens() -> None:
+    # Two requests stream a token every 50 ms; a third stops after two tokens and fails:
+    # the wait for its third token never ended, which no time-between-tokens budget admits.
+    events = [ev(0.0, "load_started"), done("a", 0.0, [0.05, 0.1, 0.15, 0.2]),
+              done("b", 0.0, [0.05, 0.1, 0.15, 0.2]), _failed("c", 0.0, [0.05, 0.1])]
+    checks = _latency(events)
+    assert checks["latency.tpot_p50"].passed
+    assert not checks["latency.tpot_p99"].passed, checks["latency.tpot_p99"]
+    assert "1 of 3 requests stopped streaming" in checks["latency.tpot_p99"].message
+    m = metrics.serving(events)
+    assert m["requests_stalled"] == 1
+    assert m["tpot_p50_s"] == pytest.approx(0.05)
+    assert m["tpot_p99_s"] is None
+    # Every request served whole: both budgets are measured.
+    whole = [ev(0.0, "load_started"), done("a", 0.0, [0.05, 0.1, 0.15, 0.2])]
+    assert all(c.passed for c in _latency(whole).values())
+
+
 SERVER = """
 name: s
 system: {reference: server}
