@@ -87,12 +87,8 @@ def evaluate(
                                         expect.time_to_recover.max.total_seconds(),
                                         events, world))
     if expect.lost_steps:
-        lost = metrics.get("lost_steps")
-        limit = expect.lost_steps.max
-        ok = isinstance(lost, int) and lost <= limit
-        results.append(CheckResult("lost_steps", ok, lost, f"<= {limit}",
-                                   f"{lost} steps were committed more than once (recomputed, "
-                                   f"or by two worlds; at most {limit})"))
+        results.append(_lost_steps(metrics.get("lost_steps"), expect.lost_steps.max,
+                                   events or ()))
     if expect.skipped_steps:
         skipped = metrics.get("skipped_steps")
         limit = expect.skipped_steps.max
@@ -169,6 +165,26 @@ def _latency(name: str, metrics: Mapping[str, float | int | None], limit_s: floa
     how = "never got a first token" if first else "stopped streaming before they finished"
     return CheckResult(result.name, False, "never", result.expected,
                        f"{what} is over any budget: {missing} of {total} requests {how}")
+
+
+def _lost_steps(lost: float | int | None, limit: int, events: Sequence[Event]) -> CheckResult:
+    """At most ``limit`` steps done twice, counted only where there is something to count:
+    a run that committed nothing after its last fault redid nothing because it never went
+    on, and a PASS there would certify a recovery that never happened."""
+    expected = f"<= {limit}"
+    after = _metrics.committed_after_faults(events)
+    if after is None:
+        return CheckResult("lost_steps", False, None, expected,
+                           "not observed: no step was committed, so no work done twice "
+                           "could be counted")
+    if not after:
+        return CheckResult("lost_steps", False, lost, expected,
+                           "not observed: no step was committed after the fault, so there "
+                           "was no recovery whose repeated work could be counted")
+    ok = isinstance(lost, int) and lost <= limit
+    return CheckResult("lost_steps", ok, lost, expected,
+                       f"{lost} steps were committed more than once (recomputed, or by two "
+                       f"worlds; at most {limit})")
 
 
 def _time_to_detect(budget: DetectBudget, observed: float | None,

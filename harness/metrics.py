@@ -20,16 +20,32 @@ def first_fault_time(events: Sequence[Event]) -> float | None:
     return next((e.t for e in events if e.event == "fault_injected"), None)
 
 
-def fault_landed(events: Sequence[Event]) -> float | None:
-    """When the first fault had certainly taken effect: when applying it ended
-    (``applied_at``; a SIGSTOP has landed once kill() returned). The fault's moment is when
-    applying it began, so that a fast reaction is not measured short; a step committed
-    in between may still precede the fault's effect and proves nothing."""
-    first = next((e for e in events if e.event == "fault_injected"), None)
-    if first is None:
+def fault_landed(events: Sequence[Event], last: bool = False) -> float | None:
+    """When the first fault (``last``: the last one) had certainly taken effect: when
+    applying it ended (``applied_at``; a SIGSTOP has landed once kill() returned). The
+    fault's moment is when applying it began, so that a fast reaction is not measured
+    short; a step committed in between may still precede the fault's effect and proves
+    nothing."""
+    faults = (e for e in (reversed(events) if last else events) if e.event == "fault_injected")
+    fault = next(faults, None)
+    if fault is None:
         return None
-    applied = first.fields.get("applied_at")
-    return max(first.t, float(applied)) if isinstance(applied, int | float) else first.t
+    applied = fault.fields.get("applied_at")
+    return max(fault.t, float(applied)) if isinstance(applied, int | float) else fault.t
+
+
+def committed_after_faults(events: Sequence[Event] | Reading) -> bool | None:
+    """Whether the system committed a step after its last fault had landed and before the
+    harness stopped observing (``run_over``): the evidence that it went on after the fault,
+    without which no count of the work it redid describes a recovery. None when it
+    committed no step at all; True without a fault, if it committed any."""
+    reading = events if isinstance(events, Reading) else Reading.of(events)
+    over = run_over(reading.events)
+    times = [c.t for c in reading.commits if c.t < over]
+    if not times:
+        return None
+    landed = fault_landed(reading.events, last=True)
+    return landed is None or max(times) > landed
 
 
 def run_over(events: Sequence[Event]) -> float:

@@ -350,6 +350,25 @@ def test_budget_checks_pass_and_fail() -> None:
     assert bad["lost_steps"].observed == 4
 
 
+def test_lost_steps_is_not_observed_without_a_step_after_the_fault() -> None:
+    # The job committed steps 1..10, the fault hit, and nothing was ever committed again (a
+    # trainer that swallowed the error and exited 0, say): no step was done twice, but no
+    # recovery happened either, so "at most N steps lost" proves nothing about one.
+    stopped = timeline(steps(0.0, 1, 10), ev(1.05, "fault_injected", rank=1),
+                       ev(1.2, "failure_detected", rank=0, generation=0))
+    check = run_checks(Expect(lost_steps=CountBudget(max=0)), events=stopped)["lost_steps"]
+    assert not check.passed, check
+    assert check.message.startswith("not observed: no step was committed after the fault")
+    # Nothing committed at all: nothing to count either.
+    check = run_checks(Expect(lost_steps=CountBudget(max=0)),
+                       events=[ev(1.05, "fault_injected", rank=1)])["lost_steps"]
+    assert not check.passed, check
+    assert check.message.startswith("not observed: no step was committed")
+    # A step committed after the fault is the evidence: then the count is the verdict.
+    resumed = timeline(stopped, steps(3.0, 11, 12, gen=0))
+    assert run_checks(Expect(lost_steps=CountBudget(max=0)), events=resumed)["lost_steps"].passed
+
+
 def test_completes_fails_on_nonzero_exit_and_timeout() -> None:
     assert not run_checks(Expect(), exit_code=1)["completes"].passed
     timed = run_checks(Expect(), timed_out=True)["completes"]
