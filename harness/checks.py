@@ -93,11 +93,12 @@ def evaluate(
         skipped = metrics.get("skipped_steps")
         limit = expect.skipped_steps.max
         ok = isinstance(skipped, int) and skipped <= limit
+        unseen = _nothing_after_the_fault(events or ())
         results.append(CheckResult(
-            "skipped_steps", ok, skipped, f"<= {limit}",
+            "skipped_steps", ok and unseen is None, skipped, f"<= {limit}",
             "not observed: no world was seen committing two consecutive steps, so a gap "
             "cannot be told from sparse reporting" if skipped is None else
-            f"{skipped} steps were jumped over (at most {limit})"))
+            unseen or f"{skipped} steps were jumped over (at most {limit})"))
     if expect.single_history:
         results.append(_single_history(metrics.get("forked_steps"), events))
     if expect.step_rate:
@@ -172,15 +173,10 @@ def _lost_steps(lost: float | int | None, limit: int, events: Sequence[Event]) -
     a run that committed nothing after its last fault redid nothing because it never went
     on, and a PASS there would certify a recovery that never happened."""
     expected = f"<= {limit}"
-    after = _metrics.committed_after_faults(events)
-    if after is None:
-        return CheckResult("lost_steps", False, None, expected,
-                           "not observed: no step was committed, so no work done twice "
-                           "could be counted")
-    if not after:
+    unseen = _nothing_after_the_fault(events)
+    if unseen is not None:
         return CheckResult("lost_steps", False, lost, expected,
-                           "not observed: no step was committed after the fault, so there "
-                           "was no recovery whose repeated work could be counted")
+                           f"{unseen}, so no work done twice could be counted")
     ok = isinstance(lost, int) and lost <= limit
     return CheckResult("lost_steps", ok, lost, expected,
                        f"{lost} steps were committed more than once (recomputed, or by two "
@@ -217,6 +213,19 @@ def _time_to_recover(observed: float | None, limit_s: float, events: Sequence[Ev
                        "recovery was not observed" + (f": {why}" if why else ""))
 
 
+def _nothing_after_the_fault(events: Sequence[Event]) -> str | None:
+    """Why a check on what the run did after its fault has nothing to judge ("not observed:
+    ..."), or None when some step was committed after the last fault landed (or, without a
+    fault, at all). A run that never went on after its fault redid nothing, skipped nothing
+    and forked nothing; a PASS there would certify a recovery that never happened."""
+    after = _metrics.committed_after_faults(events)
+    if after is None:
+        return "not observed: no step was committed"
+    if not after:
+        return "not observed: no step was committed after the fault"
+    return None
+
+
 def _single_history(forked: float | int | None, events: Sequence[Event] | None
                     ) -> CheckResult:
     expected = "no step committed by two worlds after the fault"
@@ -224,6 +233,13 @@ def _single_history(forked: float | int | None, events: Sequence[Event] | None
         return CheckResult("single_history", False, None, expected,
                            "not observed: steps after the fault name no world (generation), "
                            "so two worlds cannot be told apart")
+    if not any(e.event == "fault_injected" for e in events or ()):
+        return CheckResult("single_history", False, None, expected,
+                           "not observed: no fault was injected, so there was no failure "
+                           "for two worlds to split at")
+    if forked == 0 and (unseen := _nothing_after_the_fault(events or ())) is not None:
+        return CheckResult("single_history", False, 0, expected,
+                           f"{unseen}, so no second history could have formed")
     if forked == 0:
         return CheckResult("single_history", True, 0, expected,
                            "every step after the fault was committed by one history")

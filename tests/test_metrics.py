@@ -460,6 +460,27 @@ def test_single_history_check_fails_a_split_brain() -> None:
     assert "not observed" in blind.message
 
 
+def test_history_checks_are_not_observed_without_a_step_after_the_fault() -> None:
+    # Nothing committed after the fault: no second world could fork, no step could be
+    # jumped over, because nothing went on at all. Neither check may pass for that.
+    stopped = timeline(steps(0.0, 1, 10), ev(1.05, "fault_injected", rank=1))
+    expect = Expect(completes=False, single_history=True,
+                    skipped_steps=CountBudget(max=0))
+    checks = run_checks(expect, events=stopped)
+    for name in ("single_history", "skipped_steps"):
+        assert not checks[name].passed, checks[name]
+        assert checks[name].message.startswith(
+            "not observed: no step was committed after the fault"), checks[name]
+    # single_history needs the fault itself too: one the run never injected proves nothing.
+    unfaulted = run_checks(expect, events=steps(0.0, 1, 10))["single_history"]
+    assert not unfaulted.passed
+    assert unfaulted.message.startswith("not observed: no fault was injected")
+    # The restart timeline goes on after its fault: both are measured, and hold.
+    resumed = run_checks(expect)
+    assert resumed["single_history"].passed
+    assert resumed["skipped_steps"].passed
+
+
 def test_skipped_steps_check() -> None:
     expect = Expect(completes=False, skipped_steps=CountBudget(max=0))
     assert run_checks(expect)["skipped_steps"].passed
