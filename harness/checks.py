@@ -215,14 +215,16 @@ def _time_to_recover(observed: float | None, limit_s: float, events: Sequence[Ev
 
 def _nothing_after_the_fault(events: Sequence[Event]) -> str | None:
     """Why a check on what the run did after its fault has nothing to judge ("not observed:
-    ..."), or None when some step was committed after the last fault landed (or, without a
-    fault, at all). A run that never went on after its fault redid nothing, skipped nothing
-    and forked nothing; a PASS there would certify a recovery that never happened."""
+    ..."), or None when the run went on after its last fault (``committed_after_faults``:
+    a step committed after it, or the final parameters reported). A run that stopped at
+    its fault redid nothing, skipped nothing and forked nothing; a PASS there would certify
+    a recovery that never happened."""
     after = _metrics.committed_after_faults(events)
     if after is None:
         return "not observed: no step was committed"
     if not after:
-        return "not observed: no step was committed after the fault"
+        return ("not observed: no step was committed after the fault, and the run never "
+                "reported its final parameters")
     return None
 
 

@@ -35,17 +35,20 @@ def fault_landed(events: Sequence[Event], last: bool = False) -> float | None:
 
 
 def committed_after_faults(events: Sequence[Event] | Reading) -> bool | None:
-    """Whether the system committed a step after its last fault had landed and before the
-    harness stopped observing (``run_over``): the evidence that it went on after the fault,
-    without which no count of the work it redid describes a recovery. None when it
-    committed no step at all; True without a fault, if it committed any."""
+    """Whether the system went on after its last fault, as far as the harness saw before it
+    stopped observing (``run_over``): it committed a step after the fault had landed, or it
+    reported its final parameters (``params``: its work was done, before the fault, as for a
+    kill on the way out, or after it). Without either, no count of the work it redid or
+    skipped describes a recovery: it may simply have stopped. None when it committed no
+    step at all; True without a fault, if it committed any."""
     reading = events if isinstance(events, Reading) else Reading.of(events)
     over = run_over(reading.events)
     times = [c.t for c in reading.commits if c.t < over]
     if not times:
         return None
     landed = fault_landed(reading.events, last=True)
-    return landed is None or max(times) > landed
+    finished = any(e.event == "params" and e.t < over for e in reading.events)
+    return landed is None or max(times) > landed or finished
 
 
 def run_over(events: Sequence[Event]) -> float:

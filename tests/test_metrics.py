@@ -367,6 +367,16 @@ def test_lost_steps_is_not_observed_without_a_step_after_the_fault() -> None:
     # A step committed after the fault is the evidence: then the count is the verdict.
     resumed = timeline(stopped, steps(3.0, 11, 12, gen=0))
     assert run_checks(Expect(lost_steps=CountBudget(max=0)), events=resumed)["lost_steps"].passed
+    # So are the final parameters: a kill on the way out, after the job reported them,
+    # found its work done (scenarios/explore/found/kill_on_exit_hot_spare.yaml), and what
+    # it redid afterwards is the count.
+    finished = timeline(steps(0.0, 1, 10), ev(1.01, "params", rank=0, digest="aa"),
+                        ev(1.05, "fault_injected", rank=1))
+    check = run_checks(Expect(lost_steps=CountBudget(max=0)), events=finished)["lost_steps"]
+    assert check.passed, check
+    redone = timeline(finished, steps(3.0, 1, 10, gen=1))
+    assert not run_checks(Expect(lost_steps=CountBudget(max=0)),
+                          events=redone)["lost_steps"].passed
 
 
 def test_completes_fails_on_nonzero_exit_and_timeout() -> None:
