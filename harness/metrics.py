@@ -491,20 +491,26 @@ def generations(events: Sequence[Event]) -> int:
 
 def min_step_rate(events: Sequence[Event], window_s: float = 2.0) -> float | None:
     """The slowest progress of the run: the fewest steps committed (first report of each
-    step number) in any window of ``window_s`` seconds, per second."""
+    step number) in any window of ``window_s`` seconds, per second, from the first step to
+    the last; in a run the harness had to stop at its timeout, to the timeout: a job that
+    hung after its last step made no progress until then, and that is its slowest."""
     first: dict[int, float] = {}
     for e in events:
         step = e.fields.get("step")
         if e.event == "step" and isinstance(step, int) and step not in first:
             first[step] = e.t
     times = sorted(first.values())
-    if len(times) < 2 or times[-1] - times[0] < window_s:
+    if len(times) < 2:
+        return None
+    stopped = next((e.t for e in events if e.event == "timeout"), None)
+    end = times[-1] if stopped is None else max(times[-1], stopped)
+    if end - times[0] < window_s:
         return None
     slowest = None
     lo = 0
     start = times[0]
-    while start + window_s <= times[-1]:
-        while times[lo] < start:
+    while start + window_s <= end:
+        while lo < len(times) and times[lo] < start:
             lo += 1
         hi = lo
         while hi < len(times) and times[hi] < start + window_s:

@@ -417,6 +417,17 @@ def test_min_step_rate_sees_the_slow_stretch() -> None:
     assert metrics.min_step_rate(steps(0.0, 1, 5, ranks=1)) is None  # under 2 s: unmeasured
 
 
+def test_min_step_rate_counts_a_stall_the_harness_had_to_stop() -> None:
+    # 10 steps/s for 4 s, then nothing until the harness's timeout 30 s later: the slowest
+    # progress of that run was none at all, not the 10 steps/s it made before it hung.
+    fast = steps(0.0, 1, 40, ranks=1, dt=0.1)
+    hung = [*fast, ev(34.0, "timeout", after_s=34.0), ev(34.5, "run_end")]
+    assert metrics.min_step_rate(hung) == 0.0
+    # A run that ended by itself stops being measured at its last step: what follows is its
+    # way out, not training.
+    assert metrics.min_step_rate([*fast, ev(34.5, "run_end")]) == pytest.approx(10.0, abs=0.6)
+
+
 def test_step_rate_and_straggler_checks() -> None:
     from harness.spec import RateFloor
 
