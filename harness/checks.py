@@ -170,8 +170,9 @@ def _latency(name: str, metrics: Mapping[str, float | int | None], limit_s: floa
 
 def _lost_steps(lost: float | int | None, limit: int, events: Sequence[Event]) -> CheckResult:
     """At most ``limit`` steps done twice, counted only where there is something to count:
-    a run that committed nothing after its last fault redid nothing because it never went
-    on, and a PASS there would certify a recovery that never happened."""
+    a run that stopped at its last fault (no step after it, no final parameters) redid
+    nothing because it never went on, and a PASS there would certify a recovery that never
+    happened."""
     expected = f"<= {limit}"
     unseen = _nothing_after_the_fault(events)
     if unseen is not None:
