@@ -104,14 +104,19 @@ def evaluate(
     if expect.step_rate:
         rate = _f(metrics.get("min_step_rate"))
         floor = expect.step_rate.min
-        ok = rate is not None and rate >= floor
+        # A job that stopped at its fault (it exited, so its windows end at its last step,
+        # before the fault) made progress only before it: no rate describes the fault.
+        stopped = _nothing_after_the_fault(events or ())
+        ok = rate is not None and rate >= floor and stopped is None
         results.append(CheckResult(
             "step_rate", ok, None if rate is None else round(rate, 2), f">= {floor:g}/s",
             "too short to measure (needs 2 s of steps)" if rate is None else
+            f"{stopped}, so the rate describes the run before the fault only"
+            if stopped is not None else
             f"slowest 2 s window committed {rate:.2f} steps/s ({'at least' if ok else 'below'} "
             f"{floor:g})"))
     if expect.straggler_named:
-        results.append(_straggler_named(events or (), faults))
+        results.append(_straggler_named(events or ()))
     if expect.xid_action:
         results.append(_xid_action(events or ()))
     if expect.checkpoint_durable:
@@ -121,22 +126,28 @@ def evaluate(
         unsent = f"no request was sent: {not_ready}"
     if expect.no_lost_requests:
         lost, total = metrics.get("lost_requests"), metrics.get("requests")
-        tokens = metrics.get("lost_tokens")
+        tokens, never_sent = metrics.get("lost_tokens"), metrics.get("unsent_requests")
         ok = lost == 0 and bool(total)
         results.append(CheckResult(
             "no_lost_requests", ok, lost, 0,
             f"all {total} requests completed with every token" if ok else
             unsent if not total else
-            f"{lost} of {total} requests did not complete ({tokens} tokens never arrived)"))
+            f"{lost} of {total} requests did not complete ({tokens} tokens of those sent "
+            "never arrived" + (f"; {never_sent} were never sent: the run ended before the "
+                               "load generator sent them)" if never_sent else ")")))
     if expect.no_duplicated_tokens:
         dup = metrics.get("duplicated_tokens")
         unindexed = metrics.get("unindexed_requests") or 0
-        ok = dup == 0 and bool(metrics.get("requests")) and not unindexed
+        went_on = _metrics.streamed_after_faults(events or ())
+        ok = dup == 0 and bool(metrics.get("requests")) and not unindexed and went_on
         results.append(CheckResult(
             "no_duplicated_tokens", ok, dup, 0,
             "no client received a token twice" if ok else
             unsent if not metrics.get("requests") else
             f"clients received {dup} tokens they already had" if dup else
+            "not observed: no token arrived after the fault, and the load was not served "
+            "whole before it, so no token could have been sent twice by a recovery"
+            if not went_on else
             f"not observed: the chunks of {unindexed} of {metrics.get('requests')} requests "
             "carried no token_index, so a token sent twice could not be told from a new one "
             "(the server must send `token_index` per chunk)"))
@@ -432,15 +443,41 @@ def _checkpoint_durable(events: Sequence[Event]) -> CheckResult:
                        "none rejected")
 
 
-def _straggler_named(events: Sequence[Event], faults: Sequence[FaultRecord]) -> CheckResult:
-    slowed = {f.target for f in faults if f.kind == "process.straggle" and f.injected_at_s}
-    named = {f"rank {e.fields.get('slow_rank')}" for e in events
-             if e.event == "straggler_detected"}
-    ok = bool(slowed) and slowed <= named
-    return CheckResult("straggler_named", ok, ", ".join(sorted(named)) or None,
-                       ", ".join(sorted(slowed)) or "a straggled rank",
-                       "the system named the slowed rank" if ok else
-                       "no straggler_detected event named the slowed rank")
+def _straggler_named(events: Sequence[Event]) -> CheckResult:
+    """Every slowed rank named as the straggler (``straggler_detected``) after it was
+    slowed, and no rank named that was not: a naming before the slowdown proves nothing
+    about it, and a system that names every rank singles out none."""
+    slowed: dict[int, float] = {}  # rank -> when it was first slowed
+    for e in events:
+        if e.event == "fault_injected" and e.fields.get("kind") == "process.straggle":
+            listed = e.fields.get("ranks")
+            group = listed if isinstance(listed, list) else [e.fields.get("rank")]
+            for rank in group:
+                if isinstance(rank, int):
+                    slowed.setdefault(rank, e.t)
+    named: dict[int, list[float]] = {}
+    for e in events:
+        rank = e.fields.get("slow_rank")
+        if e.event == "straggler_detected" and isinstance(rank, int):
+            named.setdefault(rank, []).append(e.t)
+    shown = ", ".join(f"rank {r}" for r in sorted(named)) or None
+    expected = ", ".join(f"rank {r}" for r in sorted(slowed)) or "a straggled rank"
+    if not slowed:
+        return CheckResult("straggler_named", False, shown, expected,
+                           "not observed: no process.straggle fault was injected")
+    wrong = []
+    unnamed = [r for r in sorted(slowed) if r not in named]
+    early = [r for r in sorted(slowed) if r in named and max(named[r]) < slowed[r]]
+    if unnamed:
+        wrong.append("no straggler_detected event named " + _metrics.ranks_text(unnamed))
+    if early:
+        wrong.append(f"{_metrics.ranks_text(early)} named only before it was slowed")
+    if others := sorted(set(named) - set(slowed)):
+        wrong.append(f"the system also named {_metrics.ranks_text(others)}, which "
+                     + ("was" if len(others) == 1 else "were") + " not slowed")
+    return CheckResult("straggler_named", not wrong, shown, expected,
+                       "; ".join(wrong) or "the system named the slowed rank, after it was "
+                       "slowed, and no other")
 
 
 def _f(value: float | int | None) -> float | None:

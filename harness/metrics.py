@@ -208,7 +208,7 @@ class _Worlds:
         return max(committed, key=lambda w: self.first_seen[w], default=None)
 
 
-def _ranks(ranks: Iterable[int]) -> str:
+def ranks_text(ranks: Iterable[int]) -> str:
     listed = sorted(ranks)
     return ("rank " if len(listed) == 1 else "ranks ") + ", ".join(str(r) for r in listed)
 
@@ -231,7 +231,8 @@ class Recovery:
 
 
 def recovery(events: Sequence[Event] | Reading, world: int | None) -> Recovery:
-    """Fault injected -> the first step committed after the fault, by the committers' own
+    """Fault injected -> the first step committed after the fault (with several: after the
+    last had landed, timed from the first), by the committers' own
     clocks, by every rank of the full world in one world (same generation), before the
     harness stopped observing, where that world was not replaced afterwards (a member
     turned up in another world) and did not fail (a failure it reported, or the run ending
@@ -249,10 +250,14 @@ def recovery(events: Sequence[Event] | Reading, world: int | None) -> Recovery:
     if not size:
         return Recovery(None, reason="the world's size is unknown (no rank reported a step "
                         "before the fault)")
-    landed, over = fault_landed(ordered) or t_fault, run_over(ordered)
+    # After every fault: a world whole between two faults, that the second one then froze
+    # without replacing it or making it report a failure, recovered from the first only.
+    landed, over = fault_landed(ordered, last=True) or t_fault, run_over(ordered)
+    several = sum(1 for e in ordered if e.event == "fault_injected") > 1
     after = [c for c in reading.commits if landed < c.t < over]
     if not after:
-        return Recovery(None, reason="no step was reported after the fault")
+        return Recovery(None, reason="no step was reported after the "
+                        + ("last fault" if several else "fault"))
     proven = [c for c in after if c.proven]
     if not proven:
         return Recovery(None, reason="the steps reported after the fault carry only the time "
@@ -281,7 +286,8 @@ def recovery(events: Sequence[Event] | Reading, world: int | None) -> Recovery:
     newest = max(known.first_seen, key=lambda w: known.first_seen[w], default=None)
     doomed: list[str] = []
     for t, w, s in whole:
-        whole_at = f"{_name(w)} was whole at step {s} {t - t_fault:.3f} s after the fault"
+        whole_at = (f"{_name(w)} was whole at step {s} {t - t_fault:.3f} s after the "
+                    + ("first fault" if several else "fault"))
         moved, failed = known.left(w, t), failed_at.get(w)
         if moved is not None:
             when, rank, other = moved
@@ -300,8 +306,9 @@ def recovery(events: Sequence[Event] | Reading, world: int | None) -> Recovery:
     # The world that came closest: the most ranks committing one step after the fault.
     (w, s), by_rank = max(first.items(), key=lambda item: (len(item[1]), -min(item[1].values())))
     missing = set(range(size)) - set(by_rank)
-    lacking = _ranks(missing) if missing else f"{size - len(by_rank)} more ranks"
-    return Recovery(None, reason=f"no world had every rank commit a step after the fault; "
+    lacking = ranks_text(missing) if missing else f"{size - len(by_rank)} more ranks"
+    fault = "the last fault" if several else "the fault"
+    return Recovery(None, reason=f"no world had every rank commit a step after {fault}; "
                     f"closest: {_name(w)} committed step {s} without {lacking}")
 
 
@@ -616,6 +623,25 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     return ordered[rank - 1]
 
 
+def serving_recovery(records: Sequence[RequestRecord], events: Sequence[Event]
+                     ) -> float | None:
+    """The first fault -> every request in flight at any fault streams again
+    (``serving_time_to_recover`` of each fault, measured from the first). None when the
+    requests one of them hit never streamed again, or one of them hit no request: a
+    recovery from the first fault alone is no recovery of the run when a later one froze
+    what was left."""
+    times = [e.t for e in events if e.event == "fault_injected"]
+    if not times:
+        return None
+    ends = []
+    for t in times:
+        taken = serving_time_to_recover(records, t)
+        if taken is None:
+            return None
+        ends.append(t + taken)
+    return max(ends) - times[0]
+
+
 def serving_time_to_recover(records: Sequence[RequestRecord], t_fault: float | None
                             ) -> float | None:
     """Fault injected -> every request that was in flight at the fault streams again.
@@ -644,14 +670,40 @@ def serving_time_to_recover(records: Sequence[RequestRecord], t_fault: float | N
     return worst
 
 
+def streamed_after_faults(events: Sequence[Event]) -> bool:
+    """Whether serving went on after the last fault had landed, as the clients saw it: a
+    token arrived after it, or every request the load planned had been served whole before
+    it (the fault hit nothing). Without either, no count of tokens sent twice describes a
+    recovery: the server may simply have stopped. True without a fault."""
+    landed = fault_landed(events, last=True)
+    if landed is None:
+        return True
+    records = requests(events)
+    if any(t > landed for r in records for t in r.times):
+        return True
+    whole = all(r.done and (not r.times or r.times[-1] <= landed) for r in records)
+    return whole and len(records) >= (planned_requests(events) or 0)
+
+
+def planned_requests(events: Sequence[Event]) -> int | None:
+    """How many requests the load generator planned to send (``load_started``)."""
+    started = next((e for e in events if e.event == "load_started"), None)
+    planned = started.fields.get("requests") if started is not None else None
+    return planned if isinstance(planned, int) and not isinstance(planned, bool) else None
+
+
 def serving(events: Sequence[Event]) -> dict[str, float | int | None]:
     records = requests(events)
-    t_fault = first_fault_time(events)
+    # Requests the load planned but never sent: the run ended under it (the server exited,
+    # or the harness stopped it). They were never served, so they are lost, and never got a
+    # first token; counting only the requests sent would pass a server that died between
+    # two arrivals with everything it had been sent finished.
+    unsent = max((planned_requests(events) or 0) - len(records), 0)
     # Over every request, not only the ones that got a token: a request that never got its
     # first token, or whose tokens stopped before it finished, waited longer than any budget,
     # and counts as such (math.inf). A percentile that lands on one is no value (None), and
     # the latency check says how many requests it was.
-    never = sum(1 for r in records if not r.times and r.max_tokens > 0)
+    never = sum(1 for r in records if not r.times and r.max_tokens > 0) + unsent
     stalled = sum(1 for r in records if r.times and not r.done)
     ttft = [r.times[0] - r.sent for r in records if r.times] + [math.inf] * never
     tpot = [b - a for r in records for a, b in itertools.pairwise(r.times)] \
@@ -665,9 +717,10 @@ def serving(events: Sequence[Event]) -> dict[str, float | int | None]:
     lost = [r for r in records if not r.done or len(r.tokens) < r.max_tokens]
     return {
         "time_to_detect_s": time_to_detect(events),
-        "time_to_recover_s": serving_time_to_recover(records, t_fault),
-        "requests": len(records),
-        "lost_requests": len(lost),
+        "time_to_recover_s": serving_recovery(records, events),
+        "requests": len(records) + unsent,
+        "unsent_requests": unsent,
+        "lost_requests": len(lost) + unsent,
         "lost_tokens": sum(max(r.max_tokens - len(r.tokens), 0) for r in lost),
         "duplicated_tokens": sum(r.duplicates for r in records),
         "unindexed_requests": sum(1 for r in records if r.unindexed),

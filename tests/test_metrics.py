@@ -162,6 +162,42 @@ def test_a_world_that_failed_did_not_recover() -> None:
     assert metrics.time_to_recover(fine, 2) == pytest.approx(0.05)
 
 
+def test_recovery_is_from_every_fault_not_only_the_first() -> None:
+    # Killed at 1.05, the world restarts and is whole at step 7 in generation 1 (t=3.0);
+    # at 4.0 a second fault freezes rank 1 for good. Nothing replaces generation 1 and it
+    # reports no failure: it just stops. Whole once between the faults is no recovery from
+    # the second: recovery was not observed.
+    frozen = [e for e in restart_timeline() if e.t < 4.0 or e.event != "step"]
+    events = timeline(frozen, ev(4.0, "fault_injected", rank=1, applied_at=4.01),
+                      step(4.05, 17, 0, gen=1), ev(30.0, "timeout", after_s=30.0))
+    found = metrics.recovery(events, 2)
+    assert found.seconds is None, found
+    assert "after the last fault" in found.reason
+    # The second freeze thawed, every rank commits again: recovered from both, timed from
+    # the first fault (the world was whole at step 17 in between; what counts is after).
+    thawed = timeline(events[:-1], step(5.0, 17, 1, gen=1), step(5.1, 18, 0, gen=1),
+                      step(5.1, 18, 1, gen=1))
+    assert metrics.time_to_recover(thawed, 2) == pytest.approx(5.0 - 1.05)
+
+
+def test_step_rate_needs_progress_after_the_fault() -> None:
+    from harness.spec import RateFloor
+
+    # 10 steps/s for 4 s, then the fault, and the job exits in failure without another
+    # step. Its windows end at its last step, before the fault: "10 steps/s" would describe
+    # the run before the fault only.
+    events = timeline(steps(0.0, 1, 40, ranks=1, dt=0.1), ev(4.0, "fault_injected", rank=0),
+                      ev(4.2, "run_end", exit_code=1, timed_out=False))
+    expect = Expect(completes=False, step_rate=RateFloor(min=1))
+    check = run_checks(expect, events=events)["step_rate"]
+    assert not check.passed, check
+    assert check.message.startswith("not observed: no step was committed after the fault")
+    # Steps after the fault: measured as before.
+    went_on = timeline(events[:-1], steps(4.3, 41, 60, ranks=1, dt=0.1),
+                       ev(6.5, "run_end", exit_code=0, timed_out=False))
+    assert run_checks(expect, events=went_on)["step_rate"].passed
+
+
 def test_steps_without_world_identity_prove_nothing() -> None:
     found = metrics.recovery(without_identity(restart_timeline()), 2)
     assert found.seconds is None
@@ -431,7 +467,9 @@ def test_min_step_rate_counts_a_stall_the_harness_had_to_stop() -> None:
 def test_step_rate_and_straggler_checks() -> None:
     from harness.spec import RateFloor
 
-    events = [*steps(0.0, 1, 40, ranks=1, dt=0.1), ev(2.0, "straggler_detected", slow_rank=1)]
+    straggle = ev(1.0, "fault_injected", kind="process.straggle", rank=1)
+    events = [*steps(0.0, 1, 40, ranks=1, dt=0.1), straggle,
+              ev(2.0, "straggler_detected", slow_rank=1)]
     slowed = [FaultRecord("process.straggle", "rank 1", 1.0, None)]
     expect = Expect(step_rate=RateFloor(min=5), straggler_named=True)
     checks = {c.name: c for c in evaluate(
@@ -439,7 +477,8 @@ def test_step_rate_and_straggler_checks() -> None:
         faults=slowed, digests={}, baseline=None, events=events)}
     assert checks["step_rate"].passed
     assert checks["straggler_named"].passed
-    wrong = [*steps(0.0, 1, 40, ranks=1, dt=0.1), ev(2.0, "straggler_detected", slow_rank=0)]
+    wrong = [*steps(0.0, 1, 40, ranks=1, dt=0.1), straggle,
+             ev(2.0, "straggler_detected", slow_rank=0)]
     checks = {c.name: c for c in evaluate(
         Expect(step_rate=RateFloor(min=20), straggler_named=True),
         outcome=Outcome(0, False, 4.0), metrics=metrics.compute(wrong, 1),
@@ -447,6 +486,24 @@ def test_step_rate_and_straggler_checks() -> None:
     assert not checks["step_rate"].passed
     assert not checks["straggler_named"].passed
     assert checks["straggler_named"].observed == "rank 0"
+
+
+@pytest.mark.parametrize("named", ["before", "everyone"])
+def test_straggler_named_only_by_a_naming_that_singles_it_out(named: str) -> None:
+    # Naming rank 1 before it was slowed proves nothing about the slowdown; naming every
+    # rank names the slowed one too, and singles out nobody.
+    straggle = ev(1.0, "fault_injected", kind="process.straggle", rank=1)
+    named_at = {"before": [(0.5, 1)], "everyone": [(2.0, 0), (2.0, 1), (2.1, 2)]}[named]
+    events = timeline(steps(0.0, 1, 40, ranks=3, dt=0.1), straggle,
+                      [ev(t, "straggler_detected", slow_rank=r) for t, r in named_at])
+    slowed = [FaultRecord("process.straggle", "rank 1", 1.0, None)]
+    check = next(c for c in evaluate(Expect(completes=False, straggler_named=True),
+                                     outcome=Outcome(0, False, 4.0), metrics={}, faults=slowed,
+                                     digests={}, baseline=None, events=events)
+                 if c.name == "straggler_named")
+    assert not check.passed, check
+    assert {"before": "before it was slowed", "everyone": "ranks 0, 2, which were not "
+            "slowed"}[named] in check.message
 
 
 def test_xid_action_check_wants_nvidias_action() -> None:

@@ -382,3 +382,73 @@ def test_twin_key_ignores_test_hooks_and_client_patience_but_not_the_rest() -> N
     other_env = parse_scenario(base % "env: {PYTHONPATH: /y}")
     assert baseline_key(spec, 0) == baseline_key(hooked, 0) == baseline_key(patient, 0)
     assert baseline_key(spec, 0) != baseline_key(other_env, 0)
+
+
+def test_requests_the_load_never_sent_are_lost() -> None:
+    # The server died at the fault between two arrivals: the 6 requests sent before it had
+    # all finished, and the run ended with the server, before the load generator sent the
+    # other 10 of the 16 it planned. "All 6 requests completed" would pass a server that
+    # never served again; the 10 never sent are lost, and they never got a first token.
+    served = [done(f"r{i}", 0.1 * i, [0.1 * i + 0.05, 0.1 * i + 0.06]) for i in range(6)]
+    events = [ev(0.0, "load_started", requests=16),
+              *[ev(0.1 * i, "request_sent", request=f"r{i}") for i in range(6)], *served,
+              ev(0.7, "fault_injected", "harness", kind="process.kill"),
+              ev(0.8, "run_end", "harness", exit_code=1)]
+    m = metrics.serving(events)
+    assert (m["requests"], m["unsent_requests"], m["lost_requests"]) == (16, 10, 10)
+    assert m["requests_without_first_token"] == 10
+    assert m["ttft_p99_s"] is None
+    result = _results(events, {})["no_lost_requests"]
+    assert not result.passed, result
+    assert "10 of 16 requests did not complete" in result.message
+    assert "10 were never sent" in result.message
+    assert "16 of 16" not in _latency(events)["latency.ttft_p99"].message
+    assert "10 of 16 requests never got a first token" in \
+        _latency(events)["latency.ttft_p99"].message
+    # A load served whole: every planned request was sent, nothing is lost.
+    whole = [ev(0.0, "load_started", requests=6), *served]
+    assert metrics.serving(whole)["lost_requests"] == 0
+    assert _results(whole, {})["no_lost_requests"].passed
+
+
+def _in_flight(rid: str, sent: float, times: list[float]) -> list[Event]:
+    return [ev(sent, "request_sent", request=rid), done(rid, sent, times)]
+
+
+def test_time_to_recover_waits_for_the_requests_every_fault_hit() -> None:
+    # Worker 0 is killed at 1.0 and its request streams again at 1.5; worker 1 is frozen at
+    # 2.0 and its request never gets another token. Recovery from the first fault alone
+    # (0.5 s) is no recovery of the run.
+    events = sorted([
+        ev(0.0, "load_started", requests=2),
+        *_in_flight("a", 0.0, [0.1, 0.9, 1.5, 1.6]),
+        ev(0.0, "request_sent", request="b"),
+        _failed("b", 0.0, [0.1, 1.9]),
+        ev(1.0, "fault_injected", "harness", kind="process.kill"),
+        ev(2.0, "fault_injected", "harness", kind="process.freeze"),
+    ], key=lambda e: e.t)
+    assert metrics.serving(events)["time_to_recover_s"] is None
+    # Had b streamed again at 2.7, the run recovered from both 1.7 s after the first fault.
+    healed = [e for e in events if e.fields.get("request") != "b" or e.event == "request_sent"]
+    healed.append(done("b", 0.0, [0.1, 1.9, 2.7, 2.8]))
+    assert metrics.serving(sorted(healed, key=lambda e: e.t))["time_to_recover_s"] == \
+        pytest.approx(1.7)
+
+
+def test_no_duplicated_tokens_needs_the_server_to_stream_after_the_fault() -> None:
+    # Killed at 1.0 with request a in flight, and never a token again: no token was sent
+    # twice because none was sent at all.
+    events = [ev(0.0, "load_started", requests=1), ev(0.0, "request_sent", request="a"),
+              ev(1.0, "fault_injected", "harness", kind="process.kill", applied_at=1.0),
+              _failed("a", 0.0, [0.1, 0.9])]
+    result = _results(events, {})["no_duplicated_tokens"]
+    assert not result.passed, result
+    assert result.message.startswith("not observed: no token arrived after the fault")
+    # The same request resumed after the fault: now there is something to count.
+    resumed = [*events[:3], done("a", 0.0, [0.1, 0.9, 1.5, 1.6])]
+    assert _results(resumed, {})["no_duplicated_tokens"].passed
+    # A fault after the load was served hit nothing in flight: nothing to resume, and
+    # every token was counted.
+    after = [ev(0.0, "load_started", requests=1), *_in_flight("a", 0.0, [0.1, 0.2]),
+             ev(1.0, "fault_injected", "harness", kind="process.kill")]
+    assert _results(after, {})["no_duplicated_tokens"].passed
