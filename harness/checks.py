@@ -413,23 +413,41 @@ def _checkpoint_durable(events: Sequence[Event]) -> CheckResult:
         return CheckResult(name, False, None, "a checkpoint saved before the fault",
                            "not observed: the system reported no checkpoint saved before the "
                            "fault, so none had to survive it")
-    saved_t, last = max(saved, key=lambda item: item[1])
-    expected = f"resume from step >= {last}, none rejected"
+    faults = [e.t for e in events if e.event == "fault_injected"]
+    saves = [(e.t, e.fields["step"]) for e in events if e.event == "checkpoint_saved"
+             and isinstance(e.fields.get("step"), int)]
+
+    def owed(t: float) -> tuple[float, int, float]:
+        """What a resume at ``t`` must keep: the newest checkpoint saved before the last
+        fault before it (its time, its step), and that fault's time."""
+        before = max(f for f in faults if f < t)
+        when, step = max(((w, s) for w, s in saves if w < before), key=lambda item: item[1])
+        return when, step, before
+
     loads = [e for e in events if e.event == "checkpoint_loaded" and e.t > fault.t
              and isinstance(e.fields.get("step"), int)]
+    last = max(step for _, step in saved)
     if not loads:
-        return CheckResult(name, False, "no resume", expected,
-                           "not observed: the system reported no checkpoint_loaded after the "
-                           "fault (it started over, or never restarted)")
+        return CheckResult(name, False, "no resume", f"resume from step >= {last}, none "
+                           "rejected", "not observed: the system reported no "
+                           "checkpoint_loaded after the fault (it started over, or never "
+                           "restarted)")
+    # Each resume against the fault it followed: what was saved before a second fault must
+    # survive that one too, not only what was saved before the first.
+    short = [(e, *owed(e.t)) for e in loads if e.fields["step"] < owed(e.t)[1]]
+    last = max(owed(e.t)[1] for e in loads)
+    expected = f"resume from step >= {last}, none rejected"
     oldest = min(loads, key=lambda e: e.fields["step"])
     step = oldest.fields["step"]
-    who = f"rank {oldest.rank}" if oldest.rank is not None else oldest.source
-    if step < last:
+    if short:
+        load, saved_t, owed_step, before = min(short, key=lambda item: item[0].fields["step"])
+        who = f"rank {load.rank}" if load.rank is not None else load.source
         return CheckResult(
-            name, False, f"resumed from step {step}", expected,
-            f"{who} resumed from step {step}, older than step {last}, which the system "
-            f"reported saved {fault.t - saved_t:.2f}s before the fault: a checkpoint it called "
-            "committed did not survive")
+            name, False, f"resumed from step {load.fields['step']}",
+            f"resume from step >= {owed_step}, none rejected",
+            f"{who} resumed from step {load.fields['step']}, older than step {owed_step}, "
+            f"which the system reported saved {before - saved_t:.2f}s before the fault: a "
+            "checkpoint it called committed did not survive")
     rejected = [e for e in events if e.event == "checkpoint_skipped" and e.t > fault.t]
     if rejected:
         first = rejected[0]
@@ -438,9 +456,10 @@ def _checkpoint_durable(events: Sequence[Event]) -> CheckResult:
             name, False, f"{len(rejected)} rejected", expected,
             f"{by} had to reject {first.fields.get('path')} ({first.fields.get('reason')}): "
             "the writer left a checkpoint behind that was not whole")
+    which = "the newest saved before the fault it followed" if len(faults) > 1 else \
+        "the newest saved before the fault"
     return CheckResult(name, True, f"resumed from step {step}", expected,
-                       f"resumed from step {step} (the newest saved before the fault: {last}), "
-                       "none rejected")
+                       f"resumed from step {step} ({which}: {last}), none rejected")
 
 
 def _straggler_named(events: Sequence[Event]) -> CheckResult:

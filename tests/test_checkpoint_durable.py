@@ -53,6 +53,23 @@ def test_resuming_from_an_older_checkpoint_fails() -> None:
     assert "did not survive" in result.message
 
 
+def test_each_fault_must_keep_what_was_saved_before_it() -> None:
+    # Killed at 3.5, the job resumes from 30 and saves 40 and 50; killed again at 6.5, it
+    # resumes from 40: step 50, saved before the second fault, did not survive it. Judged
+    # by the first fault alone (resume from >= 30) this passed.
+    second = [ev(4.0, "checkpoint_loaded", 0, step=30),
+              ev(5.0, "checkpoint_saved", 0, step=40), ev(6.0, "checkpoint_saved", 0, step=50),
+              ev(6.5, "fault_injected", kind="process.kill")]
+    result = check([*SAVED, FAULT, *second, ev(8.0, "checkpoint_loaded", 0, step=40)])
+    assert not result.passed, result
+    assert "rank 0 resumed from step 40, older than step 50" in result.message
+    assert check([*SAVED, FAULT, *second, ev(8.0, "checkpoint_loaded", 0, step=50)]).passed
+    # A second kill inside the restore, before anything new was saved: 30 still stands.
+    restore = [ev(3.8, "fault_injected", kind="process.kill"),
+               ev(8.0, "checkpoint_loaded", 0, step=30)]
+    assert check([*SAVED, FAULT, *restore]).passed
+
+
 @pytest.mark.parametrize(("events", "says"), [
     ([*SAVED, FAULT], "reported no checkpoint_loaded after the fault"),
     ([*SAVED, ev(9.0, "checkpoint_loaded", 0, step=30)], "no fault landed"),
