@@ -66,6 +66,15 @@ def detection(events: Sequence[Event]) -> Event | None:
     return next((e for e in events if e.event == "failure_detected" and e.t >= t_fault), None)
 
 
+def detections(events: Sequence[Event]) -> list[tuple[Event, Event | None]]:
+    """Each fault injected, with the first event at or after it in which the system
+    acknowledges a failure (None: none followed it)."""
+    ordered = sorted(events, key=lambda e: e.t)
+    found = [e for e in ordered if e.event == "failure_detected"]
+    return [(f, next((d for d in found if d.t >= f.t), None))
+            for f in ordered if f.event == "fault_injected"]
+
+
 def time_to_detect(events: Sequence[Event]) -> float | None:
     """Fault injected -> first event in which the system acknowledges a failure."""
     t_fault = first_fault_time(events)
