@@ -660,7 +660,9 @@ def serving_time_to_recover(records: Sequence[RequestRecord], t_fault: float | N
     ends it is its recovery. Tokens the dying worker had already sent can still arrive
     just after the fault; taking the end of the longest wait, not the first token after
     the fault, keeps them from passing for recovery. The slowest request counts; None if
-    one of them never got another token, or if no request was in flight (then the fault
+    one of them never got another token or never finished (its last wait never ended: a
+    token or two from a replacement that died too is no recovery), or if no request was in
+    flight (then the fault
     hit nothing a client could see, and a budget on it would pass vacuously)."""
     if t_fault is None:
         return None
@@ -672,8 +674,8 @@ def serving_time_to_recover(records: Sequence[RequestRecord], t_fault: float | N
             continue  # finished before the fault
         points = (r.sent, *r.times)
         waits = [(b - a, b) for a, b in itertools.pairwise(points) if b > t_fault]
-        if not waits:
-            return None
+        if not waits or not r.done:
+            return None  # it never streamed again, or its last wait never ended
         _, resumed = max(waits)
         worst = max(worst or 0.0, resumed - t_fault)
     return worst

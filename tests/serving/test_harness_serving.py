@@ -435,6 +435,18 @@ def test_time_to_recover_waits_for_the_requests_every_fault_hit() -> None:
         pytest.approx(1.7)
 
 
+def test_a_request_that_streamed_once_more_and_then_died_did_not_recover() -> None:
+    # Killed at 1.0: request a gets one more token at 1.5 from the replacement, which then
+    # dies too, and a never finishes. Its last wait never ended: no recovery, whatever
+    # the token at 1.5 looked like.
+    events = [ev(0.0, "load_started", requests=1), ev(0.0, "request_sent", request="a"),
+              ev(1.0, "fault_injected", "harness", kind="process.kill"),
+              _failed("a", 0.0, [0.1, 0.9, 1.5])]
+    assert metrics.serving(events)["time_to_recover_s"] is None
+    finished = [*events[:3], done("a", 0.0, [0.1, 0.9, 1.5, 1.6])]
+    assert metrics.serving(finished)["time_to_recover_s"] == pytest.approx(0.5)
+
+
 def test_no_duplicated_tokens_needs_the_server_to_stream_after_the_fault() -> None:
     # Killed at 1.0 with request a in flight, and never a token again: no token was sent
     # twice because none was sent at all.
