@@ -81,7 +81,7 @@ def evaluate(
         results.append(_params_match(digests, baseline, expect.params_match))
     if expect.time_to_detect:
         results.append(_time_to_detect(expect.time_to_detect, _f(metrics.get("time_to_detect_s")),
-                                       events or ()))
+                                       events or (), world))
     if expect.time_to_recover:
         results.append(_time_to_recover(_f(metrics.get("time_to_recover_s")),
                                         expect.time_to_recover.max.total_seconds(),
@@ -196,14 +196,16 @@ def _lost_steps(lost: float | int | None, limit: int, events: Sequence[Event]) -
 
 
 def _time_to_detect(budget: DetectBudget, observed: float | None,
-                    events: Sequence[Event]) -> CheckResult:
+                    events: Sequence[Event], world: int | None = None) -> CheckResult:
     """The budget, and with ``cause``: the first detection must be by one of those causes
     (the fault was caught by the mechanism meant for it, not by a slower fallback). With
     several faults, each must be followed by a detection (its first ``failure_detected``
-    at or after it) within the budget, by one of the causes: the slowest is shown."""
-    pairs = _metrics.detections(events)
-    if len(pairs) > 1:
-        return _each_detected(budget, pairs)
+    at or after it) within the budget, by one of the causes, unless the system rode
+    through it (``metrics.detections``); at least one must be detected. The slowest is
+    shown."""
+    found = _metrics.detections(events, world)
+    if len(found) > 1:
+        return _each_detected(budget, found)
     result = _budget("time_to_detect", observed, budget.max.total_seconds(), "detection")
     if budget.cause is None or observed is None:
         return result
@@ -220,24 +222,28 @@ def _time_to_detect(budget: DetectBudget, observed: float | None,
                        f"{result.message}, by {cause}")
 
 
-def _each_detected(budget: DetectBudget, pairs: Sequence[tuple[Event, Event | None]]
+def _each_detected(budget: DetectBudget, found: Sequence[_metrics.FaultDetection]
                    ) -> CheckResult:
-    n = len(pairs)
+    n = len(found)
 
     def which(i: int) -> str:
-        kind = pairs[i][0].fields.get("kind")
+        kind = found[i].fault.fields.get("kind")
         return f"fault {i + 1} of {n}" + (f" ({kind})" if kind else "")
 
     wanted = " or ".join(budget.cause) if budget.cause is not None else None
     expected = f"<= {format_duration(budget.max.total_seconds())}" + (
         f" by {wanted}" if wanted else "") + " after each fault"
-    missing = [i for i, (_, found) in enumerate(pairs) if found is None]
+    missing = [i for i, f in enumerate(found) if f.detected is None and not f.rode_through]
     if missing:
         return CheckResult("time_to_detect", False, None, expected,
                            f"not observed: {which(missing[0])} was never followed by a "
-                           "failure_detected")
-    taken = [(found.t - fault.t, i, str(found.fields.get("cause")))
-             for i, (fault, found) in enumerate(pairs) if found is not None]
+                           "failure_detected, and the system did not ride through it")
+    taken = [(f.detected.t - f.fault.t, i, str(f.detected.fields.get("cause")))
+             for i, f in enumerate(found) if f.detected is not None]
+    if not taken:
+        return CheckResult("time_to_detect", False, None, expected,
+                           "not observed: the system rode through every fault; nothing was "
+                           "detected")
     if budget.cause is not None:
         for seconds, i, cause in taken:
             if not budget.admits(cause):
@@ -246,10 +252,13 @@ def _each_detected(budget: DetectBudget, pairs: Sequence[tuple[Event, Event | No
                                    f"{which(i)} was detected by {cause} after "
                                    f"{format_duration(seconds)}, not by {wanted}")
     seconds, i, cause = max(taken)
+    rode = [j + 1 for j, f in enumerate(found) if f.rode_through]
     result = _budget("time_to_detect", seconds, budget.max.total_seconds(),
                      f"detection of {which(i)}, the slowest,")
     return CheckResult("time_to_detect", result.passed, result.observed, expected,
-                       result.message + (f", by {cause}" if wanted else ""))
+                       result.message + (f", by {cause}" if wanted else "")
+                       + (f"; rode through fault {', '.join(map(str, rode))} without a "
+                          "failure" if rode else ""))
 
 
 def _time_to_recover(observed: float | None, limit_s: float, events: Sequence[Event] | None,

@@ -66,13 +66,65 @@ def detection(events: Sequence[Event]) -> Event | None:
     return next((e for e in events if e.event == "failure_detected" and e.t >= t_fault), None)
 
 
-def detections(events: Sequence[Event]) -> list[tuple[Event, Event | None]]:
-    """Each fault injected, with the first event at or after it in which the system
-    acknowledges a failure (None: none followed it)."""
+@dataclass(frozen=True, slots=True)
+class FaultDetection:
+    """One fault, and what answered it: the first ``failure_detected`` at or after it
+    (None: none did), or, when nothing was detected before the next fault, that the system
+    rode through it (``rode_through``)."""
+
+    fault: Event
+    detected: Event | None
+    rode_through: bool
+
+
+def detections(events: Sequence[Event], world: int | None = None) -> list[FaultDetection]:
+    """Each fault injected, with its detection: the first ``failure_detected`` at or after
+    it. A fault nothing detected before the next one landed may have needed nothing: the
+    system rode through it (a 1 s hang under a 3 s timeout) when every rank of the world
+    that was committing before it committed a step in that same world after it had landed
+    and before the next fault (for serving: every request in flight at it finished, with
+    its stall over before the next fault). Such a fault does not take the next fault's
+    detection as its own."""
     ordered = sorted(events, key=lambda e: e.t)
     found = [e for e in ordered if e.event == "failure_detected"]
-    return [(f, next((d for d in found if d.t >= f.t), None))
-            for f in ordered if f.event == "fault_injected"]
+    faults = [e for e in ordered if e.event == "fault_injected"]
+    serving = is_serving(ordered)
+    reading = None if serving else Reading.of(ordered)
+    records = requests(ordered) if serving else []
+    size = None if serving else full_world(ordered, world)
+    over = run_over(ordered)
+    out = []
+    for i, fault in enumerate(faults):
+        nxt = faults[i + 1].t if i + 1 < len(faults) else over
+        detected = next((d for d in found if d.t >= fault.t), None)
+        if detected is not None and detected.t < nxt:
+            out.append(FaultDetection(fault, detected, False))
+            continue
+        applied = fault.fields.get("applied_at")
+        landed = max(fault.t, float(applied)) if isinstance(applied, int | float) else fault.t
+        if serving:
+            taken = serving_time_to_recover(records, fault.t)
+            rode = taken is not None and fault.t + taken < nxt
+        else:
+            assert reading is not None
+            rode = _rode_through(reading, fault.t, landed, nxt, size)
+        out.append(FaultDetection(fault, None if rode else detected, rode))
+    return out
+
+
+def _rode_through(reading: Reading, t_fault: float, landed: float, until: float,
+                  size: int | None) -> bool:
+    """Every rank of the world committing before ``t_fault`` committed one step in that
+    same (named) world after ``landed`` and before ``until``."""
+    before = [c for c in reading.commits if c.t < t_fault]
+    if not before or not size or before[-1].world is None:
+        return False
+    world = before[-1].world
+    ranks: dict[int, set[int]] = defaultdict(set)
+    for c in reading.commits:
+        if c.world == world and c.proven and landed < c.t < until:
+            ranks[c.step].add(c.rank)
+    return any(len(r) >= size for r in ranks.values())
 
 
 def time_to_detect(events: Sequence[Event]) -> float | None:

@@ -390,11 +390,38 @@ def test_time_to_detect_needs_every_fault_detected() -> None:
     # Killed at 1.05 and detected at 1.2; the restarted world is frozen at 4.0 and the
     # system never says so. A budget met by the first detection alone is not met by the run.
     budget = Expect(completes=False, time_to_detect=Budget(max=timedelta(seconds=1)))
-    frozen = timeline(restart_timeline(), ev(4.0, "fault_injected", rank=1))
+    before = [e for e in restart_timeline() if e.t < 4.0 or e.event != "step"]
+    frozen = timeline(before, ev(4.0, "fault_injected", rank=1))
     check = run_checks(budget, events=frozen)["time_to_detect"]
     assert not check.passed, check
-    assert "not observed: fault 2 of 2 was never followed by a failure_detected" in \
-        check.message
+    assert "not observed: fault 2 of 2 was never followed by a failure_detected, and the " \
+        "system did not ride through it" in check.message
+    # A fault the system rode through needs no detection: a 1 s hang under its timeout,
+    # after which every rank of the same world committed again.
+    rode = timeline(restart_timeline(), ev(4.0, "fault_injected", rank=1))
+    check = run_checks(budget, events=rode)["time_to_detect"]
+    assert check.passed, check
+    assert "rode through fault 2" in check.message
+    # ... also when it came first: it does not take the later fault's detection as its own.
+    first = timeline(steps(0.0, 1, 10), ev(0.25, "fault_injected", rank=1),
+                     ev(1.05, "fault_injected", rank=1),
+                     ev(1.2, "failure_detected", rank=0, generation=0))
+    check = run_checks(budget, events=first)["time_to_detect"]
+    assert check.passed, check
+    assert check.observed == pytest.approx(0.15)
+    # Two kills a moment apart, one detection after both: it answers both.
+    both = timeline(steps(0.0, 1, 10), ev(1.05, "fault_injected", rank=0),
+                    ev(1.06, "fault_injected", rank=1),
+                    ev(1.2, "failure_detected", rank=0, generation=0))
+    check = run_checks(budget, events=both)["time_to_detect"]
+    assert check.passed, check
+    assert check.observed == pytest.approx(0.15)
+    # A system that rode through everything detected nothing: not observed.
+    quiet = timeline(steps(0.0, 1, 30), ev(0.25, "fault_injected", rank=1),
+                     ev(1.05, "fault_injected", rank=1))
+    check = run_checks(budget, events=quiet)["time_to_detect"]
+    assert not check.passed
+    assert "rode through every fault" in check.message
     # Detected 0.5 s later: the slowest detection is what the budget judges.
     seen = timeline(frozen, ev(4.5, "failure_detected", rank=0, generation=1))
     check = run_checks(budget, events=seen)["time_to_detect"]
