@@ -391,14 +391,17 @@ def _xid_action(events: Sequence[Event]) -> CheckResult:
                 == "gpu.xid"]
     expected, observed, wrong = [], [], []
     has_steps = any(e.event == "step" for e in events)
+    used: set[int] = set()  # each answer answers one Xid: two Xids need two
     for fault in injected:
         code = _xid_code(fault)
         want = str(CATALOG[code].action) if code is not None and code in CATALOG else "?"
         expected.append(f"{code}:{want}")
         pid = fault.fields.get("pid")
         reply = next((a for a in events if a.event == "xid_action" and a.t >= fault.t
-                      and a.fields.get("code") == code and a.fields.get("pid") in (pid, None)),
-                     None)
+                      and id(a) not in used and a.fields.get("code") == code
+                      and a.fields.get("pid") in (pid, None)), None)
+        if reply is not None:
+            used.add(id(reply))
         got = str(reply.fields.get("action")) if reply else "none reported"
         if reply is None or got != want:
             observed.append(f"{code}:{got}")

@@ -583,6 +583,27 @@ def test_xid_action_check_wants_nvidias_action() -> None:
     assert not check().passed  # a system that ignores the Xid fails
 
 
+def test_each_xid_needs_its_own_answer() -> None:
+    # Xid 63 (row remapping: action none) twice on one process, 50 ms apart, answered once
+    # after both: the one answer must not count for both.
+    xids = [ev(t, "fault_injected", kind="gpu.xid", rank=0, pid=7, params={"code": 63})
+            for t in (1.0, 1.05)]
+    answer = ev(1.1, "xid_action", code=63, action="none", pid=7)
+    went_on = [ev(t, "step", step=n, rank=0, pid=7) for n, t in enumerate((1.5, 2.5, 3.0))]
+
+    def check(*events: Event):  # type: ignore[no-untyped-def]
+        (result,) = evaluate(Expect(completes=False, xid_action=True),
+                             outcome=Outcome(0, False, 1.0), metrics={}, faults=[],
+                             digests={}, baseline=None,
+                             events=timeline(*xids, *events, *went_on))
+        return result
+
+    once = check(answer)
+    assert not once.passed, once
+    assert "Xid 63: expected none, got none reported" in once.message
+    assert check(answer, ev(1.2, "xid_action", code=63, action="none", pid=7)).passed
+
+
 def test_single_history_check_fails_a_split_brain() -> None:
     expect = Expect(completes=False, single_history=True)
     assert run_checks(expect)["single_history"].passed
