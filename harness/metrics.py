@@ -713,14 +713,17 @@ def serving_time_to_recover(records: Sequence[RequestRecord], t_fault: float | N
     just after the fault; taking the end of the longest wait, not the first token after
     the fault, keeps them from passing for recovery. The slowest request counts; None if
     one of them never got another token or never finished (its last wait never ended: a
-    token or two from a replacement that died too is no recovery), or if no request was in
-    flight (then the fault
+    token or two from a replacement that died too is no recovery), or if a request sent
+    after the fault never finished (the server stopped serving new work), or if no request
+    was in flight (then the fault
     hit nothing a client could see, and a budget on it would pass vacuously)."""
     if t_fault is None:
         return None
     worst: float | None = None
     for r in records:
         if r.sent >= t_fault:
+            if not r.done:
+                return None  # sent after the fault, never served whole: it never came back
             continue
         if r.done and r.times and r.times[-1] <= t_fault:
             continue  # finished before the fault

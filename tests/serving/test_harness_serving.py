@@ -447,6 +447,19 @@ def test_a_request_that_streamed_once_more_and_then_died_did_not_recover() -> No
     assert metrics.serving(finished)["time_to_recover_s"] == pytest.approx(0.5)
 
 
+def test_a_server_that_serves_no_new_request_after_the_fault_did_not_recover() -> None:
+    # Request a, in flight at the kill, moves and finishes; request c, sent after the kill,
+    # never gets a token (the router stopped accepting work). Every request the fault hit
+    # streamed again, yet the server never served again.
+    events = [ev(0.0, "load_started", requests=2), ev(0.0, "request_sent", request="a"),
+              ev(1.0, "fault_injected", "harness", kind="process.kill"),
+              done("a", 0.0, [0.1, 0.9, 1.5, 1.6]), ev(1.5, "request_sent", request="c"),
+              _failed("c", 1.5, [])]
+    assert metrics.serving(events)["time_to_recover_s"] is None
+    served = [*events[:-1], done("c", 1.5, [1.7, 1.8])]
+    assert metrics.serving(served)["time_to_recover_s"] == pytest.approx(0.5)
+
+
 def test_no_duplicated_tokens_needs_the_server_to_stream_after_the_fault() -> None:
     # Killed at 1.0 with request a in flight, and never a token again: no token was sent
     # twice because none was sent at all.
