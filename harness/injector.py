@@ -146,11 +146,17 @@ class Injector:
         self.records.append(FaultRecord(spec.kind, spec.target.describe(), None, None,
                                         f"could not be applied: {reason}", index))
 
-    def unreached(self, index: int) -> None:
+    def unreached(self, index: int, repetition: tuple[int, int] | None = None) -> None:
+        """Fault ``index`` never fired; ``repetition`` (k, of n): its k-th repetition."""
         spec = self._faults[index]
+        if repetition is not None:
+            k, n = repetition
+            detail = f"repetition {k} of {n} never came: the run ended first"
+        else:
+            detail = (f"trigger {spec.at.describe()} not reached, or the target never "
+                      "appeared")
         self.records.append(FaultRecord(spec.kind, spec.target.describe(), None, None,
-                                        f"trigger {spec.at.describe()} not reached, or the "
-                                        "target never appeared", index))
+                                        detail, index))
 
     def observe(self, event: Event) -> None:
         """What the system's own events mean for the faults: the probe applied an armed

@@ -213,6 +213,8 @@ def execute(
             raise HarnessError("could not revert: " + "; ".join(errors))
     for index in schedule.never_fired():
         injector.unreached(index)
+    for index, k, n in schedule.missing_repeats():
+        injector.unreached(index, (k, n))
     events = sorted(
         (Event.from_json(e) for e in _read_json_lines(run_dir / "events.jsonl")),
         key=lambda e: e.t,

@@ -123,6 +123,17 @@ class Schedule:
     def finished(self, index: int) -> bool:
         return self._state[index].done
 
+    def missing_repeats(self) -> list[tuple[int, int, int]]:
+        """(fault, repetition, of how many) for each repetition of a fault that fired at
+        least once whose later repetitions never came (the run ended first)."""
+        out = []
+        for i, s in enumerate(self._state):
+            every = self._faults[i].every
+            if s.done or not s.times or every is None:
+                continue
+            out += [(i, k, every.times) for k in range(s.times + 1, every.times + 1)]
+        return out
+
     def never_fired(self) -> list[int]:
         """Faults whose trigger never came (or whose target never appeared)."""
         return [i for i, s in enumerate(self._state) if not s.done and not s.times]

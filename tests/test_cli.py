@@ -145,6 +145,27 @@ expect:
 
 
 @pytest.mark.slow
+def test_repetitions_that_never_came_fail_faults_injected(tmp_path: Path) -> None:
+    # Two freezes asked for, an hour apart: the job is over long before the second. It
+    # fired once, so it was not "never fired", and faults_injected passed as 1/1.
+    scenario = quick(tmp_path, "quick-repeat", """\
+faults:
+  - kind: process.freeze
+    target: {rank: 0}
+    at: {step: 3}
+    duration: 100ms
+    every: {time: 1h, times: 2}
+""")
+    proc = cli("run", str(scenario), "--json", "-", "--run-dir", str(tmp_path / "runs"))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    (record,) = json.loads(proc.stdout)
+    (check,) = [c for c in record["checks"] if c["name"] == "faults_injected"]
+    assert not check["passed"], check
+    assert check["observed"] == "1/2"
+    assert "repetition 2 of 2 never came" in check["message"]
+
+
+@pytest.mark.slow
 def test_a_crashing_system_fails_completes(tmp_path: Path) -> None:
     path = tmp_path / "crash.yaml"
     command = f"[{sys.executable}, -c, 'raise SystemExit(3)']"

@@ -66,6 +66,26 @@ def test_every_steps_counts_from_the_step_seen_when_it_fired() -> None:
     assert s.due(at(9.0, step=500)) == []
 
 
+def test_repeats_that_never_came_are_listed() -> None:
+    # Three repetitions asked for; the run ended after the first: two never came. Listed
+    # as never fired they are not (the fault did fire), so a run with 1 of 3 passed
+    # faults_injected as "1/1".
+    s = schedule(KILL + "at: {step: 10}, every: {steps: 20, times: 3}}",
+                 KILL + "at: {step: 5}}")
+    s.fired(0, at(1.0, step=12))
+    s.fired(1, at(1.0, step=12))
+    assert s.never_fired() == []
+    assert s.missing_repeats() == [(0, 2, 3), (0, 3, 3)]
+    s.fired(0, at(2.0, step=33))
+    assert s.missing_repeats() == [(0, 3, 3)]
+    s.fired(0, at(3.0, step=53))
+    assert s.missing_repeats() == []
+    # A fault that failed for good is not missing: its record says why.
+    t = schedule(KILL + "at: {step: 10}, every: {steps: 20, times: 3}}")
+    t.give_up(0)
+    assert t.missing_repeats() == []
+
+
 def test_every_time_counts_from_when_it_fired() -> None:
     s = schedule(KILL + "at: {event: checkpoint_saved}, every: {time: 5s, times: 2}}")
     assert s.due(at(3.0, checkpoint_saved=1)) == [0]
