@@ -85,17 +85,17 @@ def quick(tmp_path: Path, name: str, extra: str = "") -> Path:
     return path
 
 
+def freeze(rank: int, duration: str, rest: str) -> str:
+    """A scenario's faults: one freeze of ``rank`` at step 3; ``rest``: its further keys
+    (indented) or the scenario's ``expect:``."""
+    return ("faults:\n  - kind: process.freeze\n    target: {rank: " + str(rank)
+            + "}\n    at: {step: 3}\n    duration: " + duration + "\n" + rest)
+
+
 @pytest.mark.slow
 def test_run_writes_json_and_junit_and_report_rerenders(tmp_path: Path) -> None:
-    scenario = quick(tmp_path, "quick-pass", """\
-faults:
-  - kind: process.freeze
-    target: {rank: 0}
-    at: {step: 3}
-    duration: 200ms
-expect:
-  time_to_recover: {max: 10s}
-""")
+    scenario = quick(tmp_path, "quick-pass",
+                     freeze(0, "200ms", "expect:\n  time_to_recover: {max: 10s}\n"))
     proc = cli("run", str(scenario), "--json", str(tmp_path / "out.json"),
                "--junit", str(tmp_path / "out.xml"), "--run-dir", str(tmp_path / "runs"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -119,15 +119,8 @@ expect:
 
 @pytest.mark.slow
 def test_failed_check_exits_1_and_names_it(tmp_path: Path) -> None:
-    scenario = quick(tmp_path, "quick-fail", """\
-faults:
-  - kind: process.freeze
-    target: {rank: 1}
-    at: {step: 3}
-    duration: 300ms
-expect:
-  time_to_recover: {max: 1ms}
-""")
+    scenario = quick(tmp_path, "quick-fail",
+                     freeze(1, "300ms", "expect:\n  time_to_recover: {max: 1ms}\n"))
     proc = cli("run", str(scenario), "--json", "-", "--junit", str(tmp_path / "out.xml"),
                "--run-dir", str(tmp_path / "runs"))
     assert proc.returncode == 1
@@ -148,14 +141,8 @@ expect:
 def test_repetitions_that_never_came_fail_faults_injected(tmp_path: Path) -> None:
     # Two freezes asked for, an hour apart: the job is over long before the second. It
     # fired once, so it was not "never fired", and faults_injected passed as 1/1.
-    scenario = quick(tmp_path, "quick-repeat", """\
-faults:
-  - kind: process.freeze
-    target: {rank: 0}
-    at: {step: 3}
-    duration: 100ms
-    every: {time: 1h, times: 2}
-""")
+    scenario = quick(tmp_path, "quick-repeat",
+                     freeze(0, "100ms", "    every: {time: 1h, times: 2}\n"))
     proc = cli("run", str(scenario), "--json", "-", "--run-dir", str(tmp_path / "runs"))
     assert proc.returncode == 1, proc.stdout + proc.stderr
     (record,) = json.loads(proc.stdout)
