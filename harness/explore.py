@@ -312,6 +312,7 @@ class _Search:
         """The schedule's verdict, from an earlier run or a new one. Past the search's
         budget the search ends (_SearchSpent); past the shrinking's, None: the schedule is
         not run and passes for hypothesis, so the best failure stays one really seen."""
+        runner.raise_if_terminating()  # a SIGTERM swallowed inside hypothesis's own code
         if self.stage == "search" and not self.budget_left():
             raise _SearchSpent()
         spec = self.base.spec.model_copy(update={"faults": list(schedule), "explore": None})

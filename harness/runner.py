@@ -86,9 +86,29 @@ class RunInterrupted(KeyboardInterrupt):
         self.exit_code = exit_code  # the shell's convention: 128 + the signal's number
 
 
+#: A SIGTERM arrived while an unwinding context was open; cleared when the outermost ends.
+#: The handler's exception can be lost: Python swallows one raised in a gc callback (which
+#: hypothesis keeps), a ``__del__`` or a weakref callback, and the harness then went on as
+#: if no signal had come. So the signal is also remembered, and raised again where the
+#: harness looks (each turn of a run's loop, before each run of a search, and when the
+#: context ends).
+_terminating = False
+_unwinding_depth = 0
+
+
+def raise_if_terminating() -> None:
+    """Deliver a SIGTERM whose handler's exception was swallowed where it landed."""
+    if _terminating:
+        raise Interrupted()
+
+
 @contextlib.contextmanager
 def _sigterm_unwinds() -> Iterator[None]:
+    global _terminating, _unwinding_depth
+
     def handler(signum: int, frame: object) -> None:
+        global _terminating
+        _terminating = True
         raise Interrupted()
 
     try:
@@ -96,10 +116,16 @@ def _sigterm_unwinds() -> Iterator[None]:
     except ValueError:  # not the main thread: the caller owns signal handling
         yield
         return
+    _unwinding_depth += 1
     try:
+        raise_if_terminating()
         yield
+        raise_if_terminating()
     finally:
         signal.signal(signal.SIGTERM, previous)
+        _unwinding_depth -= 1
+        if _unwinding_depth == 0:
+            _terminating = False
 
 
 @dataclass
@@ -295,6 +321,7 @@ class _Loop:
 
     def run(self) -> None:
         while True:
+            raise_if_terminating()
             now = time.monotonic()
             for index, exc in self.triggers.poll():
                 if not self.schedule.finished(index):
