@@ -54,12 +54,22 @@ def prune_before_commit(checkpoint: ModuleType) -> None:
 def quarantine_on_failed_agreement(checkpoint: ModuleType) -> None:
     """When the ranks fail to agree on the checkpoint to resume from, rank 0 blames the
     checkpoint and deletes it so that the next restart does not try it again. A peer that
-    dies during the agreement then costs a good checkpoint."""
+    dies during the agreement then costs a good checkpoint.
+
+    The deletion always happens: torchrun's SIGTERM, which the launcher sends once it sees
+    the dead peer (within its 0.1 s monitor interval), waits until it is done. Otherwise a
+    rank 0 that a busy host did not schedule in time ended at the SIGTERM first, the
+    defect never happened, and the run rightly passed: the one way this scenario resumes
+    from step 20 again, which CI saw once."""
+    import signal
+
     load_latest = checkpoint.load_latest
 
     def broken(root: Path, meta: Any, group: Any) -> Any:
         import torch.distributed as dist
 
+        held: list[int] = []
+        previous = signal.signal(signal.SIGTERM, lambda signum, frame: held.append(signum))
         try:
             return load_latest(root, meta, group)
         except RuntimeError:
@@ -67,6 +77,10 @@ def quarantine_on_failed_agreement(checkpoint: ModuleType) -> None:
             if dist.get_rank(group) == 0 and newest:
                 shutil.rmtree(newest[0][1], ignore_errors=True)
             raise
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            if held:
+                os.kill(os.getpid(), signal.SIGTERM)
 
     checkpoint.load_latest = broken
 
