@@ -79,6 +79,24 @@ class Load(Strict):
     request_timeout: Duration = Field(
         timedelta(seconds=60), description="a request not finished by then is lost"
     )
+    extra_body: dict[str, Any] = Field(
+        default_factory=dict, description="fields added to every request's JSON body, as the "
+        "server takes them: e.g. `{ignore_eos: true}` (vLLM, SGLang), so that a request ends "
+        "at `max_tokens`, not at an end-of-sequence token, and counts as complete")
+
+    @field_validator("extra_body")
+    @classmethod
+    def _not_the_clients_own(cls, value: dict[str, Any]) -> dict[str, Any]:
+        taken = sorted(set(value) & set(CLIENT_FIELDS))
+        if taken:
+            raise ValueError(
+                f"extra_body sets {', '.join(taken)}: the load generator sets it (the fields "
+                f"it sends: {', '.join(CLIENT_FIELDS)}); remove it from extra_body")
+        return value
+
+
+#: What the load generator itself puts in every request's body.
+CLIENT_FIELDS = ("prompt", "max_tokens", "stream", "request_id", "offset")
 
 
 class Ready(Strict):
@@ -174,6 +192,7 @@ class _Progress:
     finished: bool = False
     unindexed: bool = False  # a chunk carried no token_index: counted in order
     ended: bool = False  # the server said the request is complete (finish_reason)
+    finish_reason: str | None = None  # what it said
     error: str = ""
 
 
@@ -263,6 +282,7 @@ class LoadGenerator:
                 "max_tokens": request.max_tokens,
                 "duplicates": progress.duplicates, "gaps": progress.gaps,
                 "resumes": progress.resumes, "unindexed": progress.unindexed,
+                "finish_reason": progress.finish_reason,
             }
             if progress.finished:
                 self.timeline.emit("request_done", source="client", **record)
@@ -272,6 +292,7 @@ class LoadGenerator:
 
     def _stream(self, request: Request, progress: _Progress, deadline: float) -> None:
         body = json.dumps({
+            **self.load.extra_body,
             "prompt": request.prompt, "max_tokens": request.max_tokens, "stream": True,
             "request_id": request.id, "offset": len(progress.tokens),
         })
@@ -334,6 +355,7 @@ class LoadGenerator:
         progress.digests.append(digest if isinstance(digest, str) and digest else None)
         if choice.get("finish_reason"):
             progress.ended = True
+            progress.finish_reason = str(choice["finish_reason"])
         if len(progress.tokens) == 1:
             self.timeline.emit("first_token", source="client", request=request.id)
 
@@ -371,6 +393,8 @@ def twin_key(load: Load) -> dict[str, Any]:
     data: dict[str, Any] = load.model_dump(mode="json")
     for name in LOAD_TIMING:
         data.pop(name, None)
+    if not data.get("extra_body"):
+        data.pop("extra_body", None)  # the keys of loads from before it existed stay valid
     return data
 
 

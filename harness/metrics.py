@@ -610,6 +610,8 @@ class RequestRecord:
     # Some chunk carried no token_index: the client counted tokens in order, so a repeated
     # token could not be told from a new one.
     unindexed: bool = False
+    # The finish_reason the server gave with the last token, if it gave one.
+    finish_reason: str | None = None
 
     @classmethod
     def of(cls, event: Event) -> RequestRecord | None:
@@ -624,7 +626,8 @@ class RequestRecord:
         return cls(str(f.get("request")), event.event == "request_done",
                    float(f.get("sent", event.t)), tuple(int(x) for x in tokens),
                    tuple(float(x) for x in times), int(f.get("max_tokens") or len(tokens)),
-                   int(f.get("duplicates") or 0), digests, bool(f.get("unindexed")))
+                   int(f.get("duplicates") or 0), digests, bool(f.get("unindexed")),
+                   str(f["finish_reason"]) if f.get("finish_reason") else None)
 
 
 def requests(events: Sequence[Event]) -> list[RequestRecord]:
@@ -751,6 +754,15 @@ def streamed_after_faults(events: Sequence[Event]) -> bool:
     return whole and len(records) >= (planned_requests(events) or 0)
 
 
+def ended_early(records: Sequence[RequestRecord]) -> list[RequestRecord]:
+    """The requests the server ended itself before ``max_tokens``, with another
+    finish_reason than ``length`` (``stop``: an end-of-sequence token or a stop string, or a
+    recovery that cut them short). The client cannot tell those apart, so they stay lost;
+    no_lost_requests names them and how to make the server generate every token."""
+    return [r for r in records if r.done and len(r.tokens) < r.max_tokens
+            and r.finish_reason not in (None, "length")]
+
+
 def planned_requests(events: Sequence[Event]) -> int | None:
     """How many requests the load generator planned to send (``load_started``)."""
     started = next((e for e in events if e.event == "load_started"), None)
@@ -788,6 +800,7 @@ def serving(events: Sequence[Event]) -> dict[str, float | int | None]:
         "unsent_requests": unsent,
         "lost_requests": len(lost) + unsent,
         "lost_tokens": sum(max(r.max_tokens - len(r.tokens), 0) for r in lost),
+        "ended_early_requests": len(ended_early(records)),
         "duplicated_tokens": sum(r.duplicates for r in records),
         "unindexed_requests": sum(1 for r in records if r.unindexed),
         "migrated_requests": sum(1 for e in events if e.event == "request_migrated"),

@@ -39,7 +39,11 @@ def _digest(index: int, request: str) -> str | None:
 def serve() -> Iterator[Callable[[Behaviour], str]]:
     servers: list[ThreadingHTTPServer] = []
 
-    def start(behaviour: Behaviour) -> str:
+    def start(behaviour: Behaviour,
+              finish: Callable[[dict[str, Any]], tuple[int | None, str | None]] | None = None
+              ) -> str:
+        """``finish(body)``: (end the stream after this many tokens, the last one's
+        finish_reason); the stream then ends with [DONE]. Default: as ``behaviour`` says."""
         attempts: dict[str, int] = {}
 
         class Handler(BaseHTTPRequestHandler):
@@ -51,14 +55,18 @@ def serve() -> Iterator[Callable[[Behaviour], str]]:
                 rid, offset = body["request_id"], body["offset"]
                 attempts[rid] = attempts.get(rid, 0) + 1
                 indexes, done = behaviour(rid, offset, attempts[rid])
+                end, reason = finish(body) if finish is not None else (None, None)
+                if end is not None:
+                    indexes, done = [i for i in indexes if i < end], True
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")
                 self.end_headers()
                 for i in indexes:
+                    last = done and i == indexes[-1]
                     chunk = {"choices": [{"index": 0, "token_index": i,
                                           "token_ids": [_token(i, rid)], "text": "x",
                                           "logits_digest": _digest(i, rid),
-                                          "finish_reason": None}]}
+                                          "finish_reason": reason if last else None}]}
                     self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
                 if done:
                     self.wfile.write(b"data: [DONE]\n\n")
@@ -151,6 +159,50 @@ def test_client_gives_up_and_the_request_is_lost(serve, tmp_path) -> None:
     m = metrics.serving(_run(serve(drops), tmp_path))
     assert m["lost_requests"] == 1
     assert m["lost_tokens"] == 5
+
+
+def _eos_server(serve_http: Callable[..., str]) -> str:
+    """Ends every stream at token 3 of 5 with `finish_reason: stop` (an end-of-sequence token,
+    as a real model emits), unless the body asks for `ignore_eos` (vLLM's, SGLang's)."""
+    return serve_http(lambda rid, offset, attempt: (list(range(offset, 5)), True),
+                      finish=lambda body: (None, "length") if body.get("ignore_eos")
+                      else (3, "stop"))
+
+
+def test_a_request_the_server_ended_early_is_lost_and_the_check_says_why(
+        serve, tmp_path) -> None:
+    """A stream that the server ends before `max_tokens`, saying `stop`, may be an EOS or a
+    recovery that cut it short: the check cannot tell them apart, so it stays lost, and the
+    message says what happened and how to make the server generate every token."""
+    events = _run(_eos_server(serve), tmp_path)
+    m = metrics.serving(events)
+    assert (m["lost_requests"], m["ended_early_requests"]) == (6, 6)
+    [check] = [r for r in evaluate(parse_scenario(SERVER).expect, outcome=Outcome(0, False, 1.0),
+                                   metrics=m, faults=[], digests={}, baseline=None,
+                                   events=events)
+               if r.name == "no_lost_requests"]
+    assert not check.passed
+    assert "6 of them the server ended early, saying finish_reason 'stop'" in check.message
+    assert "extra_body: {ignore_eos: true}" in check.message
+
+
+def test_extra_body_goes_into_every_request(serve, tmp_path) -> None:
+    load = LOAD.model_copy(update={"extra_body": {"ignore_eos": True}})
+    m = metrics.serving(_run(_eos_server(serve), tmp_path, load))
+    assert (m["lost_requests"], m["ended_early_requests"]) == (0, 0)
+
+
+@pytest.mark.parametrize("key", ["prompt", "max_tokens", "stream", "request_id", "offset"])
+def test_extra_body_cannot_set_what_the_client_sends(key: str) -> None:
+    with pytest.raises(ValueError, match=f"extra_body.*{key}.*the load generator sets it"):
+        Load(extra_body={key: 1})
+
+
+def test_extra_body_is_in_the_twin_key_only_when_given() -> None:
+    from harness.loadgen import twin_key
+
+    assert "extra_body" not in twin_key(Load())
+    assert twin_key(Load(extra_body={"ignore_eos": True}))["extra_body"] == {"ignore_eos": True}
 
 
 # ---------------------------------------------------------- metrics on written timelines
