@@ -135,7 +135,7 @@ def evaluate(
             f"{lost} of {total} requests did not complete ({tokens} tokens of those sent "
             "never arrived" + (f"; {never_sent} were never sent: the run ended before the "
                                "load generator sent them" if never_sent else "")
-            + _ended_early(events or ()) + ")"))
+            + _why_lost(events or ()) + ")"))
     if expect.no_duplicated_tokens:
         dup = metrics.get("duplicated_tokens")
         unindexed = metrics.get("unindexed_requests") or 0
@@ -180,16 +180,20 @@ def _latency(name: str, metrics: Mapping[str, float | int | None], limit_s: floa
                        f"{what} is over any budget: {missing} of {total} requests {how}")
 
 
-def _ended_early(events: Sequence[Event]) -> str:
-    """What no_lost_requests adds about requests the server ended before ``max_tokens``."""
-    early = _metrics.ended_early(_metrics.requests(events))
-    if not early:
-        return ""
-    reasons = " or ".join(sorted({repr(r.finish_reason) for r in early}))
-    return (f"; {len(early)} of them the server ended early, saying finish_reason {reasons}: "
-            "an end-of-sequence token or a stop string, or a recovery that cut them short, "
-            "which the client cannot tell apart; make the server generate every token, e.g. "
-            "`load: {extra_body: {ignore_eos: true}}` for vLLM or SGLang")
+def _why_lost(events: Sequence[Event]) -> str:
+    """What no_lost_requests adds about why requests were lost: the ones the server ended
+    before ``max_tokens``, and the first error a client gave a request up for."""
+    records = _metrics.requests(events)
+    why = ""
+    if early := _metrics.ended_early(records):
+        reasons = " or ".join(sorted({repr(r.finish_reason) for r in early}))
+        why += (f"; {len(early)} of them the server ended early, saying finish_reason "
+                f"{reasons}: an end-of-sequence token or a stop string, or a recovery that cut "
+                "them short, which the client cannot tell apart; make the server generate "
+                "every token, e.g. `load: {extra_body: {ignore_eos: true}}` for vLLM or SGLang")
+    if failed := [r for r in records if r.error]:
+        why += f"; the first failed request, {failed[0].id}: {failed[0].error}"
+    return why
 
 
 def _lost_steps(lost: float | int | None, limit: int, events: Sequence[Event]) -> CheckResult:

@@ -268,7 +268,8 @@ class LoadGenerator:
                 try:
                     self._stream(request, progress, deadline)
                 except (OSError, http.client.HTTPException, _Broken, ValueError) as exc:
-                    progress.error = f"{type(exc).__name__}: {exc}"
+                    progress.error = (str(exc) if isinstance(exc, _Broken)
+                                      else f"{type(exc).__name__}: {exc}")
                     attempts += 1
                     if attempts > self.load.retries:
                         break

@@ -612,6 +612,8 @@ class RequestRecord:
     unindexed: bool = False
     # The finish_reason the server gave with the last token, if it gave one.
     finish_reason: str | None = None
+    # Why the client gave the request up (request_failed), as it recorded it.
+    error: str | None = None
 
     @classmethod
     def of(cls, event: Event) -> RequestRecord | None:
@@ -627,7 +629,9 @@ class RequestRecord:
                    float(f.get("sent", event.t)), tuple(int(x) for x in tokens),
                    tuple(float(x) for x in times), int(f.get("max_tokens") or len(tokens)),
                    int(f.get("duplicates") or 0), digests, bool(f.get("unindexed")),
-                   str(f["finish_reason"]) if f.get("finish_reason") else None)
+                   str(f["finish_reason"]) if f.get("finish_reason") else None,
+                   str(f["error"]) if event.event == "request_failed" and f.get("error")
+                   else None)
 
 
 def requests(events: Sequence[Event]) -> list[RequestRecord]:

@@ -529,3 +529,20 @@ def test_no_duplicated_tokens_needs_the_server_to_stream_after_the_fault() -> No
     after = [ev(0.0, "load_started", requests=1), *_in_flight("a", 0.0, [0.1, 0.2]),
              ev(1.0, "fault_injected", "harness", kind="process.kill")]
     assert _results(after, {})["no_duplicated_tokens"].passed
+
+
+def test_no_lost_requests_quotes_the_first_failure(serve, tmp_path) -> None:
+    """The check says why requests were lost, not only how many: the first failure's error,
+    as its client recorded it (a server whose chunks carry no `token_ids` loses every
+    request, and only the error says so)."""
+    def drops(rid: str, offset: int, attempt: int) -> tuple[list[int], bool]:
+        return ([], False) if rid.endswith("1") else (list(range(offset, 5)), True)
+
+    events = _run(serve(drops), tmp_path, LOAD.model_copy(update={"retries": 0}))
+    [check] = [r for r in evaluate(parse_scenario(SERVER).expect, outcome=Outcome(0, False, 1.0),
+                                   metrics=metrics.serving(events), faults=[], digests={},
+                                   baseline=None, events=events)
+               if r.name == "no_lost_requests"]
+    assert not check.passed
+    assert "the first failed request, req-3-00001: stream ended after 0 tokens" \
+        in check.message, check.message
