@@ -346,6 +346,7 @@ class LocalTarget:
         self._next_scan = 0.0
         self._logs = run_dir / "logs"
         self._reported: dict[int, tuple[int | None, str | None]] = {}
+        self._ranks_in_env = False  # some process of the run has said RANK (rank_processes)
         self.coordinates: dict[int, tuple[int, int]] = {}  # rank -> (replica, shard)
         # Log lines' own times (LogProbe.clock): nothing the run prints can be older than
         # this, and Unix times convert with this one offset, fixed for the whole run.
@@ -596,20 +597,26 @@ class LocalTarget:
         """Rank -> the topmost live process whose environment says ``RANK=rank``.
 
         A rank's own children (data loader workers) inherit ``RANK`` too; the
-        topmost one is the rank. A target without ``RANK`` anywhere is one
-        process: its root is rank 0.
+        topmost one is the rank. A job of one rank (its ``world`` not said to be more)
+        that has never shown ``RANK`` in any process is one process: its root is rank 0.
+        Once a process said ``RANK``, the ranks are those processes: while they are all
+        down (a restart), there is no rank to hit, and the launcher is never taken for one.
         """
         by_rank: dict[int, list[ProcessRef]] = {}
         for ref in self.processes():
             value = process_environ(ref.pid).get("RANK")
             if value is not None and value.isdigit():
                 by_rank.setdefault(int(value), []).append(ref)
+        if by_rank:
+            self._ranks_in_env = True
         result: dict[int, ProcessRef] = {}
         for rank, refs in by_rank.items():
             pids = {r.pid for r in refs}
             top = [r for r in refs if _parent(r.pid) not in pids]
             result[rank] = top[0] if top else refs[0]
-        if not result and self.proc is not None and self.proc.poll() is None:
+        one_rank = self.launch.world is None or self.launch.world == 1
+        if (not result and not self._ranks_in_env and one_rank and self.proc is not None
+                and self.proc.poll() is None):
             root = ProcessRef.of(self.proc.pid)
             if root is not None:
                 result[0] = root
