@@ -39,6 +39,28 @@ def test_spare_loading_a_stale_state_fails_params_match(
     assert not result.passed
 
 
+def test_vote_sent_before_the_average_recomputes_a_committed_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shared_cache: Path
+) -> None:
+    """The loop sends its vote before the gradient all_reduce, as the ``restart`` loop does
+    (it hides the vote's wait). Rank 1's all_reduce raises after its flag went out: shard 0
+    commits step 25, shard 1 never averaged it, and the regrouped world has no member of
+    shard 1 holding it, so every member falls back to the snapshots and computes step 25
+    again. Parameters still end right (the step is deterministic); only `lost_steps` sees
+    that a committed step was done twice."""
+    scenario = ROOT / "scenarios" / "training" / "collective_error_one_shard_hot_spare.yaml"
+    result = run_broken(scenario, tmp_path / "run", monkeypatch, shared_cache,
+                        bug="vote_before_average")
+    found = checks(result)
+    for name in ("completes", "faults_injected", "time_to_detect", "params_match"):
+        assert found[name].passed, found[name].message
+    assert not found["lost_steps"].passed
+    assert found["lost_steps"].observed == 1, found["lost_steps"]
+    resumed = read_events(tmp_path / "run" / "events.jsonl", "checkpoint_loaded")
+    assert {e["step"] for e in resumed} == {24}, resumed  # the snapshots' step
+    assert not result.passed
+
+
 def test_flipped_weight_goes_unnoticed_without_fingerprints(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shared_cache: Path
 ) -> None:

@@ -618,6 +618,8 @@ EVIDENCE: dict[str, Callable[[Run], None]] = {
     # other replica) at the next step.
     "faults/collective_corrupt_nan": _repaired(1, source=3),
     "faults/collective_error_hot_spare": _regrouped("collective_error"),
+    # The same on 2 x 2: shard 0 averages step 25, shard 1 does not, and nobody commits it.
+    "training/collective_error_one_shard_hot_spare": _regrouped("collective_error"),
     "faults/collective_hang_elastic": _regrouped("collective_timeout"),
     "faults/collective_hang_elastic_forever": _wedged_member_fenced,
     "found/kill_before_params_elastic": _killed_before_params,

@@ -153,6 +153,51 @@ def snapshot_without_optimizer(resilient: ModuleType) -> None:
     resilient.Worker.restore_snapshots = broken
 
 
+def vote_before_average(resilient: ModuleType) -> None:
+    """The ``hot_spare`` / ``elastic`` loop sends its vote as soon as its gradients exist,
+    before the gradient all_reduce, as the ``restart`` loop does (trainer.average_gradients;
+    it hides the vote's wait behind the all_reduce). A completed vote then no longer proves
+    that every shard averaged the step: a member that fails inside the all_reduce after its
+    flag went out leaves its shard without the step that the other shards commit, and the
+    world falls back to the snapshots, losing a committed step.
+
+    Main's loop with the vote moved, rewritten from its source (a failure to find the
+    lines below means the loop changed: update this variant)."""
+    import inspect
+    import textwrap
+
+    source = textwrap.dedent(inspect.getsource(resilient.Worker.train))
+    encode = (
+        "vote = encode_vote((nonfinite, self.mismatch, self.plan_ahead > g.gen),\n"
+        "                   len(g.members))\n"
+        "riding = self.fp_pending  # the last fingerprint step's fingerprints ride along\n"
+        "if riding is not None:\n"
+        "    vote = torch.cat([vote, encode_fingerprint(riding[1], world_rank,\n"
+        "                                               len(g.members))])\n"
+    )
+    average = (
+        "g.dp.allreduce([flat]).wait()\n"
+        "self.average(flat, live)\n"
+        "nonfinite = not all_finite(flat)\n"
+    )
+    indent = " " * 8  # the loop's body, in the dedented method
+    encode, average = (textwrap.indent(text, indent) for text in (encode, average))
+    send = indent + "g.star.sum(vote)\n"
+    for text in (encode, average, send):
+        if source.count(text) != 1:
+            raise RuntimeError(f"vote_before_average: the hot_spare loop changed: {text!r}")
+    early = (indent + "nonfinite = not all_finite(flat)\n" + encode
+             + indent + "g.star.start_sum(vote)\n"
+             + textwrap.indent("g.dp.allreduce([flat]).wait()\nself.average(flat, live)\n",
+                               indent))
+    source = source.replace(encode, "").replace(average, early)
+    source = source.replace(send, indent + "g.star.finish_sum(vote)\n")
+    namespace = vars(resilient)  # the method's globals are the module's, as before
+    assert "train" not in namespace
+    exec(compile(source, resilient.__file__, "exec"), namespace)
+    resilient.Worker.train = namespace.pop("train")
+
+
 def fence_by_pid(controller: ModuleType) -> None:
     """The controller fences a silent member by SIGKILL to the pid it reported, wherever the
     member runs. On one host that is right; a member on another node reported its pid in its
@@ -178,6 +223,7 @@ BUGS: dict[str, tuple[str, Callable[[ModuleType], None]]] = {
     "full_average": ("reference_impl.resilient", full_average),
     "snapshot_without_optimizer": ("reference_impl.resilient", snapshot_without_optimizer),
     "fence_by_pid": ("reference_impl.controller", fence_by_pid),
+    "vote_before_average": ("reference_impl.resilient", vote_before_average),
 }
 
 
