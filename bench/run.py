@@ -760,7 +760,10 @@ def target_line(t: dict[str, Any]) -> str:
     if t["met"] is None and str(t["note"]).startswith("not resolved"):
         met = t["note"]
     else:
-        met = {True: "yes", False: "**no**", None: f"not measured ({t['note']})"}[t["met"]]
+        # "In this run": one run's interval does not cover what changes between runs of
+        # the same code (docs/benchmarks.md, "Run J"); a target's status reads all of them.
+        met = {True: "yes, in this run", False: "**no**",
+               None: f"not measured ({t['note']})"}[t["met"]]
     if t["met"] is False and t["note"] == "wrong parameters":
         met += " (wrong parameters)"
     elif t["met"] is not None and str(t["note"]).startswith("the median's"):
