@@ -32,6 +32,7 @@ from typing import Any
 from bench.oracle import expected as expected_digests
 from bench.peers import PEERS, REPLICAS, SHARDS, WORLD, Context, Model, Peer
 from bench.stats import run_order, verdict
+from bench.status import code_identity
 from harness import metrics
 from harness.oracle import read_membership as oracle_membership
 from harness.records import Event
@@ -897,6 +898,7 @@ def main(argv: list[str] | None = None) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda num, frame: sys.exit(128 + num))
     machine = _machine()
+    code = code_identity()  # what the runs measure: `python -m bench.status` compares by it
     runs: dict[str, list[dict[str, Any]]] = {p.name: [] for p in chosen}
     oracle_cache: dict[str, dict[int, str]] = {}  # the same schedule needs one computation
     started = time.monotonic()
@@ -912,6 +914,7 @@ def main(argv: list[str] | None = None) -> int:
             "command": command,
             "complete": done == settings.repeat,
             "machine": {**machine, "loadavg_end": os.getloadavg()},
+            "code": code,
             "model": {"d_model": model.d_model, "hidden": model.hidden, "blocks": model.blocks,
                       "batch_size": model.batch_size, "parameters": model.parameters(),
                       "description": f"reference ParallelMLP d_model={model.d_model} "

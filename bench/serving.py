@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.stats import run_order, verdict
+from bench.status import code_identity
 from harness import metrics
 from harness.records import RunResult
 from harness.runner import run_scenario
@@ -524,6 +525,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[dict[str, Any]]] = {row: [] for row in rows}
     started = time.monotonic()
     loadavg_start = os.getloadavg()
+    code = code_identity()  # what the runs measure: `python -m bench.status` compares by it
     command = "python -m bench.serving" + (
         f" --repeat {args.repeat}" if args.repeat != 3 else "") + (
         f" --requests {args.requests}" if args.requests != 80 else "") + (
@@ -559,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
               "overhead_requests": args.overhead_requests,
               "duration_s": round(time.monotonic() - started, 1),
               "loadavg_start": loadavg_start, "loadavg_end": os.getloadavg(),
-              "cpus": os.cpu_count(), "runs": runs, "summary": summary,
+              "cpus": os.cpu_count(), "code": code, "runs": runs, "summary": summary,
               "overheads": paired, "cpu_overheads": cpu, "router_cpu": alone,
               "verdicts": verdicts(summary, paired, cpu)}
     args.out.mkdir(parents=True, exist_ok=True)
