@@ -121,10 +121,11 @@ def status(records: list[tuple[str, dict[str, Any]]]) -> list[TargetStatus]:
         for v in _verdicts(record):
             met = v.get("met")
             note = str(v.get("note") or "")
-            # The training bench leaves a ratio to a missing peer row without a limit; both
-            # benches say "not measured" where a row a target needs did not run.
-            measured = not (note.startswith("not measured") or note == "a peer row missing"
-                            or ("limit" in v and v["limit"] is None))
+            # A row the target needs did not run: no value ("hot_spare missing", "not
+            # measured (no migrate or fail_stop runs)"), or, in the training bench, a ratio to
+            # a peer row that did not run, left without a limit ("a peer row missing").
+            measured = (v.get("value") is not None and not note.startswith("not measured")
+                        and not ("limit" in v and v["limit"] is None))
             by_target.setdefault(v["target"], []).append(
                 RunVerdict(name, met if isinstance(met, bool) else None, note, measured))
     out = []

@@ -136,6 +136,8 @@ def test_a_target_no_run_measured_is_not_measured(tmp_path: Path) -> None:
               "note": "not measured (no migrate or fail_stop runs)"},
              {"target": "hot_spare kill → survivors commit ≤ torchft 1 s", "value": 0.12,
               "limit": None, "met": None, "note": "a peer row missing"},
+             {"target": TRAINER, "value": None, "limit": 0.03, "met": None,
+              "note": "trainer_no_ckpt missing"},
              {"target": HOT, "value": 0.05, "limit": 0.1, "met": True, "note": "under"}]
     paths = []
     for name in ("a.json", "b.json"):
@@ -144,5 +146,6 @@ def test_a_target_no_run_measured_is_not_measured(tmp_path: Path) -> None:
     found = {s.target: s for s in status(load(paths))}
     assert found["time to recover <= 1/10 of fail-stop"].status == "not measured"
     assert found["hot_spare kill → survivors commit ≤ torchft 1 s"].status == "not measured"
+    assert found[TRAINER].status == "not measured"  # `--only ddp,hot_spare`, say
     assert found[HOT].status == "met"
     assert found[HOT].why == "every one of 2 runs resolved it under the limit"
