@@ -374,6 +374,9 @@ _straggler_window: list[tuple[float, list[float], list[float]]] = []
 _compute_total = [0.0]  # this rank's compute seconds since it started
 _busy_total = [0.0]  # this rank's busy seconds (_busy_seconds) since its first call
 _thread_busy: dict[str, float] = {}  # each thread's busy seconds at the last call
+# Rank 0's own figures at the last comparison, its step and its clock, until the others' are
+# read at the next vote (``collect_stragglers``).
+_figures_due: list[tuple[torch.Tensor, int, float]] = []
 
 
 def _busy_seconds() -> float | None:
@@ -426,9 +429,12 @@ def report_stragglers(compute_s: float, layout: Layout, step: int) -> None:
     count). A straggler's peers wait for it inside collectives, asleep, so neither measure
     grows for them. Every rank calls this at the same steps, right after that step's vote:
     the others send their two figures to rank 0 over the world's star, after their vote's
-    message on the same connection, and go on; only rank 0 waits, for all of them. (Over
-    Gloo's point-to-point calls it cost ~0.05 ms of CPU per call, where the all_gather before
-    it cost ~3 ms of wall time and ~4.5 ms of CPU, every 10 steps: docs/benchmarks.md.)
+    message on the same connection, and go on. Rank 0 keeps its own figures and reads the
+    others' at its next vote (``collect_stragglers``), a step later, when they have arrived:
+    read right away, rank 0 waited for every other rank to get a core after the vote, ~3 ms
+    per comparison with 4 ranks on 2 cores (docs/benchmarks.md). (Over Gloo's point-to-point
+    calls it cost ~0.05 ms of CPU per call, where the all_gather before it cost ~3 ms of wall
+    time and ~4.5 ms of CPU, every 10 steps.)
     """
     _compute_total[0] += compute_s
     busy = _busy_seconds()
@@ -437,10 +443,21 @@ def report_stragglers(compute_s: float, layout: Layout, step: int) -> None:
     if star.rank != 0:
         star.send(mine, 0)
         return
+    _figures_due.append((mine, step, time.monotonic()))
+
+
+def collect_stragglers(layout: Layout) -> None:
+    """Rank 0: read the figures the other ranks sent at the last comparison
+    (``report_stragglers``) and name any straggler among them. The loop calls it before each
+    vote, whose messages follow the figures on the same connections, and once after its last
+    step; elsewhere, and with no comparison due, it does nothing."""
+    if not _figures_due:
+        return
+    mine, step, now = _figures_due.pop()
+    star = layout.star
     totals = [mine] + [torch.zeros(2, dtype=torch.float64) for _ in range(1, star.size)]
     for peer in range(1, star.size):
         star.recv(totals[peer], peer)
-    now = time.monotonic()
     busy_totals = [float(t[0]) for t in totals]
     compute_totals = [float(t[1]) for t in totals]
     if not _straggler_window:
@@ -522,6 +539,8 @@ def train(cfg: TrainConfig, layout: Layout, world: int, device: torch.device,
                 or bool(cfg.checkpoint_every and current % cfg.checkpoint_every == 0))
         global_loss, mine = average_gradients(model, loss, layout, grads, flags, late)
         laps.lap("average")
+        collect_stragglers(layout)  # the last comparison's figures come before this vote
+        laps.lap("straggler figures")
         everyone, waiting = vote(flags, mine, layout)
         laps.lap("vote")
         if waiting:
@@ -590,6 +609,7 @@ def train(cfg: TrainConfig, layout: Layout, world: int, device: torch.device,
             time.sleep(cfg.step_sleep)
         laps.step_done(step)
 
+    collect_stragglers(layout)  # the last step's comparison, if it was one
     probe.fault_point("finish", step)
     final = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     probe.params(param_digest(final), step=step)

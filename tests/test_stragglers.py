@@ -110,3 +110,58 @@ def test_a_throttled_rank_is_busy_for_the_time_its_other_threads_lost(tmp_path: 
     assert wall > 0.3, f"the quota never held the worker back ({wall:.3f} s)"
     # Throttled, the worker waited for a CPU most of that time: all of it is the rank's.
     assert busy > 0.7 * wall, f"busy {busy:.3f} s of {wall:.3f} s"
+
+
+def test_rank_0_reads_the_others_figures_at_its_next_vote_not_right_after_its_own(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 used to read every rank's figures right after the vote, waiting for each to get
+    a core (~3 ms per comparison with 4 ranks on 2 cores). It now keeps its own and reads
+    the others' at its next vote, where they wait ahead of that vote's messages on the same
+    connections: the comparison returns without them, the vote after it still sums exactly,
+    and the straggler is named for the step it was compared at. Real stars over loopback,
+    one thread per rank; ranks 1–3 send hand-made figures (compute seconds, busy unknown)."""
+    import json
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from reference_impl._star import Star
+    from tests._helpers import on_threads
+
+    events = tmp_path / "events.jsonl"
+    monkeypatch.setenv("AFTERSHOCK_EVENTS", str(events))
+    for name, fresh in (("_straggler_window", []), ("_figures_due", []),
+                        ("_compute_total", [0.0]), ("_busy_total", [0.0]), ("_thread_busy", {})):
+        monkeypatch.setattr(trainer, name, fresh)
+    monkeypatch.setattr(trainer, "STRAGGLER_WINDOW_S", 0.0)
+    store = dist.HashStore()
+    stars = on_threads(4, lambda rank: Star.connect(store, rank, 4, 2.0))
+    assert all(isinstance(star, Star) for star in stars), stars
+    layout = type("Layout", (), {"star": stars[0]})()
+    try:
+        # Cumulative compute seconds of ranks 1-3 at two comparisons: rank 3 slows down.
+        for step, computes in ((10, (0.0, 0.0, 0.0)), (20, (0.5, 0.5, 5.0))):
+            started = time.monotonic()
+            trainer.report_stragglers(0.0, layout, step)  # the others have sent nothing yet
+            assert time.monotonic() - started < 1.0, "rank 0 waited for the others' figures"
+
+            def rank_body(rank: int, computes: tuple[float, ...] = computes) -> float:
+                flags = torch.tensor([float(rank), 1.0, 0.0], dtype=torch.float64)
+                if rank == 0:
+                    trainer.collect_stragglers(layout)
+                else:
+                    figures = [-1.0, computes[rank - 1]]
+                    stars[rank].send(torch.tensor(figures, dtype=torch.float64), 0)
+                stars[rank].sum(flags)
+                return float(flags[0])
+
+            # The next vote: every rank ends with the exact sum of the four flags.
+            assert on_threads(4, rank_body) == [6.0] * 4
+            assert not trainer._figures_due
+    finally:
+        for star in stars:
+            star.close()
+    named = [json.loads(line) for line in events.read_text().splitlines()]
+    named = [e for e in named if e["event"] == "straggler_detected"]
+    assert [(e["slow_rank"], e["step"]) for e in named] == [(3, 20)], named
