@@ -31,17 +31,21 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 # The Python a bench job runs (the reference stack, the harness and its probe, the faults)
 # and the bench's own (how jobs are launched, timed and judged). Records of the bench do not
-# count: they are its output.
+# count: they are its output, and so are the runners kept beside raw rounds in its results.
 CODE_FOLDERS = ("reference_impl", "harness", "faults", "bench")
+RECORDS = "bench/results"
 
 
 def code_identity(root: Path = ROOT) -> dict[str, Any]:
     """What code a run measured: the commit, whether the product folders differ from it,
-    and a sha256 over every ``.py`` file under :data:`CODE_FOLDERS` (path and bytes, in path
-    order), which is the same for the same code whatever the commit or the tree's state."""
+    and a sha256 over every ``.py`` file under :data:`CODE_FOLDERS` but :data:`RECORDS`
+    (path and bytes, in path order), which is the same for the same code whatever the
+    commit or the tree's state."""
     digest = hashlib.sha256()
     for folder in CODE_FOLDERS:
         for path in sorted((root / folder).rglob("*.py")):
+            if path.relative_to(root).is_relative_to(RECORDS):
+                continue
             digest.update(str(path.relative_to(root)).encode() + b"\0")
             digest.update(path.read_bytes() + b"\0")
     commit: str | None = None
@@ -49,7 +53,8 @@ def code_identity(root: Path = ROOT) -> dict[str, Any]:
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
                                 text=True, check=True, timeout=10).stdout.strip()
-        changed = subprocess.run(["git", "status", "--porcelain", "--", *CODE_FOLDERS],
+        changed = subprocess.run(["git", "status", "--porcelain", "--", *CODE_FOLDERS,
+                                  f":(exclude){RECORDS}"],
                                  cwd=root, capture_output=True, text=True, check=True,
                                  timeout=10).stdout
         dirty = any(line.endswith(".py") for line in changed.splitlines())

@@ -110,6 +110,9 @@ def test_the_code_digest_follows_the_python_not_the_records(tmp_path: Path) -> N
     assert first["commit"] is None  # not a git checkout: the digest alone says it
     (tmp_path / "bench" / "results" / "partial.json").write_text('{"runs": 1}')
     (tmp_path / "docs.md").write_text("new docs")
+    # A runner kept beside its raw rounds is a record of a measurement, not what measured it.
+    (tmp_path / "bench" / "results" / "profiles").mkdir()
+    (tmp_path / "bench" / "results" / "profiles" / "ab.py").write_text("ROUNDS = 6\n")
     assert code_identity(tmp_path)["digest"] == first["digest"]
     (tmp_path / "reference_impl" / "trainer.py").write_text("STEPS = 1\n")
     second = code_identity(tmp_path)
