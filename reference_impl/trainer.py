@@ -431,7 +431,7 @@ def report_stragglers(compute_s: float, layout: Layout, step: int) -> None:
     the others send their two figures to rank 0 over the world's star, after their vote's
     message on the same connection, and go on. Rank 0 keeps its own figures and reads the
     others' at its next vote (``collect_stragglers``), a step later, when they have arrived:
-    read right away, rank 0 waited for every other rank to get a core after the vote, ~3 ms
+    read right away, rank 0 waited for every other rank to get a core after the vote, ~2.6 ms
     per comparison with 4 ranks on 2 cores (docs/benchmarks.md). (Over Gloo's point-to-point
     calls it cost ~0.05 ms of CPU per call, where the all_gather before it cost ~3 ms of wall
     time and ~4.5 ms of CPU, every 10 steps.)
