@@ -14,7 +14,13 @@ the tree differed from it, and a digest of the Python the jobs and the bench run
 records whose digests differ are refused, unless ``--mixed`` says the comparison is meant.
 A record written before records carried ``code`` is refused too: nothing says what it ran.
 
+Each ``make bench-targets`` run overwrites ``bench/results/partial.json`` and
+``serving-partial.json``, so a run's record is kept by the commit that recorded it. A record
+given as ``REV:PATH`` (no such file on disk) is read with ``git show`` from the repository of
+the current directory:
+
     python -m bench.status bench/results/partial.json /tmp/run-k/partial.json
+    python -m bench.status 5e8cdd3:bench/results/partial.json 8e633ef:bench/results/partial.json
 """
 
 from __future__ import annotations
@@ -89,14 +95,40 @@ def _verdicts(record: dict[str, Any]) -> list[dict[str, Any]]:
     return [v for v in found or [] if isinstance(v, dict) and "target" in v]
 
 
-def load(paths: list[Path], *, mixed: bool = False) -> list[tuple[str, dict[str, Any]]]:
-    """Read the records, refusing any that cannot be compared."""
+def _read(given: str | Path) -> str:
+    """A record's text: the file, or else ``REV:PATH`` as git shows it."""
+    try:
+        return Path(given).read_text()
+    except FileNotFoundError as exc:
+        rev, colon, inside = str(given).partition(":")
+        if not (colon and rev and inside):
+            raise StatusError(f"{given}: cannot read it ({exc.strerror}); give a record's "
+                              "file, or REV:PATH for one kept in git") from exc
+    except OSError as exc:
+        raise StatusError(f"{given}: cannot read it ({exc.strerror})") from exc
+    try:
+        shown = subprocess.run(["git", "show", f"{rev}:{inside}"], capture_output=True,
+                               text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as err:
+        raise StatusError(f"{given}: no such file, and git cannot show it ({err})") from err
+    if shown.returncode != 0:
+        said = shown.stderr.strip().splitlines()
+        raise StatusError(
+            f"{given}: no such file, and git cannot show it as REV:PATH "
+            f"({said[-1] if said else 'git show failed'}); give a commit that keeps the "
+            "record and its path from the repository's root, run from inside that "
+            "repository, or a file that exists on disk")
+    return shown.stdout
+
+
+def load(paths: list[str] | list[Path], *, mixed: bool = False
+         ) -> list[tuple[str, dict[str, Any]]]:
+    """Read the records, refusing any that cannot be compared. A record is a file, or
+    ``REV:PATH``: a record kept in git (see the module's docstring)."""
     records: list[tuple[str, dict[str, Any]]] = []
     for path in paths:
         try:
-            record = json.loads(path.read_text())
-        except OSError as exc:
-            raise StatusError(f"{path}: cannot read it ({exc.strerror})") from exc
+            record = json.loads(_read(path))
         except json.JSONDecodeError as exc:
             raise StatusError(f"{path}:{exc.lineno}:{exc.colno}: not JSON ({exc.msg}); give "
                               "the .json record the bench wrote, not its .md") from exc
@@ -155,10 +187,20 @@ def status(records: list[tuple[str, dict[str, Any]]]) -> list[TargetStatus]:
     return out
 
 
+def _names(statuses: list[TargetStatus]) -> dict[str, str]:
+    """How the table names each record: its file name where that tells them apart, else
+    the record as given (two runs' ``partial.json``, from two commits or two folders)."""
+    given = list(dict.fromkeys(r.record for s in statuses for r in s.runs))
+    short = {g: Path(g).name for g in given}
+    unique = len(set(short.values())) == len(given) and not any(":" in g for g in given)
+    return short if unique else {g: g for g in given}
+
+
 def render(statuses: list[TargetStatus]) -> str:
     lines = ["| target | status | why | each run |", "| --- | --- | --- | --- |"]
+    names = _names(statuses)
     for s in statuses:
-        each = "; ".join(f"{Path(r.record).name}: "
+        each = "; ".join(f"{names[r.record]}: "
                          + ({True: "under", False: "over", None: "neither"}[r.met]
                             if r.measured else "not measured") for r in s.runs)
         shown = f"**{s.status}**" if s.status != "not resolved" else s.status
@@ -169,7 +211,8 @@ def render(statuses: list[TargetStatus]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.status", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("records", nargs="+", type=Path, metavar="RECORD.json")
+    parser.add_argument("records", nargs="+", metavar="RECORD.json",
+                        help="a record's file, or REV:PATH for one kept in git")
     parser.add_argument("--mixed", action="store_true",
                         help="read records of different (or unknown) code together")
     args = parser.parse_args(argv)

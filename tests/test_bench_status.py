@@ -152,3 +152,49 @@ def test_a_target_no_run_measured_is_not_measured(tmp_path: Path) -> None:
     assert found[TRAINER].status == "not measured"  # `--only ddp,hot_spare`, say
     assert found[HOT].status == "met"
     assert found[HOT].why == "every one of 2 runs resolved it under the limit"
+
+
+def test_records_are_read_from_the_commits_that_keep_them(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Each `make bench-targets` run overwrites `bench/results/partial.json`, so the docs
+    cite a run's record by the commit that keeps it. `REV:PATH` reads it from git, and the
+    table names the runs so that two records with one file name stay apart."""
+    import subprocess
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                              cwd=tmp_path, check=True, capture_output=True,
+                              text=True).stdout.strip()
+
+    git("init", "-q")
+    results = tmp_path / "bench" / "results"
+    results.mkdir(parents=True)
+    revs = []
+    for met in (None, False):
+        record(results / "partial.json", {TRAINER: met})
+        git("add", ".")
+        git("commit", "-qm", f"run {met}")
+        revs.append(git("rev-parse", "--short", "HEAD"))
+    (results / "partial.json").unlink()  # not in the tree any more: git alone has them
+    monkeypatch.chdir(tmp_path)
+    first, second = (f"{rev}:bench/results/partial.json" for rev in revs)
+    assert main([first, second]) == 0
+    out = capsys.readouterr().out
+    assert (f"| {TRAINER} | **not met** | 1 of 2 run(s) resolved it over the limit | "
+            f"{first}: neither; {second}: over |") in out
+    # Two files of one name in different folders are told apart the same way.
+    for i, rev in enumerate(revs):
+        (tmp_path / f"run{i}").mkdir()
+        (tmp_path / f"run{i}" / "partial.json").write_text(
+            git("show", f"{rev}:bench/results/partial.json"))
+    assert main(["run0/partial.json", "run1/partial.json"]) == 0
+    assert "run0/partial.json: neither; run1/partial.json: over |" in capsys.readouterr().out
+    # A revision or a path git does not have: named, with git's reason and the fix.
+    assert main([f"{revs[0]}:bench/results/serving.json"]) == 2
+    said = capsys.readouterr().err
+    assert f"{revs[0]}:bench/results/serving.json: no such file, and git cannot show it" in said
+    assert "does not exist in" in said  # git's own reason
+    assert "a file that exists on disk" in said
+    assert main(["nosuchrev:bench/results/partial.json"]) == 2
+    assert "git cannot show it" in capsys.readouterr().err
