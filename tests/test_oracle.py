@@ -133,6 +133,7 @@ def test_a_malformed_membership_log_is_refused(tmp_path: Path, text: str) -> Non
     ("{replicas: 2, shards: 4}", "gloo", [Generation(1, (0, 1))], "4 shards"),
     ("{replicas: 3, shards: 1}", "gloo", [Generation(1, (0, 1, 2))], "3 live replicas"),
     ("{replicas: 2, shards: 2}", "nccl", [Generation(1, (0, 1))], "backend nccl"),
+    ("{replicas: 1, shards: 2}", "nccl", [Generation(1, (0,))], "backend nccl"),
     ("{replicas: 2, shards: 2}", "gloo", [Generation(1, (0, 2))], "not in the world"),
 ])
 def test_a_layout_it_cannot_reproduce_is_not_observed(
@@ -142,6 +143,41 @@ def test_a_layout_it_cannot_reproduce_is_not_observed(
     assert expected.digests is None
     assert expected.note.startswith("not observed")
     assert why in expected.note
+
+
+def test_one_nccl_rank_is_restated_on_cuda_and_needs_a_cuda_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """NCCL with one rank (1 replica x 1 shard) sums one term: the oracle restates it on the
+    GPU. Without a CUDA device it cannot, and says so: never a pass."""
+    assert oracle.unsupported(backend="nccl", replicas=1, shards=1,
+                              schedule=[Generation(1, (0,))]) is None
+    sent: list[dict[str, object]] = []
+
+    def fake_run(argv: list[str], *, input: str, **kwargs: object) -> object:
+        sent.append(json.loads(input))
+        raise OSError("no interpreter here")
+
+    monkeypatch.setattr(oracle.subprocess, "run", fake_run)
+    expected = oracle.trainer_digests(trainer("{replicas: 1, shards: 1}", "nccl"), seed=0,
+                                      schedule=[Generation(1, (0,))])
+    assert expected.digests is None
+    assert sent[0]["device"] == "cuda"
+    # The gloo request names the CPU.
+    oracle.trainer_digests(trainer("{replicas: 1, shards: 1}"), seed=0,
+                           schedule=[Generation(1, (0,))])
+    assert sent[1]["device"] == "cpu"
+
+
+def test_the_restatement_refuses_cuda_without_a_device() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: ci/gpu-check runs the restatement there")
+    shape = trainer_math.Shape(replicas=1, shards=1)
+    with pytest.raises(ValueError, match="no CUDA device"):
+        trainer_math.final_digests(shape, 0, 2, [Generation(1, (0,))], device="cuda")
+    with pytest.raises(ValueError, match="backend nccl"):
+        trainer_math.final_digests(trainer_math.Shape(replicas=2, shards=1), 0, 2,
+                                   [Generation(1, (0, 1))], device="cuda")
 
 
 def test_params_match_replay_fails_as_not_observed_beyond_the_oracle(tmp_path: Path) -> None:

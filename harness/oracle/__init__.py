@@ -81,8 +81,12 @@ def full_membership(system: TrainerSystem) -> list[Generation]:
 def unsupported(*, backend: str, replicas: int, shards: int, schedule: list[Generation]
                 ) -> str | None:
     """Why the oracle cannot reproduce this layout bitwise, or None (see trainer_math)."""
-    if backend != "gloo":
-        return f"backend {backend}: only Gloo on CPU is restated"
+    if backend == "nccl" and (shards != 1 or replicas != 1):
+        return (f"backend nccl with {replicas} replicas x {shards} shards: only one NCCL "
+                "rank is restated (on the GPU: a sum of one term); NCCL's sums of several "
+                "are out of reach")
+    if backend not in ("gloo", "nccl"):
+        return f"backend {backend}: only Gloo on CPU and one NCCL rank are restated"
     if shards not in (1, 2):
         return (f"{shards} shards: a tensor-parallel sum of more than 2 terms depends on "
                 "Gloo's reduction order")
@@ -108,7 +112,7 @@ def trainer_digests(system: TrainerSystem, *, seed: int, schedule: list[Generati
         return Expected(None, f"not observed: the independent oracle cannot reproduce {why}")
     request = {
         "replicas": system.world.replicas, "shards": system.world.shards, "seed": seed,
-        "steps": system.steps,
+        "steps": system.steps, "device": "cuda" if system.backend == "nccl" else "cpu",
         "schedule": [[g.first_step, list(g.replicas)] for g in schedule],
     }
     # The interpreter that runs the harness, with this copy of the harness first on the path.

@@ -33,9 +33,11 @@ Supported layouts (``harness.oracle.unsupported`` says why a layout is not): the
 depend on the order of its terms, and a sum of two floats is the same in either order
 (``a + b == b + a`` in IEEE arithmetic) while a sum of three is not (Gloo's ring all_reduce
 picks the order). So every collective sum must have at most two terms: ``shards`` in {1, 2}
-and at most two live replicas in every generation, on the Gloo backend on CPU (NCCL's
-reductions, and CUDA kernels, are out of reach of a CPU restatement). Anything else is "not
-observed", never a pass.
+and at most two live replicas in every generation, on the Gloo backend on CPU. NCCL's
+reductions, and CUDA kernels, are out of reach of a CPU restatement; one NCCL rank
+(1 replica x 1 shard: every sum has one term) is restated on the GPU itself, with the same
+kernels (``"device": "cuda"`` in the request). Anything else is "not observed", never a
+pass.
 
 Run as ``python -m harness.oracle.trainer_math`` with a JSON request on stdin (what
 ``harness.oracle.trainer_digests`` sends): a fresh process, one thread, like a trainer rank.
@@ -129,8 +131,13 @@ def _tp_sum(parts: Sequence[torch.Tensor]) -> torch.Tensor:
 class Params:
     """One replica's state: per shard the sliced weights, and the replicated ones once."""
 
-    def __init__(self, shape: Shape, seed: int) -> None:
+    def __init__(self, shape: Shape, seed: int, device: str = "cpu") -> None:
         self.shape = shape
+
+        def _leaf(tensor: torch.Tensor) -> torch.Tensor:
+            # Drawn on the CPU like the trainer's, then moved as its model is (`.to(device)`).
+            return tensor.clone().contiguous().to(device).requires_grad_(True)
+
         part = shape.hidden // shape.shards
         self.w_in: list[list[torch.Tensor]] = []  # [block][shard]
         self.b_in: list[list[torch.Tensor]] = []
@@ -176,29 +183,29 @@ class Params:
         return state
 
 
-def _leaf(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.clone().contiguous().requires_grad_(True)
-
-
 def digest(state: dict[str, torch.Tensor]) -> str:
     """sha256 over the bytes of every tensor in sorted key order (the trainer's ``params``)."""
     h = hashlib.sha256()
     for key in sorted(state):
-        h.update(state[key].detach().contiguous().numpy().tobytes())
+        h.update(state[key].detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
 
 
-def final_digests(shape: Shape, seed: int, steps: int, schedule: list[Generation]
-                  ) -> dict[int, str]:
+def final_digests(shape: Shape, seed: int, steps: int, schedule: list[Generation],
+                  device: str = "cpu") -> dict[int, str]:
     """Each rank's final digest after ``steps`` steps of the membership ``schedule``.
 
-    Only ranks of the replicas live at the end report parameters, as in the trainer."""
-    why = unsupported(backend="gloo", replicas=shape.replicas, shards=shape.shards,
-                      schedule=schedule)
+    Only ranks of the replicas live at the end report parameters, as in the trainer. On
+    ``device="cuda"`` (one NCCL rank) the same ops run on the GPU, with the kernels the
+    trainer's rank runs there; data and initial weights are drawn on the CPU, as there."""
+    why = unsupported(backend="nccl" if device == "cuda" else "gloo", replicas=shape.replicas,
+                      shards=shape.shards, schedule=schedule)
     if why is not None:
         raise ValueError(why)
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("no CUDA device here: the restatement of an NCCL rank runs on a GPU")
     torch.set_num_threads(1)  # one thread per rank: the kernels' reduction order
-    params = Params(shape, seed)
+    params = Params(shape, seed, device)
     tensors = params.all()
     optimizer = torch.optim.AdamW(tensors, lr=LR, betas=BETAS, eps=EPS,
                                   weight_decay=WEIGHT_DECAY)
@@ -208,6 +215,7 @@ def final_digests(shape: Shape, seed: int, steps: int, schedule: list[Generation
         flats = []
         for replica in live:
             x, y = batch(shape, seed, step - 1, replica)
+            x, y = x.to(device), y.to(device)
             grads = torch.autograd.grad(params.loss(x, y), tensors)
             flats.append(torch.cat([g.reshape(-1) for g in grads]))
         flat = _tp_sum(flats)  # the DP all_reduce: at most two terms as well
@@ -231,8 +239,14 @@ def main() -> int:
              else Shape(replicas=int(request["replicas"]), shards=int(request["shards"])))
     schedule = [Generation(int(first), tuple(int(r) for r in replicas))
                 for first, replicas in request["schedule"]]
-    torch.use_deterministic_algorithms(True)
-    result = final_digests(shape, int(request["seed"]), int(request["steps"]), schedule)
+    device = str(request.get("device", "cpu"))
+    if device == "cpu":
+        # (On the GPU it would need cuBLAS's workspace changed, which could change the
+        # kernels cuBLAS picks from the trainer's: the run-to-run determinism of one GPU
+        # stream is what the restatement relies on there.)
+        torch.use_deterministic_algorithms(True)
+    result = final_digests(shape, int(request["seed"]), int(request["steps"]), schedule,
+                           device)
     json.dump({"digests": {str(k): v for k, v in sorted(result.items())}}, sys.stdout)
     return 0
 
