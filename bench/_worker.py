@@ -30,6 +30,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--blocks", type=int, default=2)
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--collective-timeout", type=float, default=10.0)
+    parser.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="cuda: each rank on cuda:LOCAL_RANK (with --backend nccl)")
 
 
 def exit_on_sigterm() -> None:

@@ -50,7 +50,11 @@ def main() -> int:
     parser.add_argument("--checkpoint-dir", default="checkpoints")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    device = torch.device("cpu")
+    if args.device == "cuda":  # as the reference trainer: one GPU per rank, before the group
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    dist.init_process_group(args.backend, timeout=timedelta(seconds=60))
     world = dist.get_world_size()
     try:
         timeout = timedelta(seconds=args.collective_timeout)
@@ -60,13 +64,15 @@ def main() -> int:
         exit_on_sigterm()
         cfg = ModelConfig(d_model=args.d_model, hidden=args.hidden, blocks=args.blocks)
         model = DistributedDataParallel(
-            ParallelMLP(cfg, layout, args.seed), process_group=layout.dp_group
+            ParallelMLP(cfg, layout, args.seed).to(device), process_group=layout.dp_group,
+            device_ids=[device.index] if device.type == "cuda" else None,
         )
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
         root = Path(args.checkpoint_dir)
         step = 0
         if args.checkpoint_every and (path := _latest(root)) is not None:
-            state = torch.load(path / f"rank_{rank}.pt", weights_only=False)
+            state = torch.load(path / f"rank_{rank}.pt", weights_only=False,
+                               map_location=device)
             model.module.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
             step = state["step"]
@@ -74,6 +80,7 @@ def main() -> int:
         laps = Laps()  # the same phases as the reference trainer's, where they exist
         while step < args.steps:
             x, y = synthetic_batch(cfg, args.seed, step, layout.replica, args.batch_size)
+            x, y = x.to(device), y.to(device)
             laps.lap("batch")
             loss = F.mse_loss(model(x), y)
             laps.lap("forward")

@@ -24,9 +24,13 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def expected(shape: dict[str, int], seed: int, steps: int, schedule: list[list[Any]],
-             cache: dict[str, dict[int, str]] | None = None) -> dict[int, str]:
-    """Each rank's final digest, computed in a fresh one-thread process (like a rank)."""
-    request = {"shape": shape, "seed": seed, "steps": steps, "schedule": schedule}
+             cache: dict[str, dict[int, str]] | None = None, device: str = "cpu"
+             ) -> dict[int, str]:
+    """Each rank's final digest, computed in a fresh one-thread process (like a rank); on
+    ``device="cuda"`` (one NCCL rank, ``python -m bench --gpu``) on the GPU, with the kernels
+    the rank runs there."""
+    request = {"shape": shape, "seed": seed, "steps": steps, "schedule": schedule,
+               "device": device}
     key = json.dumps(request, sort_keys=True)
     if cache is not None and key in cache:
         return cache[key]

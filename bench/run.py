@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.oracle import expected as expected_digests
-from bench.peers import PEERS, REPLICAS, SHARDS, WORLD, Context, Model, Peer
+from bench.peers import GPU, PEERS, WORLD, Context, Model, Peer
 from bench.stats import run_order, verdict
 from bench.status import code_identity
 from harness import metrics
@@ -41,7 +41,7 @@ from reference_impl import phases as phases_lib
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
 MARKER_ENV = "AFTERSHOCK_BENCH_MARKER"
-KILL_RANK = 3  # replica 1, shard 1: not rank 0, which hosts torchrun's store
+KILL_RANK = Model().kill_rank  # 3: replica 1, shard 1 (`--gpu`: rank 0, the only one)
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,7 +219,7 @@ def run_job(peer: Peer, settings: Settings, model: Model, marker: str, keep: Pat
     }
     procs: list[subprocess.Popen[bytes]] = []
     tail = EventTail(events_path)
-    kill_watch = KillWatch(settings.kill_at)
+    kill_watch = KillWatch(settings.kill_at, model.kill_rank)
     t_kill: float | None = None
     outcome = "completed"
     # CPU of every process of the job at rank 0's step `warmup` and `kill_at - CPU_TAIL`:
@@ -252,10 +252,10 @@ def run_job(peer: Peer, settings: Settings, model: Model, marker: str, keep: Pat
                     os.kill(pid, signal.SIGKILL)
                     t_kill = time.monotonic()
                     _append_event(events_path, {"t": t_kill, "event": "fault_injected",
-                                                "source": "bench", "rank": KILL_RANK,
+                                                "source": "bench", "rank": model.kill_rank,
                                                 "pid": pid, "kind": "process.kill"})
             elif t_kill is not None and not peer.fixed_end:
-                recovered = full_strength(tail.events, t_kill, peer)
+                recovered = full_strength(tail.events, t_kill, peer, world=model.world)
                 if recovered is not None and time.monotonic() > t_kill + recovered + SETTLE_S:
                     outcome = "recovered"
                     break
@@ -277,10 +277,10 @@ def run_job(peer: Peer, settings: Settings, model: Model, marker: str, keep: Pat
             p.wait()
     time.sleep(0.05)
     tail.poll()
-    result = analyse(tail.events, settings, t_kill, peer)
+    result = analyse(tail.events, settings, t_kill, peer, world=model.world)
     result.update(outcome=outcome, wall_s=round(time.monotonic() - t0, 2))
     result.update(cpu_profile(tail.events, cpu, cpu_marks))
-    result["phases"] = phase_profile(tail.events, cpu_marks)
+    result["phases"] = phase_profile(tail.events, cpu_marks, world=model.world)
     # Every row that trains to a fixed step, faulted or not: a fast recovery that is wrong,
     # or a cheap failure-free run that skipped work (or a baseline that trained something
     # else), must not look good.
@@ -297,20 +297,21 @@ def run_job(peer: Peer, settings: Settings, model: Model, marker: str, keep: Pat
 
 
 class KillWatch:
-    """When to kill, and whom: the newest non-spare process that says it is KILL_RANK, once
+    """When to kill, and whom: the newest non-spare process that says it is ``rank``, once
     that rank reported step ``kill_at``. Fed each poll's new events only, so a poll costs the
     same at step 300 as at step 1 (the bench polls every 5 ms on the job's own cores, and only
     for the faulted rows: a rescan of every event so far charged them alone a CPU cost that
     grew with the job)."""
 
-    def __init__(self, kill_at: int) -> None:
+    def __init__(self, kill_at: int, rank: int = KILL_RANK) -> None:
         self.kill_at = kill_at
+        self.rank = rank
         self.reached = False
-        self.pid: int | None = None  # the newest non-spare KILL_RANK process said so far
+        self.pid: int | None = None  # the newest non-spare process of `rank` said so far
 
     def feed(self, new: list[Event]) -> int | None:
         for e in new:
-            if e.rank != KILL_RANK:
+            if e.rank != self.rank:
                 continue
             if e.event == "hello" and e.fields.get("role") != "spare":
                 self.pid = int(e.fields["pid"])
@@ -391,7 +392,8 @@ def _in_phase_order(names: Any) -> list[str]:
                                              else len(PHASE_ORDER), n))
 
 
-def phase_profile(events: list[Event], marks: tuple[int, int]) -> dict[str, Any] | None:
+def phase_profile(events: list[Event], marks: tuple[int, int], *, world: int = WORLD
+                  ) -> dict[str, Any] | None:
     """Where a failure-free step goes, from the ranks' ``phases`` events (their training
     loops' lap timers over the CPU window, reference_impl/phases.py): per phase, rank 0's
     wall time and all ranks' main-thread CPU, in ms per step.
@@ -406,7 +408,7 @@ def phase_profile(events: list[Event], marks: tuple[int, int]) -> dict[str, Any]
         if (e.fields.get("first"), e.fields.get("last")) != marks or e.rank in reports:
             return None
         reports[e.rank] = e.fields
-    if sorted(reports) != list(range(WORLD)):
+    if sorted(reports) != list(range(world)):
         return None
     steps = marks[1] - marks[0]
     table: dict[str, dict[str, float]] = {}
@@ -441,11 +443,12 @@ def check_params(peer: Peer, events: list[Event], out: Path, model: Model, steps
         except (OSError, ValueError) as exc:
             return {"params_match": None, "params_note": f"not observed: {exc}"}
     else:
-        schedule = [[1, list(range(REPLICAS))]]
-    shape = {"replicas": REPLICAS, "shards": SHARDS, "d_model": model.d_model,
+        schedule = [[1, list(range(model.replicas))]]
+    shape = {"replicas": model.replicas, "shards": model.shards, "d_model": model.d_model,
              "hidden": model.hidden, "blocks": model.blocks, "batch_size": model.batch_size}
     try:
-        want = expected_digests(shape, 0, steps, schedule, cache)
+        want = expected_digests(shape, 0, steps, schedule, cache,
+                                device="cuda" if model.backend == "nccl" else "cpu")
     except (OSError, subprocess.SubprocessError, ValueError) as exc:
         return {"params_match": None, "params_note": f"not observed: oracle failed ({exc})"}
     missing = sorted(set(want) - set(got))
@@ -454,7 +457,9 @@ def check_params(peer: Peer, events: list[Event], out: Path, model: Model, steps
                 "reported no final params"}
     wrong = sorted(r for r in want if got[r] != want[r])
     if wrong:
-        return {"params_match": False, "params_note": f"ranks {wrong} differ from the oracle"}
+        shown = ", ".join(f"rank {r}: {got[r][:12]} != {want[r][:12]}" for r in wrong)
+        return {"params_match": False,
+                "params_note": f"ranks {wrong} differ from the oracle ({shown})"}
     return {"params_match": True, "params_note": f"{len(want)} ranks equal the oracle "
             f"(schedule {schedule})"}
 
@@ -463,17 +468,17 @@ def check_params(peer: Peer, events: list[Event], out: Path, model: Model, steps
 # Metrics (from the job's timeline; definitions in docs/metrics.md and docs/benchmarks.md)
 
 
-def full_strength(events: list[Event], t_kill: float, peer: Peer | None = None
-                  ) -> float | None:
+def full_strength(events: list[Event], t_kill: float, peer: Peer | None = None, *,
+                  world: int = WORLD) -> float | None:
     """Kill -> the first step every rank committed after the detection.
 
     Ours and torchrun's: ``time_to_recover`` (docs/metrics.md), which also needs those
     commits to come from one world (one generation). torchft's two replica groups are two
     torchruns, each with its own restart count, so its ranks never name one generation: for
-    its rows, the first step number that all WORLD ranks committed after the detection, at
+    its rows, the first step number that all ``world`` ranks committed after the detection, at
     the time the last of them did."""
     if peer is None or peer.fixed_end:
-        return metrics.time_to_recover(events, WORLD)
+        return metrics.time_to_recover(events, world)
     t_from = t_kill + (metrics.time_to_detect(events) or 0.0)
     ranks: dict[int, set[int]] = defaultdict(set)
     last: dict[int, float] = {}
@@ -483,14 +488,14 @@ def full_strength(events: list[Event], t_kill: float, peer: Peer | None = None
             continue
         ranks[step].add(e.rank)
         last[step] = max(last.get(step, e.t), e.t)
-        if len(ranks[step]) == WORLD:
+        if len(ranks[step]) == world:
             return last[step] - t_kill
     return None
 
 
 def analyse(events: list[Event], settings: Settings, t_kill: float | None,
-            peer: Peer | None = None) -> dict[str, Any]:
-    out: dict[str, Any] = {"steps_per_s": _rate(events, settings, t_kill)}
+            peer: Peer | None = None, *, world: int = WORLD) -> dict[str, Any]:
+    out: dict[str, Any] = {"steps_per_s": _rate(events, settings, t_kill, world)}
     if t_kill is None:
         return out
     after = [e for e in events if e.t >= t_kill]
@@ -513,20 +518,21 @@ def analyse(events: list[Event], settings: Settings, t_kill: float | None,
     out.update(
         detect_s=detect,
         resume_s=None if resumed is None else resumed - t_kill,
-        full_s=full_strength(events, t_kill, peer),
+        full_s=full_strength(events, t_kill, peer, world=world),
         lost_steps=max(redone.values(), default=0),
         restarts=metrics.generations(events),
     )
     return out
 
 
-def _rate(events: list[Event], settings: Settings, t_kill: float | None) -> float | None:
+def _rate(events: list[Event], settings: Settings, t_kill: float | None,
+          world: int = WORLD) -> float | None:
     """Failure-free steps/s of rank 0 over (warmup, kill_at], at full strength only."""
     times = [
         e.t for e in events
         if e.event == "step" and e.rank == 0 and (t_kill is None or e.t < t_kill)
         and settings.warmup < e.fields.get("step", 0) <= settings.kill_at
-        and e.fields.get("world", WORLD) >= WORLD
+        and e.fields.get("world", world) >= world
     ]
     if len(times) < 2:
         return None
@@ -787,7 +793,8 @@ def markdown(record: dict[str, Any]) -> str:
         f"Model: {record['model']['description']}  ",
         f"Repetitions: {record['settings']['repeat']} of {record['settings']['planned']}"
         f"{'' if record['complete'] else ' (interrupted)'}; median (min–max). "
-        f"Kill: SIGKILL of rank {KILL_RANK} when it reports step {record['settings']['kill_at']};"
+        f"Kill: SIGKILL of rank {record['settings']['kill_rank']} when it reports step "
+        f"{record['settings']['kill_at']};"
         f" faulted jobs train to step {record['settings']['kill_at'] + record['settings']['after']}"
         " and their final parameters are checked against the oracle.",
         "",
@@ -837,8 +844,8 @@ def markdown(record: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _machine() -> dict[str, Any]:
-    import torch  # only for its version; the bench itself does not need it
+def _machine(gpu: bool = False) -> dict[str, Any]:
+    import torch  # only for its version (and the GPU's name); the bench itself does not need it
 
     try:
         from importlib.metadata import version
@@ -850,8 +857,20 @@ def _machine() -> dict[str, Any]:
     desc = (f"{platform.machine()}, {os.cpu_count()} cores, Linux {platform.release()}, "
             f"Python {platform.python_version()}, torch {torch.__version__}, torchft {torchft}, "
             f"load average at start {load[0]:.1f}")
-    return {"description": desc, "cores": os.cpu_count(), "torch": torch.__version__,
-            "torchft": torchft, "loadavg_start": load}
+    found = {"description": desc, "cores": os.cpu_count(), "torch": torch.__version__,
+             "torchft": torchft, "loadavg_start": load}
+    if gpu:
+        nccl = ".".join(str(v) for v in torch.cuda.nccl.version())
+        found["gpu"] = (f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, "
+                        f"CUDA {torch.version.cuda}, NCCL {nccl}")
+        found["description"] = f"{desc}; {found['gpu']}"
+    return found
+
+
+def _cuda_devices() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -868,6 +887,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for JSON + Markdown")
     parser.add_argument("--keep-logs", type=Path, metavar="DIR",
                         help="copy each job's events and logs here (last repetition wins)")
+    parser.add_argument("--gpu", action="store_true",
+                        help="one rank with NCCL on one GPU (1 replica x 1 shard): the rows "
+                        "one rank can run; writes gpu.json")
     args = parser.parse_args(argv)
     settings = QUICK if args.quick else FULL
     if args.repeat:
@@ -876,12 +898,21 @@ def main(argv: list[str] | None = None) -> int:
     unknown = only - {p.name for p in PEERS}
     if unknown:
         parser.error(f"unknown row(s) {sorted(unknown)}; rows: {[p.name for p in PEERS]}")
-    model = Model()
+    model = GPU if args.gpu else Model()
+    if args.gpu and _cuda_devices() < model.world:
+        parser.error("--gpu needs a CUDA device, and torch sees none here (torch.cuda."
+                     "is_available() is False): run it on a GPU machine, or leave --gpu out "
+                     "for the CPU rows")
     strategies = accepted_strategies()
     skipped: dict[str, str] = {}
     chosen: list[Peer] = []
     for peer in PEERS:
         if (only and peer.name not in only) or (not only and not peer.default):
+            continue
+        if args.gpu and not peer.one_rank:
+            if only:
+                skipped[peer.name] = ("needs a second rank, and NCCL refuses two ranks on "
+                                      "one GPU: run it on a machine with a GPU per rank")
             continue
         if peer.requires and strategies.get(peer.requires):
             skipped[peer.name] = f"the reference trainer rejects it ({strategies[peer.requires]})"
@@ -897,14 +928,17 @@ def main(argv: list[str] | None = None) -> int:
     # `finally` that kills every marked process, so turn both into SystemExit.
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda num, frame: sys.exit(128 + num))
-    machine = _machine()
+    machine = _machine(args.gpu)
     code = code_identity()  # what the runs measure: `python -m bench.status` compares by it
     runs: dict[str, list[dict[str, Any]]] = {p.name: [] for p in chosen}
     oracle_cache: dict[str, dict[int, str]] = {}  # the same schedule needs one computation
     started = time.monotonic()
-    command = "python -m bench" + (" --quick" if args.quick else "") + "".join(
+    command = "python -m bench" + (" --gpu" if args.gpu else "") + (
+        " --quick" if args.quick else "") + "".join(
         f" --only {n}" for n in sorted(only)) + (f" --repeat {args.repeat}" if args.repeat else "")
     stem = "quick" if args.quick else "partial" if only or args.repeat else "results"
+    if args.gpu:  # never over the CPU rows' records
+        stem = "gpu-quick" if args.quick else "gpu"
     args.out.mkdir(parents=True, exist_ok=True)
 
     def write(done: int) -> str:
@@ -917,13 +951,11 @@ def main(argv: list[str] | None = None) -> int:
             "code": code,
             "model": {"d_model": model.d_model, "hidden": model.hidden, "blocks": model.blocks,
                       "batch_size": model.batch_size, "parameters": model.parameters(),
-                      "description": f"reference ParallelMLP d_model={model.d_model} "
-                      f"hidden={model.hidden} blocks={model.blocks} ({model.parameters():,} "
-                      f"parameters), batch {model.batch_size} per replica, "
-                      "2 replicas × 2 shards, Gloo on CPU"},
+                      "replicas": model.replicas, "shards": model.shards,
+                      "backend": model.backend, "description": model.describe()},
             "settings": {"repeat": done, "planned": settings.repeat, "kill_at": settings.kill_at,
                          "warmup": settings.warmup, "after": settings.after,
-                         "kill_rank": KILL_RANK},
+                         "kill_rank": model.kill_rank},
             "peers": [{"name": p.name, "group": p.group, "what": p.what} for p in chosen],
             "skipped": skipped,
             "runs": runs,

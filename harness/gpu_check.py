@@ -6,7 +6,9 @@ On a machine with CUDA it checks, and prints a short table of:
    when no Xid happens (what the trainer's watcher relies on);
 3. `poison_tensor` on a CUDA tensor (top exponent bit: 1.0 becomes inf);
 4. the reference trainer on the GPU with a NaN put into a CUDA gradient at a
-   step and phase by the probe: the run must detect it (`failure_detected`).
+   step and phase by the probe: the run must detect it (`failure_detected`), complete,
+   and end with the same parameters, bit for bit, as a fault-free run on the GPU
+   (`params_match: fault_free`).
 Without CUDA it says so and exits 0. It never resets the GPU or changes clocks.
 """
 
@@ -101,6 +103,7 @@ SCENARIO = textwrap.dedent("""\
     expect:
       completes: true
       time_to_detect: {max: 5s}
+      params_match: fault_free
 """)
 
 
@@ -117,7 +120,8 @@ def _trainer() -> str:
         failed = "; ".join(f"{c.name}: {c.message}" for c in result.failed_checks())
         raise AssertionError(failed)
     return (f"NaN in a CUDA gradient at step 10 detected in "
-            f"{result.metrics['time_to_detect_s']:.3f}s; run completed")
+            f"{result.metrics['time_to_detect_s']:.3f}s; run completed with the fault-free "
+            f"run's parameters, bit for bit")
 
 
 def main() -> int:

@@ -62,3 +62,26 @@ def test_a_failure_free_row_that_trains_differently_is_caught() -> None:
     assert result["outcome"] == "completed", result
     assert result["params_match"] is False, result.get("params_note")
     assert "differ from the oracle" in result["params_note"]
+
+
+def test_the_one_rank_rows_of_the_gpu_bench_run_and_recover_as_one_rank() -> None:
+    """`python -m bench --gpu` trains one rank (1 replica x 1 shard). Its rows, here with Gloo
+    on the CPU (the same layout; the GPU run swaps in NCCL and CUDA): the faulted rows lose
+    their only rank, torchrun restarts it, and every row ends with the oracle's parameters
+    for one replica."""
+    one = dataclasses.replace(Model(), replicas=1, shards=1)
+    assert one.kill_rank == 0
+    rows = [p for p in PEERS if p.one_rank]
+    assert {p.name for p in rows} == {"ddp", "trainer_no_ckpt", "restart", "torchrun_ddp"}
+    for peer in rows:
+        marker = uuid.uuid4().hex
+        result = run_job(peer, SHORT, one, marker, None, {})
+        assert _marked_pids(marker) == []
+        assert result["outcome"] == "completed", (peer.name, result)
+        assert result["params_match"] is True, (peer.name, result["params_note"])
+        assert result["steps_per_s"], (peer.name, result)
+        if peer.fault:
+            assert result["restarts"] >= 1, (peer.name, result)
+            assert result["full_s"] is not None, (peer.name, result)
+        else:
+            assert result["phases"] is not None, (peer.name, result)
