@@ -87,6 +87,14 @@ def committed_steps(root: Path) -> list[tuple[int, Path]]:
     return [(step, path) for step, path in _step_dirs(root) if (path / COMMIT).is_file()]
 
 
+def flag_device(group: Any) -> torch.device:
+    """Where a small agreement flag must live to be reduced over ``group``: the CPU where the
+    group has CPU collectives (Gloo), else the current GPU. NCCL has none: a CPU flag fails
+    there with "No backend type associated with device type cpu" (the first GPU run's
+    `restart` jobs, docs/gpu.md). torch's own rule for its object collectives decides."""
+    return torch.device(dist.distributed_c10d._get_object_coll_device(group))
+
+
 def save(
     root: Path, step: int, state: dict[str, Any], meta: dict[str, Any], group: Any
 ) -> Path | None:
@@ -141,7 +149,8 @@ def save(
 
     # Commit only when every rank's file is durable: the MIN over all ranks' success flags is
     # also the barrier that orders every write before the commit.
-    ok = torch.tensor([0 if error is not None else 1], dtype=torch.int32)
+    ok = torch.tensor([0 if error is not None else 1], dtype=torch.int32,
+                      device=flag_device(group))
     dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
     if ok.item() == 0:
         if rank == 0:  # every rank is past its writes: nobody adds files behind the rmtree
@@ -218,7 +227,8 @@ def load_latest(
         payload, reason = verify(path, rank, meta)
         # This rank knows the step it would restore; the ranks have not agreed on it yet.
         probe.fault_point("restore", step)
-        ok = torch.tensor([1 if payload is not None else 0], dtype=torch.int32)
+        ok = torch.tensor([1 if payload is not None else 0], dtype=torch.int32,
+                          device=flag_device(group))
         dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
         if payload is None:
             probe.checkpoint_skipped(str(path / f"rank_{rank}.pt"), reason, step=step)
