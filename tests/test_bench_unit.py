@@ -707,3 +707,19 @@ def test_a_resolved_target_says_what_resolved_it_never_a_missing_peer() -> None:
     for target in found([0.05, 0.06, 0.07, 0.05, 0.08]).values():
         if target["limit"] is not None:
             assert "peer row" not in str(target["note"]), target
+
+
+def test_the_gpu_bench_refuses_a_machine_without_cuda(capsys: pytest.CaptureFixture[str],
+                                                     tmp_path: Path) -> None:
+    """`python -m bench --gpu` on a CPU machine: a clear refusal, and no record written."""
+    import torch
+
+    from bench.run import main
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(SystemExit) as stopped:
+        main(["--gpu", "--out", str(tmp_path)])
+    assert stopped.value.code == 2
+    assert "--gpu needs a CUDA device" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
