@@ -38,8 +38,11 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
+
+import torch.distributed as dist
 
 from harness import probe
 from reference_impl import _snapshots, _store
@@ -501,17 +504,39 @@ class Controller:
         return 1
 
 
+#: How long the report reader waits on the next report before it looks for a hole: an index
+#: a reporter took and never wrote, killed between the two calls of ``_store.report``.
+HOLE_S = 0.5
+
+
 def _read_reports(host: str, port: int, out: queue.Queue[dict[str, Any]]) -> None:
     """Hand every report (``ev/{i}``, in order) to the controller as soon as it is written:
     a blocking wait on the next key, where polling ``ev/n`` every 2 ms cost ~500 store round
-    trips a second on the cores the training ranks share."""
+    trips a second on the cores the training ranks share.
+
+    A member SIGKILLed inside ``_store.report`` (after it took index n, before it wrote
+    ``ev/n``) leaves a hole. Waiting on it for ever left every later report unread: deaths,
+    ``done``, and the job never ended (explore/hot_spare in `make test-scenarios`). So the
+    wait gives up every ``HOLE_S``: if a later index was taken by then, the missing one is
+    passed over, and delivered after all, out of order, should it come late (a reporter
+    descheduled, not dead)."""
     store = _store.waiter(host, port)
     seen = 0
+    holes: list[int] = []
     while True:
         key = f"ev/{seen}"
-        store.wait([key])
-        out.put(_store.get_json(store, key))
-        seen += 1
+        try:
+            store.wait([key], timedelta(seconds=HOLE_S))
+        except dist.DistStoreError:  # the wait's timeout
+            if int(store.add("ev/n", 0)) > seen + 1 and not store.check([key]):
+                holes.append(seen)
+                seen += 1
+        else:
+            out.put(_store.get_json(store, key))
+            seen += 1
+        for hole in [h for h in holes if store.check([f"ev/{h}"])]:
+            holes.remove(hole)
+            out.put(_store.get_json(store, f"ev/{hole}"))
 
 
 def run(cfg: Any, host: str, port: int, slots: int, host_store: bool) -> int:

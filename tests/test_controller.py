@@ -329,3 +329,52 @@ def test_a_death_before_any_member_finished_still_starts_a_generation(job_factor
     assert job.ctl.plan is not None
     assert job.ctl.plan["replicas"] == [1]
     assert job.ctl.outcome() is None
+
+
+_HOSTED: list[dist.Store] = []
+
+
+def _reader(monkeypatch: pytest.MonkeyPatch) -> tuple[dist.Store, Any]:
+    """A real TCPStore hosted here, as the controller hosts it, and the controller's report
+    reader on its own connection, in a thread."""
+    import queue
+    import socket
+    import threading
+
+    from reference_impl import _store
+
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = _store.connect("127.0.0.1", port, host_it=True)
+    _HOSTED.append(store)  # the reader's thread outlives the test: keep its store up
+    out: queue.Queue[dict[str, Any]] = queue.Queue()
+    threading.Thread(target=controller._read_reports, args=("127.0.0.1", port, out),
+                     daemon=True).start()
+    return store, out
+
+
+def test_a_reporter_killed_between_its_index_and_its_report_does_not_silence_the_rest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found in `make test-scenarios` (explore/hot_spare): a rank SIGKILLed inside
+    ``_store.report``, after it took index n and before it wrote ``ev/n``, left the reader
+    waiting on ``ev/n`` for ever. Every later report (deaths, ``done``) went unread, the job
+    trained to its end and never ended. The reader must pass over such a hole, and still
+    deliver its report should it come late (a reporter slow, not dead)."""
+    from reference_impl import _store
+
+    store, out = _reader(monkeypatch)
+    _store.report(store, type="ready", slot=0)
+    assert out.get(timeout=5)["type"] == "ready"
+    hole = store.add("ev/n", 1) - 1  # what the killed reporter did, and no more
+    _store.report(store, type="dead", slot=1, inc=1)
+    _store.report(store, type="done", rank=0, slot=0, inc=1)
+    got = [out.get(timeout=10)["type"], out.get(timeout=10)["type"]]
+    assert got == ["dead", "done"]
+    store.set(f"ev/{hole}", json.dumps({"type": "fail", "slot": 2}))  # late, not dead
+    assert out.get(timeout=10) == {"type": "fail", "slot": 2}
+    _store.report(store, type="resumed", gen=1, step=3)
+    assert out.get(timeout=10)["type"] == "resumed"
+    assert out.empty()
