@@ -72,10 +72,25 @@ def waiter(host: str, port: int, *, timeout: timedelta = CONNECT_TIMEOUT) -> dis
     return store
 
 
+#: What the controller writes into a report index whose writer never filled it.
+HOLE = json.dumps({"type": "hole"})
+
+
 def report(store: dist.Store, **fields: Any) -> None:
-    """Append one report to the controller's log."""
-    index = store.add("ev/n", 1) - 1
-    store.set(f"ev/{index}", json.dumps(fields))
+    """Append one report to the controller's log: take the next index, then write it.
+
+    A reporter killed between the two leaves a hole, which the controller fills once later
+    indexes are taken (``controller.HOLE_S``); one that was only slow finds its index
+    filled, and takes another."""
+    value = json.dumps(fields)
+    while not claim(store, store.add("ev/n", 1) - 1, value):
+        pass
+
+
+def claim(store: dist.Store, index: int, value: str) -> bool:
+    """Write report ``value`` at ``index``, unless the controller filled it as a hole:
+    written only if the key does not exist yet (TCPStore's compare_set with "")."""
+    return bool(store.compare_set(f"ev/{index}", "", value) == value.encode())
 
 
 def get_json(store: dist.Store, key: str) -> Any:

@@ -38,11 +38,8 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
-
-import torch.distributed as dist
 
 from harness import probe
 from reference_impl import _snapshots, _store
@@ -149,6 +146,8 @@ class Controller:
         self.over = False
         self.resumed = -1  # newest generation whose resume step was logged
         self.hb_keys: set[str] = set()  # heartbeat counters known to exist
+        self.reports_read = 0  # reports handled: the reader waits on ev/{reports_read}
+        self.hole: tuple[int, float] | None = None  # an index taken and unwritten, since
         self.replay = read_membership(cfg.replay) if cfg.replay else None
         out = Path(cfg.out) if cfg.out else None
         name = "membership.replay.jsonl" if cfg.replay else "membership.jsonl"
@@ -160,7 +159,10 @@ class Controller:
     # -- evidence -------------------------------------------------------------------------
 
     def handle(self, ev: dict[str, Any]) -> None:
+        self.reports_read += 1
         kind = ev["type"]
+        if kind == "hole":  # filled by check_holes: its writer died before writing it
+            return
         if kind == "ready":
             self.procs[ev["slot"]] = Proc(ev["slot"], ev["inc"], ev["pid"],
                                           ev.get("host", self.host), beat_t=time.monotonic())
@@ -198,6 +200,23 @@ class Controller:
         elif kind == "resumed":
             self.log_resume(ev["gen"], ev["step"])
 
+    def check_holes(self, taken: int, now: float) -> None:
+        """Fill the report index the reader waits on if it was taken (``taken``: the
+        reports' counter) and stayed unwritten for ``HOLE_S``: its writer was killed between
+        taking it and writing it (``_store.report``). Left alone, the reader would wait on
+        it for ever and no later report, a death or the last ``done``, would be read: the
+        job trained to its end and never ended (explore/hot_spare in `make
+        test-scenarios`). The fill writes only a missing key, and a reporter that was only
+        slow then reports again under a new index."""
+        index = self.reports_read
+        if taken <= index:
+            self.hole = None
+        elif self.hole is None or self.hole[0] != index:
+            self.hole = (index, now)
+        elif now - self.hole[1] >= HOLE_S:
+            self.store.compare_set(f"ev/{index}", "", _store.HOLE)
+            self.hole = None
+
     def rank_of(self, proc: Proc) -> int | None:
         if self.plan is None:
             return None
@@ -219,12 +238,14 @@ class Controller:
         watched = [proc for proc in self.members() if proc.alive and not proc.finished]
         # One round trip for every counter (each is created by its member's first beat;
         # add(key, 0) makes sure it exists before the read).
-        keys = [f"hb/{proc.slot}/{proc.inc}" for proc in watched]
+        # The reports' counter rides along (check_holes).
+        keys = [f"hb/{proc.slot}/{proc.inc}" for proc in watched] + ["ev/n"]
         for key in keys:
             if key not in self.hb_keys:
                 self.store.add(key, 0)
                 self.hb_keys.add(key)
-        counters = self.store.multi_get(keys) if keys else []
+        *counters, taken = self.store.multi_get(keys)
+        self.check_holes(int(taken), now)
         for proc, raw in zip(watched, counters, strict=True):
             beats = int(raw)
             if beats != proc.beats:
@@ -504,39 +525,21 @@ class Controller:
         return 1
 
 
-#: How long the report reader waits on the next report before it looks for a hole: an index
-#: a reporter took and never wrote, killed between the two calls of ``_store.report``.
+#: How long a taken report index may stay unwritten before the controller fills it.
 HOLE_S = 0.5
 
 
 def _read_reports(host: str, port: int, out: queue.Queue[dict[str, Any]]) -> None:
     """Hand every report (``ev/{i}``, in order) to the controller as soon as it is written:
     a blocking wait on the next key, where polling ``ev/n`` every 2 ms cost ~500 store round
-    trips a second on the cores the training ranks share.
-
-    A member SIGKILLed inside ``_store.report`` (after it took index n, before it wrote
-    ``ev/n``) leaves a hole. Waiting on it for ever left every later report unread: deaths,
-    ``done``, and the job never ended (explore/hot_spare in `make test-scenarios`). So the
-    wait gives up every ``HOLE_S``: if a later index was taken by then, the missing one is
-    passed over, and delivered after all, out of order, should it come late (a reporter
-    descheduled, not dead)."""
+    trips a second on the cores the training ranks share."""
     store = _store.waiter(host, port)
     seen = 0
-    holes: list[int] = []
     while True:
         key = f"ev/{seen}"
-        try:
-            store.wait([key], timedelta(seconds=HOLE_S))
-        except dist.DistStoreError:  # the wait's timeout
-            if int(store.add("ev/n", 0)) > seen + 1 and not store.check([key]):
-                holes.append(seen)
-                seen += 1
-        else:
-            out.put(_store.get_json(store, key))
-            seen += 1
-        for hole in [h for h in holes if store.check([f"ev/{h}"])]:
-            holes.remove(hole)
-            out.put(_store.get_json(store, f"ev/{hole}"))
+        store.wait([key])
+        out.put(_store.get_json(store, key))
+        seen += 1
 
 
 def run(cfg: Any, host: str, port: int, slots: int, host_store: bool) -> int:
