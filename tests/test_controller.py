@@ -5,9 +5,13 @@ played by the test."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import queue
 import signal
+import socket
 import subprocess
+import threading
 import time
 import types
 from collections.abc import Iterator
@@ -333,16 +337,25 @@ def test_a_death_before_any_member_finished_still_starts_a_generation(job_factor
 
 
 
-_HOSTED: list[dist.Store] = []
+class _Stopped(Exception):
+    """Ends the report reader of the test below (raised by its queue once closed)."""
 
 
-def _reader(monkeypatch: pytest.MonkeyPatch) -> tuple[dist.Store, Any]:
+class _ClosableQueue(queue.Queue):  # type: ignore[type-arg]
+    closed = False
+
+    def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
+        if self.closed:
+            raise _Stopped
+        super().put(item, block, timeout)
+
+
+@pytest.fixture
+def reader(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[dist.Store, Any]]:
     """A real TCPStore hosted here, as the controller hosts it, and the controller's report
-    reader on its own connection, in a thread."""
-    import queue
-    import socket
-    import threading
-
+    reader on its own connection, in a thread. The thread ends before the store does: a
+    hosted store destroyed under a blocked reader aborts the interpreter (``terminate
+    called without an active exception``, exit status 134)."""
     from reference_impl import _store
 
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
@@ -350,15 +363,27 @@ def _reader(monkeypatch: pytest.MonkeyPatch) -> tuple[dist.Store, Any]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     store = _store.connect("127.0.0.1", port, host_it=True)
-    _HOSTED.append(store)  # the reader's thread outlives the test: keep its store up
-    out: queue.Queue[dict[str, Any]] = queue.Queue()
-    threading.Thread(target=controller._read_reports, args=("127.0.0.1", port, out),
-                     daemon=True).start()
-    return store, out
+    out = _ClosableQueue()
+
+    def read() -> None:
+        with contextlib.suppress(_Stopped):
+            controller._read_reports("127.0.0.1", port, out)
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    yield store, out
+    out.closed = True
+    # Whatever index the reader waits on, it is written now: it reads it and stops.
+    for index in range(store.add("ev/n", 1)):
+        if not store.check([f"ev/{index}"]):
+            store.set(f"ev/{index}", _store.HOLE)
+    thread.join(timeout=10)
+    assert not thread.is_alive(), "the report reader did not stop"
+    del store
 
 
 def test_a_reporter_killed_between_its_index_and_its_report_does_not_silence_the_rest(
-    job_factory: Any, monkeypatch: pytest.MonkeyPatch,
+    job_factory: Any, reader: tuple[dist.Store, Any],
 ) -> None:
     """Found in `make test-scenarios` (explore/hot_spare): a rank SIGKILLed inside
     ``_store.report``, after it took index n and before it wrote ``ev/n``, left the
@@ -369,7 +394,7 @@ def test_a_reporter_killed_between_its_index_and_its_report_does_not_silence_the
     nothing is lost, and the reader never waits on a dead writer."""
     from reference_impl import _store
 
-    store, out = _reader(monkeypatch)
+    store, out = reader
     job = job_factory(recovery="hot_spare", replicas=2, spares=1)
     job.ctl.store = store  # the controller's own connection to the job's store
     job.ctl.reports_read = 0  # the Job's own "ready"s did not come through the store
