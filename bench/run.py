@@ -886,7 +886,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, help="repetitions (default 3; --quick: 1)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for JSON + Markdown")
     parser.add_argument("--keep-logs", type=Path, metavar="DIR",
-                        help="copy each job's events and logs here (last repetition wins)")
+                        help="copy each job's events and logs here: DIR/repN/ROW")
     parser.add_argument("--gpu", action="store_true",
                         help="one rank with NCCL on one GPU (1 replica x 1 shard): the rows "
                         "one rank can run; writes gpu.json")

@@ -277,6 +277,7 @@ class Worker:
         self.waiter = _store.waiter(host, port, timeout=wait)
         self.rank: int | None = None
         self.model: ParallelMLP | None = None
+        self.model_shard = -1  # the shard ``model`` belongs to
         self.opt: torch.optim.Optimizer | None = None
         self.steps_done = -1  # optimizer steps applied to the state we hold; -1: no state
         # Lineage of our state: the generation that last trained it, or the source's when a
@@ -375,11 +376,22 @@ class Worker:
     # -- state ------------------------------------------------------------------------------
 
     def build(self, rank: int, groups: Groups) -> None:
+        """This rank's model and optimizer (built unless held for its shard), on ``groups``."""
+        model = self.prepare(rank, len(groups.replicas))
+        for block in model.blocks:
+            block.tp_group = groups.tp
+
+    def prepare(self, rank: int, replicas: int) -> ParallelMLP:
+        """The model and optimizer of ``rank``'s shard, built now unless this process holds
+        them (a new one starts from the seeded init, the state of step 0). Needs no group: a
+        process that holds no model yet (a spare, a re-forked member) prepares it as soon as
+        a plan names its rank, while the others still tear their old groups down, instead of
+        after the start line (``run``)."""
         shard = rank % self.cfg.shards
-        layout = Layout(len(groups.replicas), self.cfg.shards, rank, groups.tp, groups.dp,
-                        groups.world)
-        if self.model is None or self.rank is None or self.rank % self.cfg.shards != shard:
+        if self.model is None or self.model_shard != shard:
+            layout = Layout(replicas, self.cfg.shards, rank, None, None, None)
             self.model = ParallelMLP(self.cfg.model_config(), layout, self.cfg.seed)
+            self.model_shard = shard
             self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr,
                                          weight_decay=0.0)
             # Create AdamW's state now, exactly as its first step would, so the state has a
@@ -394,8 +406,7 @@ class Worker:
             # Opt in to Aftershock's in-process faults on the new tensors (a no-op outside
             # the harness).
             probe.install(model=self.model, optimizer=self.opt)
-        for block in self.model.blocks:
-            block.tp_group = groups.tp
+        return self.model
 
     def tensors(self) -> list[torch.Tensor]:
         assert self.model is not None
@@ -784,6 +795,14 @@ class Worker:
             plan = self.wait_for_plan()
             if plan is None:
                 break
+            if self.model is None:
+                # ~12 ms of model and optimizer state on this host: built while the survivors
+                # still tear their old groups down, not after the start line, where every
+                # member would wait for it (a spare's recovery, "Runs T and U" in
+                # docs/benchmarks.md).
+                rank = self.mine(plan)
+                assert rank is not None  # wait_for_plan returns only plans that name us
+                self.prepare(rank, len(plan["replicas"]))
             self.gen = plan["gen"]
             self.gen_changed.set()
             failure = None
