@@ -87,7 +87,7 @@ bench: torchft
 
 # The failure-free overhead targets with 16 repetitions each: `make bench`'s 3 never resolve
 # them on a noisy 2-core host, 16 sometimes do (docs/benchmarks.md, "The 16-repetition
-# runs"). ~17 minutes. Writes bench/results/partial.* and serving-partial.*.
+# runs"). ~17–23 minutes. Writes bench/results/partial.* and serving-partial.*.
 bench-targets: venv
 	$(PY) -m bench --only ddp,trainer_no_ckpt,hot_spare,elastic --repeat 16
 	$(PY) -m bench.serving --only durable --only bare --repeat 16
