@@ -87,9 +87,13 @@ bench: torchft
 
 # The failure-free overhead targets with 16 repetitions each: `make bench`'s 3 never resolve
 # them on a noisy 2-core host, 16 sometimes do (docs/benchmarks.md, "The 16-repetition
-# runs"). ~17–23 minutes. Writes bench/results/partial.* and serving-partial.*.
+# runs"). ~17–23 minutes. Writes bench/results/partial.* and serving-partial.*, and keeps
+# every training job's events and logs under $(BENCH_LOGS)/<UTC time>/repN/ROW (~1 MB a
+# job, outside git), so an outlier can be explained after the run.
+BENCH_LOGS ?= .aftershock/bench-logs
 bench-targets: venv
-	$(PY) -m bench --only ddp,trainer_no_ckpt,hot_spare,elastic --repeat 16
+	$(PY) -m bench --only ddp,trainer_no_ckpt,hot_spare,elastic --repeat 16 \
+		--keep-logs $(BENCH_LOGS)/$$(date -u +%Y%m%dT%H%M%SZ)
 	$(PY) -m bench.serving --only durable --only bare --repeat 16
 
 clean:
