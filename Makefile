@@ -88,7 +88,7 @@ bench: torchft
 # The failure-free overhead targets with 16 repetitions each: `make bench`'s 3 never resolve
 # them on a noisy 2-core host, 16 sometimes do (docs/benchmarks.md, "The 16-repetition
 # runs"). ~17–23 minutes. Writes bench/results/partial.* and serving-partial.*, and keeps
-# every training job's events and logs under $(BENCH_LOGS)/<UTC time>/repN/ROW (~1 MB a
+# every training job's events and logs under $(BENCH_LOGS)/<UTC time>/repN/ROW (~0.2 MB a
 # job, outside git), so an outlier can be explained after the run.
 BENCH_LOGS ?= .aftershock/bench-logs
 bench-targets: venv

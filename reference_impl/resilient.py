@@ -7,9 +7,12 @@ Process shape (one torchrun worker per *slot*; torchrun only launches, it never 
 
 - The **supervisor** imports torch once and forks the worker, so a killed worker is re-forked
   warm (no 1 s ``import torch``): in ``hot_spare`` the new process becomes a spare, in
-  ``elastic`` it is the returning replica. It reports the death to the controller at once, and
-  its own exit status is what torchrun sees: torchrun's agent would otherwise answer any death
-  by tearing down and restarting the whole group, which is exactly what we avoid.
+  ``elastic`` it is the returning replica. Once a worker has lived a second, the supervisor
+  also forks its successor ahead of need (the *standby*), which connects to the store and
+  waits: a death wakes it, it reports the death to the controller at once, and becomes the
+  slot's next worker. The supervisor's own exit status is what torchrun sees: torchrun's
+  agent would otherwise answer any death by tearing down and restarting the whole group,
+  which is exactly what we avoid.
 - The **controller** (``reference_impl.controller``) hosts the TCPStore (so no rank's death
   takes the store with it), watches deaths, heartbeats and failed collectives, and publishes
   numbered membership plans.
@@ -875,6 +878,64 @@ def _worker(
     return worker.run(left)
 
 
+#: How long a slot's worker lives before its supervisor forks the standby: a fork of a
+#: process that imported torch costs a few ms of CPU, kept off a start or a recovery that
+#: is still under way. A worker that dies sooner is followed by a fresh fork, as before.
+STANDBY_AFTER_S = 1.0
+
+
+def _standby(cfg: Any, slot: int, inc: int, host: str, port: int, wake: int, left: int
+             ) -> int:
+    """A slot's next incarnation, forked while the current one runs (``_fork_standby``).
+
+    It connects to the store and blocks on ``wake``. When its supervisor writes the dead
+    incarnation and its status there, it reports the death at once (its connection is
+    already open: a fork, Python's start in the child and a store connection after the
+    death took most of the ~30 ms between a kill and the controller's plan, docs/trainer.md),
+    then becomes the slot's worker. EOF instead: the job ended, nothing to report."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    store: dist.Store | None = None
+    with contextlib.suppress(Exception):  # no store (the job ended): connect when woken
+        store = _store.connect(host, port)
+    word = b""
+    while chunk := os.read(wake, 64):
+        word += chunk
+    os.close(wake)
+    if not word:
+        return 0
+    died_inc, status = (int(part) for part in word.split())
+    if store is None:
+        store = _store.connect(host, port, timeout=timedelta(seconds=10))
+    _store.report(store, type="dead", slot=slot, inc=died_inc, status=status)
+    worker = Worker(cfg, slot, inc, host, port)
+    return worker.run(left)
+
+
+@dataclass
+class _Incarnation:
+    """A process the supervisor forked for its slot: the worker, or the standby."""
+
+    pid: int
+    inc: int
+    left: int  # read end of the pipe on which it says it has left the job
+    wake: int | None = None  # a standby's: write end of the pipe that wakes it
+
+
+def _dies_within(pid: int, seconds: float) -> bool:
+    """Whether child ``pid`` exits within ``seconds`` (left for ``waitpid`` to reap). True
+    where pidfds are missing: then no standby is forked."""
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return True
+    try:
+        import select
+
+        return bool(select.select([fd], [], [], seconds)[0])
+    finally:
+        os.close(fd)
+
+
 def _has_left(pipe: int) -> bool:
     """Whether the worker on the other end of ``pipe`` (now dead) said it had left the job."""
     os.set_blocking(pipe, False)
@@ -884,11 +945,16 @@ def _has_left(pipe: int) -> bool:
         return False
 
 
-def _fork(target: Any, *args: Any) -> int:
+def _fork(target: Any, *args: Any, close: tuple[int, ...] = ()) -> int:
+    """Run ``target(*args)`` in a forked child; ``close``: the parent's descriptors the child
+    must not hold (a standby sees EOF on its wake pipe only once no other process holds
+    the write end)."""
     pid = os.fork()
     if pid == 0:
         code = 1
         try:
+            for fd in close:
+                os.close(fd)
             code = target(*args)
         except BaseException:
             traceback.print_exc()
@@ -898,6 +964,43 @@ def _fork(target: Any, *args: Any) -> int:
             # Never run interpreter shutdown: group destructors may block on dead peers.
             os._exit(code)
     return pid
+
+
+def _fork_standby(cfg: Any, slot: int, worker: _Incarnation, host: str, port: int
+                  ) -> _Incarnation:
+    wake_read, wake_write = os.pipe()
+    left_read, left_write = os.pipe()
+    pid = _fork(_standby, cfg, slot, worker.inc + 1, host, port, wake_read, left_write,
+                close=(wake_write, left_read, worker.left))
+    os.close(wake_read)
+    os.close(left_write)
+    return _Incarnation(pid, worker.inc + 1, left_read, wake_write)
+
+
+def _wake(standby: _Incarnation, died: tuple[int, int]) -> bool:
+    """Tell ``standby`` its predecessor died; False if it is gone (nobody reads its pipe)."""
+    assert standby.wake is not None
+    try:
+        os.write(standby.wake, f"{died[0]} {died[1]}".encode())
+    except OSError:  # EPIPE: it died
+        return False
+    finally:
+        os.close(standby.wake)
+        standby.wake = None
+    return True
+
+
+def _drop(standby: _Incarnation) -> None:
+    """End a standby that will not be needed (or cannot be woken): it holds nothing but a
+    store connection, and may still be waiting for the store, so it is killed, not asked."""
+    if standby.wake is not None:
+        os.close(standby.wake)
+        standby.wake = None
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(standby.pid, signal.SIGKILL)
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(standby.pid, 0)
+    os.close(standby.left)
 
 
 def main(cfg: Any) -> int:
@@ -942,24 +1045,41 @@ def main(cfg: Any) -> int:
     if slot == 0:
         children["controller"] = _fork(controller.run, cfg, host, port, slots, not agent_store)
     code = 0
-    inc = 0
     died: tuple[int, int] | None = None
+    worker: _Incarnation | None = None
+    standby: _Incarnation | None = None
     while True:
-        inc += 1
         # The supervisor itself never opens a store connection: a process forked while one
-        # is open cannot connect again. The next incarnation reports its predecessor's death.
-        read_end, write_end = os.pipe()
-        children["worker"] = _fork(_worker, cfg, slot, inc, host, port, died, write_end)
-        os.close(write_end)
-        _, status = os.waitpid(children["worker"], 0)
-        left = _has_left(read_end)
-        os.close(read_end)
+        # is open cannot connect again. The next incarnation reports its predecessor's death:
+        # the standby, already connected, where one is up; else one forked now.
+        inc = 1 if worker is None else worker.inc + 1
+        if standby is not None and died is not None and _wake(standby, died):
+            worker, standby = standby, None
+            children.pop("standby", None)
+        else:
+            if standby is not None:  # it died, or cannot be woken: a fresh fork instead
+                _drop(standby)
+                standby = None
+                children.pop("standby", None)
+            read_end, write_end = os.pipe()
+            pid = _fork(_worker, cfg, slot, inc, host, port, died, write_end, close=(read_end,))
+            os.close(write_end)
+            worker = _Incarnation(pid, inc, read_end)
+        children["worker"] = worker.pid
+        if standby is None and not _dies_within(worker.pid, STANDBY_AFTER_S):
+            standby = _fork_standby(cfg, slot, worker, host, port)
+            children["standby"] = standby.pid
+        _, status = os.waitpid(worker.pid, 0)
+        left = _has_left(worker.left)
+        os.close(worker.left)
         if os.WIFEXITED(status):
             code = os.WEXITSTATUS(status)
             break
         if left:  # killed on its way out, its work done: the job lost nothing
             break
-        died = (inc, -os.WTERMSIG(status))  # killed: re-fork at once, warm
+        died = (worker.inc, -os.WTERMSIG(status))  # killed: its successor takes over, warm
+    if standby is not None:
+        _drop(standby)
     if "controller" in children:
         _, status = os.waitpid(children["controller"], 0)
         if code == 0 and os.WIFEXITED(status):
