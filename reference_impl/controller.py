@@ -132,6 +132,7 @@ class Controller:
         self.hb_timeout = cfg.heartbeat_timeout or cfg.collective_timeout
         self.check_s = min(CHECK_MAX_S, max(CHECK_MIN_S, self.hb_timeout * CHECK_FRACTION))
         self.procs: dict[int, Proc] = {}  # slot -> its newest incarnation
+        self.successors: set[int] = set()  # slots whose death was reported, not yet ready
         self.host = host_id()
         self.plan: dict[str, Any] | None = None
         self.gen = -1
@@ -166,8 +167,12 @@ class Controller:
         if kind == "ready":
             self.procs[ev["slot"]] = Proc(ev["slot"], ev["inc"], ev["pid"],
                                           ev.get("host", self.host), beat_t=time.monotonic())
+            self.successors.discard(ev["slot"])
             self.maybe_plan()
         elif kind == "dead":
+            # Whoever reports a death is the slot's next incarnation: alive until it says
+            # ready (then it is the slot's process) or has seen the end (``linger``).
+            self.successors.add(ev["slot"])
             proc = self.procs.get(ev["slot"])
             if proc is None or proc.inc != ev["inc"] or not proc.alive:
                 return
@@ -480,10 +485,19 @@ class Controller:
         self.store.set(f"arrived/{self.gen}", "superseded")
         # Wakes every process blocked waiting for the next plan (Worker.wait_for_plan).
         self.store.set(f"plan/{self.gen + 1}", json.dumps({"end": True}))
-        # Keep hosting the store until everyone still alive has seen the end, and until every
-        # slot has shown up once: a slot whose first process starts after a short job ended
-        # (seconds of torch import on a busy host) would otherwise find no store, and
-        # TCPStore waits out its connect timeout (120 s, then retries): the job would hang.
+        self.linger(events)
+        return code
+
+    def linger(self, events: queue.Queue[dict[str, Any]]) -> None:
+        """After the end: keep hosting the store until everyone still alive has seen the end,
+        and until every slot has shown up once.
+
+        A slot whose first process starts after a short job ended (seconds of torch import
+        on a busy host) would otherwise find no store, and TCPStore waits out its connect
+        timeout (120 s, then retries): the job would hang. Everyone alive includes a dead
+        member's successor, which reported the death (``successors``) and is on its way to
+        the end: without the store its next call fails, its supervisor exits 1, and
+        torchrun restarts the whole finished job."""
         now = time.monotonic()
         deadline, late_deadline = now + 10.0, now + LATE_SLOT_S
         while True:
@@ -496,12 +510,11 @@ class Controller:
                                                       ev.get("host", self.host))
             now = time.monotonic()
             unseen = self.slots - len(self.procs)
-            alive = sum(1 for p in self.procs.values() if p.alive)
+            alive = sum(1 for p in self.procs.values() if p.alive) + len(self.successors)
             seen_end = now > deadline or self.store.add("exited", 0) >= alive
             if seen_end and (unseen <= 0 or now > late_deadline):
                 break
             time.sleep(0.01)
-        return code
 
     def outcome(self) -> int | None:
         """The job's exit code once it is over, else None. Over: every shard's final

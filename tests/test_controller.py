@@ -336,6 +336,69 @@ def test_a_death_before_any_member_finished_still_starts_a_generation(job_factor
     assert job.ctl.outcome() is None
 
 
+def _linger(job: Job, monkeypatch: pytest.MonkeyPatch, *, successor_exits_at: float | None
+            ) -> float:
+    """Run the controller's wait after the end (``Controller.linger``) on the test's clock;
+    the successor of a dead member, if any, sees the end and leaves ``successor_exits_at``
+    seconds in, as Worker.run does (``exited``). Returns how long the store was kept."""
+    start = job.now
+
+    def sleep(seconds: float) -> None:
+        before = job.now - start
+        job.now += seconds
+        if successor_exits_at is not None and before < successor_exits_at <= job.now - start:
+            job.store.add("exited", 1)
+
+    monkeypatch.setattr(controller.time, "sleep", sleep)
+    job.ctl.linger(queue.Queue())
+    return job.now - start
+
+
+def test_the_store_outlives_the_end_until_a_dead_members_successor_has_seen_it(
+    job_factory: Any, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rank 0 dies at its last step, before its final parameters; the others report theirs
+    and leave. Rank 0's successor reported the death, so it is on its way to the store
+    (Worker.run: wait for a plan, see the end, leave). The controller must host the store
+    until it has seen the end: gone, the successor's next store call fails, its supervisor
+    exits 1, and torchrun restarts the whole finished job (scenarios/explore/found/
+    kill_before_params_elastic.yaml did, once the successor reported within ~15 ms)."""
+    job = job_factory(recovery="elastic", replicas=2, shards=2)
+    for rank in range(4):
+        job.arrive(rank)
+    for rank in (1, 2, 3):
+        job.done(rank)
+    job.ctl.handle({"type": "dead", "slot": 0, "inc": 1, "status": -9})  # its successor
+    assert job.ctl.outcome() == 0
+    job.store.add("exited", 3)  # the three that finished saw the end and left
+    kept = _linger(job, monkeypatch, successor_exits_at=0.5)
+    assert 0.5 <= kept < 1.0
+    # The successor's ready comes in before the end: it counts as the slot's process.
+    job2 = job_factory(recovery="elastic", replicas=2, shards=2)
+    for rank in range(4):
+        job2.arrive(rank)
+    for rank in (1, 2, 3):
+        job2.done(rank)
+    job2.refork(0, 1)
+    job2.store.add("exited", 3)
+    kept = _linger(job2, monkeypatch, successor_exits_at=0.3)
+    assert 0.3 <= kept < 1.0
+
+
+def test_without_a_successor_the_store_goes_once_everyone_alive_saw_the_end(
+    job_factory: Any, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A member that reported its final parameters and was killed on its way out told its
+    supervisor it had left: no successor, no report. The others' exits are enough."""
+    job = job_factory(recovery="elastic", replicas=2, shards=2)
+    for rank in range(4):
+        job.arrive(rank)
+    for rank in range(4):
+        job.done(rank)
+    job.store.add("exited", 4)
+    assert _linger(job, monkeypatch, successor_exits_at=None) < 0.1
+
+
 
 class _Stopped(Exception):
     """Ends the report reader of the test below (raised by its queue once closed)."""
