@@ -161,6 +161,18 @@ def reaper_of(pid: int) -> int | None:
     return None
 
 
+def marked(mark: str) -> list[int]:
+    """Every live process whose environment holds ``mark`` ("NAME=value"): a test's job
+    launched through torchrun, whose workers sit in sessions of their own."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if mark.encode() in (entry / "environ").read_bytes().split(b"\0"):
+                    found.append(int(entry.name))
+    return found
+
+
 def killed(proc: subprocess.Popen[bytes]) -> bool:
     """``proc`` was sent SIGKILL: it exited, or the signal is pending. (Its death follows
     the signal by a scheduling delay; reading the pending set makes the answer exact.)"""

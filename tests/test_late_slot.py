@@ -19,23 +19,13 @@ import uuid
 from pathlib import Path
 
 import pytest
-from _helpers import ROOT
+from _helpers import ROOT, marked
 
 pytest.importorskip("torch")
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(200)]
 
 WAIT_S = 90.0  # the hang it guards against lasts 120 s and more
-
-
-def _marked(mark: str) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                if mark.encode() in (entry / "environ").read_bytes().split(b"\0"):
-                    found.append(int(entry.name))
-    return found
 
 
 def test_a_spare_slot_that_starts_after_the_end_finds_the_job_over(tmp_path: Path) -> None:
@@ -71,7 +61,7 @@ def test_a_spare_slot_that_starts_after_the_end_finds_the_job_over(tmp_path: Pat
         try:
             proc.wait(timeout=WAIT_S)
         except subprocess.TimeoutExpired:
-            for pid in _marked(mark):  # torchrun's workers sit in sessions of their own
+            for pid in marked(mark):  # torchrun's workers sit in sessions of their own
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             proc.wait()

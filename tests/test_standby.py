@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _helpers import ROOT
+from _helpers import ROOT, marked
 
 pytest.importorskip("torch")
 
@@ -31,16 +31,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 from reference_impl.resilient import STANDBY_AFTER_S  # noqa: E402
 
 SLOT = 1  # a training slot without the controller: its supervisor forks only its worker
-
-
-def _marked(mark: str) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                if mark.encode() in (entry / "environ").read_bytes().split(b"\0"):
-                    found.append(int(entry.name))
-    return found
 
 
 def _children(pid: int) -> set[int]:
@@ -104,17 +94,17 @@ def _run(tmp_path: Path, kill_standby_first: bool) -> tuple[list[dict[str, Any]]
                 1 for e in _events(events) if e["event"] == "step" and e.get("rank") == 0) > 5)
             if kill_standby_first:
                 os.kill(standby, signal.SIGKILL)
-                _wait("the standby's death", lambda: standby not in _marked(mark))
+                _wait("the standby's death", lambda: standby not in marked(mark))
             os.kill(worker, signal.SIGKILL)
             proc.wait(timeout=150)
         finally:
-            for pid in _marked(mark):  # torchrun's workers sit in sessions of their own
+            for pid in marked(mark):  # torchrun's workers sit in sessions of their own
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             proc.wait()
         assert proc.returncode == 0, log.read_text()[-3000:] + _summary(_events(events))
     end = time.monotonic() + 10
-    while (left := _marked(mark)) and time.monotonic() < end:
+    while (left := marked(mark)) and time.monotonic() < end:
         time.sleep(0.05)
     assert not left, f"outlived the job: {[_cmdline(pid) for pid in left]}"
     return _events(events), worker, standby
