@@ -174,14 +174,19 @@ class Controller:
             # ready (then it is the slot's process) or has seen the end (``linger``).
             self.successors.add(ev["slot"])
             proc = self.procs.get(ev["slot"])
-            if proc is None or proc.inc != ev["inc"] or not proc.alive:
+            # A later incarnation's death is ours too: a supervisor forks or wakes
+            # incarnation k + 1 only once k died. Seen when a woken standby is killed before
+            # it reports: the fresh fork after it reports the standby's incarnation, the
+            # one we know never reported (its status is then unknown).
+            if proc is None or proc.inc > ev["inc"] or not proc.alive:
                 return
             proc.alive = False
             if proc.finished:  # killed on its way out: its work was done and reported
                 return
             rank = self.rank_of(proc)
+            status = ev.get("status") if proc.inc == ev["inc"] else None
             probe.detected(cause="process_exit", rank=rank, slot=proc.slot, source="controller",
-                           status=ev.get("status"), generation=self.gen,
+                           status=status, generation=self.gen,
                            **({"after_last_step": True} if self.over else {}))
             if rank is not None:
                 self.replan(f"rank {rank} (slot {proc.slot}) exited")

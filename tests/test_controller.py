@@ -336,6 +336,30 @@ def test_a_death_before_any_member_finished_still_starts_a_generation(job_factor
     assert job.ctl.outcome() is None
 
 
+def test_a_death_reported_for_a_later_incarnation_is_the_death_of_the_known_one(
+    job_factory: Any,
+) -> None:
+    """Slot 1's worker (incarnation 1) dies; its standby (incarnation 2) is woken but killed
+    before it reports; the fresh fork after it reports incarnation 2 dead. Incarnation 1
+    is then dead too (a supervisor forks or wakes incarnation k + 1 only once k died): the
+    controller must take it as the death of rank 1 at once, not wait for the collective
+    failures to go unexplained (tests/test_standby.py, the standby killed after its wake)."""
+    job = job_factory(recovery="hot_spare", replicas=2, spares=1)
+    job.arrive(0)
+    job.arrive(1)
+    job.ctl.handle({"type": "dead", "slot": 1, "inc": 2, "status": -9})
+    deaths = job.detected("process_exit")
+    assert [(e["rank"], e["slot"]) for e in deaths] == [(1, 1)]
+    assert deaths[0]["status"] is None  # incarnation 1's own status was never reported
+    assert job.ctl.gen == 1
+    assert job.ctl.plan is not None
+    assert job.member(1) == (2, 1)  # the spare
+    # A death of an incarnation older than the one known changes nothing.
+    job.start(1, 3)
+    job.ctl.handle({"type": "dead", "slot": 1, "inc": 2, "status": -9})
+    assert (len(job.detected("process_exit")), job.ctl.gen) == (1, 1)
+
+
 def _linger(job: Job, monkeypatch: pytest.MonkeyPatch, *, successor_exits_at: float | None
             ) -> float:
     """Run the controller's wait after the end (``Controller.linger``) on the test's clock;
