@@ -139,11 +139,12 @@ class Controller:
         self.fail_t: float | None = None  # first unexplained collective failure in this gen
         self.published_t = 0.0  # when this gen's plan was published
         self.join_by: float | None = None  # every member of this gen at its start line by then
-        # Shards whose final parameters some member reported ("done"). The first such report
-        # ends the training: its member completed the last step's vote, so every member of
-        # its generation holds (or can roll forward to) the final state, and no later death
-        # calls for a new generation.
+        # Shards whose final parameters some member reported ("done").
         self.finished_shards: set[int] = set()
+        # The training is over once a member says it completed the last step ("last", sent
+        # before its final parameters, or "done"): it completed the last step's vote, so
+        # every member of its generation holds (or can roll forward to) the final state, and
+        # no later death calls for a new generation.
         self.over = False
         self.resumed = -1  # newest generation whose resume step was logged
         self.hb_keys: set[str] = set()  # heartbeat counters known to exist
@@ -201,6 +202,8 @@ class Controller:
         elif kind == "leave" and self.replay is not None:
             if ev["gen"] == self.gen and self.gen + 1 < len(self.replay):
                 self.publish(self.replay_plan(self.gen + 1), "replay")
+        elif kind == "last":
+            self.over = True
         elif kind == "done":
             proc = self.procs.get(ev["slot"])
             if proc is not None and proc.inc == ev.get("inc"):

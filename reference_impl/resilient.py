@@ -743,6 +743,11 @@ class Worker:
 
     def finish(self, g: Groups) -> None:
         assert self.model is not None
+        # The training is over from here (the controller's ``over``), said before anything
+        # that can fail or take time: a death reported before any member's final parameters
+        # (a standby reports one within ~15 ms) would otherwise start a generation of
+        # members on their way out.
+        _store.report(self.store, type="last", rank=g.rank, slot=self.slot, inc=self.inc)
         probe.fault_point("finish", self.steps_done)
         final = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
         probe.params(param_digest(final), step=self.steps_done, rank=g.rank)

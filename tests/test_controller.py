@@ -336,6 +336,29 @@ def test_a_death_before_any_member_finished_still_starts_a_generation(job_factor
     assert job.ctl.outcome() is None
 
 
+def test_a_member_past_the_last_step_ends_the_training_before_its_parameters(
+    job_factory: Any,
+) -> None:
+    """Rank 0 completes the last step, says so (``last``, Worker.finish), and is killed
+    before it reports its final parameters; its standby reports the death at once, before
+    any member's ``done``. The training is over all the same: no generation may start (its
+    members would wait for ranks on their way out; the death came first in 1 of 79 runs of
+    scenarios/explore/found/kill_before_params_elastic.yaml once the standby reported deaths
+    within ~15 ms, 2026-12-05), and the job ends once every shard's parameters are in."""
+    job = job_factory(recovery="elastic", replicas=2, shards=2)
+    for rank in range(4):
+        job.arrive(rank)
+    job.ctl.handle({"type": "last", "rank": 0, "slot": 0, "inc": 1})
+    job.refork(0, 1)  # killed at the finish fault point; its standby reports it
+    job.tick(2 * T)
+    assert job.ctl.gen == 0
+    assert [e["after_last_step"] for e in job.detected("process_exit")] == [True]
+    assert job.ctl.outcome() is None  # shards 0 and 1 still have members to report them
+    job.done(2)
+    job.done(1)
+    assert job.ctl.outcome() == 0
+
+
 def test_a_death_reported_for_a_later_incarnation_is_the_death_of_the_known_one(
     job_factory: Any,
 ) -> None:
