@@ -342,9 +342,10 @@ def test_a_member_past_the_last_step_ends_the_training_before_its_parameters(
     """Rank 0 completes the last step, says so (``last``, Worker.finish), and is killed
     before it reports its final parameters; its standby reports the death at once, before
     any member's ``done``. The training is over all the same: no generation may start (its
-    members would wait for ranks on their way out; the death came first in 1 of 79 runs of
-    scenarios/explore/found/kill_before_params_elastic.yaml once the standby reported deaths
-    within ~15 ms, 2026-12-05), and the job ends once every shard's parameters are in."""
+    members would wait for ranks on their way out; once the standby reported deaths within
+    ~15 ms, the death came first in a clean-clone run of
+    scenarios/explore/found/kill_before_params_elastic.yaml, 2026-12-05), and the job ends
+    once every shard's parameters are in."""
     job = job_factory(recovery="elastic", replicas=2, shards=2)
     for rank in range(4):
         job.arrive(rank)
