@@ -232,6 +232,15 @@ class ParallelMLP(nn.Module):
         return F.linear(x, self.head)
 
 
+def shard_numels(cfg: ModelConfig, shards: int) -> list[int]:
+    """The element count of each of one shard's parameters, in ``parameters()`` order,
+    without building the model (every shard's are the same; tests/test_model.py holds this to
+    the model itself)."""
+    part = cfg.hidden // shards
+    block = [part * cfg.d_model, part, cfg.d_model * part, cfg.d_model]
+    return [cfg.d_out * cfg.d_model] + block * cfg.blocks  # the head is the model's own
+
+
 def _mix(*values: int) -> int:
     """A stable 63-bit seed from integers (``hash()`` of a tuple may change across Pythons)."""
     text = ":".join(str(v) for v in values).encode()

@@ -63,7 +63,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from harness import probe
-from reference_impl import _snapshots, _store, checkpoint, controller
+from reference_impl import _memory, _snapshots, _store, checkpoint, controller
 from reference_impl._star import Star
 from reference_impl.model import (
     GradBuffer,
@@ -72,6 +72,7 @@ from reference_impl.model import (
     ParallelMLP,
     all_finite,
     param_digest,
+    shard_numels,
     synthetic_batch,
 )
 from reference_impl.phases import Laps
@@ -299,6 +300,9 @@ class Worker:
         self.candidate: tuple[int, torch.Tensor] | None = None
         self.fp_pending: tuple[int, int] | None = None
         self.kept = KeptStates()
+        # The flat gradient buffer, reused every step and across generations: a fresh one
+        # in every generation cost each survivor ~260 page faults in its first step.
+        self.grads = GradBuffer()
         self.gen = -1
         self.groups: Groups | None = None
         self.plan_ahead = -1  # newest generation the heartbeat thread saw published
@@ -421,9 +425,6 @@ class Worker:
             out += [state["exp_avg"], state["exp_avg_sq"], state["step"].view(1)]
         return out
 
-    def flat_state(self) -> torch.Tensor:
-        return torch.cat([t.reshape(-1) for t in self.tensors()])
-
     def load_flat(self, flat: torch.Tensor) -> None:
         offset = 0
         for t in self.tensors():
@@ -534,19 +535,29 @@ class Worker:
             have = sorted(r for r in ready if r % shards == shard)
             if have:
                 sources[shard] = have[0]
+        # The states kept for a rollback are replaced below: their buffers serve the copy.
+        for old in (self.verified, self.candidate):
+            self.kept.drop(old[1] if old else None)
+        self.verified = self.candidate = None
+        copied = None
         if len(sources) == shards:
             resume, lineage = top, newest
             if any(r not in ready for r in g.dp_ranks):
-                self.copy_from_peer(g, sources[g.rank % shards], resume,
-                                    receive=g.rank not in ready)
+                source = sources[g.rank % shards]
+                copied = self.copy_from_peer(g, source, resume, receive=g.rank not in ready)
+                if g.rank != source and g.rank in ready:
+                    # The copy holds the source's state; we kept our own (the same bits).
+                    self.kept.drop(copied)
+                    copied = None
         else:
             # Every member, survivors of the other shards too, now holds the snapshots' state:
             # a lineage of this generation's own.
             resume, lineage = self.restore_snapshots(g), g.gen
         self.steps_done, self.state_gen = resume, lineage
-        for old in (self.verified, self.candidate):
-            self.kept.drop(old[1] if old else None)
-        self.verified = (resume, self.kept.copy(self.tensors()))
+        # What we hold now is what a rollback returns to: the copy we just took part in,
+        # which is already our state, or a copy of it.
+        self.verified = (resume, copied if copied is not None
+                         else self.kept.copy(self.tensors()))
         self.candidate, self.mismatch, self.fp_pending = None, False, None
         if self.cfg.snapshot_every > 0 and g.rank // shards == g.replicas[0]:
             # The state every member holds now, so that losing every holder of a shard before
@@ -560,16 +571,24 @@ class Worker:
                             replicas=g.replicas)
         return resume
 
-    def copy_from_peer(self, g: Groups, source: int, step: int, *, receive: bool) -> None:
+    def copy_from_peer(self, g: Groups, source: int, step: int, *, receive: bool
+                       ) -> torch.Tensor:
         """Our data-parallel group takes the state of ``source``, a member of the same shard
         that holds step ``step`` (replicas of a shard are bitwise identical); ``receive``:
-        we are behind and load it."""
-        flat = self.flat_state()
-        opts = dist.BroadcastOptions()
-        opts.rootRank = g.dp_ranks.index(source)
-        g.dp.broadcast([flat], opts).wait()
-        if receive:
-            self.load_flat(flat)
+        we are behind and load it. Returns the source's state, in a buffer of ``kept`` held
+        once (the caller's to drop): a buffer used before, whose pages are already the
+        process's, not a fresh 3 MB tensor (~800 page faults in the middle of a recovery)."""
+        flat = self.kept.copy(self.tensors())
+        try:
+            opts = dist.BroadcastOptions()
+            opts.rootRank = g.dp_ranks.index(source)
+            g.dp.broadcast([flat], opts).wait()
+            if receive:
+                self.load_flat(flat)
+        except BaseException:
+            self.kept.drop(flat)
+            raise
+        return flat
 
     def restore_snapshots(self, g: Groups) -> int:
         """Every replica of some shard is gone: every member goes back to the newest step for
@@ -599,7 +618,7 @@ class Worker:
         if self.replay is not None and g.gen + 1 < len(self.replay):
             stop_at = self.replay[g.gen + 1]["first_step"] - 1
         params = list(model.parameters())
-        grads = GradBuffer()  # the flat gradient buffer, reused every step
+        grads = self.grads
         laps = Laps()  # where each step's time goes, when AFTERSHOCK_PHASES asks (make bench)
         world_rank = g.members.index(g.rank)  # the fingerprints' slots are by world rank
         while self.steps_done < cfg.steps:
@@ -799,6 +818,10 @@ class Worker:
         if self.cfg.recovery == "hot_spare" and not initial:
             probe.hello(world=self.world_size, generation=max(_store.latest(self.store), 0),
                         rank=None, role="spare", slot=self.slot)
+            if self.inc == 1:
+                # The job's own spare, at its start. A spare forked after a death does not:
+                # it would take the CPU from the recovery under way; a standby did already.
+                _prefault(self.cfg)
         while True:
             plan = self.wait_for_plan()
             if plan is None:
@@ -889,6 +912,24 @@ def _worker(
 STANDBY_AFTER_S = 1.0
 
 
+#: How much memory a process that may join a recovery later (a warm spare, a standby) makes
+#: its own while it waits, in flat states of one shard (``state_bytes``): the model and its
+#: optimizer state, the copy it receives from a peer, and its first step's gradients and
+#: activations are what it writes first there (``reference_impl._memory``).
+PREFAULT_STATES = 4
+
+
+def state_bytes(cfg: Any) -> int:
+    """Bytes of one shard's flat state (``Worker.tensors``: each parameter, AdamW's two
+    moments of it and its step count, float32), without building the model."""
+    return sum(3 * n + 1 for n in shard_numels(cfg.model_config(), cfg.shards)) * 4
+
+
+def _prefault(cfg: Any) -> None:
+    """Make the memory a recovery will need this process's own now, while it waits."""
+    _memory.prefault(PREFAULT_STATES * state_bytes(cfg))
+
+
 def _standby(cfg: Any, slot: int, inc: int, host: str, port: int, wake: int, left: int
              ) -> int:
     """A slot's next incarnation, forked while the current one runs (``_fork_standby``).
@@ -902,6 +943,7 @@ def _standby(cfg: Any, slot: int, inc: int, host: str, port: int, wake: int, lef
     store: dist.Store | None = None
     with contextlib.suppress(Exception):  # no store (the job ended): connect when woken
         store = _store.connect(host, port)
+    _prefault(cfg)
     word = b""
     while chunk := os.read(wake, 64):
         word += chunk

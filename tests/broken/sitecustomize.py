@@ -118,12 +118,14 @@ def stale_snapshot(resilient: ModuleType) -> None:
     snapshot one step older on top of it (a state one step old)."""
     copy = resilient.Worker.copy_from_peer
 
-    def broken(self: Any, g: Any, source: int, step: int, *, receive: bool) -> None:
-        copy(self, g, source, step, receive=receive)
+    def broken(self: Any, g: Any, source: int, step: int, *, receive: bool) -> Any:
+        flat = copy(self, g, source, step, receive=receive)
         if receive:
             old = self.read_snapshot(g.rank % self.cfg.shards).get(step - 1)
             if old is not None:
                 self.load_flat(old)
+                flat.copy_(old)  # what it returns is the state it now holds
+        return flat
 
     resilient.Worker.copy_from_peer = broken
 
