@@ -89,7 +89,12 @@ for prefault in (False, True, False, True):
 @pytest.mark.skipif(_memory._mallopt() is None, reason="no glibc mallopt here")
 def test_a_prefaulted_fork_writes_its_state_without_faulting() -> None:
     """~1,600 pages of model, optimizer state and copies: without the prefault most are a
-    fault (a fork's heap is its parent's, copied on write, or fresh); with it, few are."""
+    fault (a fork's heap is its parent's, copied on write, or fresh); with it, far fewer.
+    How many fewer depends on the parent's heap, which Python's hash seed changes: over 36
+    processes (30 fixed seeds, 6 random) the prefaulted forks took 12-40% of the cold
+    ones' faults, the same in both forks of one process. A prefault that does nothing
+    takes ~100% (checked with ``prefault`` returning at once). The limit is 60%: a third,
+    as it was, failed for 4 of those 36 and in a clean-clone ``make test``."""
     out = subprocess.run([sys.executable, "-c", FORKS], capture_output=True, text=True,
                          timeout=120, check=True).stdout.split()
     counts: dict[int, list[int]] = {0: [], 1: []}
@@ -99,7 +104,7 @@ def test_a_prefaulted_fork_writes_its_state_without_faulting() -> None:
     assert len(cold) == len(warm) == 2, out
     state_pages = resilient.state_bytes(_cfg(CONFIGS[1], 2)) // 4096
     assert min(cold) > state_pages, (cold, warm)  # it does fault without: the test can fail
-    assert max(warm) < min(cold) / 3, (cold, warm)
+    assert max(warm) < 0.6 * min(cold), (cold, warm)
 
 
 def test_prefault_touches_at_most_its_limit_and_keeps_it() -> None:
