@@ -105,6 +105,7 @@ from typing import Any
 
 from harness import probe
 from reference_impl.serving import _wire
+from reference_impl.serving._streams import Pump, Stream
 from reference_impl.serving.journal import (
     Journal,
     Replay,
@@ -321,6 +322,7 @@ class Router:
         self._cpu_at_ready = 0.0  # process CPU time when it was: serving, not start-up
         self._listener: socket.socket | None = None
         self._threads: list[threading.Thread] = []
+        self._pump = Pump(self._lock, lambda: self._stopping)  # the HTTP streams' writer
         if journal is not None:
             journal.listen(self._written)
         if replayed is not None:
@@ -351,6 +353,7 @@ class Router:
             else:
                 request.recorded = True
             request.changed.notify_all()
+            self._pump.changed_locked(request)
 
     # ------------------------------------------------------------------ journal replay
     def _restore(self, replayed: Replay) -> None:
@@ -810,6 +813,7 @@ class Router:
         self._counters["retried" if retry is not None else "accepted"] += 1
         if retry is not None:  # streams still reading the errored one get its end
             retry.changed.notify_all()
+            self._pump.changed_locked(retry)
         self._assign_locked(request)
         return request
 
@@ -845,6 +849,16 @@ class Router:
             if done:
                 yield End(error)
                 return
+
+    def subscribe(self, request: _Request, offset: int, sock: socket.socket,
+                  render: Callable[[int, int, int, str, bool], bytes],
+                  end: Callable[[str | None], bytes]) -> Stream:
+        """What :meth:`stream` yields, from position ``offset``, written to ``sock`` by the
+        router's stream writer (``_streams.Pump``) as ``render``/``end`` frame it; the
+        stream's ``done`` is set once it is all sent or the client is gone."""
+        stream = Stream(request, offset, sock, render, end)
+        self._pump.attach(stream)
+        return stream
 
     def model_id(self) -> str:
         with self._lock:
@@ -919,6 +933,7 @@ class Router:
                 slot.link = None
             for request in self._requests.values():
                 request.changed.notify_all()
+            self._pump.stopping_locked()
         if self._listener is not None:
             with contextlib.suppress(OSError):
                 self._listener.close()
@@ -1039,32 +1054,17 @@ class _Handler(BaseHTTPRequestHandler):
             else:
                 self._whole(router, request, completion.offset)
 
-    def _chunk(self, request_id: str, model: str, chunk: Chunk) -> bytes:
-        body = {"id": request_id, "object": "text_completion", "created": int(time.time()),
-                "model": model,
-                "choices": [{"index": 0, "text": decode([chunk.token]),
-                             "token_ids": [chunk.token], "token_index": chunk.index,
-                             "logits_digest": chunk.digest or None,
-                             "finish_reason": "length" if chunk.last else None}]}
-        return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
-
     def _stream(self, router: Router, request: _Request, offset: int) -> None:
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
         self.send_header("X-Request-Id", request.id)
         self.end_headers()
-        model = router.model_id()
-        for item in router.stream(request, offset):
-            if isinstance(item, Chunk):
-                self.wfile.write(self._chunk(request.id, model, item))
-                self.wfile.flush()
-            elif item.error is None:
-                self.wfile.write(b"data: [DONE]\n\n")
-            else:
-                error = ApiError(503, item.error, kind="worker_failed").body()
-                self.wfile.write(b"data: " + json.dumps(error).encode() + b"\n\n")
         self.wfile.flush()
+        # The router's stream writer sends the events; this thread only waits for the end.
+        stream = router.subscribe(request, offset, self.connection,
+                                  token_event(request.id, router.model_id()), end_event)
+        stream.done.wait()
 
     def _whole(self, router: Router, request: _Request, offset: int) -> None:
         tokens: list[int] = []
@@ -1088,6 +1088,29 @@ class _Handler(BaseHTTPRequestHandler):
             "usage": {"prompt_tokens": len(request.prompt), "completion_tokens": len(tokens),
                       "total_tokens": len(request.prompt) + len(tokens)},
         })
+
+
+def token_event(request_id: str, model: str) -> Callable[[int, int, int, str, bool], bytes]:
+    """The server-sent event of one streamed token of ``request_id``, as
+    :meth:`Router.subscribe` wants it framed."""
+
+    def render(position: int, index: int, token: int, digest: str, last: bool) -> bytes:
+        body = {"id": request_id, "object": "text_completion", "created": int(time.time()),
+                "model": model,
+                "choices": [{"index": 0, "text": decode([token]), "token_ids": [token],
+                             "token_index": index, "logits_digest": digest or None,
+                             "finish_reason": "length" if last else None}]}
+        return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
+
+    return render
+
+
+def end_event(error: str | None) -> bytes:
+    """The last event of a stream: ``[DONE]``, or the error it ended with."""
+    if error is None:
+        return b"data: [DONE]\n\n"
+    body = ApiError(503, error, kind="worker_failed").body()
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 
 class _HttpServer(ThreadingHTTPServer):

@@ -92,6 +92,12 @@ def ignore_offset(router: ModuleType) -> None:
         return original(self, request, 0)
 
     router.Router.stream = stream
+    subscribe = router.Router.subscribe  # what the HTTP API streams through
+
+    def subscribe_from_zero(self: Any, request: Any, offset: int, *args: Any) -> Any:
+        return subscribe(self, request, 0, *args)
+
+    router.Router.subscribe = subscribe_from_zero
 
 
 # --- engine -----------------------------------------------------------------------------------
