@@ -25,7 +25,8 @@ alike and a drift along a repetition lands on both sides of each pair:
 
 - the router alone (``router_cpu``): CPU per token of a ``Router`` in this process, fed
   by 3 fake workers over socket pairs, each from a thread of its own (8 requests each,
-  one token each per 2.7 ms step, 24 stream readers), journal on and off, alternating:
+  one token each per 2.7 ms step, 24 streams through the router's stream writer to
+  socket pairs read after the run), journal on and off, alternating:
   the journal's cost to the router without the HTTP layer, the workers or the
   neighbours' load in the figure.
 
@@ -174,10 +175,12 @@ def _thread_cpu_s(thread: threading.Thread) -> float:
 def _router_cpu_once(journal_path: Path | None, workers: int = 3, per_worker: int = 8,
                      tokens: int = 64) -> dict[str, float]:
     """CPU µs of this process per token streamed by a Router (see the module docstring):
-    ``total``, and by thread (``THREADS``): the stream readers (each an HTTP handler's
-    loop over ``Router.stream``), the link readers (here the threads feeding the links),
-    the journal's writer and fsync threads, and the rest (link writers, the main thread,
-    the interpreter between threads: the total less the others).
+    ``total``, and by thread (``THREADS``): the streams (the router's stream writer, which
+    frames every token's event and writes it to its client's socket, as for the HTTP
+    API), the link readers (here the threads feeding the links), the journal's writer and
+    fsync threads, and the rest (link writers, the main thread, the interpreter between
+    threads: the total less the others). The clients' sockets are socket pairs read only
+    after the run, so no client's CPU is in the figure.
 
     The served shape: ``workers`` links, each fed by a thread of its own (as each link has
     its reader in the router) with one Outputs message per step of ``per_worker`` requests,
@@ -186,12 +189,13 @@ def _router_cpu_once(journal_path: Path | None, workers: int = 3, per_worker: in
 
     from reference_impl.serving import _wire
     from reference_impl.serving.journal import Journal
-    from reference_impl.serving.router import Chunk, Router, RouterConfig, _Link
+    from reference_impl.serving.router import Router, RouterConfig, _Link, end_event, token_event
 
     journal = Journal(journal_path) if journal_path is not None else None
     router = Router(RouterConfig(workers=workers), journal, None)
     pairs = [socket.socketpair() for _ in range(workers)]
     links = [_Link(i + 1, mine) for i, (mine, _) in enumerate(pairs)]
+    clients: list[tuple[socket.socket, socket.socket]] = []  # (the router's end, the client's)
     try:
         for index, link in enumerate(links):
             router._dispatch(link, _wire.Hello(index, 0, os.getpid(), "bench", 16, 4096))
@@ -208,13 +212,12 @@ def _router_cpu_once(journal_path: Path | None, workers: int = 3, per_worker: in
                     epochs[message.request_id] = (index, message.epoch)
         if len(epochs) != len(streams):
             raise RuntimeError(f"{len(epochs)} of {len(streams)} requests assigned")
-        counted: list[int] = []
         spent_by: dict[str, float] = dict.fromkeys(THREADS, 0.0)
-
-        def read(request: Any) -> None:
-            began = time.thread_time()
-            counted.append(sum(isinstance(c, Chunk) for c in router.stream(request)))
-            spent_by["streams"] += time.thread_time() - began
+        clients.extend(socket.socketpair() for _ in streams)
+        for mine, theirs in clients:
+            # What the unread events of a stream need (~20 kB), so no write waits for a read.
+            theirs.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+            mine.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
 
         def feed(index: int) -> None:
             began = time.thread_time()
@@ -227,30 +230,42 @@ def _router_cpu_once(journal_path: Path | None, workers: int = 3, per_worker: in
             spent_by["link readers"] += time.thread_time() - began
 
         # The router's own threads, by name, alive for the whole run.
-        own = {t: _thread_cpu_s(t) for t in threading.enumerate()
-               if t.name in ("journal-writer", "journal-fsync")}
-        readers = [threading.Thread(target=read, args=(r,)) for r in streams]
+        names = {"journal-writer": "journal writer", "journal-fsync": "journal fsync",
+                 "streams": "streams"}
+        own = {t: _thread_cpu_s(t) for t in threading.enumerate() if t.name in names}
         feeders = [threading.Thread(target=feed, args=(i,)) for i in range(workers)]
-        for thread in readers:
-            thread.start()
         began = time.process_time()
+        subscribed = [router.subscribe(request, 0, mine, token_event(request.id, "bench"),
+                                       end_event)
+                      for (mine, _), request in zip(clients, streams, strict=True)]
         for thread in feeders:
             thread.start()
-        for thread in feeders + readers:
+        for thread in feeders:
             thread.join(30)
+        for stream in subscribed:
+            if not stream.done.wait(30):
+                raise RuntimeError("a stream never ended")
         spent = time.process_time() - began
         for thread, before in own.items():
-            spent_by[thread.name.replace("-", " ")] += _thread_cpu_s(thread) - before
-        if sum(counted) != len(streams) * tokens:
-            raise RuntimeError(f"streamed {sum(counted)} of {len(streams) * tokens} tokens")
+            spent_by[names[thread.name]] += _thread_cpu_s(thread) - before
+        counted = 0
+        for mine, theirs in clients:
+            mine.shutdown(socket.SHUT_WR)
+            theirs.setblocking(True)
+            data = bytearray()
+            while chunk := theirs.recv(1 << 16):
+                data += chunk
+            counted += data.count(b'"token_index"')
+        if counted != len(streams) * tokens:
+            raise RuntimeError(f"streamed {counted} of {len(streams) * tokens} tokens")
         spent_by["other"] = spent - sum(spent_by.values())
-        return {"total": spent / sum(counted) * 1e6,
-                **{name: cpu / sum(counted) * 1e6 for name, cpu in spent_by.items()}}
+        return {"total": spent / counted * 1e6,
+                **{name: cpu / counted * 1e6 for name, cpu in spent_by.items()}}
     finally:
         router.stop()
         for link in links:
             link.stop_writer()
-        for mine, theirs in pairs:
+        for mine, theirs in pairs + clients:
             mine.close()
             theirs.close()
         if journal is not None:

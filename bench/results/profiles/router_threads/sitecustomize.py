@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 
-ROLES = {"journal-writer": "journal writer", "journal-fsync": "journal fsync",
+ROLES = {"journal-writer": "journal writer", "journal-fsync": "journal fsync", "streams": "streams",
          "supervisor": "supervisor", "http": "http accept", "MainThread": "main"}
 
 
