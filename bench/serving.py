@@ -141,6 +141,8 @@ def measure(result: RunResult) -> dict[str, Any]:
         "tokens_per_s": tokens / (last - first) if first is not None and last else None,
         "router_cpu_ms_per_1k_tokens": per_1k_tokens(client.get("router_cpu_ms")),
         "worker_cpu_ms_per_1k_tokens": per_1k_tokens(client.get("cpu_ms")),
+        # Of which the KV checksums (sealing and verifying), timed where they run.
+        "worker_checksum_ms_per_1k_tokens": per_1k_tokens(client.get("checksum_ms")),
         "journal_write_s": journal.get("write_s"),
         "journal_write_max_ms": (journal["write_max_s"] * 1e3
                                  if isinstance(journal.get("write_max_s"), int | float)
@@ -485,19 +487,21 @@ def markdown(record: dict[str, Any]) -> str:
            for row in record["summary"]):
         lines += [
             "Where the time goes, median (min-max): CPU ms per 1000 tokens served, of the "
-            "router process and of all workers together (since they were ready); the "
+            "router process and of all workers together (since they were ready), and of the "
+            "workers' in KV checksums (sealing, verifying: timed where they run); the "
             "workers' tokens per engine step and CPU ms per step; the journal's time in "
             "write(2), its longest write, records per write, fsyncs:",
             "",
-            "| row | router CPU ms / 1k tokens | workers CPU ms / 1k tokens | tokens per step "
-            "| workers CPU ms / step | journal write s | longest write ms | records per write "
-            "| fsyncs |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            "| row | router CPU ms / 1k tokens | workers CPU ms / 1k tokens | of which "
+            "checksums | tokens per step | workers CPU ms / step | journal write s "
+            "| longest write ms | records per write | fsyncs |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for row in record["runs"]:
             lines.append(
                 f"| {row} | {cell(row, 'router_cpu_ms_per_1k_tokens', digits=0)}"
                 f" | {cell(row, 'worker_cpu_ms_per_1k_tokens', digits=0)}"
+                f" | {cell(row, 'worker_checksum_ms_per_1k_tokens', digits=1)}"
                 f" | {cell(row, 'tokens_per_step', digits=2)}"
                 f" | {cell(row, 'worker_cpu_ms_per_step', digits=2)}"
                 f" | {cell(row, 'journal_write_s', digits=3)}"

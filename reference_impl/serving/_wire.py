@@ -22,6 +22,7 @@ MAX_LINE = 64 << 20  # a prompt of max_seq tokens is a few KiB; anything this bi
 ENGINE_COUNTERS = (
     "steps", "prompt_tokens", "prefix_hit_tokens", "computed_tokens", "recomputed_tokens",
     "checksum_failures", "evicted_blocks", "preemptions", "generated_tokens",
+    "checksum_ms",  # CPU of the engine's thread in KV checksums (sealing, verifying)
     "cpu_ms",  # CPU time of the worker process since it said hello (not the engine's own)
 )
 

@@ -120,7 +120,9 @@ class EngineStats:
     ``recomputed_tokens`` those that had been computed before (here before a preemption or a
     checksum failure, or on another worker for a migrated request's emitted tokens).
     ``evicted_blocks`` counts blocks taken out of the prefix cache because of a checksum
-    failure: the bad block and its descendants.
+    failure: the bad block and its descendants. ``checksum_ms`` is the CPU the engine's
+    thread spent in KV checksums (summing sealed blocks, verifying them), the cost of
+    ``verify`` measured where it is paid.
     """
 
     steps: int = 0
@@ -132,6 +134,7 @@ class EngineStats:
     evicted_blocks: int = 0
     preemptions: int = 0
     generated_tokens: int = 0
+    checksum_ms: int = 0
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -269,7 +272,7 @@ class Engine:
         return [s.id for s in self._running] + [s.id for s in self._waiting]
 
     def stats(self) -> EngineStats:
-        return EngineStats(**asdict(self._n))
+        return EngineStats(**asdict(self._n), checksum_ms=self.cache.checksum_ns // 1_000_000)
 
     def shared_prefix_block(self) -> torch.Tensor | None:
         """A view into ``kv`` of the sealed cached block shared by the most requests."""

@@ -11,7 +11,7 @@ import hashlib
 import random
 import struct
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 import torch
@@ -279,6 +279,21 @@ def test_prefix_cache_hits_for_a_shared_prefix() -> None:
     assert stats.prefix_hit_rate == 32 / (41 + 42)
     assert stats.computed_tokens == 41 + (42 - 32) + 2 * 3
     assert _mismatches(results, requests, SMALL) == []
+
+
+def test_the_checksums_cpu_is_counted_where_it_is_spent() -> None:
+    """``checksum_ms``: the engine thread's CPU in sealing and verifying. With ``read`` every
+    step verifies the running requests' blocks, so a long decode spends a measurable amount;
+    with ``off`` nothing is summed and the counter stays 0."""
+    counted = {}
+    for verify in ("read", "off"):
+        engine = Engine(MODEL, replace(SMALL, verify=verify))
+        engine.cache.checksum_ns = 0
+        _drive(engine, [_Req(f"r{i}", [*PREFIX, i], 60) for i in range(4)])
+        counted[verify] = engine.cache.checksum_ns
+        assert engine.stats().checksum_ms == counted[verify] // 1_000_000
+    assert counted["read"] > 0
+    assert counted["off"] == 0
 
 
 def test_prefix_cache_keys_are_chained() -> None:
