@@ -16,7 +16,8 @@ its own stream); the pump retries those every ``RETRY_S`` while any is queued. A
 that went away (reset, broken pipe) ends its stream. What a stream may send is decided
 under the router's lock, exactly as :meth:`Router.stream` decides it: the tokens the
 journal holds (``shown``), then the end once ``over``; when the router stops, every
-stream ends with an error event.
+stream ends with an error event, and the pump's thread ends once nothing is left to send
+(a stream asked for after that starts it again).
 """
 
 from __future__ import annotations
@@ -69,14 +70,21 @@ class Pump:
         self._blocked: list[Stream] = []  # streams with bytes queued (pump thread only)
         self._stopped_at: float | None = None  # pump thread only
         self.events = 0  # events framed (pump thread only; for tests and stats)
-        self._thread = threading.Thread(target=self._run, name="streams", daemon=True)
-        self._thread.start()
+        self._running = False  # the thread is alive (lock): it ends once the router stopped
+        with lock:
+            self._start_locked()
+
+    def _start_locked(self) -> None:
+        self._running = True
+        threading.Thread(target=self._run, name="streams", daemon=True).start()
 
     # -- called by the router and its HTTP threads -------------------------------------------
     def attach(self, stream: Stream) -> None:
         """Start sending ``stream`` (its socket is made non-blocking)."""
         stream.sock.setblocking(False)
         with self._lock:
+            if not self._running:  # a stream asked for after the router stopped (a re-POST)
+                self._start_locked()
             self._streams.setdefault(id(stream.request), []).append(stream)
             self._dirty[id(stream.request)] = stream.request
             self._wake.notify()
@@ -99,17 +107,22 @@ class Pump:
     def _run(self) -> None:
         while True:
             try:
-                self._round()
+                if not self._round():
+                    return
             except Exception:  # a bug here must not leave every stream hanging silently
                 traceback.print_exc(file=sys.stderr)
                 time.sleep(RETRY_S)
 
-    def _round(self) -> None:
+    def _round(self) -> bool:
+        """Send what changed; False once the router stopped and every stream is over."""
         with self._lock:
             while not self._dirty:
                 if self._blocked:
                     self._wake.wait(timeout=RETRY_S)
                     break
+                if self._stopping() and not self._streams:
+                    self._running = False
+                    return False
                 self._wake.wait(timeout=1.0)
             work = self._take_locked()
         for stream, items, end, error in work:
@@ -119,6 +132,7 @@ class Pump:
                 traceback.print_exc(file=sys.stderr)
                 self._cut(stream)
         self._send_all()
+        return True
 
     def _take_locked(self) -> list[tuple[Stream, list[tuple[int, int, int, str]], bool,
                                          str | None]]:

@@ -190,3 +190,12 @@ def test_stopping_the_router_ends_every_stream_with_an_error(served) -> None:
     rest = list(stream)  # ends: the server closed the connection
     assert len(rest) == 1
     assert rest[0]["error"]["message"] == "the server is shutting down"  # type: ignore[index]
+    # Nothing left to send: the writer's thread ends, as the router's other threads do ...
+    deadline = time.monotonic() + 5
+    while router._pump._running:
+        assert time.monotonic() < deadline, "the stream writer outlived the router"
+        time.sleep(0.01)
+    # ... and a stream asked for afterwards (a re-POST of a known request) still ends.
+    again = list(events(post(served[2], "cut", 20, offset=3)))
+    assert again == [{"error": {"message": "the server is shutting down",
+                                "type": "worker_failed", "param": None}}]
