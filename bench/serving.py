@@ -143,6 +143,10 @@ def measure(result: RunResult) -> dict[str, Any]:
         "worker_cpu_ms_per_1k_tokens": per_1k_tokens(client.get("cpu_ms")),
         # Of which the KV checksums (sealing and verifying), timed where they run.
         "worker_checksum_ms_per_1k_tokens": per_1k_tokens(client.get("checksum_ms")),
+        # Of the router's CPU, the journal's own threads (writer and fsync), timed there.
+        "journal_cpu_ms_per_1k_tokens": (per_1k_tokens(journal["cpu_s"] * 1e3)
+                                         if isinstance(journal.get("cpu_s"), int | float)
+                                         else None),
         "journal_write_s": journal.get("write_s"),
         "journal_write_max_ms": (journal["write_max_s"] * 1e3
                                  if isinstance(journal.get("write_max_s"), int | float)
@@ -487,19 +491,21 @@ def markdown(record: dict[str, Any]) -> str:
            for row in record["summary"]):
         lines += [
             "Where the time goes, median (min-max): CPU ms per 1000 tokens served, of the "
-            "router process and of all workers together (since they were ready), and of the "
-            "workers' in KV checksums (sealing, verifying: timed where they run); the "
+            "router process and of all workers together (since they were ready), of the "
+            "router's in the journal's threads (writer, fsync) and of the workers' in KV "
+            "checksums (sealing, verifying), each timed where it runs; the "
             "workers' tokens per engine step and CPU ms per step; the journal's time in "
             "write(2), its longest write, records per write, fsyncs:",
             "",
-            "| row | router CPU ms / 1k tokens | workers CPU ms / 1k tokens | of which "
-            "checksums | tokens per step | workers CPU ms / step | journal write s "
-            "| longest write ms | records per write | fsyncs |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            "| row | router CPU ms / 1k tokens | of which journal | workers CPU ms / 1k "
+            "tokens | of which checksums | tokens per step | workers CPU ms / step "
+            "| journal write s | longest write ms | records per write | fsyncs |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for row in record["runs"]:
             lines.append(
                 f"| {row} | {cell(row, 'router_cpu_ms_per_1k_tokens', digits=0)}"
+                f" | {cell(row, 'journal_cpu_ms_per_1k_tokens', digits=1)}"
                 f" | {cell(row, 'worker_cpu_ms_per_1k_tokens', digits=0)}"
                 f" | {cell(row, 'worker_checksum_ms_per_1k_tokens', digits=1)}"
                 f" | {cell(row, 'tokens_per_step', digits=2)}"

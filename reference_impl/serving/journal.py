@@ -101,6 +101,9 @@ class JournalStats:
     fsync_s: float  # time spent in fsync, all batches
     writes: int  # write(2) calls: records / writes is how many records a batch held
     write_max_s: float  # the longest write (one waiting behind an fsync shows here)
+    # CPU of the journal's own threads: the writer (framing, write(2), telling the caller)
+    # and the fsync thread. What the journal costs its process, bar the posting.
+    cpu_s: float = 0.0
 
     def as_dict(self) -> dict[str, float | int | str]:
         return {
@@ -112,6 +115,7 @@ class JournalStats:
             "write_s": round(self.write_s, 6),
             "write_max_s": round(self.write_max_s, 6),
             "fsync_s": round(self.fsync_s, 6),
+            "cpu_s": round(self.cpu_s, 6),
         }
 
 
@@ -229,7 +233,7 @@ class Journal:
         self._dirty = threading.Event()
         self._closed = False
         self._records = self._bytes = self._fsyncs = self._writes = 0
-        self._write_s = self._fsync_s = self._write_max_s = 0.0
+        self._write_s = self._fsync_s = self._write_max_s = self._cpu_s = 0.0
         self._syncer: threading.Thread | None = None
         if fsync_interval > 0:
             self._syncer = threading.Thread(target=self._sync_loop, name="journal-fsync",
@@ -330,6 +334,7 @@ class Journal:
                 batch, self._queue = self._queue, []
                 if not batch:
                     return  # stopping, and everything posted is written
+            began = time.thread_time()
             try:  # framing here, not in post: the JSON and CRC stay off the caller's lock
                 self._write([_frame(record) for record, _ in batch])
             except OSError as exc:
@@ -341,6 +346,12 @@ class Journal:
                 self._on_written([mark for _, mark in batch])
             except Exception:  # a listener bug must not stop the journal
                 traceback.print_exc()
+            self._count_cpu(began)
+
+    def _count_cpu(self, began: float) -> None:
+        took = time.thread_time() - began
+        with self._count_lock:
+            self._cpu_s += took
 
     def _stop_writing(self) -> None:
         """Write what was posted, then end the writer thread."""
@@ -376,13 +387,15 @@ class Journal:
             time.sleep(self.fsync_interval)  # group commit: one fsync for what piled up
             if self._closed:
                 return
+            began = time.thread_time()
             self.sync()
+            self._count_cpu(began)
 
     def stats(self) -> JournalStats:
         with self._count_lock:
             return JournalStats(self.path, self._records, self._bytes, self._fsyncs,
                                 self._write_s, self._fsync_s, self._writes,
-                                self._write_max_s)
+                                self._write_max_s, self._cpu_s)
 
     def close(self) -> None:
         """Write what was posted, fsync, close."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -243,6 +244,34 @@ def test_posted_records_are_written_in_order_and_then_reported(tmp_path: Path) -
     stats = journal.stats()
     assert stats.records == 42
     assert 1 <= stats.writes <= 42  # batches: one write(2) for what piled up
+
+
+def test_the_journal_counts_its_own_threads_cpu(tmp_path: Path) -> None:
+    """``cpu_s``: the CPU of the writer thread (framing, write(2), the listener) and of the
+    fsync thread, what the bench reports as the journal's part of the router's CPU. A
+    listener that burns CPU shows in it; records appended on the caller's thread do not."""
+    journal = Journal(tmp_path / "direct.wal")
+    for i in range(200):
+        journal.tokens("a", i, [i], [f"d{i}"])
+    journal.close()
+    direct = journal.stats().cpu_s  # only the fsync thread's, if it ran
+
+    journal = Journal(tmp_path / "posted.wal")
+
+    def busy(marks: list[object]) -> None:
+        until = time.thread_time() + 0.002  # 2 ms of CPU per batch, on the writer thread
+        while time.thread_time() < until:
+            pass
+
+    journal.listen(busy)
+    for i in range(20):
+        journal.post(tokens_record("a", i, [i], [f"d{i}"]), i)
+        time.sleep(0.005)  # one batch a record
+    journal.close()
+    stats = journal.stats()
+    assert stats.writes >= 10
+    assert stats.cpu_s >= 0.002 * stats.writes  # every batch's listener CPU is in it
+    assert direct < 0.002 * stats.writes
 
 
 def test_stall_bench_measures_both_ways(tmp_path: Path) -> None:
