@@ -29,11 +29,20 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import Protocol
 
 RETRY_S = 0.01  # how often a client that did not take everything is tried again
 STOP_GRACE_S = 2.0  # after the router stops: how long queued events wait for slow clients
 STOPPING_ERROR = "the server is shutting down"
+
+
+class Visible(Protocol):
+    """What a stream reads of its request (the router's ``_Request``), under the lock."""
+
+    log: list[tuple[int, int, str]]  # (index, token, logits digest), in stream order
+    shown: int  # entries of ``log`` the journal holds: what may be sent
+    over: bool  # the request's end is journaled
+    error: str | None  # what it ended with (None: normally)
 
 
 class Stream:
@@ -43,7 +52,7 @@ class Stream:
     ``end(error)`` the final event (``None``: a normal end); both run on the pump's thread.
     ``done`` is set once the stream is over: everything sent, or the client gone."""
 
-    def __init__(self, request: Any, position: int, sock: socket.socket,
+    def __init__(self, request: Visible, position: int, sock: socket.socket,
                  render: Callable[[int, int, int, str, bool], bytes],
                  end: Callable[[str | None], bytes]) -> None:
         self.request = request
@@ -66,7 +75,7 @@ class Pump:
         self._stopping = stopping  # read under the lock
         self._wake = threading.Condition(lock)
         self._streams: dict[int, list[Stream]] = {}  # id(request) -> its streams (lock)
-        self._dirty: dict[int, Any] = {}  # id(request) -> request, changed since (lock)
+        self._dirty: dict[int, Visible] = {}  # id(request) -> request, changed since (lock)
         self._blocked: list[Stream] = []  # streams with bytes queued (pump thread only)
         self._stopped_at: float | None = None  # pump thread only
         self.events = 0  # events framed (pump thread only; for tests and stats)
@@ -89,7 +98,7 @@ class Pump:
             self._dirty[id(stream.request)] = stream.request
             self._wake.notify()
 
-    def changed_locked(self, request: Any) -> None:
+    def changed_locked(self, request: Visible) -> None:
         """The router's lock is held and ``request``'s visible state moved on."""
         key = id(request)
         if key in self._streams:
