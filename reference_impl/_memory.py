@@ -1,4 +1,4 @@
-"""Memory a process will need in a recovery, made ready while it has nothing else to do.
+"""Memory a process keeps once freed, and memory it makes ready for a recovery while it waits.
 
 A warm spare, or a slot's standby, takes part in a recovery with a process that never held
 the model: every page it writes first (the model and its optimizer state, the state copy it
@@ -16,7 +16,11 @@ with the process), then writes ``nbytes`` of heap and frees them: later allocati
 process's main thread reuse those pages without a fault. The process keeps that memory (its
 resident size grows by ``nbytes``) until it exits.
 
-Only glibc has ``mallopt``; elsewhere ``prefault`` does nothing and says so.
+Every training rank calls ``keep_freed`` at its start (``reference_impl.trainer.main``): a
+step frees and allocates the same megabytes again, and with glibc's defaults each step
+faulted them in anew (docs/benchmarks.md, "Page faults every step").
+
+Only glibc has ``mallopt``; elsewhere ``prefault`` and ``keep_freed`` do nothing and say so.
 """
 
 from __future__ import annotations

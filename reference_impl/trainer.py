@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from harness import probe
-from reference_impl import checkpoint, health
+from reference_impl import _memory, checkpoint, health
 from reference_impl import model as model_lib
 from reference_impl._star import Star
 from reference_impl.model import (
@@ -633,6 +633,14 @@ def report_restart() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
+    # Every step frees and allocates the same megabytes again: autograd's fresh gradients,
+    # freed once copied into the flat buffer, and the optimizer's temporaries. glibc's malloc
+    # gave that memory back to the kernel at each free, and the next allocation faulted it
+    # in again: with 2.1 M parameters (4 ranks), ~400 faults per step in each rank's main
+    # thread, the loop's CPU over DDP's in `backward` and `optimizer` (docs/benchmarks.md,
+    # "Page faults every step"). The process keeps what it freed instead, as PyTorch's
+    # caching allocator does on GPUs; its forks (resilient's spares, standbys) inherit it.
+    _memory.keep_freed()
     if cfg.recovery != "restart":
         # Warm processes, in-memory state and in-place regrouping: a different runtime.
         from reference_impl import resilient
