@@ -26,7 +26,6 @@ Only glibc has ``mallopt``; elsewhere ``prefault`` and ``keep_freed`` do nothing
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 from collections.abc import Callable
 
 import torch
@@ -43,11 +42,11 @@ PIECE = 8 << 20
 
 
 def _mallopt() -> Callable[[int, int], int] | None:
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
+    """glibc's ``mallopt`` from the C library this process already has loaded.
+    ``ctypes.util.find_library`` would run ``ldconfig`` in a child process: a fork and an
+    exec at the start of every rank, and pids it takes from the rank's namespace."""
     try:
-        return getattr(ctypes.CDLL(name), "mallopt", None)
+        return getattr(ctypes.CDLL(None), "mallopt", None)
     except OSError:
         return None
 
