@@ -63,7 +63,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from harness import probe
-from reference_impl import _memory, _snapshots, _store, checkpoint, controller
+from reference_impl import _links, _memory, _snapshots, _store, checkpoint, controller
 from reference_impl._star import Star
 from reference_impl.model import (
     GradBuffer,
@@ -315,6 +315,9 @@ class Worker:
         timeout = cfg.heartbeat_timeout or cfg.collective_timeout
         self.hb_interval = min(0.5, max(0.05, timeout / 20))
         self.gen_changed = threading.Event()  # set whenever self.gen changes
+        # This generation's connections, cut by the plan watcher once a plan supersedes it.
+        self.links = _links.Links()
+        self.service_ports: set[int] | None = None  # the controller's: the store, snapshots
         for target in (self._heartbeat, self._snapshot_sender, self._plan_watch):
             threading.Thread(target=target, daemon=True, name=target.__name__).start()
 
@@ -332,24 +335,36 @@ class Worker:
             time.sleep(self.hb_interval)
 
     def _plan_watch(self) -> None:
-        """Set ``plan_ahead`` once the generation after ours is published (the vote then
-        moves every member to it at the end of the step). Blocks on the store; woken by the
-        run loop when this process joins another generation."""
+        """Watch the plans after our generation. Any one sets ``plan_ahead`` (the vote then
+        moves every member to it at the end of the step); one that does not wait for a step
+        boundary (a member was lost, or the collectives failed) also cuts our generation's
+        connections (``_links``), so that nothing of it waits on for a collective's timeout.
+        Blocks on the store; woken by the run loop when this process joins a generation."""
         if self.replay is not None:
             return  # a replay switches at recorded steps, never on a plan
         store = _store.waiter(self.host, self.port)
+        want = 0
         while not self.stopping:
             gen = self.gen
             if gen < 0:
                 self.gen_changed.wait()
                 self.gen_changed.clear()
                 continue
-            with contextlib.suppress(Exception):
-                store.wait([f"plan/{gen + 1}"])
-                self.plan_ahead = max(self.plan_ahead, gen + 1)
-            while self.gen == gen and not self.stopping:
-                self.gen_changed.wait()
-                self.gen_changed.clear()
+            want = max(want, gen + 1)
+            try:
+                store.wait([f"plan/{want}"])
+                plan = _store.get_json(store, f"plan/{want}")
+            except Exception:  # the store is gone: the job is over
+                while self.gen == gen and not self.stopping:
+                    self.gen_changed.wait()
+                    self.gen_changed.clear()
+                continue
+            if plan.get("end"):
+                return
+            self.plan_ahead = max(self.plan_ahead, want)
+            if not plan.get("planned"):
+                self.links.supersede(want)
+            want += 1
 
     def _snapshot_sender(self) -> None:
         sender: _snapshots.Sender | None = None
@@ -493,6 +508,10 @@ class Worker:
         if self.store.add(f"arrive/{gen}", 0) < len(members):
             raise Superseded
         timeout = timedelta(seconds=self.cfg.collective_timeout)
+        if self.service_ports is None:
+            snapshots = self.store.get("snapshots").decode()
+            self.service_ports = {self.port, int(snapshots.rpartition(":")[2])}
+        before = _links.sockets()
 
         def group(name: str, ranks: list[int]) -> Any:
             prefixed = dist.PrefixStore(f"gen{gen}/{name}/", self.store)
@@ -509,6 +528,7 @@ class Worker:
         dp = group(f"dp{shard}", dp_ranks)
         star = Star.connect(dist.PrefixStore(f"gen{gen}/", self.store), members.index(rank),
                             len(members), self.cfg.collective_timeout)
+        self.links.note(gen, before, self.service_ports)
         return Groups(gen, rank, members, plan["replicas"], world, tp, dp, dp_ranks, star)
 
     def sync(self, g: Groups) -> int:
@@ -790,6 +810,7 @@ class Worker:
         groups took ~50 ms on the way to the next plan, and a peer blocked on our DP
         connection learnt of the failure only at the end of it (docs/benchmarks.md,
         "Recovery: where the time went")."""
+        self.links.forget()
         g, self.groups = self.groups, None
         boxes: list[list[Any]] = []
         if g is not None:
@@ -858,8 +879,11 @@ class Worker:
             except (Superseded, Switch):
                 pass
             except RuntimeError as exc:  # DistBackendError, DistNetworkError, Gloo errors
-                text = str(exc).strip().splitlines()
-                failure = text[0] if text else type(exc).__name__
+                if self.links.cut_gen != self.gen:
+                    text = str(exc).strip().splitlines()
+                    failure = text[0] if text else type(exc).__name__
+                # else our plan watcher cut this generation's connections: a newer plan
+                # superseded it, and the controller knows why.
             # Out of the generation, said before the teardown, which can take seconds (Gloo
             # destroys a broken group holding the GIL: even the heartbeat pauses), so that the
             # controller never takes a member on its way for one wedged in a collective.

@@ -302,6 +302,25 @@ def _elastic(run: Run) -> None:
     assert "independent replay" in check["message"], check
 
 
+def _survivors_left_the_wedged_generation(run: Run) -> None:
+    """Rank 3 died while rank 2 was wedged inside step 26 (alive, beating), so ranks 0 and 1
+    waited on a live peer that would answer nothing for 3 s, in collectives with a 20 s
+    timeout. Both must have left that generation on the controller's plan: resumed in
+    the generation without replica 1 within a second of the kill, long before rank 2's
+    release; then the full world trained on together."""
+    hang, kill = run.injection(0), run.injection(1)
+    assert (hang["rank"], kill["rank"]) == (2, 3)
+    (released,) = run.events("fault_healed")
+    assert released["t"] - hang["t"] > 2.5, released
+    (dropped,) = [e for e in run.events("membership") if e["replicas"] == [0]]
+    resumed = {e["rank"]: e["t"] for e in run.events("recovery_done")
+               if e["generation"] == dropped["generation"]}
+    assert sorted(resumed) == [0, 1], resumed
+    waited = max(resumed.values()) - kill["t"]
+    assert waited < 1.0, f"survivors left the old generation {waited:.2f} s after the kill"
+    assert run.events("membership")[-1]["replicas"] == [0, 1]
+
+
 def _kill_during_elastic_recovery(run: Run) -> None:
     """The returning rank 1 died inside its recovery, after the rejoining generation agreed
     on the step and before any state moved; replica 0 was dropped twice and rejoined, and
@@ -600,6 +619,7 @@ EVIDENCE: dict[str, Callable[[Run], None]] = {
     "training/kill_shard_hot_spare": _kill_shard_hot_spare,
     "training/kill_rank_elastic": _elastic,
     "training/kill_during_recovery_elastic": _kill_during_elastic_recovery,
+    "training/kill_rank_peer_hung_elastic": _survivors_left_the_wedged_generation,
     "faults/memory_bitflip_param_fingerprint": _fingerprints,
     "faults/storage_corrupt_checkpoint": _skips_newest("sha256 mismatch"),
     "faults/storage_truncate_checkpoint": _skips_newest("size mismatch"),
