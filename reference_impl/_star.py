@@ -200,6 +200,14 @@ class Star:
         for peer in range(1, self.size):
             self.send(value, peer)
 
+    def interrupt(self) -> None:
+        """From another thread: shut every connection down, without closing it (the thread
+        using the star closes it once its call failed). A call blocked on one fails now, as
+        does a peer waiting on us."""
+        for sock in list(self.socks.values()):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
     def close(self) -> None:
         """Close every connection: a peer waiting on one fails now."""
         socks, self.socks = self.socks, {}

@@ -63,7 +63,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from harness import probe
-from reference_impl import _links, _memory, _snapshots, _store, checkpoint, controller
+from reference_impl import _leave, _memory, _snapshots, _store, checkpoint, controller
 from reference_impl._star import Star
 from reference_impl.model import (
     GradBuffer,
@@ -315,9 +315,8 @@ class Worker:
         timeout = cfg.heartbeat_timeout or cfg.collective_timeout
         self.hb_interval = min(0.5, max(0.05, timeout / 20))
         self.gen_changed = threading.Event()  # set whenever self.gen changes
-        # This generation's connections, cut by the plan watcher once a plan supersedes it.
-        self.links = _links.Links()
-        self.service_ports: set[int] | None = None  # the controller's: the store, snapshots
+        # Which generations a newer plan superseded: their waits give up (``_leave``).
+        self.leave = _leave.Leave()
         for target in (self._heartbeat, self._snapshot_sender, self._plan_watch):
             threading.Thread(target=target, daemon=True, name=target.__name__).start()
 
@@ -337,8 +336,8 @@ class Worker:
     def _plan_watch(self) -> None:
         """Watch the plans after our generation. Any one sets ``plan_ahead`` (the vote then
         moves every member to it at the end of the step); one that does not wait for a step
-        boundary (a member was lost, or the collectives failed) also cuts our generation's
-        connections (``_links``), so that nothing of it waits on for a collective's timeout.
+        boundary (a member was lost, or the collectives failed) also makes us leave our
+        generation at once (``_leave``): nothing of it waits on for a collective's timeout.
         Blocks on the store; woken by the run loop when this process joins a generation."""
         if self.replay is not None:
             return  # a replay switches at recorded steps, never on a plan
@@ -363,7 +362,7 @@ class Worker:
                 return
             self.plan_ahead = max(self.plan_ahead, want)
             if not plan.get("planned"):
-                self.links.supersede(want)
+                self.leave.supersede(want)
             want += 1
 
     def _snapshot_sender(self) -> None:
@@ -508,17 +507,15 @@ class Worker:
         if self.store.add(f"arrive/{gen}", 0) < len(members):
             raise Superseded
         timeout = timedelta(seconds=self.cfg.collective_timeout)
-        if self.service_ports is None:
-            snapshots = self.store.get("snapshots").decode()
-            self.service_ports = {self.port, int(snapshots.rpartition(":")[2])}
-        before = _links.sockets()
 
         def group(name: str, ranks: list[int]) -> Any:
             prefixed = dist.PrefixStore(f"gen{gen}/{name}/", self.store)
             # Called directly, never through torch.distributed's functions: opted in to
             # Aftershock's collective faults here (the group itself outside the harness).
-            return probe.wrap_group(
-                dist.ProcessGroupGloo(prefixed, ranks.index(rank), len(ranks), timeout))
+            # Its waits give up once a newer plan supersedes this generation.
+            return _leave.Abandonable(probe.wrap_group(
+                dist.ProcessGroupGloo(prefixed, ranks.index(rank), len(ranks), timeout)),
+                self.leave, gen)
 
         shards = self.cfg.shards
         replica, shard = divmod(rank, shards)
@@ -528,7 +525,7 @@ class Worker:
         dp = group(f"dp{shard}", dp_ranks)
         star = Star.connect(dist.PrefixStore(f"gen{gen}/", self.store), members.index(rank),
                             len(members), self.cfg.collective_timeout)
-        self.links.note(gen, before, self.service_ports)
+        self.leave.enter(gen, star)
         return Groups(gen, rank, members, plan["replicas"], world, tp, dp, dp_ranks, star)
 
     def sync(self, g: Groups) -> int:
@@ -605,6 +602,8 @@ class Worker:
             g.dp.broadcast([flat], opts).wait()
             if receive:
                 self.load_flat(flat)
+        except _leave.Left:
+            raise  # the abandoned broadcast may still write into it: never reused
         except BaseException:
             self.kept.drop(flat)
             raise
@@ -809,10 +808,15 @@ class Worker:
         which sleeps up to 10 ms when idle: one after another the bench's world, TP and DP
         groups took ~50 ms on the way to the next plan, and a peer blocked on our DP
         connection learnt of the failure only at the end of it (docs/benchmarks.md,
-        "Recovery: where the time went")."""
-        self.links.forget()
+        "Recovery: where the time went"). A generation we left on a newer plan
+        (``_leave``) may have an op in flight, which its group's destructor waits for up
+        to the op's timeout: that teardown goes on in its threads while we go on."""
+        self.leave.forget()
         g, self.groups = self.groups, None
         boxes: list[list[Any]] = []
+        # A generation we left may have a Gloo op in flight: its group's destructor waits
+        # for that op, up to its timeout. Not on the way to the next plan.
+        wait = g is None or not self.leave.superseded(g.gen)
         if g is not None:
             g.star.close()
             boxes = [[g.dp], [g.tp], [g.world]]
@@ -827,8 +831,13 @@ class Worker:
                    for box in boxes]
         for thread in threads:
             thread.start()
-        for thread in threads:
-            thread.join()
+        if wait:
+            for thread in threads:
+                thread.join()
+        if self.leave.abandoned:
+            # An abandoned all_reduce may still write into the gradient buffer.
+            self.grads = GradBuffer()
+            self.leave.abandoned.clear()
 
     def run(self, left: int | None = None) -> int:
         """Train (or wait as a spare) until the job ends; ``left``: a pipe to the supervisor,
@@ -879,11 +888,11 @@ class Worker:
             except (Superseded, Switch):
                 pass
             except RuntimeError as exc:  # DistBackendError, DistNetworkError, Gloo errors
-                if self.links.cut_gen != self.gen:
+                if not self.leave.superseded(self.gen):
                     text = str(exc).strip().splitlines()
                     failure = text[0] if text else type(exc).__name__
-                # else our plan watcher cut this generation's connections: a newer plan
-                # superseded it, and the controller knows why.
+                # else a newer plan superseded this generation and we left it (``_leave``):
+                # the controller knows why.
             # Out of the generation, said before the teardown, which can take seconds (Gloo
             # destroys a broken group holding the GIL: even the heartbeat pauses), so that the
             # controller never takes a member on its way for one wedged in a collective.

@@ -40,13 +40,13 @@ def test_closing_a_generation_fails_a_blocked_peer_at_once_and_leaves_no_thread(
         blocked_on: str) -> None:
     import torch.distributed as dist
 
-    from reference_impl._links import Links
+    from reference_impl._leave import Leave
     from reference_impl.resilient import Worker
 
     store = dist.HashStore()
     groups = on_threads(2, lambda rank: _generation(store, rank))
     assert not any(isinstance(g, Exception) for g in groups), groups
-    mine = SimpleNamespace(groups=groups[0], model=None, links=Links())
+    mine = SimpleNamespace(groups=groups[0], model=None, leave=Leave())
     peer = groups[1]
     del groups
     outcome: dict[str, Any] = {}
@@ -78,9 +78,9 @@ def test_closing_a_generation_fails_a_blocked_peer_at_once_and_leaves_no_thread(
 
 
 def test_closing_nothing_is_a_no_op() -> None:
-    from reference_impl._links import Links
+    from reference_impl._leave import Leave
     from reference_impl.resilient import Worker
 
-    idle = SimpleNamespace(groups=None, model=None, links=Links())
+    idle = SimpleNamespace(groups=None, model=None, leave=Leave())
     Worker.close_groups(idle)  # type: ignore[arg-type]
     assert idle.groups is None

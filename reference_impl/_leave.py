@@ -1,0 +1,130 @@
+"""Leaving a membership generation on the controller's word, without Gloo's help.
+
+A survivor blocked in a collective learns of a dead peer from that peer's closed socket, or
+from Gloo's timeout (10 s in the bench, 30 s by default) when nothing it waits on says
+anything. The second happens:
+
+- it waits on a *live* member that is itself stuck (on the dead one, or wedged);
+- Gloo in torch 2.13 can miss a connection that closes while collectives run on it: an op
+  then waits out its timeout although its peer is gone. Two ranks running all_reduces in a
+  loop, every connection shut down at a random moment: one side waited for the timeout in
+  25 of 60 tries, 13 of 40 with one end of each shut down
+  (bench/results/profiles/gloo_close_race.py). One ``elastic`` job of run AJ recovered
+  after 10 s that way (docs/benchmarks.md).
+
+The controller knows of a death within milliseconds and publishes a plan without it. No step
+of a generation that lost a member can commit (the vote needs every member), so a member
+still inside it has nothing left to wait for. Here it stops waiting:
+
+- Every wait on a generation's process groups is a loop of short waits (``SLICE_S``) that
+  gives up once the generation is superseded (``Abandonable``). Nothing is closed under
+  Gloo's feet: its op is abandoned, and the group is destroyed later, off the way.
+- The vote's star runs over our own sockets, which close cleanly: they are shut down
+  (``Star.interrupt``), so a rank blocked in the vote fails at once, and so do its peers.
+
+``Leave`` is told of every plan that does not wait for a step boundary (a lost member, a
+fenced one, collectives failing with every member alive) by the plan watcher thread. A
+planned switch (a replica rejoining) is left to the vote: members finish their step and
+switch together.
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+from typing import Any
+
+#: How often a wait on a collective looks whether its generation was superseded: the most
+#: a member waits on after the plan came.
+SLICE_S = 0.02
+
+
+class Left(RuntimeError):
+    """A wait was given up: a newer plan superseded the generation."""
+
+
+class Leave:
+    """Which generations a member must leave, and the vote's connections of its current one."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._gen = -1
+        self._star: Any = None
+        self._below = -1  # generations below this one are superseded
+        # Works whose wait was given up: Gloo may still write into their tensors until they
+        # fail (at their timeout) or complete, so the member replaces any buffer it would
+        # reuse (its gradient buffer) and keeps them referenced meanwhile.
+        self.abandoned: list[Any] = []
+
+    def superseded(self, gen: int) -> bool:
+        return self._below > gen
+
+    def enter(self, gen: int, star: Any) -> None:
+        """This member's generation ``gen`` is built, with ``star`` (``interrupt()``: shut
+        its connections down). Interrupts it at once if a plan superseded ``gen``
+        meanwhile."""
+        with self._lock:
+            self._gen, self._star = gen, star
+            if self._below > gen:
+                star.interrupt()
+
+    def forget(self) -> None:
+        """The generation's star is about to be closed: never touch it again."""
+        with self._lock:
+            self._star = None
+
+    def supersede(self, gen: int) -> None:
+        """A plan for generation ``gen`` that does not wait for a step boundary was
+        published: every older generation is left."""
+        with self._lock:
+            self._below = max(self._below, gen)
+            if self._star is not None and self._gen < gen:
+                self._star.interrupt()
+
+
+class _Waiting:
+    """A collective's work whose ``wait()`` gives up once its generation is superseded."""
+
+    def __init__(self, work: Any, leave: Leave, gen: int) -> None:
+        self._work, self._leave, self._gen = work, leave, gen
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        if timeout is not None:
+            return bool(self._work.wait(timeout))
+        while True:
+            if self._leave.superseded(self._gen):
+                # Gloo may still write into this op's tensors until it fails or completes:
+                # the caller must never use them again (``Leave.abandoned``).
+                self._leave.abandoned.append(self._work)
+                raise Left(f"left generation {self._gen}: a newer plan superseded it")
+            try:
+                return bool(self._work.wait(timedelta(seconds=SLICE_S)))
+            except RuntimeError:
+                if self._work.is_completed():
+                    raise  # the collective itself failed
+                # else the slice ran out: look again
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+class Abandonable:
+    """A process group of generation ``gen`` (any object whose collective methods return
+    works) whose waits give up once ``leave`` says the generation was superseded;
+    everything else is the group's."""
+
+    def __init__(self, group: Any, leave: Leave, gen: int) -> None:
+        self._group, self._leave, self._gen = group, leave, gen
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._group, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            out = attr(*args, **kwargs)
+            if hasattr(out, "is_completed"):
+                return _Waiting(out, self._leave, self._gen)
+            return out
+
+        return call
