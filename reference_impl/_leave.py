@@ -82,39 +82,59 @@ class Leave:
                 self._star.interrupt()
 
 
+_SLICE = timedelta(seconds=SLICE_S)
+
+
 class _Waiting:
     """A collective's work whose ``wait()`` gives up once its generation is superseded."""
+
+    __slots__ = ("_gen", "_leave", "_work")
 
     def __init__(self, work: Any, leave: Leave, gen: int) -> None:
         self._work, self._leave, self._gen = work, leave, gen
 
     def wait(self, timeout: timedelta | None = None) -> bool:
+        work, leave, gen = self._work, self._leave, self._gen
         if timeout is not None:
-            return bool(self._work.wait(timeout))
+            return bool(work.wait(timeout))
         while True:
-            if self._leave.superseded(self._gen):
+            if leave._below > gen:  # leave.superseded(gen), on every collective's way
                 # Gloo may still write into this op's tensors until it fails or completes:
                 # the caller must never use them again (``Leave.abandoned``).
-                self._leave.abandoned.append(self._work)
-                raise Left(f"left generation {self._gen}: a newer plan superseded it")
+                leave.abandoned.append(work)
+                raise Left(f"left generation {gen}: a newer plan superseded it")
             try:
-                return bool(self._work.wait(timedelta(seconds=SLICE_S)))
+                return bool(work.wait(_SLICE))
             except RuntimeError:
-                if self._work.is_completed():
-                    raise  # the collective itself failed
-                # else the slice ran out: look again
+                # The slice ran out ("Operation timed out!"), or the collective failed. It
+                # may also have completed right after the slice ran out: then the wait
+                # without a limit returns at once, or raises the collective's own error.
+                if work.is_completed():
+                    return bool(work.wait())
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._work, name)
 
 
 class Abandonable:
-    """A process group of generation ``gen`` (any object whose collective methods return
-    works) whose waits give up once ``leave`` says the generation was superseded;
-    everything else is the group's."""
+    """A process group of generation ``gen`` whose collectives' waits give up once
+    ``leave`` says the generation was superseded; everything else is the group's. The
+    collectives the trainer calls are methods here (called every step: no lookup on the
+    way); any other call whose result is a work is wrapped the same way."""
+
+    __slots__ = ("_gen", "_group", "_leave")
 
     def __init__(self, group: Any, leave: Leave, gen: int) -> None:
         self._group, self._leave, self._gen = group, leave, gen
+
+    def allreduce(self, *args: Any, **kwargs: Any) -> _Waiting:
+        return _Waiting(self._group.allreduce(*args, **kwargs), self._leave, self._gen)
+
+    def allgather(self, *args: Any, **kwargs: Any) -> _Waiting:
+        return _Waiting(self._group.allgather(*args, **kwargs), self._leave, self._gen)
+
+    def broadcast(self, *args: Any, **kwargs: Any) -> _Waiting:
+        return _Waiting(self._group.broadcast(*args, **kwargs), self._leave, self._gen)
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._group, name)

@@ -102,6 +102,33 @@ def test_a_failed_collective_fails_as_itself() -> None:
     assert leave.abandoned == []
 
 
+class _CompletesAsTheSliceRunsOut:
+    """The moment a real wait cannot be made to hit on purpose: torch's ``Work.wait(timeout)``
+    raises "Operation timed out!" for a slice that ran out, and the collective completes
+    right after, before the waiter looks (seen in `make test-scenarios`: the node scenario's
+    rank failed at its first step with that message)."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        if timeout is not None and not self.done:
+            self.done = True
+            raise RuntimeError("Operation timed out!")
+        return True
+
+    def is_completed(self) -> bool:
+        return self.done
+
+
+def test_a_slice_that_runs_out_as_the_collective_completes_is_no_failure() -> None:
+    class Group:
+        def allreduce(self, tensors: list[Any]) -> Any:
+            return _CompletesAsTheSliceRunsOut()
+
+    assert Abandonable(Group(), Leave(), 0).allreduce([torch.ones(1)]).wait() is True
+
+
 def test_both_ranks_leave_at_once_whenever_the_plan_comes() -> None:
     """Both ranks run all_reduces back to back; the plan comes at a random moment. Every
     time, both are out within a second. (Shutting their connections down instead left one
