@@ -303,7 +303,7 @@ def _elastic(run: Run) -> None:
 
 
 def _survivors_left_the_wedged_generation(run: Run) -> None:
-    """Rank 3 died while rank 2 was wedged inside step 26 (alive, beating), so ranks 0 and 1
+    """Rank 3 died while rank 2 was wedged inside step 25 (alive, beating), so ranks 0 and 1
     waited on a live peer that would answer nothing for 3 s, in collectives with a 20 s
     timeout. Both must have left that generation on the controller's plan: resumed in
     the generation without replica 1 within a second of the kill, long before rank 2's
