@@ -54,6 +54,21 @@ def _in_thread(body: Any) -> tuple[threading.Thread, dict[str, Any]]:
     return thread, outcome
 
 
+def _blocked(body: Any) -> tuple[threading.Thread, dict[str, Any]]:
+    """``body`` on a thread of its own, checked to be still waiting 0.3 s later."""
+    thread, outcome = _in_thread(body)
+    time.sleep(0.3)
+    assert thread.is_alive(), outcome
+    return thread, outcome
+
+
+def _ended(thread: threading.Thread, outcome: dict[str, Any], error: type, what: str) -> None:
+    """The blocked call returned within 10 s, failing with ``error``."""
+    thread.join(10)
+    assert not thread.is_alive(), f"{what} went on waiting"
+    assert isinstance(outcome["error"], error), outcome
+
+
 def test_a_wait_returns_as_the_groups_does_while_the_generation_stands() -> None:
     leave = Leave()
     groups = [Abandonable(g, leave, 3) for g in _pair("stands")]
@@ -74,15 +89,11 @@ def test_a_wait_on_a_silent_live_peer_gives_up_once_the_generation_is_superseded
     leave = Leave()
     raw = _pair("silent")
     mine = Abandonable(raw[0], leave, 0)
-    thread, outcome = _in_thread(lambda: mine.allreduce([torch.ones(4)]).wait())
-    time.sleep(0.3)
-    assert thread.is_alive(), outcome
+    thread, outcome = _blocked(lambda: mine.allreduce([torch.ones(4)]).wait())
 
     leave.supersede(1)
 
-    thread.join(5)
-    assert not thread.is_alive(), "the wait went on after the generation was superseded"
-    assert isinstance(outcome["error"], Left), outcome
+    _ended(thread, outcome, Left, "the wait")
     assert outcome["waited_s"] < 0.3 + 10 * SLICE_S + 1, outcome
     assert len(leave.abandoned) == 1  # its tensors may still be written: kept, not reused
 
@@ -92,12 +103,9 @@ def test_a_failed_collective_fails_as_itself() -> None:
     leave = Leave()
     raw = _pair("failed")
     mine = Abandonable(raw[0], leave, 0)
-    thread, outcome = _in_thread(lambda: mine.allreduce([torch.ones(4)]).wait())
-    time.sleep(0.3)
+    thread, outcome = _blocked(lambda: mine.allreduce([torch.ones(4)]).wait())
     raw[1] = None  # the peer's group destroyed: its connections close
-    thread.join(10)
-    assert not thread.is_alive()
-    assert isinstance(outcome["error"], RuntimeError), outcome
+    _ended(thread, outcome, RuntimeError, "the wait")
     assert not isinstance(outcome["error"], Left), outcome
     assert leave.abandoned == []
 
@@ -177,18 +185,14 @@ def test_the_vote_is_shut_down_when_the_generation_is_superseded() -> None:
     assert not any(isinstance(s, Exception) for s in stars), stars
     leave = Leave()
     leave.enter(4, stars[1])
-    thread, outcome = _in_thread(lambda: stars[1].sum(torch.ones(1, dtype=torch.float64)))
-    time.sleep(0.3)
-    assert thread.is_alive(), outcome
+    thread, outcome = _blocked(lambda: stars[1].sum(torch.ones(1, dtype=torch.float64)))
     leave.supersede(4)  # the same generation: nothing happens
     time.sleep(0.1)
     assert thread.is_alive(), outcome
 
     leave.supersede(5)
 
-    thread.join(5)
-    assert not thread.is_alive(), "the vote went on after the generation was superseded"
-    assert isinstance(outcome["error"], StarError), outcome
+    _ended(thread, outcome, StarError, "the vote")
     # Its peer learns at once too: rank 0's next vote fails (rank 1's value of this one
     # had gone out before the shutdown).
     stars[0].sum(torch.ones(1, dtype=torch.float64))
