@@ -139,6 +139,11 @@ class Controller:
         self.fail_t: float | None = None  # first unexplained collective failure in this gen
         self.published_t = 0.0  # when this gen's plan was published
         self.join_by: float | None = None  # every member of this gen at its start line by then
+        # Generation -> (when it was superseded, by when its members must be out of it: the
+        # start line deadline of the generation after it; ``check_rejoins``). And every
+        # generation's plan.
+        self.superseded: dict[int, tuple[float, float]] = {}
+        self.plans: dict[int, dict[str, Any]] = {}
         # Shards whose final parameters some member reported ("done").
         self.finished_shards: set[int] = set()
         # The training is over once a member says it completed the last step ("last", sent
@@ -371,12 +376,64 @@ class Controller:
         if self.plan.get("waiting"):
             self.replan("capacity came back")
         elif self.elastic and self.replay is None and self.resumed == self.gen:
-            missing = [r for r in range(self.cfg.replicas) if r not in self.plan["replicas"]]
-            back = [r for r in missing if all(self.live(s) for s in self.replica_slots(r))]
+            back, _ = self.returning()
             if back:
                 plan = self.elastic_plan(sorted(self.plan["replicas"] + back))
                 # Planned: members switch at a step boundary agreed through the vote.
                 self.publish({**plan, "planned": True}, f"replicas {back} rejoin")
+
+    def returning(self) -> tuple[list[int], list[tuple[Proc, int]]]:
+        """Elastic: (the dropped replicas that may come back now, the live processes that
+        keep another one out, each with the older generation it is still inside).
+
+        A replica comes back once every one of its slots is alive and out of any older
+        generation. One of its processes can still be inside the generation it was dropped
+        from: a member wedged in a long computation when its peer died, alive and beating,
+        which leaves once its loop returns (``_leave``). Asked back meanwhile, it would keep
+        the survivors waiting at the new start line, trained on by nobody, until it comes
+        out (3 s in scenarios/training/kill_rank_peer_hung_elastic.yaml); left out, the
+        survivors train on without it."""
+        assert self.plan is not None
+        back, stuck = [], []
+        for replica in range(self.cfg.replicas):
+            slots = self.replica_slots(replica)
+            if replica in self.plan["replicas"] or not all(self.live(s) for s in slots):
+                continue
+            inside = []
+            for slot in slots:
+                gen, still = self.whereabouts(self.procs[slot])
+                if still and gen < self.gen:
+                    inside.append((self.procs[slot], gen))
+            if inside:
+                stuck.extend(inside)
+            else:
+                back.append(replica)
+        return back, stuck
+
+    def check_rejoins(self) -> None:
+        """Elastic, every check: ask back a replica whose members have now left their old
+        generation (``returning``), and fence a process kept out of the plan that is still
+        inside its old generation past the time a healthy member needs to leave it (the
+        start line deadline of the generation that superseded it): it is wedged there, as
+        ``check_arrivals`` judges a member, and its slot comes back as a fresh process."""
+        if not self.elastic or self.replay is not None or self.plan is None or self.over \
+                or self.plan.get("waiting"):
+            return
+        back, stuck = self.returning()
+        now = time.monotonic()
+        for proc, gen in stuck:
+            since, due = self.superseded.get(gen, (now, now + 1.0))
+            if now < due:
+                continue
+            old = self.plans.get(gen, {}).get("members", {})
+            rank = next((int(r) for r, (slot, inc) in old.items()
+                         if (slot, inc) == (proc.slot, proc.inc)), None)
+            probe.detected(cause="leave_timeout", rank=rank, slot=proc.slot, pid=proc.pid,
+                           source="controller", generation=gen,
+                           waited_s=round(now - since, 3))
+            self.fence(proc)
+        if back:
+            self.maybe_plan()
 
     def spare_plan(self, members: dict[str, Any]) -> dict[str, Any]:
         """hot_spare: keep live members, give every vacant logical rank the lowest spare."""
@@ -453,6 +510,9 @@ class Controller:
         wait = self.hb_timeout + timeout if plan.get("planned") or self.replay is not None \
             else max(self.hb_timeout, timeout)
         self.published_t, self.join_by = now, now + wait
+        self.plans[self.gen] = plan
+        if self.gen > 0:
+            self.superseded[self.gen - 1] = (now, now + wait)
         probe.emit("membership", generation=self.gen, replicas=plan["replicas"],
                    members={r: s for r, (s, _) in plan["members"].items()}, why=why,
                    source="controller", rank=None)
@@ -483,6 +543,7 @@ class Controller:
             if now >= next_check:
                 self.check_heartbeats()
                 self.check_arrivals()
+                self.check_rejoins()
                 next_check = now + self.check_s
             code = self.outcome()
             if code is not None:

@@ -95,6 +95,7 @@ class Job:
             # As Controller.run does every 20 ms.
             self.ctl.check_heartbeats()
             self.ctl.check_arrivals()
+            self.ctl.check_rejoins()
 
     def fenced(self) -> list[tuple[int, int]]:
         return [key for key, proc in self.procs.items() if killed(proc)]
@@ -203,6 +204,74 @@ def test_elastic_drops_the_replica_of_a_member_that_never_joins_and_takes_it_bac
     assert job.ctl.plan["replicas"] == [0, 1]
     assert job.ctl.plan.get("planned") is True
     assert job.ctl.gen == 3
+
+
+def drop_replica_1_with_rank_2_wedged(job: Job) -> None:
+    """2 x 2: rank 2 wedges inside generation 0 (alive, beating) and rank 3, its peer, is
+    killed; the controller drops replica 1 at once, ranks 0 and 1 resume without it, and
+    slot 3's re-forked process is ready: replica 1's slots are all alive again."""
+    for rank in range(4):
+        job.arrive(rank)
+    job.tick(T)
+    job.procs[(3, 1)].kill()
+    job.procs[(3, 1)].wait()
+    job.refork(3, 1)
+    assert job.ctl.gen == 1
+    assert job.ctl.plan is not None
+    assert job.ctl.plan["replicas"] == [0]
+    job.leave(0, 1, 0)
+    job.leave(1, 1, 0)
+    job.arrive(0)
+    job.arrive(1)
+    job.ctl.handle({"type": "resumed", "gen": 1, "step": 24})
+
+
+def test_elastic_asks_a_replica_back_only_once_its_members_left_their_old_generation(
+    job_factory: Any,
+) -> None:
+    """A replica asked back while one of its members is still stuck in an older generation
+    makes the survivors stop at the new start line and wait for it (3 s in
+    scenarios/training/kill_rank_peer_hung_elastic.yaml). They train on without it until it
+    is out; then it rejoins at a step boundary."""
+    job = job_factory(recovery="elastic", replicas=2, shards=2)
+    drop_replica_1_with_rank_2_wedged(job)
+    job.tick(T / 2)
+    assert (job.ctl.gen, job.fenced(), job.detected("leave_timeout")) == (1, [(3, 1)], [])
+    job.leave(2, 1, 0)  # released: out of generation 0, on its way to the next plan
+    job.tick(2 * TICK)
+    assert job.ctl.gen == 2
+    assert job.ctl.plan is not None
+    assert job.ctl.plan["replicas"] == [0, 1]
+    assert job.ctl.plan.get("planned") is True
+    assert (job.member(2), job.member(3)) == ((2, 1), (3, 2))
+    assert job.fenced() == [(3, 1)]
+
+
+def test_elastic_fences_a_left_out_member_that_never_leaves_its_old_generation(
+    job_factory: Any,
+) -> None:
+    """A member left out of the plan but still inside its old generation past the time a
+    healthy member needs to leave it (the heartbeat timeout, never less than the collective
+    timeout) is wedged there: fenced like one that never reaches a start line, and its
+    replica comes back with the slot's fresh process."""
+    job = job_factory(recovery="elastic", replicas=2, shards=2)
+    drop_replica_1_with_rank_2_wedged(job)
+    job.tick(T - 5 * TICK)
+    assert (job.ctl.gen, job.fenced()) == (1, [(3, 1)])
+    job.tick(10 * TICK)
+    assert job.fenced() == [(2, 1), (3, 1)]
+    (found,) = job.detected("leave_timeout")
+    # Its rank is the one it held in the generation it is stuck in.
+    assert (found["rank"], found["slot"], found["pid"], found["generation"]) == (
+        2, 2, job.procs[(2, 1)].pid, 0)
+    assert T <= found["waited_s"] < T + 2 * TICK
+    assert job.ctl.gen == 1
+    job.refork(2, 1)
+    job.tick(TICK)
+    assert job.ctl.gen == 2
+    assert job.ctl.plan is not None
+    assert job.ctl.plan["replicas"] == [0, 1]
+    assert (job.member(2), job.member(3)) == ((2, 2), (3, 2))
 
 
 def test_a_planned_switch_gives_members_a_collective_timeout_more_to_arrive(

@@ -307,7 +307,9 @@ def _survivors_left_the_wedged_generation(run: Run) -> None:
     waited on a live peer that would answer nothing for 3 s, in collectives with a 20 s
     timeout. Both must have left that generation on the controller's plan: resumed in
     the generation without replica 1 within a second of the kill, long before rank 2's
-    release; then the full world trained on together."""
+    release. Rank 3's slot was back at once, but replica 1 is asked back only once rank 2
+    is out of its old generation: until then ranks 0 and 1 train on alone instead of
+    waiting for it at a start line. Then the full world trained on together."""
     hang, kill = run.injection(0), run.injection(1)
     assert (hang["rank"], kill["rank"]) == (2, 3)
     (released,) = run.events("fault_healed")
@@ -318,7 +320,12 @@ def _survivors_left_the_wedged_generation(run: Run) -> None:
     assert sorted(resumed) == [0, 1], resumed
     waited = max(resumed.values()) - kill["t"]
     assert waited < 1.0, f"survivors left the old generation {waited:.2f} s after the kill"
-    assert run.events("membership")[-1]["replicas"] == [0, 1]
+    alone = [e for e in run.events("step") if e["rank"] == 0
+             and e["generation"] == dropped["generation"] and e["t"] < released["t"]]
+    assert len(alone) >= 20, f"replica 0 committed {len(alone)} steps alone in 3 s"
+    rejoin = run.events("membership")[-1]
+    assert rejoin["replicas"] == [0, 1]
+    assert rejoin["t"] > released["t"] - 0.1, "replica 1 was asked back while rank 2 was stuck"
 
 
 def _kill_during_elastic_recovery(run: Run) -> None:
