@@ -328,6 +328,31 @@ def _survivors_left_the_wedged_generation(run: Run) -> None:
     assert rejoin["t"] > released["t"] - 0.1, "replica 1 was asked back while rank 2 was stuck"
 
 
+def _left_out_member_fenced(run: Run) -> None:
+    """As above, but rank 2 stays wedged for good. Left out of the generation without
+    replica 1, it is never asked back while inside generation 0; the controller fences that
+    very process once it has been there a collective timeout (3 s) past the plan that
+    superseded it (``leave_timeout``, never ``join_timeout``: it was never asked to join),
+    ranks 0 and 1 training alone meanwhile, and the slot's fresh process rejoins."""
+    hang, kill = run.injection(0), run.injection(1)
+    assert (hang["rank"], kill["rank"]) == (2, 3)
+    fenced = [e for e in run.detected(after=hang["t"])
+              if e["cause"] in ("leave_timeout", "join_timeout", "heartbeat_timeout")]
+    assert [(e["cause"], e["rank"], e["pid"], e["generation"]) for e in fenced] == [
+        ("leave_timeout", 2, hang["pid"], 0)], fenced
+    assert 3.0 <= fenced[0]["waited_s"] < 4.5, fenced[0]
+    log = run.dir / "output" / "membership.jsonl"
+    generations = [json.loads(line)["replicas"] for line in log.read_text().splitlines()]
+    assert generations == [[0, 1], [0], [0, 1]]
+    (dropped,) = [e for e in run.events("membership") if e["replicas"] == [0]]
+    alone = [e for e in run.events("step") if e["rank"] == 0
+             and e["generation"] == dropped["generation"]]
+    assert len(alone) >= 20, f"replica 0 committed {len(alone)} steps alone"
+    after = [e for e in run.events("step") if e["t"] > hang["t"]]
+    assert hang["pid"] not in {e["pid"] for e in after}
+    assert {e["rank"] for e in after if e["t"] > fenced[0]["t"]} == {0, 1, 2, 3}
+
+
 def _kill_during_elastic_recovery(run: Run) -> None:
     """The returning rank 1 died inside its recovery, after the rejoining generation agreed
     on the step and before any state moved; replica 0 was dropped twice and rejoined, and
@@ -627,6 +652,7 @@ EVIDENCE: dict[str, Callable[[Run], None]] = {
     "training/kill_rank_elastic": _elastic,
     "training/kill_during_recovery_elastic": _kill_during_elastic_recovery,
     "training/kill_rank_peer_hung_elastic": _survivors_left_the_wedged_generation,
+    "training/kill_rank_peer_hung_forever_elastic": _left_out_member_fenced,
     "faults/memory_bitflip_param_fingerprint": _fingerprints,
     "faults/storage_corrupt_checkpoint": _skips_newest("sha256 mismatch"),
     "faults/storage_truncate_checkpoint": _skips_newest("size mismatch"),
