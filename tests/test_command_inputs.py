@@ -128,3 +128,25 @@ def test_a_missing_declared_input_is_an_invalid_scenario(tmp_path: Path) -> None
     assert proc.returncode == 2
     assert f"{path}:5:22: system.inputs.1" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_hydra_style_key_path_arguments_are_made_absolute_and_keyed(tmp_path: Path) -> None:
+    # `train.py data.path=cfg.yaml` (hydra, OmegaConf, fire) names a file as a key's value:
+    # run in a fresh folder, a relative one would not be found; edited, the twin is stale.
+    from harness.spec import load_scenario
+    from harness.systems.command import absolute_args
+
+    (tmp_path / "cfg.yaml").write_text("a: 1\n")
+    (tmp_path / "train.py").write_text("")
+    text = command(command="[python, train.py, 'data.path=cfg.yaml', '+extra=none.yaml', "
+                           "'lr=0.1', 'out=${run_dir}/x']")
+    path = tmp_path / "s.yaml"
+    path.write_text(text)
+    system = load_scenario(path).spec.system
+    assert absolute_args(system, tmp_path) == [
+        "python", str(tmp_path.resolve() / "train.py"),
+        f"data.path={tmp_path.resolve() / 'cfg.yaml'}", "+extra=none.yaml", "lr=0.1",
+        "out=${run_dir}/x"]
+    first = key_of(tmp_path, text)
+    (tmp_path / "cfg.yaml").write_text("a: 2\n")
+    assert key_of(tmp_path, text) != first

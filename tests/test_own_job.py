@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _helpers import cli
 
 from harness.errors import SpecError
 from harness.runner import run_scenario
@@ -227,6 +228,20 @@ def test_validate_refuses_a_coordinate_the_job_never_reports(tmp_path: Path) -> 
     with pytest.raises(SpecError, match="combine them with each other"):
         load_scenario(groups_scenario(tmp_path, "{env: {A: '1'}, rank: 1}"))
     load_scenario(groups_scenario(tmp_path, "{replica: 1}", hello=True))
+
+
+def test_validate_refuses_a_rank_outside_the_declared_world(tmp_path: Path) -> None:
+    """`rank: 5` with `world: 2` validated, then failed when due as "no rank 5"."""
+    path = groups_scenario(tmp_path, "{rank: 5}")
+    path.write_text(path.read_text().replace("  probes:", "  world: 2\n  probes:", 1))
+    with pytest.raises(SpecError, match=r"groups.yaml:\d+:\d+: faults.0: target rank 5 can "
+                       r"never be found: the system's `world: 2` has ranks 0-1"):
+        load_scenario(path)
+    proc = cli("validate", str(path))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "rank 5 can never be found" in proc.stderr
+    path.write_text(path.read_text().replace("{rank: 5}", "{rank: 1}"))
+    load_scenario(path)
 
 
 # ---------------------------------------------------------------- one stream per process

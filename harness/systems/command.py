@@ -131,6 +131,22 @@ def free_port() -> int:
         return port
 
 
+#: A ``key=value`` argument as hydra, OmegaConf and fire take them (``data.path=x.yaml``,
+#: ``+trainer.ckpt=...``): the value may name a file.
+_KEY_VALUE = re.compile(r"^[+~]{0,2}[A-Za-z_][\w.\-/@]*=")
+
+
+def split_value(arg: str) -> tuple[str, str]:
+    """``arg`` as (what precedes its value, its value): ``--config=`` and ``cfg.yaml`` for an
+    option with its value, ``data.path=`` and ``x.yaml`` for a hydra-style override, and
+    ``""`` and the whole argument otherwise."""
+    if arg.startswith("-") or _KEY_VALUE.match(arg):
+        head, eq, value = arg.partition("=")
+        if eq:
+            return head + eq, value
+    return "", arg
+
+
 def absolute_args(system: CommandSystem, scenario_dir: Path) -> list[str]:
     """The command line as the job gets it when it runs in a fresh folder: each argument
     (or ``--flag=value`` value) that names a file relative to the scenario's folder made
@@ -144,9 +160,9 @@ def absolute_args(system: CommandSystem, scenario_dir: Path) -> list[str]:
         if "${" in arg or Path(arg).is_absolute():
             out.append(arg)
             continue
-        flag, eq, value = arg.partition("=") if arg.startswith("-") else ("", "", arg)
+        head, value = split_value(arg)
         if value and (index or "/" in value) and (base / value).is_file():
-            arg = f"{flag}{eq}{base / value}"
+            arg = f"{head}{base / value}"
         out.append(arg)
     return out
 
@@ -161,8 +177,8 @@ def command_files(system: CommandSystem, scenario_dir: Path) -> list[Path]:
         if "${run_dir}" in arg:
             continue
         arg = arg.replace("${scenario_dir}", str(scenario_dir.resolve()))
-        value = arg.split("=", 1)[1] if arg.startswith("-") and "=" in arg else None
-        for candidate in (arg, value):
+        head, value = split_value(arg)
+        for candidate in (arg, value if head else None):
             if candidate and (base / candidate).is_file():
                 named.add((base / candidate).resolve())
     return sorted(named)
@@ -290,6 +306,10 @@ class Command:
         are its processes' RANK, or what the job reports of itself: through the in-process
         probe's hello (``probed``) or a log probe's ``event: hello`` line, whose groups say
         which coordinates it reports."""
+        if (target.rank is not None and system.world is not None
+                and not 0 <= target.rank < system.world):
+            return (f"the system's `world: {system.world}` has ranks 0-{system.world - 1}; "
+                    "give a rank of the world, or correct `world`")
         reported = {"rank", "pid"} if probed else set()
         for p in system.probes:
             if p.event == "hello":
