@@ -15,18 +15,23 @@ run's math share one twin, hence one entry. An entry is keyed by
   without ``env`` (the reference systems' math must not depend on the environment: a change
   there is exactly what a golden must catch);
 - ``seed``;
-- ``platform``: torch's version and build, the CPU (architecture and the vector ISA torch
-  dispatches to), the BLAS code path MKL dispatches its matmuls to where torch uses MKL
-  (it picks by vendor, not only by ISA: its generic code on an AMD CPU, its AVX-512
-  kernels on an Intel one, with other bits) and the device (CPU, or the GPU and CUDA
-  version). Kernels round differently on other platforms, so a GPU run is never compared
-  with a CPU golden.
+- ``key``: how the host rounds, the digest of a calibration battery (harness._calibrate: the
+  kernels the reference systems use, in their shapes, on fixed inputs) run once per
+  interpreter, device and rounding settings (MKL_*, OMP_*, ATEN_CPU_CAPABILITY, the thread
+  count, ...: the system's environment as its processes get it) and cached. Any host or
+  setting that rounds differently gets its own key, whatever its CPU name says; a GPU run is
+  never compared with a CPU golden. ``platform`` (torch, CPU, ISA, MKL's code path, device)
+  is kept beside it for humans.
 
-No entry for this key (a new platform, another seed, a changed system): for the reference
-trainer on a layout the independent oracle reproduces (harness.oracle), the twin is checked
-against the oracle instead; otherwise the check fails as "not observed" and says how to record
-one. A scenario folder without a golden.json has no golden check. Goldens are for the
-reference systems: a command's platform is not known to the harness.
+A mismatch is a verdict only when an independent witness agrees. When the twin differs from a
+golden of its key, or there is no golden for the key (a new host, another seed, a changed
+system), the twin is judged by an independent oracle: the trainer's (harness.oracle, bitwise,
+on the layouts it restates) or the server's (harness.oracle.serving: greedy decoding without
+the serving stack). Only a twin that disagrees with its oracle fails; with no golden and an
+oracle that agrees the check passes ("no golden for this platform; the oracle agrees"). With
+no oracle the check fails as "not observed" and says how to record a golden. A scenario
+folder without a golden.json has no golden check. Goldens are for the reference systems: a
+command's platform is not known to the harness.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import json
 import os
 import platform
 import re
+import stat
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -48,7 +54,7 @@ from typing import Any
 
 from harness import systems
 from harness._paths import cache_dir
-from harness.errors import SpecError
+from harness.errors import HarnessError, SpecError
 from harness.records import CheckResult
 from harness.spec import LoadedScenario, Scenario, TrainerSystem, load_scenario
 
@@ -110,31 +116,22 @@ def outputs_digest(outputs: Mapping[Any, Any]) -> str:
 
 # ------------------------------------------------------------------------------ platform
 
-_PLATFORM = r"""
-import platform, sys
-import torch
-# Two dispatchers decide the bits: ATen's, by the vector ISA (ATEN_CPU_CAPABILITY=avx2 selects
-# its AVX2 kernels on a newer CPU), and MKL's for matmuls, by vendor and ISA (its generic code
-# on an AMD CPU, AVX-512 kernels on an Intel one: other bits on two "AVX512" machines). The
-# harness reads MKL's choice from its verbose line (mkl_path); ATEN_CPU_CAPABILITY leaves it.
-isa = torch.backends.cpu.get_cpu_capability()
-cpu = " ".join(p for p in (platform.machine(), isa) if p)
-if sys.argv[1] == "cuda":
-    device = (f"{torch.cuda.get_device_name(0)}, CUDA {torch.version.cuda}"
-              if torch.cuda.is_available() else "cuda (unavailable)")
-else:
-    device = "cpu"
-if torch.backends.mkl.is_available():
-    # One matmul under MKL_VERBOSE=1: MKL names the code path it dispatched to (mkl_path).
-    torch.ones(64, 64) @ torch.ones(64, 64)
-print(f"torch {torch.__version__}; {cpu}; {device}", flush=True)
-"""
-
-#: Bumped when the platform line's format changes, so cached lines are asked again.
-_FORMAT = "2"
-#: What MKL reads to pick (or pin) its code path: part of the platform's key.
-_MKL_ENV = ("MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS", "MKL_DEBUG_CPU_TYPE", "MKL_NUM_THREADS")
+#: Bumped when the calibration's cached form changes, so cached answers are asked again.
+_FORMAT = "3"
+#: Environment variables that can change how a kernel rounds: which BLAS code path runs (and
+#: which library: LD_*), which ISA ATen dispatches to, how many threads split a reduction.
+_ROUNDING_PREFIXES = ("MKL_", "OMP_", "KMP_", "GOMP_", "OPENBLAS_", "GOTO_", "BLIS_", "ATEN_",
+                      "DNNL_", "ONEDNN_", "CUBLAS_", "CUDA_", "NVIDIA_TF32", "TORCH_ALLOW_TF32",
+                      "LD_PRELOAD", "LD_LIBRARY_PATH")
+#: Set by the calibration itself (to read MKL's code path), not by a user.
+_NOT_SETTINGS = ("MKL_VERBOSE",)
+#: Forces the key (tests simulate a host whose rounding no golden was recorded for).
+FORCE_ENV = "AFTERSHOCK_GOLDEN_KEY"
+_FORCED = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _MKL_HEADER = re.compile(r"^MKL_VERBOSE .*\bProduct build\b")
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+#: The battery's source: a change there is a new battery, hence new keys.
+_BATTERY = Path(__file__).with_name("_calibrate.py")
 
 
 def mkl_path(header: str) -> str:
@@ -155,11 +152,31 @@ def device_of(spec: Scenario) -> str:
     return systems.of(spec.system).device(spec.system)
 
 
+def settings_of(spec: Scenario) -> dict[str, str]:
+    """The environment that decides how the system's kernels round, as its processes get it:
+    the harness's own, with the scenario's ``system.env`` over it."""
+    merged = {**os.environ, **dict(getattr(spec.system, "env", None) or {})}
+    return {name: value for name, value in sorted(merged.items())
+            if name.startswith(_ROUNDING_PREFIXES) and name not in _NOT_SETTINGS}
+
+
+def threads_of(spec: Scenario) -> int:
+    """Torch's intra-op threads in the system's processes: 1 (what the reference trainer's
+    ranks and the server's workers set), or the server's ``--threads`` (0: torch's default)."""
+    args = list(getattr(spec.system, "args", None) or ())
+    for index, arg in enumerate(args):
+        value = (arg.split("=", 1)[1] if arg.startswith("--threads=") else
+                 args[index + 1] if arg == "--threads" and index + 1 < len(args) else None)
+        if value is not None and value.isdigit():
+            return int(value)
+    return 1
+
+
 def _cpu_key(executable: str) -> str | None:
-    """Everything the CPU platform line depends on, without importing torch: the interpreter,
-    the torch installation it imports (its version file, by content and time), the CPU's
-    feature flags (the ISA torch's dispatcher picks from) and ATEN_CPU_CAPABILITY (which can
-    lower it). None when torch cannot be located this way: then nothing is cached."""
+    """Everything a CPU calibration depends on besides its settings, without importing torch:
+    the interpreter, the torch installation it imports (its version file, by content and
+    time), the CPU's feature flags and vendor. None when torch cannot be located this way:
+    then nothing is cached."""
     try:
         spec = importlib.util.find_spec("torch")
         origin = spec.origin if spec is not None else None
@@ -172,64 +189,128 @@ def _cpu_key(executable: str) -> str | None:
                                                                     "CPU implementer"))), "")
         parts = [_FORMAT, os.path.realpath(executable), str(version), version.read_text(),
                  str(version.stat().st_mtime_ns), flags, vendor, platform.machine(),
-                 os.environ.get("ATEN_CPU_CAPABILITY", ""),
-                 *(os.environ.get(name, "") for name in _MKL_ENV)]
+                 _BATTERY.read_text()]
     except (OSError, ImportError, ValueError):
         return None
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
 
 
+def _settings_key(device: str, threads: int, settings: Mapping[str, str]) -> str:
+    text = json.dumps([device, threads, sorted(settings.items())])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True, slots=True)
+class Calibration:
+    """How a host rounds: ``key``, the sha256 of the battery's bits (harness._calibrate), and
+    ``platform``, what a human reads (torch, the CPU, MKL's code path, the device)."""
+
+    key: str
+    platform: str
+
+
 def _cache_file(key: str) -> Path:
-    return cache_dir() / "platform" / f"{key}.txt"
+    return cache_dir() / "calibration" / f"{key}.json"
+
+
+def _read_cached(path: Path, key: str) -> Calibration | None:
+    """A cached calibration, only if it is one this harness wrote for this key: a regular
+    file of this user's, writable by no one else, small, of this format and key, with a
+    key of 64 hex digits and a one-line platform. Anything else is asked again."""
+    try:
+        info = path.lstat()
+        if (not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid()
+                or info.st_mode & 0o022 or info.st_size > 4096):
+            return None
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or set(data) != {"format", "cache_key", "key", "platform"}:
+        return None
+    found, line = data["key"], data["platform"]
+    if (data["format"] != _FORMAT or data["cache_key"] != key or not isinstance(found, str)
+            or not _HEX64.match(found) or not isinstance(line, str) or not line.isprintable()
+            or not 0 < len(line) <= 300):
+        return None
+    return Calibration(found, line)
 
 
 @functools.cache
-def _platform(executable: str, device: str) -> str:
-    """The platform line, from torch in a fresh process of ``executable``.
+def _calibrate(executable: str, device: str, threads: int,
+               settings: tuple[tuple[str, str], ...]) -> Calibration:
+    """Run the battery in a fresh process of ``executable``, with ``settings`` over the
+    harness's environment (as the system's processes get them) and ``threads`` torch threads.
 
-    On CPU the answer is kept on disk under a key of everything it depends on (_cpu_key):
-    asking torch costs a torch import (~4 s of CPU, twice that on a busy 2-core host) in
-    every ``aftershock run``, for an answer that changes only with the installation or the
-    machine. A GPU's line (its name, CUDA) is asked every time."""
-    key = _cpu_key(executable) if device == "cpu" else None
+    On CPU the answer is kept on disk under a key of everything it depends on (_cpu_key and
+    the settings): it costs a torch import (~3 s of CPU, twice that on a busy 2-core host)
+    for an answer that changes only with the installation, the machine or the settings. A
+    GPU's is asked every time."""
+    env = {name: value for name, value in os.environ.items()
+           if not name.startswith(_ROUNDING_PREFIXES)}
+    env.update(dict(settings))
+    cpu = _cpu_key(executable) if device == "cpu" else None
+    key = (f"{cpu}-{_settings_key(device, threads, dict(settings))}" if cpu else None)
     cached = _cache_file(key) if key else None
-    if cached is not None:
-        with contextlib.suppress(OSError):
-            line = cached.read_text().strip()
-            if line:
-                return line
-    proc = subprocess.run([executable, "-c", _PLATFORM, device], capture_output=True,
-                          text=True, timeout=120, check=False,
-                          env={**os.environ, "MKL_VERBOSE": "1"})
+    if cached is not None and key is not None:
+        found = _read_cached(cached, key)
+        if found is not None:
+            return found
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    env["MKL_VERBOSE"] = "1"  # MKL names the code path it dispatched to (mkl_path)
+    proc = subprocess.run([executable, "-m", "harness._calibrate", device, str(threads)],
+                          capture_output=True, text=True, timeout=120, check=False, env=env)
     output = proc.stdout.strip().splitlines()
     lines = [line for line in output if not line.startswith("MKL_VERBOSE")]
-    if proc.returncode != 0 or not lines:
+    try:
+        answer = json.loads(lines[-1]) if proc.returncode == 0 and lines else None
+        result = Calibration(str(answer["key"]), str(answer["platform"])) if answer else None
+    except (ValueError, KeyError, TypeError):
+        result = None
+    if result is None or not _HEX64.match(result.key):
         tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        raise RuntimeError(f"cannot tell the platform ({tail})")
+        raise RuntimeError(f"cannot calibrate the platform ({tail})")
     header = next((line for line in output if _MKL_HEADER.match(line)), None)
     if header is not None:  # before the device: "torch V; x86_64 ISA; MKL path; device"
-        head, _, device_part = lines[-1].rpartition("; ")
-        lines[-1] = f"{head}; MKL {mkl_path(header)}; {device_part}"
+        head, _, device_part = result.platform.rpartition("; ")
+        result = Calibration(result.key, f"{head}; MKL {mkl_path(header)}; {device_part}")
     if cached is not None:
         with contextlib.suppress(OSError):
             cached.parent.mkdir(parents=True, exist_ok=True)
             tmp = cached.with_name(f".{cached.name}.{os.getpid()}.tmp")
-            tmp.write_text(lines[-1] + "\n")
+            tmp.write_text(json.dumps({"format": _FORMAT, "cache_key": key, "key": result.key,
+                                       "platform": result.platform}) + "\n")
+            tmp.chmod(0o644)
             os.replace(tmp, cached)
-    return lines[-1]
+    return result
+
+
+def calibration_of(spec: Scenario) -> Calibration:
+    """How the scenario's system rounds on this host: the battery, in the settings its
+    processes get, with the interpreter the harness launches them with (its own).
+    ``AFTERSHOCK_GOLDEN_KEY`` forces the key (the platform line says so)."""
+    found = _calibrate(sys.executable, device_of(spec), threads_of(spec),
+                       tuple(settings_of(spec).items()))
+    forced = os.environ.get(FORCE_ENV)
+    if forced:
+        if not _FORCED.match(forced):
+            raise RuntimeError(f"{FORCE_ENV}={forced!r}: letters, digits, '.', '_', '-' only")
+        return Calibration(forced, f"{found.platform} (key forced by {FORCE_ENV})")
+    return Calibration(found.key[:16], found.platform)
 
 
 def platform_key(spec: Scenario) -> str:
-    """What a run's bits depend on besides the scenario, without importing torch: the
-    device it runs on and, for the CPU's kernels, :func:`_cpu_key` ("unknown" when torch
-    cannot be located: then only the device)."""
-    return f"{device_of(spec)}:{_cpu_key(sys.executable) or 'unknown'}"
+    """What a run's bits depend on besides the scenario, without importing torch (the twin
+    cache's key): the device, :func:`_cpu_key` ("unknown" when torch cannot be located) and
+    the settings that change rounding (:func:`settings_of`, :func:`threads_of`)."""
+    device = device_of(spec)
+    settings = _settings_key(device, threads_of(spec), settings_of(spec))
+    return f"{device}:{_cpu_key(sys.executable) or 'unknown'}:{settings}"
 
 
 def platform_of(spec: Scenario) -> str:
-    """Where a reference system runs, as far as its bits go (the interpreter the harness
-    launches it with: the harness's own)."""
-    return _platform(sys.executable, device_of(spec))
+    """Where a reference system runs, in words (beside the key, for humans)."""
+    return calibration_of(spec).platform
 
 
 # ------------------------------------------------------------------------------- entries
@@ -237,17 +318,24 @@ def platform_of(spec: Scenario) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Key:
+    """What a golden is stored under: the twin's system, the seed and the host's rounding
+    (``rounding``: the calibration digest); ``platform`` is beside it, for humans."""
+
     system: dict[str, Any]
     seed: int
+    rounding: str
     platform: str
+    settings: tuple[tuple[str, str], ...] = ()  # what the system's processes round with
 
     def matches(self, entry: Mapping[str, Any]) -> bool:
         return (entry.get("system") == self.system and entry.get("seed") == self.seed
-                and entry.get("platform") == self.platform)
+                and entry.get("key") == self.rounding)
 
 
 def key_of(spec: Scenario, seed: int) -> Key:
-    return Key(twin_system(spec), seed, platform_of(spec))
+    found = calibration_of(spec)
+    return Key(twin_system(spec), seed, found.key, found.platform,
+               tuple(settings_of(spec).items()))
 
 
 def read(path: Path) -> list[dict[str, Any]]:
@@ -265,7 +353,8 @@ def read(path: Path) -> list[dict[str, Any]]:
 
 
 def write(path: Path, entries: list[dict[str, Any]]) -> None:
-    ordered = sorted(entries, key=lambda e: (str(e.get("platform")), int(e.get("seed", 0)),
+    ordered = sorted(entries, key=lambda e: (str(e.get("platform")), str(e.get("key")),
+                                             int(e.get("seed", 0)),
                                              json.dumps(e.get("system"), sort_keys=True)))
     text = json.dumps({"about": ABOUT, "goldens": ordered}, indent=2) + "\n"
     tmp = path.with_suffix(".json.tmp")
@@ -275,8 +364,8 @@ def write(path: Path, entries: list[dict[str, Any]]) -> None:
 
 def entry_for(key: Key, what: str, found: Mapping[Any, Any], scenarios: Sequence[str],
               checked_by: str) -> dict[str, Any]:
-    entry: dict[str, Any] = {"system": key.system, "seed": key.seed, "platform": key.platform,
-                             "scenarios": sorted(set(scenarios))}
+    entry: dict[str, Any] = {"system": key.system, "seed": key.seed, "key": key.rounding,
+                             "platform": key.platform, "scenarios": sorted(set(scenarios))}
     if what == "digests":
         entry["digests"] = {str(k): str(v) for k, v in sorted(found.items(), key=_rank_order)}
     else:
@@ -296,7 +385,9 @@ def _rank_order(item: tuple[Any, Any]) -> int:
 def check(loaded: LoadedScenario, *, seed: int, what: str,
           found: Mapping[Any, Any] | None) -> CheckResult | None:
     """``fault_free_golden``: the twin's result (``found``: digests by rank, or outputs by
-    request) against the golden of its folder. None when the folder keeps no goldens."""
+    request) against the golden of its folder for this host's rounding key, and, where that
+    golden is missing or differs, against the independent oracle: a mismatch is a verdict only
+    when an independent witness agrees. None when the folder keeps no goldens."""
     path = path_of(loaded.path)
     if what_of(loaded.spec) != what or not path.exists():
         return None
@@ -309,71 +400,132 @@ def check(loaded: LoadedScenario, *, seed: int, what: str,
         key = key_of(loaded.spec, seed)
     except (ValueError, RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
         return CheckResult(CHECK, False, None, expected, f"not observed: {exc}")
-    expected = f"equal to its golden ({key.platform})"
+    expected = f"equal to its golden (key {key.rounding}) or, without one, to the oracle"
+    record = f"aftershock golden --update {loaded.path}"
     entry = next((e for e in entries if key.matches(e)), None)
-    if entry is None:
-        return _without_golden(loaded, key, path, entries, what, found)
+    if entry is not None:
+        observed, differ = _against_golden(entry, what, found)
+        if not differ:
+            return CheckResult(CHECK, True, observed, expected,
+                               f"the fault-free run equals the golden in {path} "
+                               f"(key {key.rounding}, {key.platform})")
+        golden_says = (f"the fault-free run differs from the golden of this host's key "
+                       f"{key.rounding} in {path} ({differ})")
+        witness = oracle_of(loaded, key, what, found)
+        if witness is None or witness.agrees is None:
+            why = (f"; {witness.note}" if witness is not None else
+                   "; no independent oracle restates this system")
+            return CheckResult(CHECK, False, observed, expected,
+                               f"{golden_says}{why}. The fault-free path changed; if on "
+                               f"purpose, record it: {record}")
+        if witness.agrees:
+            return CheckResult(CHECK, True, witness.observed, expected,
+                               f"{golden_says}, but {witness.name} agrees with it "
+                               f"({witness.note}): the golden is stale or the key misses a "
+                               f"setting; record it again: {record}")
+        return CheckResult(CHECK, False, witness.observed, expected,
+                           f"{golden_says}, and {witness.name} disagrees too: "
+                           f"{witness.note}. The fault-free path changed; if on purpose, "
+                           f"record it: {record}")
+    return _without_golden(loaded, key, path, entries, what, found)
+
+
+def _against_golden(entry: Mapping[str, Any], what: str,
+                    found: Mapping[Any, Any]) -> tuple[str, str]:
+    """What the check observed, and how the twin differs from ``entry`` ("": equal)."""
     if what == "digests":
         want = {int(k): str(v) for k, v in dict(entry.get("digests") or {}).items()}
         got = {int(k): str(v) for k, v in found.items()}
         ranks = sorted(set(want) | set(got))
         differ = [r for r in ranks if want.get(r) != got.get(r)]
-        observed = f"{len(ranks) - len(differ)}/{len(ranks)} ranks equal"
-        if differ:
-            detail = ", ".join(f"rank {r}: {str(got.get(r))[:12]} != {str(want.get(r))[:12]}"
-                               for r in differ)
-            return CheckResult(CHECK, False, observed, expected,
-                               f"the fault-free run's parameters differ from the golden in "
-                               f"{path}: {detail}. The fault-free path changed; if on "
-                               f"purpose, record it: aftershock golden --update {loaded.path}")
-        return CheckResult(CHECK, True, observed, expected,
-                           f"the fault-free run equals the golden in {path}")
+        detail = ", ".join(f"rank {r}: {str(got.get(r))[:12]} != {str(want.get(r))[:12]}"
+                           for r in differ)
+        return f"{len(ranks) - len(differ)}/{len(ranks)} ranks equal", detail
     digest = outputs_digest(found)
     want_digest = str(entry.get("outputs_sha256"))
-    if digest != want_digest:
-        return CheckResult(CHECK, False, f"outputs {digest[:12]}", expected,
-                           f"the fault-free run's outputs differ from the golden in {path} "
-                           f"({len(found)} requests, sha256 {digest[:12]} != "
-                           f"{want_digest[:12]}). The fault-free path changed; if on purpose, "
-                           f"record it: aftershock golden --update {loaded.path}")
-    return CheckResult(CHECK, True, f"outputs {digest[:12]}", expected,
-                       f"the fault-free run's {len(found)} outputs equal the golden in {path}")
+    detail = ("" if digest == want_digest else
+              f"outputs of {len(found)} requests, sha256 {digest[:12]} != {want_digest[:12]}")
+    return f"outputs {digest[:12]}", detail
+
+
+@dataclass(frozen=True, slots=True)
+class Witness:
+    """An independent oracle's word on a twin: ``agrees`` None when it could not judge."""
+
+    name: str
+    agrees: bool | None
+    observed: str
+    note: str
+
+
+def oracle_of(loaded: LoadedScenario, key: Key, what: str,
+              found: Mapping[Any, Any]) -> Witness | None:
+    """The independent oracle's judgement of the twin, run in the settings the system's
+    processes round with; None where no oracle restates the system."""
+    from harness import oracle
+    from harness.oracle import serving
+    from harness.systems.server import ServerSystem
+
+    env = dict(key.settings)
+    system = trainer_of(loaded.spec.system)
+    if what == "digests" and system is not None:
+        name = "the independent oracle (harness.oracle)"
+        expected = oracle.trainer_digests(system, seed=key.seed,
+                                          schedule=oracle.full_membership(system), env=env)
+        if expected.digests is None:
+            return Witness(name, None, "", expected.note.removeprefix("not observed: "))
+        got = {int(k): str(v) for k, v in found.items()}
+        ranks = sorted(set(expected.digests) | set(got))
+        differ = [r for r in ranks if expected.digests.get(r) != got.get(r)]
+        observed = f"{len(ranks) - len(differ)}/{len(ranks)} ranks equal the oracle"
+        if differ:
+            return Witness(name, False, observed,
+                           f"ranks {', '.join(map(str, differ))} differ from its digests")
+        return Witness(name, True, observed, "every rank equals its digests")
+    if what == "outputs" and isinstance(loaded.spec.system, ServerSystem):
+        judged = serving.judge_outputs(loaded.spec.system, seed=key.seed, outputs=found,
+                                       env=env)
+        return Witness(serving.NAME, judged.agrees, judged.observed, judged.note)
+    return None
 
 
 def _without_golden(loaded: LoadedScenario, key: Key, path: Path,
                     entries: list[dict[str, Any]], what: str,
                     found: Mapping[Any, Any]) -> CheckResult:
-    """No golden for this system, seed and platform: the oracle, where it can judge."""
-    from harness import oracle
-
+    """No golden for this system, seed and rounding key: the oracle judges, where one can."""
     same_system = [e for e in entries if e.get("system") == key.system]
     if not same_system:
         missing = "for this system (the scenario's system changed since, or is new)"
     elif not [e for e in same_system if e.get("seed") == key.seed]:
         missing = f"for seed {key.seed}"
     else:
-        missing = "for this platform (recorded on: " + "; ".join(
-            sorted({f"[{e.get('platform')}]" for e in same_system})) + ")"
-    hint = (f"{path} has no golden {missing}; record one on purpose: "
-            f"aftershock golden --update {loaded.path}")
-    system = trainer_of(loaded.spec.system)
-    if what == "digests" and system is not None:
-        expected = oracle.trainer_digests(system, seed=key.seed,
-                                          schedule=oracle.full_membership(system))
-        if expected.digests is not None:
-            got = {int(k): str(v) for k, v in found.items()}
-            ranks = sorted(set(expected.digests) | set(got))
-            differ = [r for r in ranks if expected.digests.get(r) != got.get(r)]
-            observed = f"{len(ranks) - len(differ)}/{len(ranks)} ranks equal"
-            verdict = ("equals" if not differ else
-                       f"differs in ranks {', '.join(map(str, differ))} from")
-            return CheckResult(CHECK, not differ, observed, "equal to the independent oracle",
-                               f"the fault-free run {verdict} the independent oracle ({hint})")
-        why = expected.note.removeprefix("not observed: ")
-        return CheckResult(CHECK, False, None, f"a golden for [{key.platform}]",
-                           f"not observed: {hint}; and {why}")
-    return CheckResult(CHECK, False, None, f"a golden for [{key.platform}]",
-                       f"not observed: {hint}")
+        same_line = [e for e in same_system if e.get("platform") == key.platform]
+        missing = (f"for this platform (key {key.rounding}, {key.platform}; recorded: "
+                   + "; ".join(sorted({f"key {e.get('key')} [{e.get('platform')}]"
+                                       for e in same_system})) + ")")
+        if same_line:
+            missing += (": the same platform line rounds differently here, so a setting "
+                        "(MKL_CBWR, threads, an ISA cap, another BLAS) changes its kernels")
+    record = f"aftershock golden --update {loaded.path}"
+    hint = f"{path} has no golden {missing}"
+    expected = "equal to the independent oracle (no golden for this key)"
+    witness = oracle_of(loaded, key, what, found)
+    if witness is None:
+        return CheckResult(CHECK, False, None, f"a golden for key {key.rounding}",
+                           f"not observed: {hint}, and no independent oracle restates this "
+                           f"system. Record a golden on a host you trust, with the settings "
+                           f"you run: {record}")
+    if witness.agrees is None:
+        return CheckResult(CHECK, False, None, f"a golden for key {key.rounding}",
+                           f"not observed: {hint}, and {witness.name} could not judge "
+                           f"({witness.note}); record one: {record}")
+    if witness.agrees:
+        return CheckResult(CHECK, True, witness.observed, expected,
+                           f"no golden for this platform; the oracle agrees: {witness.name}: "
+                           f"{witness.note} ({hint}; to record one: {record})")
+    return CheckResult(CHECK, False, witness.observed, expected,
+                       f"the fault-free run disagrees with {witness.name}: {witness.note} "
+                       f"({hint})")
 
 
 # -------------------------------------------------------------------------------- update
@@ -397,10 +549,11 @@ def update(scenarios: Sequence[LoadedScenario], *, seed: int | None, use_cache: 
     """Run each scenario's fault-free twin (once per twin) and record its result as the golden
     of the scenario's folder, for this platform and seed.
 
-    A trainer twin the independent oracle can reproduce must agree with it, or nothing is
-    recorded: a golden is only worth what it was checked against. Entries of systems that no
-    scenario of a folder uses any more are dropped when the whole folder was updated."""
-    from harness import oracle, runner
+    A twin an independent oracle can judge (the trainer's, the server's) must agree with
+    it, or nothing is recorded: a golden is only worth what it was checked against. Entries
+    of systems that no scenario of a folder uses any more, and entries without a rounding key
+    (an older format), are dropped when the whole folder was updated."""
+    from harness import runner
 
     observer = observer or runner.NullObserver()
     results: list[Update] = []
@@ -417,25 +570,24 @@ def update(scenarios: Sequence[LoadedScenario], *, seed: int | None, use_cache: 
         this_seed = loaded.spec.seed if seed is None else seed
         twin = runner.baseline_key(loaded.spec, this_seed, scenario_dir=loaded.path.parent)
         if twin not in twins:
-            found, note = runner.fault_free_result(
-                loaded, seed=this_seed, run_dir=run_root / f"{loaded.spec.name}-{twin[:8]}",
-                observer=observer, use_cache=use_cache, what=what)
-            checked_by = "not cross-checked: no oracle for the reference server"
-            if found is not None and what == "digests":
-                system = trainer_of(loaded.spec.system)
-                assert system is not None, "a golden of digests is of the reference trainer"
-                expected = oracle.trainer_digests(system, seed=this_seed,
-                                                  schedule=oracle.full_membership(system))
-                got = {int(k): str(v) for k, v in found.items()}
-                if expected.digests is None:
-                    checked_by = "not cross-checked: " + expected.note.removeprefix(
-                        "not observed: ")
-                elif expected.digests != got:
-                    note = ("the fault-free run disagrees with the independent oracle "
-                            "(harness.oracle): fix the trainer or the oracle first")
+            try:
+                found, note = runner.fault_free_result(
+                    loaded, seed=this_seed, run_dir=run_root / f"{loaded.spec.name}-{twin[:8]}",
+                    observer=observer, use_cache=use_cache, what=what)
+            except HarnessError as exc:  # this twin cannot run here (no Docker engine, ...)
+                found, note = None, f"the fault-free run could not start: {exc}"
+            checked_by = "not cross-checked: no independent oracle restates this system"
+            if found is not None:
+                key = key_of(loaded.spec, this_seed)
+                witness = oracle_of(loaded, key, what, found)
+                if witness is not None and witness.agrees is None:
+                    checked_by = f"not cross-checked: {witness.note}"
+                elif witness is not None and not witness.agrees:
+                    note = (f"the fault-free run disagrees with {witness.name} "
+                            f"({witness.note}): fix the system or the oracle first")
                     found, checked_by = None, "refused"
-                else:
-                    checked_by = "equal to the independent oracle (harness.oracle)"
+                elif witness is not None:
+                    checked_by = f"equal to {witness.name}"
             twins[twin] = (found, note, checked_by)
         result, note, checked_by = twins[twin]
         if result is None:
@@ -466,7 +618,8 @@ def _record(loaded: LoadedScenario, *, seed: int, what: str, found: Mapping[str,
               "unchanged" if all(old.get(k) == new.get(k) for k in result) else "changed")
     entries.append(new)
     write(path, entries)
-    return Update(loaded.path, status, f"{path} [{key.platform}], seed {seed}: {checked_by}")
+    return Update(loaded.path, status,
+                  f"{path} key {key.rounding} [{key.platform}], seed {seed}: {checked_by}")
 
 
 def _prune(updated: Sequence[LoadedScenario]) -> None:
@@ -482,7 +635,7 @@ def _prune(updated: Sequence[LoadedScenario]) -> None:
             continue
         used = [twin_system(m.spec) for m in members]
         entries = read(folder / FILE)
-        kept = [e for e in entries if e.get("system") in used]
+        kept = [e for e in entries if e.get("system") in used and e.get("key")]
         if len(kept) != len(entries):
             write(folder / FILE, kept)
 

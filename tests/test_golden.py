@@ -95,8 +95,10 @@ def scenario(folder: Path, *, name: str = "t", seed: int = 0, shards: int = 1,
 
 @pytest.fixture
 def platform(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A fixed platform per device, without asking torch."""
-    monkeypatch.setattr(golden, "_platform", lambda executable, device: f"test-{device}")
+    """A fixed calibration per device, without asking torch."""
+    monkeypatch.setattr(golden, "_calibrate", lambda executable, device, threads, settings:
+                        golden.Calibration(device.ljust(64, "0"), f"test-{device}"))
+    monkeypatch.delenv(golden.FORCE_ENV, raising=False)
 
 
 def record(loaded: LoadedScenario, digests: dict[int, str], seed: int = 0) -> None:
@@ -117,17 +119,23 @@ def test_a_folder_without_goldens_has_no_golden_check(tmp_path: Path, platform: 
     assert golden.check(loaded, seed=0, what="digests", found={0: "a", 1: "a"}) is None
 
 
-def test_the_twin_must_equal_its_golden(tmp_path: Path, platform: None) -> None:
+def test_the_twin_must_equal_its_golden(
+    tmp_path: Path, platform: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     loaded = scenario(tmp_path)
     record(loaded, {0: "a" * 64, 1: "a" * 64})
     same = golden.check(loaded, seed=0, what="digests", found={0: "a" * 64, 1: "a" * 64})
     assert same is not None
     assert same.passed
+    # A mismatch is a verdict when the independent oracle disagrees too.
+    monkeypatch.setattr(oracle, "trainer_digests", lambda system, **kw: oracle.Expected(
+        {0: "a" * 64, 1: "a" * 64}, "recomputed"))
     other = golden.check(loaded, seed=0, what="digests", found={0: "a" * 64, 1: "b" * 64})
     assert other is not None
     assert not other.passed
-    assert other.observed == "1/2 ranks equal"
-    assert "differ from the golden" in other.message
+    assert other.observed == "1/2 ranks equal the oracle"
+    assert "differs from the golden of this host's key" in other.message
+    assert "the independent oracle (harness.oracle) disagrees too" in other.message
     assert f"aftershock golden --update {loaded.path}" in other.message
     missing = golden.check(loaded, seed=0, what="digests", found=None)
     assert missing is not None
@@ -147,7 +155,7 @@ def test_a_gpu_run_is_never_compared_with_a_cpu_golden(tmp_path: Path, platform:
     assert result.message.startswith("not observed")
 
 
-def test_without_a_golden_for_the_platform_the_check_is_not_observed(
+def test_without_a_golden_for_the_platform_the_oracle_judges_or_it_is_not_observed(
     tmp_path: Path, platform: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     server = scenario(tmp_path / "s", name="s", text=SERVER)
@@ -155,8 +163,8 @@ def test_without_a_golden_for_the_platform_the_check_is_not_observed(
     result = golden.check(server, seed=0, what="outputs", found={"r1": [1, 2]})
     assert result is not None
     assert not result.passed
-    assert result.message.startswith("not observed")
-    assert f"golden --update {server.path}" in result.message
+    assert "disagrees with the serving oracle" in result.message
+    assert "not the load's" in result.message
     # Another seed of a recorded trainer: nothing to compare, and no oracle for nccl.
     trainer = scenario(tmp_path / "t", backend="nccl")
     record(trainer, {0: "a", 1: "a"}, seed=0)
@@ -174,7 +182,8 @@ def test_without_a_golden_a_trainer_twin_is_checked_by_the_oracle(
     golden.write(golden.path_of(loaded.path), [])
     seen: list[int] = []
 
-    def oracle_digests(system: object, *, seed: int, schedule: object) -> oracle.Expected:
+    def oracle_digests(system: object, *, seed: int, schedule: object,
+                       env: object = None) -> oracle.Expected:
         seen.append(seed)
         return oracle.Expected({0: "a", 1: "a"}, "recomputed")
 
@@ -279,8 +288,8 @@ def test_the_oracle_reproduces_the_golden_fault_free_runs() -> None:
                 continue
             spec = parse_scenario(f"name: g\nsystem: {json.dumps(entry['system'])}\n")
             assert isinstance(spec.system, TrainerSystem)
-            here = here or golden.platform_of(spec)
-            if entry["platform"] != here:
+            here = here or golden.calibration_of(spec).key
+            if entry["key"] != here:
                 continue
             math = json.dumps([spec.system.world.model_dump(), spec.system.steps, entry["seed"]])
             if math not in computed:
@@ -320,30 +329,33 @@ def test_an_outputs_golden_sees_every_token_and_every_logits_digest() -> None:
     assert len(digests) == 4
 
 
-def test_the_cpu_platform_is_asked_once_per_installation(
+def test_the_cpu_calibration_is_asked_once_per_installation_and_settings(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Asking torch costs an `import torch` in every run; the CPU answer is kept on disk under
-    what it depends on, so a changed ATEN_CPU_CAPABILITY (or torch, or CPU) asks again."""
+    """Calibrating costs an `import torch` in every run; the CPU answer is kept on disk under
+    what it depends on, so another setting (ATEN_CPU_CAPABILITY here) asks again, in a child
+    that gets the setting."""
     monkeypatch.setenv("AFTERSHOCK_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
     asked: list[str] = []
     real = subprocess.run
 
     def counting(argv: list[str], **kwargs: Any) -> Any:
-        asked.append(os.environ.get("ATEN_CPU_CAPABILITY", ""))
-        return real([sys.executable, "-c", f"print('torch X; x86_64 isa{len(asked)}; cpu')"],
-                    **kwargs)
+        asked.append(kwargs["env"].get("ATEN_CPU_CAPABILITY", ""))
+        line = json.dumps({"key": f"{len(asked):064x}", "platform": f"torch X; isa{len(asked)}"})
+        return real([sys.executable, "-c", f"print({line!r})"], **kwargs)
 
     monkeypatch.setattr(golden.subprocess, "run", counting)
-    ask = golden._platform.__wrapped__  # past the in-process cache: a new `aftershock run`
-    first = ask(sys.executable, "cpu")
-    assert ask(sys.executable, "cpu") == first == "torch X; x86_64 isa1; cpu"
+    ask = golden._calibrate.__wrapped__  # past the in-process cache: a new `aftershock run`
+    first = ask(sys.executable, "cpu", 1, ())
+    assert ask(sys.executable, "cpu", 1, ()) == first
+    assert first.platform == "torch X; isa1"
     assert len(asked) == 1
-    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
-    assert ask(sys.executable, "cpu") == "torch X; x86_64 isa2; cpu"
-    assert ask(sys.executable, "cuda") == "torch X; x86_64 isa3; cpu"
-    assert ask(sys.executable, "cuda") == "torch X; x86_64 isa4; cpu"  # a GPU is asked each time
+    avx2 = (("ATEN_CPU_CAPABILITY", "avx2"),)
+    assert ask(sys.executable, "cpu", 1, avx2).platform == "torch X; isa2"
+    assert ask(sys.executable, "cpu", 1, avx2).platform == "torch X; isa2"
+    assert ask(sys.executable, "cuda", 1, avx2).platform == "torch X; isa3"
+    assert ask(sys.executable, "cuda", 1, avx2).platform == "torch X; isa4"  # a GPU: each time
     assert asked == ["", "avx2", "avx2", "avx2"]
 
 
@@ -377,13 +389,13 @@ def test_the_platform_names_the_blas_code_path(
 
     def probe(argv: list[str], **kwargs: Any) -> Any:
         assert kwargs["env"]["MKL_VERBOSE"] == "1"
+        line = json.dumps({"key": "a" * 64, "platform": "torch X; x86_64 AVX512; cpu"})
         # MKL writes through C stdio, so its line may come before or after Python's.
-        return real([sys.executable, "-c", "print('torch X; x86_64 AVX512; cpu'); "
-                     f"print({MKL_AMD!r})"], **kwargs)
+        return real([sys.executable, "-c", f"print({MKL_AMD!r}); print({line!r})"], **kwargs)
 
     monkeypatch.setattr(golden.subprocess, "run", probe)
-    line = golden._platform.__wrapped__(sys.executable, "cpu")
-    assert line == "torch X; x86_64 AVX512; MKL generic; cpu"
+    found = golden._calibrate.__wrapped__(sys.executable, "cpu", 1, ())
+    assert found.platform == "torch X; x86_64 AVX512; MKL generic; cpu"
 
 
 @pytest.mark.skipif(not importlib.util.find_spec("torch"), reason="needs torch")
@@ -393,5 +405,5 @@ def test_this_machine_s_platform_line_names_mkl_when_torch_uses_it(
     import torch
 
     monkeypatch.setenv("AFTERSHOCK_CACHE_DIR", str(tmp_path / "cache"))
-    line = golden._platform.__wrapped__(sys.executable, "cpu")
+    line = golden._calibrate.__wrapped__(sys.executable, "cpu", 1, ()).platform
     assert ("; MKL " in line) == torch.backends.mkl.is_available(), line

@@ -18,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -101,11 +102,13 @@ def unsupported(*, backend: str, replicas: int, shards: int, schedule: list[Gene
     return None
 
 
-def trainer_digests(system: TrainerSystem, *, seed: int, schedule: list[Generation]
-                    ) -> Expected:
+def trainer_digests(system: TrainerSystem, *, seed: int, schedule: list[Generation],
+                    env: Mapping[str, str] | None = None) -> Expected:
     """The reference trainer's final digests for this system, seed and membership, from its
     math alone. ``digests`` is None (with the reason) when the layout is not reproducible
-    bitwise, or when the computation failed: the check then fails as not observed."""
+    bitwise, or when the computation failed: the check then fails as not observed. ``env``:
+    settings over the harness's environment that change how kernels round (MKL_CBWR, ...),
+    as the trainer's ranks get them."""
     why = unsupported(backend=system.backend, replicas=system.world.replicas,
                       shards=system.world.shards, schedule=schedule)
     if why is not None:
@@ -117,12 +120,12 @@ def trainer_digests(system: TrainerSystem, *, seed: int, schedule: list[Generati
     }
     # The interpreter that runs the harness, with this copy of the harness first on the path.
     root = str(Path(__file__).resolve().parent.parent.parent)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+    child = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join(
         p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
     try:
         proc = subprocess.run(
             [sys.executable, "-m", "harness.oracle.trainer_math"], input=json.dumps(request),
-            capture_output=True, text=True, timeout=TIMEOUT_S, env=env, check=False)
+            capture_output=True, text=True, timeout=TIMEOUT_S, env=child, check=False)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return Expected(None, f"not observed: the independent oracle did not run ({exc})")
     if proc.returncode != 0:
