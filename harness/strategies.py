@@ -198,7 +198,11 @@ def _targets(
     if family == "random":
         return ({"pick": "random"},)
     if family == "all":
-        return ({"pick": "all"},)
+        if not inside:
+            return ({"pick": "all"},)
+        # One per rank, like a group: `pick: all` is armed on the ranks the harness has seen
+        # when it arms, which at the start may be fewer than all of them.
+        return tuple({"rank": r} for r in range(ranks))
     if family in ("spare", "launcher"):
         return ({"role": family},)
     if family == "majority":

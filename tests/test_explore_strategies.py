@@ -349,3 +349,24 @@ def test_strategy_objects_are_plain_hypothesis_strategies() -> None:
     system = parse_scenario(BASE).system
     assert isinstance(system, TrainerSystem)
     assert isinstance(schedules_in(resolve(system, None)), st.SearchStrategy)
+
+
+def test_all_ranks_expand_for_faults_inside_the_target() -> None:
+    """`all` with an in-process fault is one fault per rank, at one moment (a NaN every rank
+    sees, every rank's fingerprint off): certain to reach every rank, which `pick: all`
+    armed before every rank said hello is not; from outside it stays `pick: all`."""
+    system = parse_scenario(TRAINER.replace("RECOVERY", "hot_spare")).system
+    steps = {"step": {"min": 1, "max": 60}, "phases": ["backward"]}
+    nan = {"kind": "memory.nan", "params": {"tensor": ["grad:*"]}}
+
+    @FAST
+    @given(fault_schedules(system, kinds=[nan], targets=["all"], at=steps, max_faults=1),
+           fault_schedules(system, kinds=["process.kill"], targets=["all"],
+                           at={"step": {"min": 1, "max": 60}}, max_faults=1))
+    def check(inside: list[Any], outside: list[Any]) -> None:
+        assert sorted(f.target.rank for f in inside) == [0, 1, 2, 3]
+        assert len({f.at for f in inside}) == 1
+        if outside[0].at.phase is None:
+            assert [f.target.pick for f in outside] == ["all"]
+
+    check()

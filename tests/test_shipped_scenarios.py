@@ -219,6 +219,44 @@ def _nan_gradient_rollback(run: Run) -> None:
     assert detected == [("non_finite", step), ("non_finite", step)]
 
 
+def _nan_on_every_rank(run: Run) -> None:
+    """Every rank raised "not finite" in the same vote and read it as that: every rank
+    reports the NaN for the poisoned step, and nobody rolls back."""
+    step = run.injection()["step"]
+    detected = sorted((e["rank"], e["cause"], e["step"]) for e in run.events("failure_detected"))
+    assert detected == [(r, "non_finite", step) for r in run.ranks], detected
+    assert not run.events("recovery_done"), "a rollback, not a skipped step"
+
+
+def _rolled_back_everywhere(run: Run) -> None:
+    """Both shards' replicas disagreed at one fingerprint step and every rank held the flag
+    at the retry of the step after it: every rank rolled back to the last agreed state, once,
+    before anyone committed that step."""
+    (judged,) = {e["step"] for e in run.events("failure_detected")
+                 if e["cause"] == "fingerprint_mismatch"}
+    back = run.events("recovery_done")
+    assert sorted(e["rank"] for e in back) == run.ranks, back
+    assert {e["step"] for e in back} == {judged - 10}, back
+    first = min(e["t"] for e in back)
+    assert not [e for e in run.events("step") if e["step"] == judged + 1 and e["t"] < first]
+
+
+def _snapshot_restored(step: int) -> Callable[[Run], None]:
+    """Both holders of shard 0 died; every rank, the survivors of shard 1 too, loaded the
+    snapshot of ``step`` (the newest that every shard has), which is older than the step
+    the survivors had committed."""
+
+    def check(run: Run) -> None:
+        loaded = run.events("checkpoint_loaded")
+        assert sorted(e["rank"] for e in loaded) == run.ranks, loaded
+        assert all(e["path"].startswith("peer-memory snapshot") for e in loaded), loaded
+        assert {e["step"] for e in loaded} == {step}, loaded
+        first = min(e["t"] for e in loaded)
+        assert _step_at(run, first) > step
+
+    return check
+
+
 def _repaired(rank: int, source: int) -> Callable[[Run], None]:
     """``_vote({rank})``, and ``rank`` alone skipped the step, after every rank's own
     gradients were finite: it commits the step once, after every other rank did, with the
@@ -649,6 +687,12 @@ EVIDENCE: dict[str, Callable[[Run], None]] = {
     "training/kill_rank_hot_spare": _kill_rank_hot_spare,
     "training/nan_gradient_rollback": _nan_gradient_rollback,
     "training/kill_shard_hot_spare": _kill_shard_hot_spare,
+    "training/nan_every_rank_hot_spare": _nan_on_every_rank,
+    "training/fingerprint_mismatch_every_rank_hot_spare": _rolled_back_everywhere,
+    # Snapshots every 10 steps, the shard lost at step 25: back to step 20.
+    "training/kill_shard_between_snapshots_hot_spare": _snapshot_restored(20),
+    # Snapshots every 4; shard 0 lost inside step 28, shard 1's snapshot of 28 sent: 24.
+    "training/kill_shard_mid_snapshot_hot_spare": _snapshot_restored(24),
     "training/kill_rank_elastic": _elastic,
     "training/kill_during_recovery_elastic": _kill_during_elastic_recovery,
     "training/kill_rank_peer_hung_elastic": _survivors_left_the_wedged_generation,
@@ -667,6 +711,8 @@ EVIDENCE: dict[str, Callable[[Run], None]] = {
     "serving/fail_stop_resume": _clients_resumed_after_fail_stop,
     # The NaN of rank 1 spreads to rank 3 (shard 1) through the average, not to shard 0.
     "faults/memory_nan_gradient": _vote({1, 3}),
+    # Every rank's own: the vote's count reaches the world's size.
+    "faults/memory_nan_every_rank": _vote({0, 1, 2, 3}),
     # Corrupted after the average, on rank 1 alone: it takes rank 3's state (its shard's
     # other replica) at the next step.
     "faults/collective_corrupt_nan": _repaired(1, source=3),

@@ -200,6 +200,70 @@ def vote_before_average(resilient: ModuleType) -> None:
     resilient.Worker.train = namespace.pop("train")
 
 
+def vote_digits_base_world(resilient: ModuleType) -> None:
+    """The ``hot_spare`` / ``elastic`` vote packs its three flags as digits of base ``world``
+    instead of ``world + 1`` (an off-by-one: a digit counts the ranks that raised a flag,
+    0 to ``world``). While only some ranks raise a flag, every digit fits and the vote reads
+    right. When every rank raises the same one, its digit carries into the next: "not
+    finite" from every rank reads as "fingerprints differed" (a rollback instead of a
+    skipped step), "fingerprints differed" from every rank as "a new plan is waiting"."""
+    import math
+
+    import torch
+
+    def encode(flags: tuple[bool, bool, bool], world: int) -> Any:
+        base = max(world, 2)  # (a world of one would have no digits at all)
+        code = int(flags[0]) + int(flags[1]) * base + int(flags[2]) * base * base
+        return torch.tensor([float(code)], dtype=torch.float64)
+
+    def decode(total: Any, world: int) -> tuple[bool, bool, bool]:
+        value = float(total[0])
+        if math.isnan(value) or value <= 0:
+            return (False, False, False)
+        if math.isinf(value):
+            return (True, True, True)
+        base, code = max(world, 2), round(value)
+        return (code % base > 0, (code // base) % base > 0, code // (base * base) > 0)
+
+    resilient.encode_vote, resilient.decode_vote = encode, decode
+
+
+def survivors_keep_state(resilient: ModuleType) -> None:
+    """When every replica of some shard is gone, only the members that hold no trained
+    state (the spares) load the controller's snapshots; the survivors of the other shards
+    keep their own state ("it is newer, and nothing happened to it") while the world resumes
+    at the snapshot's step. With a snapshot every step that state *is* the snapshot's; with
+    sparser snapshots the survivors apply the steps since the snapshot a second time."""
+    restore = resilient.Worker.restore_snapshots
+
+    def broken(self: Any, g: Any) -> int:
+        own = self.kept.copy(self.tensors()) if self.state_gen >= 0 else None
+        resume = restore(self, g)
+        if own is not None:
+            self.load_flat(own)
+            self.kept.drop(own)
+        return resume
+
+    resilient.Worker.restore_snapshots = broken
+
+
+def own_newest_snapshot(resilient: ModuleType) -> None:
+    """Every member resumes at the newest step that every shard has a snapshot of, but
+    loads its own shard's newest snapshot. While a snapshot round always completes (a
+    snapshot every step, faults between rounds) the two are the same step; when a shard is
+    lost in the middle of a round, the other shards' newest stand a round ahead and their
+    members load a state of a later step than the one they resume at."""
+    restore = resilient.Worker.restore_snapshots
+
+    def broken(self: Any, g: Any) -> int:
+        resume = restore(self, g)
+        held = self.read_snapshot(g.rank % self.cfg.shards)
+        self.load_flat(held[max(held)])
+        return resume
+
+    resilient.Worker.restore_snapshots = broken
+
+
 def fence_by_pid(controller: ModuleType) -> None:
     """The controller fences a silent member by SIGKILL to the pid it reported, wherever the
     member runs. On one host that is right; a member on another node reported its pid in its
@@ -226,6 +290,9 @@ BUGS: dict[str, tuple[str, Callable[[ModuleType], None]]] = {
     "snapshot_without_optimizer": ("reference_impl.resilient", snapshot_without_optimizer),
     "fence_by_pid": ("reference_impl.controller", fence_by_pid),
     "vote_before_average": ("reference_impl.resilient", vote_before_average),
+    "vote_digits_base_world": ("reference_impl.resilient", vote_digits_base_world),
+    "survivors_keep_state": ("reference_impl.resilient", survivors_keep_state),
+    "own_newest_snapshot": ("reference_impl.resilient", own_newest_snapshot),
 }
 
 
@@ -255,8 +322,14 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
         return spec
 
 
+#: The same switch for a search (tests/test_explore_broken_recovery.py): the fault-free twin
+#: goes without ``AFTERSHOCK_INJECT_*`` variables (``Scenario.without_faults``), so it is the
+#: correct trainer.
+EXPLORE_BUG_ENV = "AFTERSHOCK_INJECT_TEST_BUG"
+
+
 def _install() -> None:
-    name = os.environ.get(BUG_ENV)
+    name = os.environ.get(BUG_ENV) or os.environ.get(EXPLORE_BUG_ENV)
     if not name:
         return
     if name not in BUGS:
