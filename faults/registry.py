@@ -186,6 +186,15 @@ class Setting:
     root_is_run_folder: bool  # `root` defaults to the run folder itself (the timeline's)
 
 
+class AimsAtFiles(Protocol):
+    """Optional on a kind that acts on files under a ``root``: the parameter that names them
+    (a glob under ``root``) and whether it acts on what matches as a whole (a folder
+    deleted, or a mount over it). `validate` refuses a fault whose aim can reach the
+    harness's own records; at the fault the kind refuses what resolves into ``guarded``."""
+
+    def aim(self) -> tuple[str, bool]: ...
+
+
 class ChecksScenario(Protocol):
     """Optional on a kind: its rules across a whole scenario (at most one per scenario,
     a parameter a system needs); each problem one sentence."""

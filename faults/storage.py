@@ -1,9 +1,13 @@
 """Storage faults on real files: corrupt, truncate or delete a checkpoint; a full disk; a
 power loss that takes every write not yet made durable (``storage.lose_unsynced``).
 
-Files are named by ``path``, a glob relative to ``root`` (the harness passes the
-run's folder as ``root``); when several match, the newest (by mtime) is hit,
-which is what "the latest checkpoint" means to a resuming trainer.
+Files are named by ``path``, a glob relative to ``root`` (the harness passes the folder
+the system works in: a command's working folder, the trainer's checkpoint folder); when
+several match, the newest (by mtime) is hit, which is what "the latest checkpoint" means
+to a resuming trainer. The harness also passes ``guarded``: its own records (timeline,
+logs, result, heal journal, cache). A fault whose file or folder is one of them, lies
+under one or holds one, links followed, is refused (:class:`HarnessRecord`); a fault that
+finds nothing to change fails (:class:`NothingToActOn`): neither counts as injected.
 
 Corrupt, truncate and delete are the damage a system must cope with, so by
 default they are not undone; with ``restore: true`` the original is copied to
@@ -18,6 +22,7 @@ import os
 import random
 import shutil
 import signal
+import stat
 import subprocess
 import time
 import uuid
@@ -42,8 +47,18 @@ from faults.journal import (
 from faults.params import MAX_INDEX, MAX_SEED, Duration, FaultParams, relative_glob
 from faults.registry import Acts, Applied, KindInfo, Setting, register
 
-_ROOT = ("folder the path is relative to; default the trainer's checkpoint folder "
-         "(reference trainer) or the run folder; ${run_dir} is expanded")
+_ROOT = ("folder the path is relative to; default: a command's working folder (its `cwd`, "
+         "else ${run_dir}/work), the reference trainer's checkpoint folder, else the run "
+         "folder; ${run_dir} is expanded; never the harness's own records")
+
+
+class NothingToActOn(FileNotFoundError):
+    """The fault found nothing to act on (no file matched its glob, or the file it matched
+    leaves nothing to change): it was not applied, and says what it looked for."""
+
+
+class HarnessRecord(PermissionError):
+    """The fault would touch one of the harness's own records: refused, nothing changed."""
 
 
 class _OnFiles(FaultParams):
@@ -74,9 +89,7 @@ class FullParams(_OnFiles):
 
 
 class LoseUnsyncedParams(FaultParams):
-    root: str | None = Field(None, description="folder `dir` is relative to; default the "
-                             "trainer's checkpoint folder (reference trainer) or the run "
-                             "folder; ${run_dir} is expanded")
+    root: str | None = Field(None, description=_ROOT.replace("the path is", "`dir` is"))
     dir: str = Field(".", description="the folder the system writes its checkpoints to, "
                      "under root; the lazy filesystem is mounted on it before the system "
                      "starts")
@@ -96,19 +109,74 @@ class _Storage:
     target_help = "storage faults act on files, not a rank"
 
 
+def _records(params: Mapping[str, Any]) -> list[tuple[Path, tuple[int, int] | None]]:
+    """The harness's records the fault must not touch (``guarded``), resolved, with the
+    inode of each that is a file (a hard link to it is it)."""
+    found: list[tuple[Path, tuple[int, int] | None]] = []
+    for given in params.get("guarded") or ():
+        record = Path(str(given)).resolve()
+        try:
+            st = record.stat()
+        except OSError:
+            found.append((record, None))
+            continue
+        found.append((record, None if stat.S_ISDIR(st.st_mode) else (st.st_dev, st.st_ino)))
+    return found
+
+
+def _guard(path: Path, records: Sequence[tuple[Path, tuple[int, int] | None]], *,
+           whole: bool) -> None:
+    """Refuse ``path`` if it is one of ``records``, lies under one, or (``whole``: a folder
+    the fault acts on as a whole) holds one: as named, as its links resolve, and by inode."""
+    if not records:
+        return
+    seen = {path.absolute(), path.resolve()}
+    try:
+        st = path.stat()
+        inode: tuple[int, int] | None = (st.st_dev, st.st_ino)
+    except OSError:
+        inode = None
+    for record, record_inode in records:
+        if inode is not None and inode == record_inode:
+            raise HarnessRecord(f"{path} is a link to {record}, one of the harness's own "
+                                "records (timeline, logs, result, heal journal, cache): refused")
+        for candidate in seen:
+            if candidate == record:
+                how = "is"
+            elif candidate.is_relative_to(record):
+                how = "lies under"
+            elif whole and record.is_relative_to(candidate):
+                how = "holds"
+            else:
+                continue
+            raise HarnessRecord(f"{path} {how} {record}, one of the harness's own records "
+                                "(timeline, logs, result, heal journal, cache): refused")
+
+
 def _pick(params: Mapping[str, Any], *, dirs: bool) -> Path:
     root = Path(str(params["root"])).resolve()
     pattern = str(params["path"])
-    matches = [
-        p
-        for p in root.glob(pattern)
-        if (p.is_file() or (dirs and p.is_dir())) and p.resolve().is_relative_to(root)
-    ]
+    found = [p for p in root.glob(pattern) if p.is_file() or (dirs and p.is_dir())]
+    # Every match, not only the one hit: a glob that reaches a record is aimed wrong.
+    records = _records(params)
+    for p in found:
+        _guard(p, records, whole=p.is_dir() and not p.is_symlink())
+    matches = [p for p in found if p.resolve().is_relative_to(root)]
     if not matches:
-        raise FileNotFoundError(
+        raise NothingToActOn(
             f"no {'file or folder' if dirs else 'file'} matches {pattern!r} under {root}"
+            + (f" (only links out of it: {', '.join(str(p) for p in found[:3])}"
+               f"{', ...' if len(found) > 3 else ''})" if found else "")
         )
     return max(matches, key=lambda p: (p.stat().st_mtime_ns, str(p)))
+
+
+def _listing(folder: Path, limit: int = 20) -> str:
+    """The files under ``folder``, by their names relative to it (the first ``limit``)."""
+    names = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if not p.is_dir())
+    shown = ", ".join(names[:limit]) + (f" and {len(names) - limit} more"
+                                       if len(names) > limit else "")
+    return f"{len(names)} file{'s' if len(names) != 1 else ''}" + (f": {shown}" if names else "")
 
 
 def _backup(path: Path, journal: Journal, kind: str) -> tuple[str, dict[str, Any]]:
@@ -173,11 +241,18 @@ class Corrupt(_Storage):
         reverted_by="not reverted (the system must cope), unless restore: true",
     )
 
+    def aim(self) -> tuple[str, bool]:
+        return "path", False
+
     def inject(self, target: ProcessRef, params: Mapping[str, Any], journal: Journal) -> Applied:
         path = _pick(params, dirs=False)
-        entry, undo = _maybe_backup(path, params, journal, self.info.kind)
         size = path.stat().st_size
         p = DamageParams.bind(params)
+        if size == 0:
+            raise NothingToActOn(f"{path} is empty: no byte to corrupt")
+        if p.offset is not None and p.offset >= size:
+            raise NothingToActOn(f"offset {p.offset} is past the end of {path} ({size} bytes)")
+        entry, undo = _maybe_backup(path, params, journal, self.info.kind)
         count = p.bytes
         rng = random.Random(p.seed)
         if p.offset is not None:
@@ -217,12 +292,18 @@ class Truncate(_Storage):
         reverted_by="not reverted (the system must cope), unless restore: true",
     )
 
+    def aim(self) -> tuple[str, bool]:
+        return "path", False
+
     def inject(self, target: ProcessRef, params: Mapping[str, Any], journal: Journal) -> Applied:
         path = _pick(params, dirs=False)
-        entry, undo = _maybe_backup(path, params, journal, self.info.kind)
         old = path.stat().st_size
         wanted = DamageParams.bind(params).size
         new = old // 2 if wanted is None else wanted
+        if new >= old:
+            raise NothingToActOn(f"{path} is already {old} bytes: truncating it to "
+                                 f"{'half' if wanted is None else new} cuts nothing")
+        entry, undo = _maybe_backup(path, params, journal, self.info.kind)
         times = _keep_times(path)
         os.truncate(path, min(new, old))
         os.utime(path, ns=times)
@@ -246,14 +327,20 @@ class Delete(_Storage):
         reverted_by="not reverted (the system must cope), unless restore: true",
     )
 
+    def aim(self) -> tuple[str, bool]:
+        return "path", True
+
     def inject(self, target: ProcessRef, params: Mapping[str, Any], journal: Journal) -> Applied:
         path = _pick(params, dirs=True)
+        folder = path.is_dir() and not path.is_symlink()
+        # What went with it: a sharded checkpoint's folder is many files.
+        detail = f"deleted {path}" + (f" ({_listing(path)})" if folder else "")
         entry, undo = _maybe_backup(path, params, journal, self.info.kind)
-        if path.is_dir() and not path.is_symlink():
+        if folder:
             shutil.rmtree(path)
         else:
             path.unlink()
-        return Applied(self.info.kind, entry, undo, f"deleted {path}")
+        return Applied(self.info.kind, entry, undo, detail)
 
     def revert(self, undo: Mapping[str, Any]) -> None:
         if undo:
@@ -318,6 +405,9 @@ class Full(_Storage):
         "mirror the copy into the folder; the mount never outlives the heal.",
     )
 
+    def aim(self) -> tuple[str, bool]:
+        return "dir", True
+
     def inject(self, target: ProcessRef, params: Mapping[str, Any], journal: Journal) -> Applied:
         mount, umount = _tool("mount"), _tool("umount")
         del umount  # checked now: a revert without it could not unmount
@@ -326,6 +416,8 @@ class Full(_Storage):
         folder = (root / p.dir).resolve()
         if not folder.is_relative_to(root):
             raise ValueError(f"dir {p.dir!r} is outside root {root}")
+        # A mount over a record would hide it, and its stale copy come back on revert.
+        _guard(folder, _records(params), whole=True)
         folder.mkdir(parents=True, exist_ok=True)
         page = os.sysconf("SC_PAGE_SIZE")
         free = p.free
@@ -461,8 +553,10 @@ the mount's source name `aftershock_lazyfs_<id>`, the server's pid and start
 time) and undone when the run ends, by the reaper, or by `aftershock heal`
 (`fusermount3 -u`, lazily if busy); the server also unmounts itself if the
 harness that started it dies. Only one `storage.lose_unsynced` per scenario
-(one filesystem); repeat it with `every`. On a command, `dir` (or `root`)
-must name the checkpoint folder: the run folder itself holds the timeline.
+(one filesystem); repeat it with `every`. On a command `dir` is under the
+job's working folder (`${run_dir}/work` unless `cwd` says otherwise); a
+command that works in the run folder itself must name its checkpoint folder
+with `dir`: the run folder holds the timeline.
 Pair it with `expect.checkpoint_durable`
 ([metrics.md](metrics.md#checks)): `params_match` cannot see a lost
 checkpoint, since a deterministic trainer that starts over ends bitwise equal.
@@ -504,6 +598,9 @@ class LoseUnsynced:
         details=_POWER_LOSS,
     )
 
+    def aim(self) -> tuple[str, bool]:
+        return "dir", True
+
     def check(self, faults: Sequence[Any], setting: Setting) -> list[str]:
         if len(faults) > 1:
             return ["at most one storage.lose_unsynced fault per scenario (one lazy "
@@ -523,6 +620,7 @@ class LoseUnsynced:
         root = Path(str(params["root"])).resolve()
         # The engine's own bound first: a folder outside root is refused as such.
         folder = _under(root, str(params.get("dir", LoseUnsyncedParams.default("dir"))))
+        _guard(folder, _records(params), whole=True)
         folder.mkdir(parents=True, exist_ok=True)
         name = lazyfs.SOURCE_PREFIX + uuid.uuid4().hex[:12]
         log = Path(str(params["log"])) if params.get("log") else None

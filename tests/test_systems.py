@@ -56,7 +56,8 @@ def test_what_a_run_of_each_kind_launches(tmp_path: Path) -> None:
     launch = systems.of(command).launch(command, run_dir=run, scenario_dir=tmp_path, seed=0)
     assert launch.argv == ["echo", f"{run}/x"]
     assert launch.env == {"OUT": str(tmp_path.resolve())}
-    assert systems.of(command).default_root(command, run) == run
+    # A command's file faults act where it works: the fresh folder it was launched in.
+    assert systems.of(command).default_root(command, run) == run / "work" == launch.cwd
     assert systems.of(trainer).default_root(trainer, run) == run / "checkpoints"
 
 
