@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv bytecode demo test test-fast test-scenarios test-explore torchft fuzz lint typecheck docs bench bench-targets clean docker-engine
+.PHONY: venv bytecode demo test test-busy test-fast test-scenarios test-explore test-explore-long torchft fuzz lint typecheck docs bench bench-targets clean docker-engine
 
 venv: $(STAMP)
 
@@ -33,7 +33,7 @@ bytecode: venv
 # cores idle (docs/benchmarks.md, "The suite's length"). TEST_WORKERS=0 runs it in one.
 TEST_WORKERS ?= 2
 test: venv bytecode
-	$(PY) -m pytest -m "not scenarios and not explore" -n $(TEST_WORKERS)
+	$(PY) -m pytest -m "not scenarios and not explore and not explore_long" -n $(TEST_WORKERS)
 
 # Every shipped scenario, through the CLI and the pytest plugin, with its timeline evidence,
 # and the shipped scenarios against the broken trainers they exist to catch.
@@ -58,8 +58,21 @@ docker-engine: venv
 test-explore: venv bytecode
 	$(PY) -m pytest -m explore
 
+# The searches that take about ten minutes each (tests/test_explore_broken_recovery.py).
+test-explore-long: venv bytecode
+	$(PY) -m pytest -m explore_long
+
+# `make test` beside three CPU hogs (busy loops), as on an overloaded CI runner: verdicts must
+# not flip with load (docs/metrics.md, "How starved the machine was"). The hogs end with it.
+BUSY_HOGS ?= 3
+test-busy: venv bytecode
+	@hogs=""; for i in $$(seq $(BUSY_HOGS)); do \
+	  $(PY) -c 'while True: pass' & hogs="$$hogs $$!"; done; \
+	trap 'kill $$hogs 2>/dev/null' EXIT INT TERM; \
+	$(PY) -m pytest -m "not scenarios and not explore and not explore_long" -n $(TEST_WORKERS)
+
 test-fast: venv bytecode
-	$(PY) -m pytest -m "not slow and not scenarios and not explore" -n $(TEST_WORKERS)
+	$(PY) -m pytest -m "not slow and not scenarios and not explore and not explore_long" -n $(TEST_WORKERS)
 
 # 10,000 malformed scenario files through the loader, and 1,250 of them through
 # `aftershock validate` under CPU and memory limits (tests/test_fuzz_spec.py; `make test` runs

@@ -25,6 +25,7 @@ from faults._proc import ProcessRef, all_pids, kill_all, processes_with_env
 from faults._proc import command_line as process_command_line
 from faults._proc import environ as process_environ
 from faults._proc import parent as parent_pid
+from faults._proc import writers as file_writers
 from faults.journal import UndoContext, UndoRefused
 from faults.registry import (
     CAPABILITIES,
@@ -43,6 +44,7 @@ from faults.registry import (
 __all__ = [
     "CAPABILITIES", "Applied", "FaultKind", "FaultUnavailable", "FileWatch", "GroupKind",
     "KindInfo", "PreparedKind", "ProcessRef", "Setting", "UndoContext", "UndoRefused",
-    "Validates", "all_pids", "cgroup", "docker_engine", "get", "kill_all", "kinds",
-    "parent_pid", "process_command_line", "process_environ", "processes_with_env", "register",
+    "Validates", "all_pids", "cgroup", "docker_engine", "file_writers", "get", "kill_all",
+    "kinds", "parent_pid", "process_command_line", "process_environ", "processes_with_env",
+    "register",
 ]

@@ -1,4 +1,5 @@
-"""Watch a folder for files appearing, being closed or going away: inotify(7) through libc.
+"""Watch a folder for files appearing, opened for writing, written, closed or going away:
+inotify(7) through libc.
 
 This is what lets a fault land *inside* a checkpoint save of a job that knows nothing about
 Aftershock (``at: {file: 'step_*/COMMIT', when: created}``): the job's own file operations are
@@ -18,6 +19,12 @@ folders that exist when the file is closed or deleted (the checkpoint folder, ``
 rewritten in place), not in a ``step_N/`` the job makes and fills at once. For those, use
 ``created`` on the final name.
 
+``opened`` and ``modified`` hit a save that overwrites a file that already exists (its name
+is never created again): ``modified`` on its first write (a truncating open is one),
+``opened`` on its open, once the open is known to be for writing (inotify's IN_OPEN does not
+say the mode: a process seen holding it for writing, or a write or a close after writing,
+tells). Each counts once per open, so ``count: k`` is the k-th save.
+
 No new dependency: ``inotify_init1`` and ``inotify_add_watch`` are called through ctypes.
 """
 
@@ -30,14 +37,18 @@ import errno
 import fnmatch
 import os
 import struct
+from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 from typing import Literal
 
 from faults._errors import FaultUnavailable
 
-When = Literal["created", "closed", "deleted"]
+When = Literal["created", "opened", "modified", "closed", "deleted"]
 
+IN_MODIFY = 0x2
 IN_CLOSE_WRITE = 0x8
+IN_CLOSE_NOWRITE = 0x10
+IN_OPEN = 0x20
 IN_MOVED_FROM = 0x40
 IN_MOVED_TO = 0x80
 IN_CREATE = 0x100
@@ -54,6 +65,13 @@ MASKS: dict[str, int] = {
     # A name comes into existence: open(O_CREAT), mkdir, or a rename onto it (how atomic
     # writers publish a file: the final name is never opened for writing).
     "created": IN_CREATE | IN_MOVED_TO,
+    # A file is opened for writing. IN_OPEN does not say the mode: an open counts once a
+    # process of the run is seen holding it for writing, or once it is written or closed
+    # after writing (IN_MODIFY, IN_CLOSE_WRITE) before it is closed unwritten.
+    "opened": IN_OPEN | IN_MODIFY | IN_CLOSE_WRITE | IN_CLOSE_NOWRITE,
+    # The first write since the file was opened (a truncating open counts): one per save,
+    # so `count: k` is the k-th save, not the k-th write(2) of one.
+    "modified": IN_MODIFY | IN_CLOSE_WRITE,
     # A file that was open for writing is closed (its writer says it is done with it).
     "closed": IN_CLOSE_WRITE,
     # A name goes away: unlink, rmdir, or a rename away from it.
@@ -104,13 +122,21 @@ class FileWatch:
     Call ``poll`` (non-blocking) to take in what the kernel queued; wait on ``fileno`` with
     select(2) to be woken the moment there is something. Close it when done. What existed
     before the watch began never counts.
+
+    ``writing(path)``: is ``path`` open for writing now (by a process that matters, e.g. one
+    of the run's)? With ``opened`` it tells a writer's open from a reader's before the
+    writer has written a byte; without it an open counts once it is written to.
     """
 
-    def __init__(self, root: Path, pattern: str, when: When) -> None:
+    def __init__(self, root: Path, pattern: str, when: When,
+                 writing: Callable[[Path], bool] | None = None) -> None:
         self.root = root
         self.pattern = pattern
         self.when = when
         self.hits: list[str] = []  # matching relative paths, in the order they happened
+        self._writing_now = writing
+        self._opens: dict[str, int] = {}  # path -> opens not yet known to be for writing
+        self._writing: set[str] = set()  # paths counted (opened, modified) until closed
         parts = PurePosixPath(pattern).parts
         # Folder levels below the root that a match can lie in (unlimited with `**`).
         self._depth = None if "**" in parts else len(parts) - 1
@@ -204,6 +230,32 @@ class FileWatch:
         if matches(self.pattern, rel):
             self.hits.append(rel)
 
+    def _opened(self, rel: str, mask: int) -> None:
+        """``opened``: an open counts once something shows it was for writing."""
+        if mask & IN_OPEN:
+            self._opens[rel] = self._opens.get(rel, 0) + 1
+            return
+        if mask & (IN_MODIFY | IN_CLOSE_WRITE) and rel not in self._writing \
+                and self._opens.get(rel):
+            self._confirm(rel)
+        if mask & IN_CLOSE_WRITE:
+            self._writing.discard(rel)
+        elif mask & IN_CLOSE_NOWRITE and self._opens.get(rel):
+            self._opens[rel] -= 1  # a reader came and went
+
+    def _modified(self, rel: str, mask: int) -> None:
+        """``modified``: the first write of each open, so a save counts once."""
+        if mask & IN_MODIFY and rel not in self._writing:
+            self._writing.add(rel)
+            self.hits.append(rel)
+        if mask & IN_CLOSE_WRITE:
+            self._writing.discard(rel)
+
+    def _confirm(self, rel: str) -> None:
+        self._opens[rel] -= 1
+        self._writing.add(rel)
+        self.hits.append(rel)
+
     def poll(self) -> list[str]:
         """Take in every queued event; the matching paths that are new since the last call."""
         before = len(self.hits)
@@ -213,6 +265,12 @@ class FileWatch:
             except BlockingIOError:
                 break
             self._parse(data)
+        if self._writing_now is not None:
+            # An open not yet written to: is its file held for writing now? (A writer that
+            # already closed it was counted by its IN_MODIFY or IN_CLOSE_WRITE.)
+            for rel, pending in list(self._opens.items()):
+                if pending and rel not in self._writing and self._writing_now(self.root / rel):
+                    self._confirm(rel)
         return self.hits[before:]
 
     def _parse(self, data: bytes) -> None:
@@ -241,7 +299,10 @@ class FileWatch:
                 with contextlib.suppress(OSError):
                     if os.lstat(self.root / child).st_ino == scanned:
                         continue  # the scan took this very file in (and followed it)
-            if mask & MASKS[self.when]:
+            if self.when in ("opened", "modified"):
+                if not mask & IN_ISDIR and matches(self.pattern, child):
+                    (self._opened if self.when == "opened" else self._modified)(child, mask)
+            elif mask & MASKS[self.when]:
                 self._count(child)
             if mask & IN_ISDIR and mask & (IN_CREATE | IN_MOVED_TO) and self._deeper(rel):
                 self._watch_tree(child, fresh=True)

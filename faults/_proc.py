@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 
@@ -126,6 +126,61 @@ def processes_with_env(name: str, value: str) -> list[ProcessRef]:
             if ref is not None and state(pid) not in ("Z", "X"):
                 found.append(ref)
     return found
+
+
+def _fd_flags(pid: int, fd: str) -> int | None:
+    """The open flags of descriptor ``fd`` of ``pid`` (/proc/PID/fdinfo/FD, octal)."""
+    try:
+        with open(f"/proc/{pid}/fdinfo/{fd}", "rb") as handle:
+            for line in handle:
+                if line.startswith(b"flags:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Holders:
+    """Who holds a file open for writing, among the processes asked about."""
+
+    writers: tuple[int, ...]  # pids with it open for writing (O_WRONLY or O_RDWR)
+    unreadable: tuple[int, ...]  # pids whose descriptors could not be read (permissions)
+
+
+def writers(pids: Iterable[int], path: str | os.PathLike[str]) -> Holders:
+    """Which of ``pids`` hold the file at ``path`` open for writing.
+
+    Matched by device and inode, not by name: a file renamed over or unlinked is another
+    file. Only the descriptors of the given processes are read, so the cost is bounded by
+    what the caller names. A process whose descriptors cannot be read is reported as such,
+    not as holding nothing: that would be a guess."""
+    try:
+        wanted = os.stat(path)
+    except OSError:
+        return Holders((), ())
+    found: list[int] = []
+    unreadable: list[int] = []
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except PermissionError:
+            unreadable.append(pid)
+            continue
+        except OSError:
+            continue  # gone: it holds nothing
+        for fd in fds:
+            try:
+                st = os.stat(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) != (wanted.st_dev, wanted.st_ino):
+                continue
+            flags = _fd_flags(pid, fd)
+            if flags is not None and flags & os.O_ACCMODE in (os.O_WRONLY, os.O_RDWR):
+                found.append(pid)
+                break
+    return Holders(tuple(found), tuple(unreadable))
 
 
 def kill_all(refs: list[ProcessRef]) -> None:

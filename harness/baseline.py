@@ -12,12 +12,14 @@ import contextlib
 import hashlib
 import json
 import os
+import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
 from faults import contract
+from faults.journal import unsafe_folder
 from harness import golden, systems
 from harness import metrics as _metrics
 from harness._paths import cache_dir as cache_dir  # re-exported: runner, recheck
@@ -83,7 +85,8 @@ def fault_free_result(
     spec = loaded.spec
     key = baseline_key(spec, seed, scenario_dir=loaded.path.parent)
     cached = cache_dir() / "fault_free" / f"{key}.json"
-    if use_cache and cached.exists():
+    distrust = untrusted(cached) if use_cache and os.path.lexists(cached) else None
+    if use_cache and cached.exists() and distrust is None:
         with contextlib.suppress(ValueError, OSError, KeyError):
             data = json.loads(cached.read_text())
             return dict(data[what]), f"cached ({cached})"
@@ -98,8 +101,35 @@ def fault_free_result(
     if execution.outcome.exit_code != 0 or not found or not complete:
         return None, (f"fault-free run failed (exit {execution.outcome.exit_code}"
                       f"{'' if complete else ', requests lost'}); see {run_dir}")
+    if distrust is not None:
+        return found, f"{UNTRUSTED}: {distrust}; the twin ran again ({run_dir})"
     _write_atomically(cached, json.dumps({what: found, "seed": seed, "scenario": spec.name}))
     return found, f"ran ({run_dir})"
+
+
+#: How a note on a twin that the cache had but could not prove its own begins.
+UNTRUSTED = "cached twin not trusted"
+
+
+def untrusted(path: Path) -> str | None:
+    """Why a cached file cannot be believed, or None: it must be a regular file (not a
+    link) that this user owns and no one else can write, in a folder that passes the heal
+    journal's rules (faults.journal.unsafe_folder): otherwise anyone who could write there
+    could have planted a digest that fails a correct run or passes a broken one."""
+    folder_problem = unsafe_folder(path.parent)
+    if folder_problem is not None:
+        return folder_problem
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        return f"{path}: {exc.strerror}"
+    if not stat.S_ISREG(st.st_mode):
+        return f"{path} is not a regular file"
+    if st.st_uid != os.geteuid():
+        return f"{path} is owned by uid {st.st_uid}, not {os.geteuid()}"
+    if st.st_mode & 0o022:
+        return f"{path} is writable by others (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
 
 
 def _write_atomically(path: Path, text: str) -> None:

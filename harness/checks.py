@@ -13,7 +13,8 @@ from harness import metrics as _metrics
 from harness._duration import format_duration
 from harness.metrics import Output
 from harness.records import CheckResult, Event, FaultRecord
-from harness.spec import DetectBudget, Expect
+from harness.spec import WINDOWED, DetectBudget, Expect
+from harness.triggers import describe_file_state
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,8 +50,10 @@ def evaluate(
     outputs: Mapping[str, Output] | None = None,
     baseline_outputs: Mapping[str, Output] | None = None,
     world: int | None = None,
+    file_triggers: Mapping[int, str] | None = None,
 ) -> list[CheckResult]:
-    """``world``: the configured world size (for recovery's reason when not observed)."""
+    """``world``: the configured world size (for recovery's reason when not observed).
+    ``file_triggers``: fault index -> its `at.when`, for the faults a file triggers."""
     results: list[CheckResult] = []
     if expect.completes:
         if outcome.timed_out:
@@ -121,6 +124,8 @@ def evaluate(
         results.append(_xid_action(events or ()))
     if expect.checkpoint_durable:
         results.append(_checkpoint_durable(events or ()))
+    if expect.faults_landed:
+        results.append(_faults_landed(file_triggers or {}, events or ()))
     unsent = "no request was sent"
     if (not_ready := _metrics.load_not_ready(events or ())) is not None:
         unsent = f"no request was sent: {not_ready}"
@@ -209,7 +214,7 @@ def _lost_steps(lost: float | int | None, limit: int, events: Sequence[Event]) -
     ok = isinstance(lost, int) and lost <= limit
     return CheckResult("lost_steps", ok, lost, expected,
                        f"{lost} steps were committed more than once (recomputed, or by two "
-                       f"worlds; at most {limit})")
+                       f"worlds; at most {limit}), in {_metrics.step_unit(events)}")
 
 
 def _time_to_detect(budget: DetectBudget, observed: float | None,
@@ -281,9 +286,17 @@ def _each_detected(budget: DetectBudget, found: Sequence[_metrics.FaultDetection
 def _time_to_recover(observed: float | None, limit_s: float, events: Sequence[Event] | None,
                      world: int | None) -> CheckResult:
     result = _budget("time_to_recover", observed, limit_s, "recovery")
+    found = _metrics.recovery(events, world) if events else None
     if observed is not None:
-        return result
-    why = _metrics.recovery(events, world).reason if events else ""
+        if found is None or found.proof != _metrics.PROOF_WRITER_STARTED \
+                or found.at_least is None:
+            return result
+        # Proven only as a bound: the budget is judged on the upper bound, and says so.
+        return CheckResult(result.name, result.passed, result.observed, result.expected,
+                           result.message.replace("took", "took at most", 1)
+                           + f" (at least {format_duration(found.at_least)}; proof: "
+                           f"{found.proof})")
+    why = found.reason if found is not None else ""
     return CheckResult(result.name, False, None, result.expected,
                        "recovery was not observed" + (f": {why}" if why else ""))
 
@@ -307,9 +320,13 @@ def _single_history(forked: float | int | None, events: Sequence[Event] | None
                     ) -> CheckResult:
     expected = "no step committed by two worlds after the fault"
     if forked is None:
+        several = _metrics.one_launcher(events or ())
+        steps_from_torchrun = any("attempt" in e.fields for e in events or ())
+        why = f" ({several})" if several and steps_from_torchrun else ""
         return CheckResult("single_history", False, None, expected,
-                           "not observed: steps after the fault name no world (generation), "
-                           "so two worlds cannot be told apart")
+                           "not observed: steps after the fault name no world (generation)"
+                           f"{why}, so two worlds cannot be told apart; a framework preset "
+                           "(`preset: torchft`) or a (?P<generation>...) group names it")
     if not any(e.event == "fault_injected" for e in events or ()):
         return CheckResult("single_history", False, None, expected,
                            "not observed: no fault was injected, so there was no failure "
@@ -453,6 +470,48 @@ def _xid_code(event: Event) -> int | None:
     params = event.fields.get("params")
     code = params.get("code") if isinstance(params, dict) else None
     return code if isinstance(code, int) else None
+
+
+def _faults_landed(file_triggers: Mapping[int, str], events: Sequence[Event]) -> CheckResult:
+    """Each fault a file's creation, opening or modification triggered landed inside that
+    write: a process of the run still held the file open for writing at the fault's moment
+    (the harness reads /proc just before sending it). A save that finished first is a miss;
+    a fault never sent, or sent without that reading, proves nothing: not observed."""
+    judged = sorted(i for i, when in file_triggers.items() if when in WINDOWED)
+    first: dict[int, Event] = {}
+    for ev in events:
+        index = ev.fields.get("fault")
+        if (ev.event == "fault_injected" and ev.source == "harness" and "file" in ev.fields
+                and isinstance(index, int)):
+            first.setdefault(index, ev)
+    problems: list[str] = []
+    for index in judged:
+        found = first.get(index)
+        when = file_triggers[index]
+        if found is None:
+            problems.append(f"fault {index} ({when}) was never injected: not observed")
+        elif "file_open" not in found.fields:
+            problems.append(f"fault {index} ({when}) has no record of its file at the fault's "
+                            "moment: not observed")
+        elif not isinstance(found.fields["file_open"], bool):
+            state = describe_file_state(str(found.fields["file"]), found.fields)
+            problems.append(f"fault {index} ({when}): {state}: not observed")
+        elif not found.fields["file_open"]:
+            state = describe_file_state(str(found.fields["file"]), found.fields)
+            problems.append(f"fault {index} ({when}) missed its window: {state}, so the write "
+                            "was over before the fault landed (the writer outran the trigger; "
+                            "trigger earlier, e.g. `when: opened`, or on a slower save)")
+    landed = len(judged) - len(problems)
+    if not judged:
+        return CheckResult("faults_landed", False, None, "in_window",
+                           "not observed: no fault is triggered by a file being created, "
+                           "opened or modified")
+    return CheckResult(
+        "faults_landed", not problems, f"{landed}/{len(judged)}", "in_window",
+        "every file-triggered fault landed while its file was still open for writing: "
+        + "; ".join(describe_file_state(str(first[i].fields["file"]), first[i].fields)
+                    for i in judged)
+        if not problems else "; ".join(problems))
 
 
 def _checkpoint_durable(events: Sequence[Event]) -> CheckResult:

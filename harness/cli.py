@@ -96,7 +96,7 @@ def run(
 ) -> None:
     """Run scenarios: launch, inject faults, check recovery, report."""
     from harness import systems
-    from harness.errors import AftershockError, HarnessError, RunFailed, SpecError
+    from harness.errors import AftershockError, HarnessError, RunDirBusy, RunFailed, SpecError
     from harness.report import LiveObserver, PlainObserver
     from harness.runner import Interrupted, Observer, RunInterrupted, run_scenario
     from harness.spec import discover, load_scenario
@@ -159,6 +159,9 @@ def run(
     except HarnessError as exc:
         err.print(f"aftershock: harness error: {exc}", markup=False)
         raise typer.Exit(EXIT_HARNESS) from None
+    except RunDirBusy as exc:
+        err.print(f"aftershock: {exc}", markup=False)
+        raise typer.Exit(EXIT_INVALID) from None
     except AftershockError as exc:
         err.print(f"aftershock: {exc}", markup=False)
         raise typer.Exit(EXIT_HARNESS) from None
@@ -252,6 +255,10 @@ def explore(
     except SpecError as exc:
         problems.extend(exc.problems)
     problems += _check_outputs(json_out=json_out, junit=None, run_dir=out_dir)
+    database = None if no_db else (db or Path(".aftershock") / "hypothesis")
+    if database is not None:
+        from harness.explore import database_problems
+        problems += database_problems(database)
     if problems:
         raise _fail_invalid(problems)
     search_seed = seed if seed is not None else secrets.randbelow(2**32)
@@ -264,8 +271,7 @@ def explore(
                 kwargs: dict[str, Any] = dict(
                     runs=runs, time_limit_s=limit_s, seed=search_seed, max_faults=max_faults,
                     out=out_dir, shrink_runs=shrink_runs, confirm=confirm, use_cache=not no_cache,
-                    database=None if no_db else (db or Path(".aftershock") / "hypothesis"),
-                    sink=done)
+                    database=database, sink=done)
                 if console.is_terminal and not plain:
                     with ExploreLiveObserver(console) as view:
                         explore_scenario(scenario, observer=view, **kwargs)
@@ -389,7 +395,7 @@ def golden(
     ] = None,
 ) -> None:
     """Golden results of fault-free twins (golden.json beside the scenarios): show which
-    scenarios have one for this platform, or record them on purpose with --update."""
+    scenarios have one for this host's rounding key, or record them on purpose with --update."""
     from harness import golden as goldens
     from harness.errors import SpecError
     from harness.runner import default_run_dir
@@ -438,8 +444,9 @@ def _golden_status(scenario: Any, seed: int | None) -> str:
     except (ValueError, RuntimeError) as exc:
         return f"error    {scenario.path}: {exc}"
     if found:
-        return f"golden   {scenario.path}: [{key.platform}] seed {key.seed}"
-    return f"missing  {scenario.path}: none for [{key.platform}] seed {key.seed}"
+        return f"golden   {scenario.path}: key {key.rounding} [{key.platform}] seed {key.seed}"
+    return (f"missing  {scenario.path}: none for key {key.rounding} [{key.platform}] seed "
+            f"{key.seed} (an independent oracle judges its twin; --update records one)")
 
 
 @app.command()

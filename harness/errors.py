@@ -21,6 +21,11 @@ class SpecError(AftershockError):
         super().__init__("\n".join(problems))
 
 
+class RunDirBusy(AftershockError):
+    """Another run holds the run folder (exit code 2): nothing was run, and nothing of the
+    other run was touched."""
+
+
 class HarnessError(AftershockError):
     """The harness itself could not do its job (exit code 3)."""
 

@@ -23,13 +23,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from harness import golden, runner
+from harness import _files, golden, runner
 from harness._space import Space, sample_fault
 from harness.errors import HarnessError, PreflightError, RunFailed, SpecError
 from harness.records import CheckResult, RunResult
@@ -545,6 +546,28 @@ def _quiet_hypothesis() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", HypothesisWarning)
         yield
+
+
+#: A value hypothesis keeps is a few hundred bytes: anything far larger was not written by it.
+_DB_VALUE_LIMIT = 1 << 20
+
+
+def database_problems(folder: Path) -> list[str]:
+    """Why hypothesis's example database under ``folder`` cannot be read safely: it reads
+    each value whole, so a value linked to /dev/zero grew until MemoryError, and a FIFO
+    would hang it. Every entry must be a folder or a regular file of at most 1 MiB, and no
+    link; the problems name each entry, for the user to remove it (or pass --no-db)."""
+    problems: list[str] = []
+    for root, dirs, files in os.walk(folder):  # follows no linked folder
+        for name in [*dirs, *files]:
+            path = Path(root) / name
+            why = _files.refusal(path)
+            if why is None and path.lstat().st_size > _DB_VALUE_LIMIT:
+                why = f"{path.lstat().st_size} bytes, more than hypothesis ever writes"
+            if why is not None and not (path.is_dir() and not path.is_symlink()):
+                problems.append(f"{path}: {why}; the example database is not read: remove "
+                                "it, or run with --no-db")
+    return problems
 
 
 def _database_key(loaded: LoadedScenario) -> str:

@@ -67,23 +67,14 @@ def _clean(value: Any) -> Any:
 @dataclass(frozen=True, slots=True)
 class _Shown:
     lines: list[LogLine]
-    cut: int
+    cut: int  # bytes before the first line shown
 
 
 def _log_lines(log: ProcessLog) -> _Shown:
-    lines = log.lines()
-    if len(lines) > LOG_LINES_SHOWN:
-        return _Shown(lines[-LOG_LINES_SHOWN:], len(lines) - LOG_LINES_SHOWN)
-    if log.size > LOG_SHOWN:
-        # Few but long lines: keep the end, where a crash says why.
-        kept, size = [], 0
-        for line in reversed(lines):
-            size += len(line.text) + 1
-            if size > LOG_SHOWN:
-                break
-            kept.append(line)
-        return _Shown(kept[::-1], len(lines) - len(kept))
-    return _Shown(lines, 0)
+    """The end of a log, where a crash says why: at most LOG_LINES_SHOWN lines within its
+    last LOG_SHOWN bytes, read without holding the rest."""
+    lines, cut = log.tail(LOG_SHOWN, LOG_LINES_SHOWN)
+    return _Shown(lines, cut)
 
 
 _STORY_CLASS = {"fault_injected": "fault", "fault_failed": "fault", "timeout": "fault",

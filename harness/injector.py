@@ -25,6 +25,7 @@ from faults.journal import Journal
 from harness.records import Event, FaultRecord
 from harness.spec import in_process
 from harness.timeline import Timeline
+from harness.triggers import describe_file_state
 
 if TYPE_CHECKING:
     from harness.runner import Observer
@@ -78,7 +79,7 @@ class Injector:
     def __init__(
         self, faults_: Sequence[Any], *, target: Target, journal: Journal, timeline: Timeline,
         observer: Observer, seed: int, t0: float, root_of: Callable[[Any], str],
-        log_dir: Path,
+        log_dir: Path, guarded: Sequence[str] = (),
     ) -> None:
         self._faults = list(faults_)
         self._target = target
@@ -89,6 +90,7 @@ class Injector:
         self._t0 = t0
         self._root_of = root_of
         self._log_dir = log_dir
+        self._guarded = list(guarded)  # the harness's own records: no file fault touches them
         self.records: list[FaultRecord] = []
         self._active: list[_Active] = []
         # The processes faults hit from outside, until the harness sees them end: what a
@@ -299,6 +301,7 @@ class Injector:
         params = fault_params(spec)
         if acts_on_files(spec):
             params["root"] = self._root_of(spec)
+            params["guarded"] = self._guarded
         if index in self._prepared:
             params["prepared"] = dict(self._prepared[index].undo)
         return params
@@ -338,6 +341,9 @@ class Injector:
                     params = resolve(params, self._published.get(rank, {}))
                 except ValueError as exc:
                     raise ValueError(f"rank {rank} {exc}") from None
+            # What the file was at the fault's moment, read just before it is sent: a kill
+            # closes the writer's descriptors, so afterwards nothing would say it was open.
+            state = self._file_state(index, file) if file is not None else None
             # The fault's moment is when applying it began: `ss -K` or a tmpfs copy take
             # long enough that the system can notice before inject() returns.
             began = time.monotonic()
@@ -355,6 +361,8 @@ class Injector:
                 fields.update(ranks=group, pids=[ranks[r].pid for r in group])
             if file is not None:
                 fields["file"] = file
+            if state is not None:
+                fields.update(state)
             ev = self._timeline.emit(
                 contract.FAULT_INJECTED, kind=spec.kind, detail=applied.detail, fault=index,
                 at=began, params=params, applied_at=time.monotonic(), **fields,
@@ -366,14 +374,34 @@ class Injector:
                                                  "fault": index, **extra}))
             where = label or ("rank " if len(group) == 1 else "ranks ") + ", ".join(
                 str(r) for r in group)
+            detail = applied.detail
+            if state is not None:
+                detail += f"; {describe_file_state(str(file), state)}"
             self.records.append(FaultRecord(spec.kind, where, round(ev.t - self._t0, 4), None,
-                                            applied.detail, index))
+                                            detail, index))
             if applied.journal_id is not None:
                 # Counted from the injection, not from the loop's tick: finding the target
                 # can take a while on a loaded machine.
                 heal_at = (time.monotonic() + duration.total_seconds()
                            if duration is not None else None)
                 self._active.append(_Active(applied, len(self.records) - 1, heal_at))
+
+    def _file_state(self, index: int, file: str) -> dict[str, Any]:
+        """The file a trigger named, now: its size (None: gone) and which of the run's
+        processes hold it open for writing (only the run's: the scan stays bounded)."""
+        path = Path(self._root_of(self._faults[index])) / file
+        try:
+            size: int | None = path.stat().st_size
+        except OSError:
+            size = None
+        held = faults.file_writers([ref.pid for ref in self._target.processes()], path)
+        # Open, or not: unknown (None) when a process that might hold it could not be read.
+        is_open = True if held.writers else None if held.unreadable else False
+        state: dict[str, Any] = {"file_size": size, "file_open": is_open,
+                                 "file_writers": list(held.writers)}
+        if held.unreadable:
+            state["file_unreadable"] = list(held.unreadable)
+        return state
 
     def _probe_applied(self, ev: Event) -> None:
         """The probe applied an armed fault: that is the fault's moment on the timeline."""

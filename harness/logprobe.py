@@ -9,9 +9,11 @@ rank read from torchrun's ``[N]:`` prefix when the pattern has none, and the lin
 
 from __future__ import annotations
 
+import datetime
 import math
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -30,6 +32,9 @@ LogEventKind = Literal[
     "hello",
     # A server says it listens ("Uvicorn running on ..."): a load's `ready: {event}`.
     "serving_ready",
+    # A process entered a world (its `generation`: torchft's "reconfiguring for
+    # quorum_id=Q"): its later step lines without a generation of their own are in it.
+    "world_changed",
 ]
 
 
@@ -41,10 +46,11 @@ class LogProbe(Strict):
     restart count, a quorum id; an int when it is digits). Two steps with the same
     ``generation`` were committed by one world; recovery and ``single_history`` need it
     on step lines. ``time`` is the moment the line's event happened (for a step: when it
-    was committed), in seconds on ``clock``; without it an event is stamped when the
-    harness reads the line, which only bounds when it was written and never proves a
-    step came after a fault. Lines are matched after torchrun's ``[rank]:`` prefixes are
-    kept, so a pattern can capture the rank from them.
+    was committed): a date (ISO 8601, glog's ``I1206 05:27:42.123456``; without a zone,
+    this machine's local time) or seconds on ``clock``; without it an event is stamped
+    when the harness reads the line, which only bounds when it was written and never
+    proves a step came after a fault. Lines are matched after torchrun's ``[rank]:``
+    prefixes are kept, so a pattern can capture the rank from them.
     """
 
     pattern: str
@@ -54,10 +60,11 @@ class LogProbe(Strict):
         "per-process files a command's `logs` names, or both: every stream")
     clock: Literal["monotonic", "unix"] = Field(
         "monotonic",
-        description="what the (?P<time>...) group counts: monotonic: seconds of "
-        "CLOCK_MONOTONIC (Python's time.monotonic(), the clock of the timeline); unix: "
-        "seconds since the epoch (time.time()), converted with the offset between the two "
-        "clocks that the harness records at launch",
+        description="what a (?P<time>...) group that holds a number counts: monotonic: "
+        "seconds of CLOCK_MONOTONIC (Python's time.monotonic(), the clock of the timeline); "
+        "unix: seconds since the epoch (time.time()), converted with the offset between the "
+        "two clocks that the harness records at launch. A date (ISO 8601, glog's "
+        "`I1206 05:27:42.123456`) is read as one whatever this says",
     )
 
     @field_validator("pattern")
@@ -102,6 +109,9 @@ _RANK_PREFIX = re.compile(r"^\[(?:default)?(\d+)\]:")
 LINE_SHOWN = 300  # characters of the matched line an event keeps
 #: Beside each ``logs/<name>.log``: one row per line, ``<offset> <monotonic read time>``.
 TIMES_SUFFIX = ".times"
+#: In ``logs/``: one row per line read from a per-process file a command's ``logs:`` names,
+#: ``<offset> <monotonic read time> <path>``.
+TAILED_TIMES = "tailed.times"
 
 CompiledProbes = list[tuple[LogProbe, "re.Pattern[str]"]]
 
@@ -113,33 +123,46 @@ def compile_probes(probes: Sequence[LogProbe], stream: str) -> CompiledProbes:
 
 
 def line_events(line: str, compiled: CompiledProbes, *, read_t: float, clock_offset: float,
-                started: float, defaults: dict[str, Any] | None = None) -> list[Event]:
+                started: float, defaults: dict[str, Any] | None = None,
+                stamps: StreamStamps | None = None) -> list[Event]:
     """Every event ``line`` stands for: each match of each probe, not only the first, so
     two ranks' reports that one pipe ran together into one line are both counted.
     ``defaults``: fields the line's stream gives (a per-rank file's rank and attempt) where
-    the pattern gives none."""
+    the pattern gives none. ``stamps``: the line's per-process file so far (give it every
+    line of the file, matched or not): an event whose line has no time of its own gets
+    ``written_after``, the newest own time of a line before it."""
+    before = stamps.last if stamps is not None else None
     events = [log_event(spec, match, line, read_t=read_t, clock_offset=clock_offset,
                         started=started)
               for spec, pattern in compiled for match in pattern.finditer(line)]
     for event in events:
         for key, value in (defaults or {}).items():
             event.fields.setdefault(key, value)
+        if before is not None and event.fields.get("clock") == "read":
+            event.fields["written_after"] = before
+    if stamps is not None:
+        stamps.see(line, clock_offset=clock_offset, read_t=read_t, started=started)
     return events
 
 
 #: torchrun's per-process files (``--log-dir D --redirects 3``):
-#: ``D/<run id>/attempt_<restart>/<local rank>/stdout.log``.
-_TORCHRUN_FILE = re.compile(r"attempt_(\d+)/(\d+)/(?:stdout|stderr)\.log$")
+#: ``D/<run id>_<random>/attempt_<restart>/<local rank>/stdout.log``. Each torchrun makes its
+#: own ``<run id>_<random>`` folder (a fresh temporary name), kept over its restarts.
+_TORCHRUN_FILE = re.compile(r"^(.*)/attempt_(\d+)/(\d+)/(?:stdout|stderr)\.log$")
 
 
 def file_fields(path: str) -> dict[str, Any]:
     """What a per-process log file's path says of the lines in it: torchrun's layout gives
-    the (local) rank and the restart count (the world's ``generation``)."""
+    the (local) rank, the restart count of its torchrun (``attempt``) and that torchrun's own
+    folder (``launcher``). The restart count is a world (``generation``) only when one
+    torchrun launched the whole job, which the path cannot tell: harness/metrics.py decides
+    that from every launcher the run showed (``Reading``)."""
     fields: dict[str, Any] = {"stream": path}
     found = _TORCHRUN_FILE.search(path)
     if found:
-        fields["generation"] = int(found.group(1))
-        fields["rank"] = int(found.group(2))
+        fields["launcher"] = found.group(1)
+        fields["attempt"] = int(found.group(2))
+        fields["rank"] = int(found.group(3))
     return fields
 
 
@@ -172,26 +195,116 @@ def log_event(spec: LogProbe, match: re.Match[str], line: str, *, read_t: float,
             fields["rank"] = int(prefix.group(1))
     t, clock = read_t, "read"
     if raw_time is not None:
-        try:
-            value = float(raw_time)
-        except ValueError:
-            value = math.nan
-        if not math.isfinite(value):
-            fields["time_rejected"] = f"not a number: {raw_time!r}"
+        wall = wall_time(raw_time, read_t + clock_offset)
+        if wall is not None:
+            # NaN without the run's wall-clock anchor (a timeline recorded before it was).
+            value, kind = wall - clock_offset, "wall-clock"
         else:
-            own = value - clock_offset if spec.clock == "unix" else value
+            try:
+                value = float(raw_time)
+            except ValueError:
+                value = math.nan
+            kind = spec.clock
             if spec.clock == "unix":
+                value -= clock_offset
+        if not math.isfinite(value):
+            fields["time_rejected"] = (
+                f"a date, but the run recorded no wall-clock anchor: {raw_time!r}"
+                if wall is not None else f"not a number nor a date (ISO 8601, glog): {raw_time!r}")
+        else:
+            own = value
+            if kind != "monotonic":
                 fields["clock_offset"] = clock_offset
             if own > read_t + LINE_TIME_SLACK_S:
                 fields["time_rejected"] = (f"{raw_time} is {own - read_t:.3g} s after the line "
-                                           f"was read: not {spec.clock} time?")
+                                           f"was read: not {kind} time?")
             elif own < started - LINE_TIME_SLACK_S:
                 fields["time_rejected"] = (f"{raw_time} is {started - own:.3g} s before the run "
-                                           f"began: not {spec.clock} time?")
+                                           f"began: not {kind} time?")
             else:
                 t, clock = min(own, read_t), "line"
     fields["clock"] = clock
     fields["read_t"] = read_t
     return Event(t=t, event=spec.event, source="log", fields=fields)
+
+
+#: The dates log lines carry. ISO 8601 (``2026-12-06T05:27:42.123``, Python logging's
+#: ``2026-12-06 05:27:42,123``, with ``Z`` or ``+01:00`` or, without a zone, this machine's
+#: local time: torchft's Rust half and the lighthouse) and glog's (``I1206 05:27:42.123456``:
+#: torchrun's agent, c10d; local time, no year).
+_ISO = re.compile(r"(\d{4})-(\d\d)-(\d\d)[T ](\d\d):(\d\d):(\d\d)(?:[.,](\d+))?"
+                  r"\s?(Z|[+-]\d\d:?\d\d)?")
+_GLOG = re.compile(r"[IWEF]?(\d\d)(\d\d) (\d\d):(\d\d):(\d\d)(?:\.(\d+))?")
+#: A line that begins with one of them (after torchrun's ``[rank]:`` prefix): its time.
+_STAMPED = re.compile(r"^(?:\[(?:default)?\d+\]:)?\s*(?P<time>"
+                      r"\d{4}-\d\d-\d\d[T ]\d\d:\d\d:\d\d(?:[.,]\d+)?(?:Z|[+-]\d\d:?\d\d)?"
+                      r"|[IWEF]\d{4} \d\d:\d\d:\d\d(?:\.\d+)?)\b")
+
+
+def wall_time(text: str, now: float) -> float | None:
+    """Seconds since the epoch that a date in a log line (ISO 8601, glog) says, or None when
+    ``text`` is not one. ``now`` (seconds since the epoch, when the line was read) gives
+    glog's missing year: the year that puts the date no later than a day after ``now``."""
+    text = text.strip()
+    found = _ISO.fullmatch(text)
+    if found:
+        year, month, day, hour, minute, second, fraction, zone = found.groups()
+        tz: datetime.tzinfo | None = None
+        if zone == "Z":
+            tz = datetime.UTC
+        elif zone:
+            sign = 1 if zone[0] == "+" else -1
+            digits = zone[1:].replace(":", "")
+            tz = datetime.timezone(sign * datetime.timedelta(hours=int(digits[:2]),
+                                                             minutes=int(digits[2:])))
+        try:
+            moment = datetime.datetime(int(year), int(month), int(day), int(hour), int(minute),
+                                       int(second), tzinfo=tz)
+        except ValueError:
+            return None
+        return moment.timestamp() + float(f"0.{fraction}" if fraction else 0)
+    found = _GLOG.fullmatch(text)
+    if found is None or not math.isfinite(now):
+        return None
+    month, day, hour, minute, second, fraction = found.groups()
+    year = datetime.datetime.fromtimestamp(now).year
+    for candidate in (year, year - 1):
+        try:
+            moment = datetime.datetime(candidate, int(month), int(day), int(hour), int(minute),
+                                       int(second))
+        except ValueError:
+            continue  # 29 February of a year that has none
+        value = moment.timestamp() + float(f"0.{fraction}" if fraction else 0)
+        if value <= now + 86400:
+            return value
+    return None
+
+
+@dataclass
+class StreamStamps:
+    """The newest own time among the lines of one per-process file so far (a date the line
+    begins with, as most loggers write them), on the timeline's clock.
+
+    A file's lines are written in order, so a line without a time of its own was written
+    after that moment: when a framework's Rust or C++ half stamps its lines and its Python
+    half does not (torchft), the stamped line just before a step line says the step was
+    committed after that moment. Not for a launcher's pipe: two processes' lines reach it
+    out of order."""
+
+    last: float | None = None
+
+    def see(self, line: str, *, clock_offset: float, read_t: float, started: float) -> None:
+        found = _STAMPED.match(line)
+        if found is None or not math.isfinite(clock_offset):
+            return
+        wall = wall_time(found.group("time"), read_t + clock_offset)
+        if wall is None:
+            return
+        own = wall - clock_offset
+        # The same sanity as a `time` group's: never after the line was read, nor before
+        # the run began (a line left over from an earlier run).
+        if started - LINE_TIME_SLACK_S <= own <= read_t + LINE_TIME_SLACK_S:
+            self.last = min(own, read_t) if self.last is None else max(self.last,
+                                                                        min(own, read_t))
 
 

@@ -139,10 +139,12 @@ def full_world(events: Sequence[Event], configured: int | None) -> int | None:
     if configured:
         return configured
     t_fault = first_fault_time(events)
+    # Ranks as Reading numbers them: rank 0 of two torchft replica groups is two ranks.
+    ordered = sorted(events, key=lambda e: e.t)
     ranks = {
-        e.rank
-        for e in events
-        if e.event == "step" and e.rank is not None and (t_fault is None or e.t < t_fault)
+        rank
+        for e, rank in zip(ordered, _member_ranks(ordered), strict=True)
+        if e.event == "step" and rank is not None and (t_fault is None or e.t < t_fault)
     }
     return len(ranks) or None
 
@@ -163,6 +165,12 @@ class Commit:
     rank: int
     world: World | None  # None: the report named no world
     proven: bool  # `t` is the committer's own clock, not only an upper bound
+    # Its writer did not exist yet at this time: the log file its line was read from had not
+    # appeared (``log_appeared``), so the line, and the step it reports, came after it.
+    # None: unknown (a probe event, the launcher's pipe, a file seen at the first look).
+    written_after: float | None = None
+    # The launcher (and replica group) whose process reported it, when its line says.
+    launcher: str | None = None
 
 
 def proven_time(event: Event) -> bool:
@@ -171,6 +179,21 @@ def proven_time(event: Event) -> bool:
     only an upper bound on when it was written (``clock: read``), unless its probe parsed
     the line's own time (``clock: line``, harness/target.py)."""
     return event.source != "log" or event.fields.get("clock") == "line"
+
+
+def log_files_appeared(events: Iterable[Event]) -> dict[str, float]:
+    """Each per-process log file's latest moment of absence: the last look of the harness's
+    tailer that did not find it (``log_appeared``'s ``absent_at``). Every line in it was
+    written after that moment, by a writer that had not yet opened it: for torchrun's
+    per-attempt files (``attempt_N/<rank>/stdout.log``), by a worker started after it. A
+    file found at the tailer's first look has no such moment."""
+    found: dict[str, float] = {}
+    for e in events:
+        where, absent = e.fields.get("path"), e.fields.get("absent_at")
+        if e.event == "log_appeared" and isinstance(where, str) \
+                and isinstance(absent, int | float) and not isinstance(absent, bool):
+            found[where] = float(absent)
+    return found
 
 
 def _identity(value: object) -> World | None:
@@ -187,7 +210,14 @@ class Reading:
     An event's world is its ``generation``; a probe event without one is in the
     generation its process (pid) last named in a ``hello`` or ``step``, which is what the
     probe stamps on later events (older timelines lack the stamp). A log line names its
-    world only through its probe's ``generation`` group."""
+    world through its probe's ``generation`` group, else the generation its process last
+    entered (``world_changed``: torchft's quorum id), else torchrun's restart count
+    (``attempt``, from its per-process file) when one launcher started the whole job
+    (:func:`one_launcher`); else none.
+
+    With several launchers (torchft's replica groups, one torchrun per node) each numbers
+    its ranks from 0: a log line's rank is then its place among every (launcher, replica,
+    rank) the run showed, so rank 0 of two groups are two ranks."""
 
     events: list[Event]
     ranks: list[int | None]
@@ -197,12 +227,15 @@ class Reading:
     @classmethod
     def of(cls, events: Sequence[Event]) -> Reading:
         ordered = sorted(events, key=lambda e: e.t)
-        ranks = [e.rank for e in ordered]
+        ranks = _member_ranks(ordered)
+        attempts_are_worlds = one_launcher(ordered) is None
         declared: dict[tuple[object, ...], World] = {}
         worlds: list[World | None] = []
         found: list[Commit] = []
+        appeared = log_files_appeared(ordered)
         for e, rank in zip(ordered, ranks, strict=True):
             world = _identity(e.fields.get("generation"))
+            process: tuple[object, ...]
             if e.source != "log":
                 pid = e.fields.get("pid")
                 process = ("pid", pid) if isinstance(pid, int) else ("source", e.source, rank)
@@ -210,12 +243,89 @@ class Reading:
                     declared[process] = world
                 elif world is None:
                     world = declared.get(process)
+            else:
+                # One process's lines: its own file, or its name in a shared stream.
+                process = ("log", e.fields.get("stream"), e.fields.get("replica_id"), rank)
+                if world is not None and e.event in ("hello", "step", "world_changed"):
+                    declared[process] = world
+                elif world is None:
+                    world = declared.get(process)
+                if world is None and attempts_are_worlds:
+                    world = _identity(e.fields.get("attempt"))
             worlds.append(world)
             step = e.fields.get("step")
             if e.event == "step" and isinstance(step, int) and not isinstance(step, bool):
+                stream = e.fields.get("stream") if e.source == "log" else None
+                after = [a for a in (appeared.get(stream) if isinstance(stream, str) else None,
+                                     e.fields.get("written_after"))
+                         if isinstance(a, int | float) and not isinstance(a, bool)]
                 found.append(Commit(e.t, step, rank if rank is not None else 0, world,
-                                    proven_time(e)))
+                                    proven_time(e), max(after) if after else None,
+                                    _launcher(e)))
         return cls(ordered, ranks, worlds, found)
+
+
+def _launcher(event: Event) -> str | None:
+    """The launcher (and replica group) a log line's process belongs to, when it says."""
+    if event.source != "log":
+        return None
+    launcher, replica = event.fields.get("launcher"), event.fields.get("replica")
+    if launcher is None and replica is None:
+        return None
+    return f"{launcher or ''}#{'' if replica is None else replica}"
+
+
+def _member_ranks(ordered: Sequence[Event]) -> list[int | None]:
+    """Each event's rank; a log line's, with several launchers or replica groups, its place
+    among every (launcher, replica, rank) the log lines showed."""
+    ranks = [e.rank for e in ordered]
+    keys = [(_launcher(e), e.rank) if e.source == "log" and e.rank is not None else None
+            for e in ordered]
+    members = sorted({(launcher, rank) for launcher, rank in filter(None, keys)
+                      if launcher is not None})
+    if len({launcher for launcher, _ in members}) < 2:
+        return ranks
+    place: dict[tuple[str | None, int], int | None] = {
+        member: i for i, member in enumerate(members)}
+    # A line that names no launcher (a launcher's shared pipe) keeps the rank it says.
+    return [place.get(key, r) if key is not None else r
+            for key, r in zip(keys, ranks, strict=True)]
+
+
+def launchers(events: Iterable[Event]) -> tuple[set[int], set[str]]:
+    """What the run showed of the launchers that started its workers: the agent pids the
+    harness saw start a worker (``process_started``'s ``agent``: torchrun's agent, the same
+    over its restarts) and the torchrun folders the log lines came from (``launcher``:
+    each torchrun makes its own under ``--log-dir``)."""
+    agents: set[int] = set()
+    folders: set[str] = set()
+    for e in events:
+        agent, folder = e.fields.get("agent"), e.fields.get("launcher")
+        if e.event == "process_started" and isinstance(agent, int):
+            agents.add(agent)
+        if e.source == "log" and isinstance(folder, str):
+            folders.add(folder)
+    return agents, folders
+
+
+def one_launcher(events: Sequence[Event]) -> str | None:
+    """None when the evidence shows one launcher started the whole job, so that its
+    restart count (``attempt_N``) numbers the job's worlds; else why it does not. The
+    evidence: the harness saw exactly one agent start workers, and every per-process log
+    file lies in one torchrun's folder. Two launchers (torchft's replica groups, one
+    torchrun per node) each count their own restarts: both at ``attempt_0`` is no proof
+    that they trained together."""
+    agents, folders = launchers(events)
+    if len(agents) > 1 or len(folders) > 1:
+        shown = (f"{len(agents)} launchers started workers" if len(agents) > 1 else
+                 f"the log files lie in {len(folders)} torchrun folders")
+        return (f"{shown} (each its own torchrun, e.g. torchft's replica groups), so a "
+                "restart count (attempt_N) names no world")
+    if not agents:
+        return ("the harness saw no launcher start a worker, so it cannot tell that one "
+                "torchrun launched the whole job and its restart count (attempt_N) names "
+                "the world")
+    return None
 
 
 def commits(events: Sequence[Event]) -> list[Commit]:
@@ -289,6 +399,23 @@ class Recovery:
     generation: World | None = None  # the world that recovered
     step: int | None = None
     reason: str = ""  # why it was not observed
+    # The least it can have taken: `seconds` itself when every rank's commit carries its own
+    # time; less when some are read times (upper bounds) of writers started after the fault.
+    at_least: float | None = None
+    proof: str = ""  # what proves `seconds` (PROOF_*)
+
+
+#: What proves a time metric (``metric_proofs``, the report's metric line).
+PROOF_OWN_CLOCK = "own clock"  # the emitter's time: the probe's, or the line's `time` group
+PROOF_WRITER_STARTED = "read time, writer started after the fault (upper bound)"
+PROOF_READ_TIME = "read time (upper bound)"  # when its log line was read: at most this
+
+
+def proven_after(c: Commit, landed: float) -> bool:
+    """Whether ``c`` provably was committed after ``landed``: by its committer's own clock,
+    or because its line was read from a log file that did not yet exist then (its writer
+    started after it; its read time is then only an upper bound)."""
+    return c.proven or (c.written_after is not None and c.written_after >= landed)
 
 
 def recovery(events: Sequence[Event] | Reading, world: int | None) -> Recovery:
@@ -299,9 +426,12 @@ def recovery(events: Sequence[Event] | Reading, world: int | None) -> Recovery:
     turned up in another world) and did not fail (a failure it reported, or the run ending
     in failure while it was the last).
 
-    A step line whose time is only when the harness read it never proves it was
-    committed after the fault; steps that name no world never prove they were committed
-    by one world."""
+    A step line whose time is only when the harness read it proves it was committed
+    after the fault only when its log file appeared after the fault (its writer started
+    after it: torchrun's file of a later attempt); its read time is then an upper bound,
+    and the recovery is proven to have taken at most ``seconds`` and at least
+    ``at_least`` (from when the file was last seen absent). Steps that name no world
+    never prove they were committed by one world."""
     reading = events if isinstance(events, Reading) else Reading.of(events)
     ordered = reading.events
     t_fault = first_fault_time(ordered)
@@ -319,11 +449,14 @@ def recovery(events: Sequence[Event] | Reading, world: int | None) -> Recovery:
     if not after:
         return Recovery(None, reason="no step was reported after the "
                         + ("last fault" if several else "fault"))
-    proven = [c for c in after if c.proven]
+    proven = [c for c in after if proven_after(c, landed)]
     if not proven:
         return Recovery(None, reason="the steps reported after the fault carry only the time "
                         "their log lines were read, which cannot prove they were committed "
-                        "after it (give the step probe a (?P<time>...) group)")
+                        "after it, and no step line came from a log file that appeared after "
+                        "it (give the step probe a (?P<time>...) group, or have each worker "
+                        "write its own log file, as torchrun's --log-dir with --redirects "
+                        "does, and follow them with `logs:`)")
     named = [c for c in proven if c.world is not None]
     if not named:
         return Recovery(None, reason="the steps committed after the fault name no world (a "
@@ -332,8 +465,13 @@ def recovery(events: Sequence[Event] | Reading, world: int | None) -> Recovery:
     # Each rank's first commit of each step in each world; the step is whole once `size`
     # ranks of that world committed it.
     first: dict[tuple[World | None, int], dict[int, float]] = defaultdict(dict)
+    # The earliest each of those commits can have been: its own time, else when its
+    # writer's log file was last seen absent.
+    earliest: dict[tuple[World | None, int], dict[int, float]] = defaultdict(dict)
     for c in named:
         first[(c.world, c.step)].setdefault(c.rank, c.t)
+        earliest[(c.world, c.step)].setdefault(
+            c.rank, c.t if c.proven or c.written_after is None else c.written_after)
     whole = sorted((max(by_rank.values()), w, s) for (w, s), by_rank in first.items()
                    if len(by_rank) >= size)
     known = _Worlds.of(reading)
@@ -361,7 +499,10 @@ def recovery(events: Sequence[Event] | Reading, world: int | None) -> Recovery:
             doomed.append(f"{whole_at}, but the run ended in failure "
                           f"(exit {end.fields.get('exit_code')})")
         else:
-            return Recovery(t - t_fault, w, s)
+            low = max(earliest[(w, s)].values()) - t_fault
+            exact = low >= t - t_fault
+            return Recovery(t - t_fault, w, s, at_least=t - t_fault if exact else low,
+                            proof=PROOF_OWN_CLOCK if exact else PROOF_WRITER_STARTED)
     if doomed:
         return Recovery(None, reason="; ".join(doomed[:2]))
     # The world that came closest: the most ranks committing one step after the fault.
@@ -376,6 +517,24 @@ def recovery(events: Sequence[Event] | Reading, world: int | None) -> Recovery:
 def time_to_recover(events: Sequence[Event] | Reading, world: int | None) -> float | None:
     """Fault injected -> the first step that proves recovery (see ``recovery``)."""
     return recovery(events, world).seconds
+
+
+def metric_proofs(events: Sequence[Event], world: int | None) -> dict[str, str]:
+    """What proves each time metric that was observed: its events' own clocks
+    (``PROOF_OWN_CLOCK``), or read times that only bound it from above, for recovery with
+    the lower bound its writers' start gives. Serving's times are the clients' clocks."""
+    if is_serving(events):
+        return {}
+    proofs: dict[str, str] = {}
+    detected = detection(events)
+    if detected is not None:
+        proofs["time_to_detect_s"] = PROOF_OWN_CLOCK if proven_time(detected) \
+            else PROOF_READ_TIME
+    found = recovery(events, full_world(events, world))
+    if found.seconds is not None:
+        proofs["time_to_recover_s"] = found.proof if found.proof == PROOF_OWN_CLOCK else (
+            f"{found.proof}; at least {found.at_least:.3f} s")
+    return proofs
 
 
 # --------------------------------------------------------------- history: forks and gaps
@@ -466,14 +625,36 @@ def lost_steps(events: Sequence[Event] | Reading) -> int:
     """Work done twice: for each step, every commit of it after the first, where a world
     commits a step as often as its most repeating rank did (a world rolled back within
     itself, or a restarted world, redoes steps; two worlds of a split brain each do them).
+    A commit after the fault that names no world counts as its launcher's own (each
+    torchft replica group, each node's torchrun): unless the evidence shows one world, a
+    step two launchers committed after the fault was done twice. Counted in the step
+    line's own unit (what its ``step`` numbers: an optimizer step, an epoch).
     """
     reading = events if isinstance(events, Reading) else Reading.of(events)
-    counts: dict[int, dict[World | None, dict[int, int]]] = defaultdict(
+    t_fault = first_fault_time(reading.events)
+    counts: dict[int, dict[object, dict[int, int]]] = defaultdict(
         lambda: defaultdict(lambda: defaultdict(int)))
     for c in reading.commits:
-        counts[c.step][c.world][c.rank] += 1
+        unnamed = c.world is None and t_fault is not None and c.t > t_fault
+        world: object = ("launcher", c.launcher) if unnamed and c.launcher else c.world
+        counts[c.step][world][c.rank] += 1
     return sum(max(sum(max(by_rank.values()) for by_rank in by_world.values()) - 1, 0)
                for by_world in counts.values())
+
+
+def step_unit(events: Sequence[Event]) -> str:
+    """What one step of ``lost_steps`` and ``skipped_steps`` is: the step numbers the job's
+    step reports count, which the harness cannot convert (an epoch for a job that reports
+    epochs, torchft's Manager step for the ``torchft`` preset)."""
+    first = next((e for e in events if e.event == "step"), None)
+    if first is None:
+        return "steps as the job numbers them"
+    line = first.fields.get("line")
+    if first.source == "log" and isinstance(line, str):
+        shown = line.strip()
+        shown = shown if len(shown) <= 80 else shown[:77] + "..."
+        return f"steps as its step lines number them ({shown!r})"
+    return "steps as the job's probe reports them (probe.step)"
 
 
 def skipped_steps(events: Sequence[Event] | Reading) -> int | None:

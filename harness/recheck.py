@@ -14,20 +14,28 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from harness import _files, systems
 from harness import metrics as _metrics
-from harness import systems
 from harness.checks import Outcome
 from harness.errors import SpecError
-from harness.logprobe import LINE_SHOWN, compile_probes, line_events
+from harness.logprobe import (
+    LINE_SHOWN,
+    TAILED_TIMES,
+    StreamStamps,
+    compile_probes,
+    file_fields,
+    line_events,
+)
 from harness.records import Event, RunResult
 from harness.rundir import ProcessLog, RecordedRun, load_run
 from harness.runner import NullObserver, assess, baseline_key, cache_dir, replay_digests
 from harness.spec import LoadedScenario, LogProbe, load_scenario, parse_scenario
+from harness.target import LINE_LIMIT, LOG_LIMIT
 from harness.timeline import read_events
 
 
@@ -69,14 +77,24 @@ def reprobe(run: Path, events: Sequence[Event], probes: Sequence[LogProbe]
     started = launch.t if launch is not None else -math.inf
     offset = launch.fields.get("wall_offset") if launch is not None else None
     clock_offset = float(offset) if isinstance(offset, int | float) else math.nan
-    streams = {name: _lines(run / "logs" / f"launcher.{name}.log")
-               for name in ("stdout", "stderr")}
-    seen = Counter(text[:LINE_SHOWN] for lines in streams.values() for text, _ in lines)
+    launcher = {name: run / "logs" / f"launcher.{name}.log" for name in ("stdout", "stderr")}
+    # A line with no capture time is known by the event an earlier probe wrote for it, when
+    # its text is unique in the logs: only such lines are counted (a first pass, streamed).
+    seen: Counter[str] = Counter()
+    for path in launcher.values():
+        for text, t in _lines(run, path):
+            if t is None:
+                seen[text[:LINE_SHOWN]] += 1
+    if seen:
+        for path in launcher.values():
+            for text, t in _lines(run, path):
+                if t is not None and text[:LINE_SHOWN] in seen:
+                    seen[text[:LINE_SHOWN]] += 1
     rebuilt: list[Event] = []
     untimed = 0
-    for name, lines in streams.items():
+    for name, path in launcher.items():
         compiled = compile_probes(probes, name)
-        for text, t in lines:
+        for text, t in _lines(run, path):
             when = t
             if when is None and seen[text[:LINE_SHOWN]] == 1:
                 when = known.get(text[:LINE_SHOWN])
@@ -87,6 +105,10 @@ def reprobe(run: Path, events: Sequence[Event], probes: Sequence[LogProbe]
             # Unix clock converted with the run's recorded offset, every match of the line.
             rebuilt.extend(line_events(text, compiled, read_t=when, clock_offset=clock_offset,
                                        started=started))
+    from_files, untimed_in_files = _tailed(run, probes, clock_offset=clock_offset,
+                                           started=started)
+    rebuilt.extend(from_files)
+    untimed += untimed_in_files
     notes = []
     if untimed:
         notes.append(f"{untimed} probe match(es) on log lines with no recorded capture time "
@@ -95,11 +117,48 @@ def reprobe(run: Path, events: Sequence[Event], probes: Sequence[LogProbe]
     return sorted([*kept, *rebuilt], key=lambda e: e.t), notes
 
 
-def _lines(path: Path) -> list[tuple[str, float | None]]:
-    if not path.is_file():
-        return []
-    log = ProcessLog(path.name, path, path.stat().st_size)
-    return [(line.text.rstrip("\r"), line.t) for line in log.lines()]
+def _tailed(run: Path, probes: Sequence[LogProbe], *, clock_offset: float, started: float
+            ) -> tuple[list[Event], int]:
+    """The events of each per-process file the run followed (a command's ``logs:``), each at
+    the time the live run read its line, and how many matches had no such time. The files
+    are read as they are now, streamed, only while they are regular files, and no further
+    than the launcher logs' own cap."""
+    compiled = compile_probes(probes, "logs")
+    times: dict[str, dict[int, float]] = {}
+    for _, raw_row in _files.lines(run / "logs" / TAILED_TIMES, line_limit=LINE_LIMIT,
+                                   total_limit=LOG_LIMIT):
+        row = raw_row.decode(errors="replace")
+        at, _, rest = row.partition(" ")
+        when, _, path = rest.partition(" ")
+        try:
+            times.setdefault(path, {})[int(at)] = float(when)
+        except ValueError:
+            continue  # a torn last row: that line has no capture time
+    events: list[Event] = []
+    untimed = 0
+    for path, known in times.items():
+        stamps = StreamStamps()  # the file's newest own time, as the live run kept it
+        for offset, raw in _files.lines(Path(path), line_limit=LINE_LIMIT,
+                                        total_limit=LOG_LIMIT):
+            text = raw.decode(errors="replace")
+            t = known.get(offset)
+            if t is None:
+                untimed += sum(1 for _, pattern in compiled for _ in pattern.finditer(text))
+                continue
+            events.extend(line_events(text, compiled, read_t=t, clock_offset=clock_offset,
+                                      started=started, defaults=file_fields(path),
+                                      stamps=stamps))
+    return events, untimed
+
+
+def _lines(run: Path, path: Path) -> Iterator[tuple[str, float | None]]:
+    """A saved launcher log's lines with their capture times, streamed; nothing from a log
+    that is a link or not a regular file (docs/security.md)."""
+    if _files.refusal(path, within=run) is not None:
+        return
+    log = ProcessLog(path.name, path, path.lstat().st_size)
+    for line in log.lines():
+        yield line.text.rstrip("\r"), line.t
 
 
 def _outcome(run: RecordedRun) -> Outcome:
@@ -222,6 +281,8 @@ def recheck(run_dir: Path, *, scenario: Path | None = None) -> Recheck:
     result = replace(run.result, name=fixed.spec.name, file=str(fixed.path),
                      passed=all(c.passed for c in checks) and not run.result.error,
                      checks=tuple(checks),
-                     metrics=metrics, run_dir=str(run_dir))
+                     metrics=metrics, run_dir=str(run_dir),
+                     proofs=_metrics.metric_proofs(events, systems.of(fixed.spec.system)
+                                                   .world(fixed.spec.system)))
     return Recheck(recorded=run.result, result=result, notes=tuple(notes), events=tuple(events),
                    scenario_text=fixed.text)

@@ -61,6 +61,26 @@ class FaultRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class ProcessEnd:
+    """How one process of the system ended (a torchrun worker, or the launcher itself), as
+    far as the evidence shows (harness/attempts.py); ``None`` where it shows nothing."""
+
+    role: str  # "worker" or "launcher"
+    attempt: int | None  # torchrun's restart count of the attempt it ended (attempt_N)
+    rank: int | None
+    local_rank: int | None
+    pid: int | None
+    agent: int | None  # the pid of the torchrun agent that started it
+    exit_code: int | None
+    signal: str | None  # "SIGKILL": the signal that ended it, or torchrun sent it
+    exception: str | None  # its last exception's line: "EOFError: Ran out of input"
+    where: str | None  # the last frame of the job's own code: "in load (train.py:31)"
+    log: str | None  # the file the exception was read from
+    evidence: tuple[str, ...] = ()  # what says so (harness/attempts.py: CHILD, LOG, GONE, ...)
+    root_cause: bool = False  # the first failure torchrun saw in its attempt
+
+
+@dataclass(frozen=True, slots=True)
 class RunResult:
     name: str
     file: str
@@ -73,6 +93,13 @@ class RunResult:
     run_dir: str
     error: str | None = None  # why the run has no verdict (interrupted, harness error)
     interrupted: bool = False  # Ctrl-C or SIGTERM ended it before its checks
+    # What proves each time metric that was observed (metrics.metric_proofs): its events'
+    # own clocks, or read times that only bound it from above.
+    proofs: dict[str, str] = field(default_factory=dict)
+    # How each process of the system ended (harness/attempts.py), and one line when every
+    # restart died the same way ("2 restarts, each ended by EOFError: ...").
+    ends: tuple[ProcessEnd, ...] = ()
+    crash_loop: str | None = None
 
     def failed_checks(self) -> list[CheckResult]:
         return [c for c in self.checks if not c.passed]
@@ -81,4 +108,5 @@ class RunResult:
         data = asdict(self)
         data["checks"] = [asdict(c) for c in self.checks]
         data["faults"] = [asdict(f) for f in self.faults]
+        data["ends"] = [asdict(e) for e in self.ends]
         return data

@@ -17,6 +17,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from harness import attempts
 from harness.records import Event, RunResult
 
 if TYPE_CHECKING:
@@ -30,7 +31,7 @@ NOTABLE = {
     "checkpoint_loaded", "checkpoint_skipped", "timeout", "run_end", "fault_armed",
     "fault_failed", "serving_ready", "load_started", "load_not_ready", "load_finished",
     "request_migrated",
-    "request_failed", "teardown", "trigger_late", "process_started",
+    "request_failed", "teardown", "trigger_late", "process_started", "process_exited",
 }
 
 
@@ -54,6 +55,8 @@ def _text(value: object, style: str = "") -> Text:
 def describe(event: Event) -> str:
     f = event.fields
     who = f"rank {event.rank}" if event.rank is not None else event.source
+    if event.rank is not None and isinstance(f.get("replica"), int):
+        who = f"replica {f['replica']} {who}"  # each torchft replica group has its rank 0
     match event.event:
         case "launch":
             return f"launched ({f.get('phase', 'run')}, seed {f.get('seed')})"
@@ -95,8 +98,13 @@ def describe(event: Event) -> str:
             return ("run ended: timed out" if f.get("timed_out") else
                     f"run ended (exit {f.get('exit_code')})")
         case "process_started":
+            # Its launcher names it: each torchft replica group's torchrun has its own rank 0.
+            if isinstance(f.get("agent"), int):
+                who = f"{who} of launcher pid {f['agent']}"
             return (f"{who} started (pid {f.get('pid')}, restart {f.get('generation')})"
                     if f.get("generation") else f"{who} started (pid {f.get('pid')})")
+        case "process_exited":
+            return attempts.line(event)
         case "teardown":
             return _describe_teardown(f)
         case "step":
@@ -305,6 +313,7 @@ def render_result(result: RunResult, console: Console) -> None:
         line = Text("NO VERDICT", style="red bold")
         line.append(visible(f" {result.name}: {result.error}"))
         console.print(line, highlight=False)
+        _render_ends(result, console)
         console.print(_text(f"run dir {result.run_dir}"), soft_wrap=True, highlight=False)
         return
     narrow = console.width < NARROW
@@ -328,9 +337,14 @@ def render_result(result: RunResult, console: Console) -> None:
         for check in result.checks:
             messages.add_row(_text(f"{check.name}:", "bold"), _text(check.message))
         console.print(messages)
-    shown = ", ".join(f"{k}={_show(v)}" for k, v in result.metrics.items())
+    # Each time metric says what proves it: its events' own clocks, or a read time that
+    # only bounds it from above (docs/metrics.md).
+    shown = ", ".join(f"{k}={_show(v)}" + (f" (proof: {result.proofs[k]})"
+                                           if k in result.proofs else "")
+                      for k, v in result.metrics.items())
     # Word-wrapped at the console's width, whatever the console's soft_wrap says.
     console.print(_text(f"metrics: {shown}"), highlight=False, soft_wrap=False)
+    _render_ends(result, console)
     summary = Text("PASSED", style="green") if result.passed else Text("FAILED", "red bold")
     summary.append(visible(f" {result.name} in {result.duration_s:.1f}s, seed {result.seed}"))
     console.print(summary, soft_wrap=False)
@@ -346,6 +360,22 @@ def _show(value: object) -> str:
     return str(value)
 
 
+def end_lines(result: RunResult) -> list[str]:
+    """How the system's processes ended, where any ended abnormally (harness/attempts.py),
+    and the crash loop's one line last."""
+    lines = [f"ended: {line}" for line in attempts.report_lines(result.ends)]
+    if result.crash_loop:
+        lines.append(f"crash loop: {result.crash_loop}")
+    return lines
+
+
+def _render_ends(result: RunResult, console: Console) -> None:
+    for line in end_lines(result):
+        style = "red bold" if line.startswith("crash loop:") else ""
+        # Whole lines, never folded by us: a user greps for the exception they know.
+        console.print(_text(line, style), highlight=False, soft_wrap=True)
+
+
 def check_table_text(result: RunResult) -> str:
     """The check table as plain text (for pytest failure messages)."""
     rows = [("check", "result", "observed", "expected", "message")]
@@ -355,6 +385,7 @@ def check_table_text(result: RunResult) -> str:
     ]
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     lines = ["  ".join(r[i].ljust(widths[i]) for i in range(4)) + "  " + r[4] for r in rows]
+    lines += end_lines(result)
     return "\n".join(lines) + f"\nrun dir: {result.run_dir}"
 
 
@@ -386,23 +417,33 @@ def junit_xml(results: Sequence[RunResult], html: Path | None = None) -> str:
         failed = r.failed_checks()
         if r.error:
             # Not a failed check: the run never got to a verdict (interrupted, harness error).
-            ET.SubElement(case, "error", message=r.error,
-                          type="Interrupted" if r.interrupted else "HarnessError")
+            error = ET.SubElement(case, "error", message=visible(r.error),
+                                  type="Interrupted" if r.interrupted else "HarnessError")
+            if end_lines(r):
+                error.text = visible("\n".join(end_lines(r)))
         elif failed:
             failure = ET.SubElement(
                 case, "failure",
-                message=visible("; ".join(f"{c.name}: {c.message}" for c in failed)),
+                message=visible("; ".join(
+                    [f"{c.name}: {c.message}" for c in failed]
+                    + ([f"crash loop: {r.crash_loop}"] if r.crash_loop else []))),
                 type="CheckFailed",
             )
             failure.text = visible(check_table_text(r))
         props = ET.SubElement(case, "properties")
         for key, value in r.metrics.items():
             ET.SubElement(props, "property", name=visible(key), value=visible(_show(value)))
+            if key in r.proofs:
+                ET.SubElement(props, "property", name=visible(f"{key}_proof"),
+                              value=visible(r.proofs[key]))
         ET.SubElement(props, "property", name="seed", value=str(r.seed))
         ET.SubElement(props, "property", name="run_dir", value=visible(r.run_dir))
         if html is not None:
             where = str(html.resolve()) + (f"#run-{index}" if len(results) > 1 else "")
             ET.SubElement(props, "property", name="html", value=visible(where))
+        ends = end_lines(r)
+        if ends:
+            ET.SubElement(case, "system-out").text = visible("\n".join(ends))
     ET.indent(suite)
     return ET.tostring(suite, encoding="unicode", xml_declaration=True) + "\n"
 

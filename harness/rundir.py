@@ -2,15 +2,22 @@
 
 What `aftershock run` leaves (README, "What the report means") is all a report, a
 trace or a re-check needs: ``result.json``, ``events.jsonl``, ``scenario.yaml`` and
-``logs/``. Nothing here launches anything.
+``logs/``. Nothing here launches anything; :func:`claimed` holds a folder for the one run
+that writes it.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import fcntl
+import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.errors import SpecError
+from harness import _files
+from harness.errors import RunDirBusy, SpecError
 from harness.logprobe import TIMES_SUFFIX  # X.log.times: per-line offset and capture time
 from harness.records import Event, RunResult
 from harness.timeline import read_events
@@ -30,33 +37,88 @@ class ProcessLog:
     name: str  # path under the run's logs/ folder
     path: Path
     size: int
+    refused: str | None = None  # why it is not read (a link out of the run folder, ...)
 
-    def lines(self) -> list[LogLine]:
-        """Every line, with its capture time where ``<log>.times`` has one."""
-        raw = self.path.read_bytes()
+    def lines(self, start: int = 0) -> Iterator[LogLine]:
+        """Each line from byte ``start`` on, streamed, with its capture time where
+        ``<log>.times`` has one (both files are read in offset order, side by side, so
+        memory does not grow with either)."""
+        if self.refused is not None:
+            return
         times = _capture_times(Path(str(self.path) + TIMES_SUFFIX))
-        lines: list[LogLine] = []
-        offset = 0
-        for chunk in raw.split(b"\n"):
-            if offset < len(raw) or chunk:
-                lines.append(LogLine(chunk.decode(errors="replace"), times.get(offset)))
-            offset += len(chunk) + 1
-        return lines
+        row = next(times, None)
+        for offset, raw in _files.lines(self.path, start=start, line_limit=LINE_READ,
+                                        total_limit=LOG_READ):
+            while row is not None and row[0] < offset:
+                row = next(times, None)
+            t = row[1] if row is not None and row[0] == offset else None
+            yield LogLine(raw.decode(errors="replace"), t)
+
+    def tail(self, max_bytes: int, max_lines: int) -> tuple[list[LogLine], int]:
+        """The last lines, at most ``max_lines`` of them within the last ``max_bytes``
+        bytes (where a crash says why), and how many bytes before them are not shown."""
+        start = max(0, self.size - max_bytes)
+        kept: collections.deque[tuple[int, LogLine]] = collections.deque(maxlen=max_lines)
+        lines = _files.lines(self.path, start=start, line_limit=LINE_READ,
+                             total_limit=max_bytes) if self.refused is None else iter(())
+        first = True
+        for offset, raw in lines:
+            if first and start > 0 and not _at_line_start(self.path, start):
+                first = False
+                continue  # the end of a line that began before the shown part
+            first = False
+            kept.append((offset, LogLine(raw.decode(errors="replace"), None)))
+        if not kept:
+            return [], self.size
+        times = dict(_capture_times(Path(str(self.path) + TIMES_SUFFIX), since=kept[0][0]))
+        shown = [LogLine(line.text, times.get(offset)) for offset, line in kept]
+        return shown, kept[0][0]
 
 
-def _capture_times(path: Path) -> dict[int, float]:
-    times: dict[int, float] = {}
-    try:
-        text = path.read_text()
-    except OSError:
-        return times
-    for row in text.splitlines():
+#: A line of a saved log longer than this is read only up to it (as the probes saw it).
+LINE_READ = 64 * 1024
+#: Bytes of one saved log (or its ``.times``) read at most: the cap the run wrote it under.
+LOG_READ = 1 << 30
+
+
+def _at_line_start(path: Path, offset: int) -> bool:
+    with _files.open_regular(path) as handle:
+        if handle is None:
+            return True
+        handle.seek(offset - 1)
+        return handle.read(1) == b"\n"
+
+
+def _capture_times(path: Path, since: int = 0) -> Iterator[tuple[int, float]]:
+    """``(offset, read time)`` rows of a ``.times`` file, streamed, from offset ``since``
+    on; a torn or malformed row is passed over (that line has no capture time)."""
+    for _, row in _files.lines(path, line_limit=256, total_limit=LOG_READ):
         parts = row.split()
         try:
-            times[int(parts[0])] = float(parts[1])
+            offset, t = int(parts[0]), float(parts[1])
         except (IndexError, ValueError):
-            continue  # a torn last row: that line has no capture time
-    return times
+            continue
+        if offset >= since:
+            yield offset, t
+
+
+@contextlib.contextmanager
+def claimed(run_dir: Path) -> Iterator[None]:
+    """Hold ``run_dir`` for one run: an exclusive lock on the folder itself (flock), which
+    the kernel drops when the run's process ends however it ends, so a crashed run never
+    leaves the folder held. A second run that finds it held raises RunDirBusy, before it
+    cleans or writes anything there."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RunDirBusy(f"{run_dir}: another run is using this run folder; give another "
+                             "--run-dir, or wait until that run has ended") from None
+        yield
+    finally:
+        os.close(fd)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,12 +149,22 @@ class RecordedRun:
         return float(value) if isinstance(value, int | float) else None
 
     def logs(self) -> list[ProcessLog]:
-        """Each non-empty process log under ``logs/`` (the launcher's streams first)."""
+        """Each non-empty process log under ``logs/`` (the launcher's streams first), and
+        each ``*.log`` there that is not read, with why: a link (out of the run folder in
+        particular) is named, never followed; a FIFO or device is never opened."""
         folder = self.path / "logs"
-        found = [p for p in folder.rglob("*.log") if p.is_file()] if folder.is_dir() else []
-        found.sort(key=lambda p: (not p.name.startswith("launcher."), str(p)))
-        return [ProcessLog(str(p.relative_to(folder)), p, p.stat().st_size)
-                for p in found if p.stat().st_size > 0]
+        found: list[ProcessLog] = []
+        for root, dirs, files in os.walk(folder):  # os.walk follows no linked folder
+            for name in [*files, *(d for d in dirs if os.path.islink(os.path.join(root, d)))]:
+                if not name.endswith(".log"):
+                    continue
+                path = Path(root) / name
+                why = _files.refusal(path, within=self.path)
+                size = 0 if why is not None else path.lstat().st_size
+                if why is not None or size > 0:
+                    found.append(ProcessLog(str(path.relative_to(folder)), path, size, why))
+        found.sort(key=lambda log: (not log.path.name.startswith("launcher."), str(log.path)))
+        return found
 
 
 def read_result(path: Path) -> RunResult:

@@ -18,30 +18,32 @@ import time
 import traceback
 import uuid
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
 
-from faults import FaultUnavailable, contract
+from faults import FaultUnavailable, contract, file_writers
 from faults.heal import heal_orphans, start_reaper
 from faults.journal import Journal, UnsafeFolder
 from faults.registry import preflight as fault_preflight
-from harness import baseline, golden, systems
+from harness import _load, _own_records, attempts, baseline, golden, systems
 from harness import metrics as _metrics
 from harness.baseline import CACHE_ENV as CACHE_ENV
+from harness.baseline import UNTRUSTED as UNTRUSTED_TWIN
 from harness.baseline import baseline_key as baseline_key
 from harness.baseline import cache_dir as cache_dir
 from harness.checks import Outcome, evaluate
 from harness.errors import AftershockError, HarnessError, PreflightError, RunFailed
 from harness.injector import Injector, acts_on_files, fault_params
 from harness.loadgen import scenario_load_driver
-from harness.records import CheckResult, Event, FaultRecord, RunResult
+from harness.records import CheckResult, Event, FaultRecord, ProcessEnd, RunResult
+from harness.rundir import claimed
 from harness.schedule import Progress, Schedule
 from harness.spec import LoadedScenario, Scenario, in_process
 from harness.systems import Driver
 from harness.target import SERVED_STOP_GRACE_S, STOP_GRACE_S, Target
-from harness.timeline import Timeline
+from harness.timeline import Timeline, read_events
 from harness.triggers import FileTriggers
 
 POLL_S = 0.01
@@ -160,7 +162,7 @@ def execute(
     target = kind.target(launch, run_dir=run_dir, run_id=run_id, timeline=timeline)
 
     def root_of(fault: Any) -> str:
-        return _storage_root(spec, run_dir, getattr(fault, "root", None))
+        return _storage_root(spec, run_dir, getattr(fault, "root", None), scenario_dir)
 
     # What this run may touch: a heal refuses any undo path outside these folders.
     folders = {run_dir, *target.folders()}
@@ -178,20 +180,22 @@ def execute(
     t0 = time.monotonic()
     injector = Injector(spec.faults, target=target, journal=journal, timeline=timeline,
                         observer=observer, seed=seed, t0=t0, root_of=root_of,
-                        log_dir=run_dir / "logs")
+                        log_dir=run_dir / "logs", guarded=_own_records.guarded(run_dir))
     loop = _Loop(list(spec.faults), timeline, observer, target, injector, schedule, triggers, t0,
                  timeout_s=spec.system.timeout.total_seconds(),
                  driver=scenario_load_driver(spec.load, launch.variables, seed=seed,
                                              timeline=timeline)
                  if spec.load is not None else
                  kind.driver(spec.system, seed=seed, timeline=timeline))
+    monitor = _load.LoadMonitor(timeline, getattr(target, "cgroup", None))
     try:
         with _sigterm_unwinds():
             observer.phase(spec.name, phase, shlex.join(launch.argv))
             for index in injector.prepare():
                 schedule.give_up(index)
-            _watch_files(spec, triggers, schedule, injector, root_of)
+            _watch_files(spec, triggers, schedule, injector, root_of, target)
             target.start()
+            monitor.start()
             # wall_offset: wall-clock minus monotonic time now, so the timeline (monotonic) can
             # be lined up with other logs (wall clock) later (docs/report.md).
             observer.event(timeline.emit("launch", argv=launch.argv, phase=phase, seed=seed,
@@ -200,6 +204,7 @@ def execute(
             loop.run()
     finally:
         errors = injector.heal_all()
+        monitor.stop()
         triggers.close()
         if loop.driver is not None:
             loop.driver.stop()
@@ -230,6 +235,7 @@ def execute(
         for ev in timeline.poll():
             if ev.source != "harness":
                 observer.event(ev)
+        _record_ends(timeline, target, loop, run_dir, observer)
         # The live view shows the exit, not "running" after it.
         with contextlib.suppress(Exception):
             observer.event(timeline.emit("run_end", exit_code=loop.exit_code,
@@ -241,14 +247,38 @@ def execute(
         injector.unreached(index)
     for index, k, n in schedule.missing_repeats():
         injector.unreached(index, (k, n))
-    events = sorted(
-        (Event.from_json(e) for e in _read_json_lines(run_dir / "events.jsonl")),
-        key=lambda e: e.t,
-    )
+    # Judged only whole: a line that is not an event (a fault or a writer that touched the
+    # timeline) raises DamagedTimeline, a harness error (exit 3), instead of metrics from
+    # what was left; the harness's run_end closed it, so not even a torn last line is fine.
+    events = read_events(run_dir / "events.jsonl", complete=True)
     # The run's own duration: the time teardown took (its grace period) is not the job's.
     ended = loop.ended or time.monotonic()
     outcome = Outcome(loop.exit_code, loop.timed_out, round(ended - t0, 3))
     return Execution(events, outcome, injector.in_scenario_order(), run_dir)
+
+
+def _record_ends(timeline: Timeline, target: Target, loop: _Loop, run_dir: Path,
+                 observer: Observer) -> None:
+    """How each process of the system ended (``process_exited``, harness/attempts.py),
+    read once the teardown is over and every file its processes left is final. The pid and
+    the workers found gone are a local target's; a target without them gives less evidence,
+    never more. An explanation that fails is a record on the timeline, not a lost run."""
+    # The launcher ended by itself; a run stopped by the harness (timeout, load served)
+    # says nothing of how it would have.
+    exited = loop.exit_code is not None and not loop.driven
+    launcher = attempts.LauncherExit(pid=getattr(target, "pid", None),
+                                     exit_code=loop.exit_code if exited else None,
+                                     t=loop.ended or time.monotonic())
+    try:
+        found = attempts.process_exits(
+            read_events(timeline.path), gone=getattr(target, "workers_gone", {}),
+            launcher=launcher, launcher_log=run_dir / "logs" / "launcher.stderr.log")
+    except Exception as exc:
+        observer.event(timeline.emit("process_exits_unread",
+                                     error=f"{type(exc).__name__}: {exc}"))
+        return
+    for event in found:
+        observer.event(timeline.write(event))
 
 
 #: What a run writes in its folder: the harness's records, and the folders it gives the
@@ -280,14 +310,19 @@ def _clean_run_dir(run_dir: Path) -> None:
 
 
 def _watch_files(spec: Scenario, triggers: FileTriggers, schedule: Schedule,
-                 injector: Injector, root_of: Any) -> None:
-    """The file triggers, from launch on (after prepare: on top of what it mounted)."""
+                 injector: Injector, root_of: Any, target: Target) -> None:
+    """The file triggers, from launch on (after prepare: on top of what it mounted). An
+    `opened` trigger asks the run's own processes (only those: bounded) who writes."""
+
+    def writing(path: Path) -> bool:
+        return bool(file_writers([ref.pid for ref in target.processes()], path).writers)
+
     for index, fault in enumerate(spec.faults):
         at = fault.at
         if at.file is None or schedule.finished(index):
             continue
         try:
-            triggers.watch(index, Path(root_of(fault)), at.file, at.when)
+            triggers.watch(index, Path(root_of(fault)), at.file, at.when, writing)
         except (FaultUnavailable, OSError) as exc:
             injector.failed(index, exc)
             schedule.give_up(index)
@@ -411,20 +446,15 @@ def _served_grace(spec: Scenario) -> float:
     return SERVED_STOP_GRACE_S if grace is None else float(grace.total_seconds())
 
 
-def _storage_root(spec: Scenario, run_dir: Path, given: str | None) -> str:
-    """The folder a storage fault's ``path`` is relative to."""
+def _storage_root(spec: Scenario, run_dir: Path, given: str | None, scenario_dir: Path) -> str:
+    """The folder a file fault's ``path`` is relative to: its ``root`` (``${run_dir}``
+    expanded), else where the system keeps its files (a command: where it works; a relative
+    ``cwd`` is relative to the scenario's folder, as the command is started there)."""
     if given:
         return given.replace("${run_dir}", str(run_dir))
-    return str(systems.of(spec.system).default_root(spec.system, run_dir))
-
-
-def _read_json_lines(path: Path) -> Iterator[dict[str, Any]]:
-    with open(path, "rb") as handle:
-        for line in handle:
-            with contextlib.suppress(ValueError):
-                data = json.loads(line)
-                if isinstance(data, dict) and "t" in data and "event" in data:
-                    yield data
+    base = scenario_dir.resolve()
+    root = str(systems.of(spec.system).default_root(spec.system, run_dir.resolve()))
+    return str((base / root.replace("${scenario_dir}", str(base))).resolve())
 
 
 # ----------------------------------------------------------------- fault-free baseline
@@ -537,17 +567,28 @@ def assess(
     would have given."""
     world = _world(spec)
     metrics = _metrics.compute(events, world)
+    metrics.update(_load.summary(events))
     checks = evaluate(
         spec.expect, outcome=outcome, metrics=metrics, faults=faults,
         digests=_metrics.final_digests(events), baseline=baseline,
         events=events, outputs=_metrics.outputs(events),
         baseline_outputs=baseline_outputs, world=world,
+        file_triggers={i: f.at.when for i, f in enumerate(spec.faults) if f.at.file is not None},
     )
     missing = {"params_match": spec.expect.params_match and baseline is None,
                "outputs_match": spec.expect.outputs_match and baseline_outputs is None}
+    # A latency budget missed on a starved machine says so: load, or a slow recovery?
+    starved = _load.starved_note(metrics)
+    if starved is not None:
+        checks = [replace(c, message=f"{c.message}; {starved}")
+                  if not c.passed and c.name in _load.LATENCY_CHECKS else c for c in checks]
+    # A twin the cache had but could not prove its own ran again: the check says so.
+    distrusted = baseline_note.startswith(UNTRUSTED_TWIN)
     checks = [
         CheckResult(c.name, False, c.observed, c.expected, f"{c.message} ({baseline_note})")
-        if missing.get(c.name) else c
+        if missing.get(c.name) else
+        replace(c, message=f"{c.message} ({baseline_note})")
+        if distrusted and c.name in missing else c
         for c in checks
     ]
     return metrics, checks
@@ -561,16 +602,24 @@ def run_scenario(
     observer: Observer | None = None,
     use_cache: bool = True,
 ) -> RunResult:
-    """Run one scenario and write its record (``result.json``), whatever happens.
+    """Run one scenario and write its record (``result.json``), whatever happens, holding
+    its run folder for the whole run (another run there raises RunDirBusy, exit 2).
 
     An interrupted run raises RunInterrupted and a harness failure RunFailed, each
     carrying the run's record (marked as such) after the teardown healed everything;
     an unexpected exception's traceback is kept in the run folder (``harness_error.txt``).
     """
+    run_dir = (run_dir or default_run_dir(loaded.spec.name)).resolve()
+    with claimed(run_dir):
+        return _run_claimed(loaded, run_dir=run_dir, seed=seed, observer=observer,
+                            use_cache=use_cache)
+
+
+def _run_claimed(loaded: LoadedScenario, *, run_dir: Path, seed: int | None,
+                 observer: Observer | None, use_cache: bool) -> RunResult:
     spec = loaded.spec
     seed = spec.seed if seed is None else seed
     observer = observer or NullObserver()
-    run_dir = (run_dir or default_run_dir(spec.name)).resolve()
     _clean_run_dir(run_dir)
     (run_dir / "scenario.yaml").write_text(loaded.text)
     started = time.monotonic()
@@ -620,14 +669,18 @@ def _unfinished(
     """The record of a run that did not get to its checks: what its timeline shows so far,
     no verdict (``passed`` is false, ``error`` says why)."""
     metrics: dict[str, float | int | None] = {}
+    ends: tuple[ProcessEnd, ...] = ()
+    crash_loop: str | None = None
     with contextlib.suppress(Exception):  # a timeline cut short may be too thin to measure
         path = run_dir / "events.jsonl"
-        events = sorted((Event.from_json(e) for e in _read_json_lines(path)), key=lambda e: e.t)
+        events = read_events(path)  # a damaged one raises: no metrics from what was left
+        ends, crash_loop = attempts.summarize(events)
         metrics = _metrics.compute(events, _world(loaded.spec))
     result = RunResult(
         name=loaded.spec.name, file=str(loaded.path), passed=False, seed=seed,
         duration_s=round(time.monotonic() - started, 3), checks=(), metrics=metrics, faults=(),
-        run_dir=str(run_dir), error=error, interrupted=interrupted,
+        run_dir=str(run_dir), error=error, interrupted=interrupted, ends=ends,
+        crash_loop=crash_loop,
     )
     with contextlib.suppress(OSError):
         (run_dir / "result.json").write_text(json.dumps(result.to_json(), indent=2) + "\n")
@@ -670,6 +723,7 @@ def _checked_run(
         golden_check = golden.check(loaded, seed=seed, what="outputs", found=baseline_outputs)
     if golden_check is not None:
         checks.append(golden_check)
+    ends, crash_loop = attempts.summarize(execution.events)
     result = RunResult(
         name=spec.name,
         file=str(loaded.path),
@@ -680,6 +734,9 @@ def _checked_run(
         metrics=metrics,
         faults=tuple(execution.faults),
         run_dir=str(run_dir),
+        proofs=_metrics.metric_proofs(execution.events, _world(spec)),
+        ends=ends,
+        crash_loop=crash_loop,
     )
     (run_dir / "result.json").write_text(json.dumps(result.to_json(), indent=2) + "\n")
     return result

@@ -35,6 +35,7 @@ from pydantic import (
 import faults
 from faults import contract, registry
 from faults.params import relative_glob
+from harness import _own_records as own_records
 from harness import systems
 from harness.errors import SpecError
 
@@ -210,13 +211,16 @@ class Target(_Strict):
 Phase = Literal["forward", "backward", "optimizer", "save", "restore", "finish", "exit", "decode"]
 
 
-FileWhen = Literal["created", "closed", "deleted"]
+FileWhen = Literal["created", "opened", "modified", "closed", "deleted"]
+#: File triggers whose moment lies inside the file's write (`expect: {faults_landed}`).
+WINDOWED: tuple[str, ...] = ("created", "opened", "modified")
 
 
 class At(_Strict):
     """When a fault fires: once step N is committed (optionally at a phase of that step,
     for in-process faults), at a time after launch, on the k-th timeline event of a kind, or
-    on the k-th time a file matching a glob is created, closed or deleted."""
+    on the k-th time a file matching a glob is created, opened for writing, modified, closed or
+    deleted."""
 
     step: int | None = Field(None, ge=0, le=MAX_STEPS)
     phase: Phase | None = Field(
@@ -236,8 +240,9 @@ class At(_Strict):
     # Not `on`: YAML 1.1 (PyYAML) reads a bare `on` key as the boolean true.
     when: FileWhen = Field(
         "created", description="with `file`: created (the name appears: open(O_CREAT), mkdir, "
-        "or a rename onto it, as atomic writers publish), closed (closed after being written) "
-        "or deleted (unlinked, or renamed away)"
+        "or a rename onto it, as atomic writers publish), opened (opened for writing, e.g. a "
+        "save over an existing file), modified (its first write since it was opened: once per "
+        "save), closed (closed after being written) or deleted (unlinked, or renamed away)"
     )
     count: int = Field(1, ge=1, le=MAX_STEPS,
                        description="with `event` or `file`: fire on its k-th occurrence")
@@ -473,6 +478,11 @@ class Expect(_Strict):
         "before the fault, and rejects none on the way (checkpoint_skipped): what it called "
         "committed survived, whole"
     )
+    faults_landed: Literal["in_window"] | None = Field(
+        None, description="in_window: every fault triggered by a file being created, opened "
+        "or modified landed while a process of the run still had that file open for writing "
+        "(inside the save, not after it)"
+    )
 
     @field_validator("time_to_detect", mode="before")
     @classmethod
@@ -678,6 +688,12 @@ class Scenario(_Strict):
                          "checkpoint_durable"):
                 if getattr(self.expect, name) not in (None, False):
                     raise ValueError(f"expect.{name} needs at least one fault")
+        if self.expect.faults_landed and not any(
+                f.at.file is not None and f.at.when in WINDOWED for f in self.faults):
+            raise ValueError(
+                "expect.faults_landed needs a fault triggered inside a write: `at: {file: "
+                "GLOB, when: opened}` (or `modified`, `created`); `closed` and `deleted` come "
+                "after the write, so they have no window to land in")
         kind = systems.of(self.system)
         self._load_is_possible(kind)
         for name in Expect.TRAINING if kind.family == "serving" else Expect.SERVING:
@@ -1173,6 +1189,11 @@ def parse_scenario(text: str, file: str = "<string>", *, folder: Path | None = N
     for index, problem in unreachable(spec, base):
         line, col = marks.values.get(("faults", index), (1, 1))
         problems.append(f"{file}:{line}:{col}: faults.{index}: {problem}")
+    for index, field, problem in own_records.refused(spec, base):
+        line, col = (marks.values.get(("faults", index, field))
+                     or marks.values.get(("faults", index, "root"))
+                     or marks.values.get(("faults", index), (1, 1)))
+        problems.append(f"{file}:{line}:{col}: faults.{index}.{field}: {problem}")
     if problems:
         raise SpecError(problems)
     return spec

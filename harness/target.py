@@ -42,9 +42,11 @@ from faults import parent_pid as _parent
 from harness import probe
 from harness.errors import TargetError
 from harness.logprobe import (
+    TAILED_TIMES,
     TIMES_SUFFIX,
     CompiledProbes,
     LogProbe,
+    StreamStamps,
     compile_probes,
     file_fields,
     line_events,
@@ -271,13 +273,26 @@ class _Tailer:
     """Follows per-process log files (torchrun's ``--log-dir``/``--redirects`` files) as
     they appear and grow, and feeds each whole line to the log probes, stamped when it is
     read: within TAIL_S of its writing, without the 0.1 s batching of torchrun's ``--tee``.
-    Each file is its own stream, so no two processes' lines can run together."""
+    Each file is its own stream, so no two processes' lines can run together.
+    ``times``: where each line's ``<offset> <read time> <path>`` is kept, so a re-check
+    (harness/recheck.py) can time a match the live probes never made, as ``<log>.times``
+    does for the launcher's pipes."""
 
     def __init__(self, patterns: tuple[str, ...],
-                 on_line: Callable[[str, bytes, float], None]) -> None:
+                 on_line: Callable[[str, bytes, float], None],
+                 times: Path | None = None,
+                 on_appear: Callable[[str, float | None], None] | None = None) -> None:
         self.patterns = patterns
         self._on_line = on_line
-        self._files: dict[str, tuple[int, bytearray]] = {}  # path -> (offset read, partial)
+        # Each new file, with when it was last seen absent: the start of the previous pass,
+        # whose look would have found it had it existed (None at the first pass). Every line
+        # in it was written later, by a writer that had not yet opened it.
+        self._on_appear = on_appear
+        self._last_pass: float | None = None
+        # path -> (offset read, the partial last line, the offset where that line began)
+        self._files: dict[str, tuple[int, bytearray, int]] = {}
+        self._times_path = times
+        self._times: IO[str] | None = None
         self._stop_at: float | None = None
         self.thread = threading.Thread(target=self._run, name="log-tail", daemon=True)
 
@@ -288,20 +303,31 @@ class _Tailer:
         self._stop_at = deadline
 
     def _run(self) -> None:
-        while True:
-            last = self._stop_at is not None
-            self._pass()
-            if last:  # one whole pass after the job ended: what it wrote last
-                for path, (_, partial) in self._files.items():
-                    if partial:
-                        self._emit(path, bytes(partial))
-                return
-            time.sleep(TAIL_S)
+        try:
+            if self._times_path is not None:
+                with contextlib.suppress(OSError):
+                    self._times = open(self._times_path, "w")  # noqa: SIM115 (closed below)
+            while True:
+                last = self._stop_at is not None
+                self._pass()
+                if last:  # one whole pass after the job ended: what it wrote last
+                    for path, (_, partial, start) in self._files.items():
+                        if partial:
+                            self._emit(path, bytes(partial), start)
+                    return
+                time.sleep(TAIL_S)
+        finally:
+            if self._times is not None:
+                self._times.close()
 
     def _pass(self) -> None:
+        began = time.monotonic()
         for pattern in self.patterns:
             for path in sorted(glob.glob(pattern, recursive=True)):
-                offset, partial = self._files.setdefault(path, (0, bytearray()))
+                if path not in self._files and self._on_appear is not None:
+                    with contextlib.suppress(Exception):
+                        self._on_appear(path, self._last_pass)
+                offset, partial, start = self._files.setdefault(path, (0, bytearray(), 0))
                 try:
                     with open(path, "rb") as handle:
                         handle.seek(offset)
@@ -310,15 +336,29 @@ class _Tailer:
                     continue
                 if not chunk:
                     continue
+                # Where each whole line began: the partial one's start, then past each newline
+                # (the partial line kept is cut at LINE_LIMIT, its offset is not).
+                cut = chunk.split(b"\n")
                 lines = (bytes(partial) + chunk).split(b"\n")
                 partial[:] = lines.pop()[:LINE_LIMIT]
-                self._files[path] = (offset + len(chunk), partial)
-                for line in lines:
-                    self._emit(path, line[:LINE_LIMIT])
+                starts = [start]
+                position = offset
+                for piece in cut[:-1]:
+                    position += len(piece) + 1
+                    starts.append(position)
+                self._files[path] = (offset + len(chunk), partial, starts[-1])
+                for line, line_start in zip(lines, starts, strict=False):
+                    self._emit(path, line[:LINE_LIMIT], line_start)
+        self._last_pass = began
 
-    def _emit(self, path: str, raw: bytes) -> None:
+    def _emit(self, path: str, raw: bytes, start: int) -> None:
+        read_t = time.monotonic()
+        if self._times is not None:
+            with contextlib.suppress(OSError):
+                self._times.write(f"{start} {read_t:.6f} {path}\n")
+                self._times.flush()
         with contextlib.suppress(Exception):  # a probe that fails must not stop the tail
-            self._on_line(path, raw, time.monotonic())
+            self._on_line(path, raw, read_t)
 
 
 class LocalTarget:
@@ -343,6 +383,10 @@ class LocalTarget:
         self._pumps: list[_LogPump] = []
         self._tailer: _Tailer | None = None
         self._workers_seen: set[int] = set()
+        self._workers_live: dict[int, ProcessRef] = {}  # seen and not yet found gone
+        #: Worker pid -> when a scan first found it gone: an upper bound on its end
+        #: (harness/attempts.py explains the ends after the run).
+        self.workers_gone: dict[int, float] = {}
         self._next_scan = 0.0
         self._logs = run_dir / "logs"
         self._reported: dict[int, tuple[int | None, str | None]] = {}
@@ -460,18 +504,27 @@ class LocalTarget:
             pump.start()
             self._pumps.append(pump)
         if self.launch.tails:
-            self._tailer = _Tailer(self.launch.tails, self._file_line_handler())
+            self._tailer = _Tailer(self.launch.tails, self._file_line_handler(),
+                                   self._logs / TAILED_TIMES, self._file_appeared)
             self._tailer.start()
+
+    def _file_appeared(self, path: str, absent_at: float | None) -> None:
+        """A per-process log file the tailer found: ``log_appeared``, with when it was last
+        seen absent (what proves its lines were written after a fault: docs/metrics.md)."""
+        self.timeline.write(Event(t=time.monotonic(), event="log_appeared", source="harness",
+                                  fields={"path": path, "absent_at": absent_at}))
 
     def _file_line_handler(self) -> Callable[[str, bytes, float], None]:
         compiled: CompiledProbes = compile_probes(self.launch.probes, "logs")
+        stamps: dict[str, StreamStamps] = {}  # each file's newest own time (written_after)
 
         def on_line(path: str, raw: bytes, read_t: float) -> None:
             if not compiled:
                 return
             for event in line_events(raw.decode(errors="replace"), compiled, read_t=read_t,
                                      clock_offset=self._clock_offset, started=self._started,
-                                     defaults=file_fields(path)):
+                                     defaults=file_fields(path),
+                                     stamps=stamps.setdefault(path, StreamStamps())):
                 self.timeline.write(event)
 
         return on_line
@@ -508,16 +561,36 @@ class LocalTarget:
         RANK and torchrun's restart count (TORCHELASTIC_RESTART_COUNT) as its
         generation, so a job that reports no generation of its own still shows its
         restarts, and the live view its pids."""
+        for pid, seen in list(self._workers_live.items()):
+            if not seen.alive():
+                self.workers_gone[pid] = time.monotonic()
+                del self._workers_live[pid]
         for ref in self.role_processes("worker"):
             if ref.pid in self._workers_seen:
                 continue
             self._workers_seen.add(ref.pid)
+            self._workers_live[ref.pid] = ref
             environ = process_environ(ref.pid)
-            fields: dict[str, Any] = {"pid": ref.pid, "role": "worker"}
-            for key, name in (("rank", "RANK"), ("generation", "TORCHELASTIC_RESTART_COUNT")):
+            # Its launcher (the torchrun agent that started it, the same over its restarts):
+            # how many launchers the job has tells whether a restart count is a world
+            # (harness/metrics.py).
+            fields: dict[str, Any] = {"pid": ref.pid, "role": "worker",
+                                      "agent": _parent(ref.pid)}
+            for key, name in (("rank", "RANK"), ("generation", "TORCHELASTIC_RESTART_COUNT"),
+                              ("local_rank", "LOCAL_RANK")):
                 value = environ.get(name, "")
                 if value.isdigit():
                     fields[key] = int(value)
+            # Where torchrun's @record writes what killed it (harness/attempts.py reads it).
+            if environ.get("TORCHELASTIC_ERROR_FILE"):
+                fields["error_file"] = environ["TORCHELASTIC_ERROR_FILE"]
+            # Which files it writes (torchrun's --redirects: its own attempt_N/<rank>/ files),
+            # so a log file's lines can be tied to the process that wrote them.
+            for fd, key in ((1, "stdout"), (2, "stderr")):
+                with contextlib.suppress(OSError):
+                    written = os.readlink(f"/proc/{ref.pid}/fd/{fd}")
+                    if written.startswith("/") and os.path.isfile(written):
+                        fields[key] = written
             self.timeline.write(Event(t=time.monotonic(), event="process_started",
                                       source="launcher", fields=fields))
 

@@ -9,19 +9,37 @@ from __future__ import annotations
 
 import select
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 from faults import FaultUnavailable, FileWatch
 from harness.spec import FileWhen
+
+
+def describe_file_state(file: str, state: Mapping[str, Any]) -> str:
+    """What a file-triggered fault's record says about its file at the fault's moment
+    (``file_size``, ``file_open``, ``file_writers`` of its `fault_injected` event)."""
+    size = state.get("file_size")
+    what = f"{file} was gone" if size is None else f"{file} was {size} bytes"
+    if state.get("file_open"):
+        pids = ", ".join(map(str, state.get("file_writers") or []))
+        return f"{what}, still open for writing (pid {pids})"
+    if state.get("file_open") is None:
+        pids = ", ".join(map(str, state.get("file_unreadable") or []))
+        return f"{what}; whether it was open is unknown (cannot read the descriptors of {pids})"
+    return f"{what}, open for writing by no process of the run"
 
 
 class FileTriggers:
     def __init__(self) -> None:
         self._watches: dict[int, FileWatch] = {}
 
-    def watch(self, index: int, root: Path, pattern: str, when: FileWhen) -> None:
-        """Watch for fault ``index`` (raises FaultUnavailable or OSError if it cannot)."""
-        self._watches[index] = FileWatch(root, pattern, when)
+    def watch(self, index: int, root: Path, pattern: str, when: FileWhen,
+              writing: Callable[[Path], bool] | None = None) -> None:
+        """Watch for fault ``index`` (raises FaultUnavailable or OSError if it cannot);
+        ``writing(path)``: is a process of the run holding ``path`` open for writing?"""
+        self._watches[index] = FileWatch(root, pattern, when, writing)
 
     def poll(self) -> list[tuple[int, FaultUnavailable]]:
         """Read what happened; the watches that broke (events were lost, so their count is no

@@ -226,3 +226,21 @@ def test_pytest_explores_scenarios_with_an_explore_block(pytester: pytest.Pytest
     result.stdout.fnmatch_lines(["*explore found a failing schedule (seed 2, *",
                                  "*written to *job-one-found.yaml*"])
     result.assert_outcomes(passed=1, failed=1)
+
+
+def test_a_database_value_linked_to_dev_zero_is_refused_not_read(tmp_path: Path) -> None:
+    """hypothesis read a value linked to /dev/zero until MemoryError (issue 48)."""
+    from _helpers import bounded_cli
+
+    scenario = write(tmp_path, "job", job_scenario("job"))
+    db = tmp_path / "db"
+    value = db / "somekey" / "0123abcd" / "deadbeef"
+    value.parent.mkdir(parents=True)
+    os.symlink("/dev/zero", value)
+    result = bounded_cli("explore", str(scenario), "--runs", "1", "--db", str(db),
+                         "--out", str(tmp_path / "out"), "--seed", "1", cpu_s=60, wall_s=200)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert str(value) in result.stderr
+    assert "a link" in result.stderr
+    assert "--no-db" in result.stderr
+    assert result.max_rss_mb < 200, result.max_rss_mb

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _helpers import ROOT, read_events
+from _helpers import ROOT, cli, read_events
 
 from harness.runner import run_scenario
 from harness.spec import LoadedScenario, parse_scenario
@@ -23,6 +23,7 @@ def run(tmp_path: Path, faults: str, steps: int = 20) -> tuple[Path, dict[str, b
 name: file-trigger
 system:
   command: [{sys.executable}, {JOB}]
+  cwd: ${{run_dir}}  # the folder `at: {{file}}` is relative to
   env: {{JOB_OUT: "${{run_dir}}/out", JOB_STEPS: "{steps}"}}
   probes:
     - {{pattern: 'rank (?P<rank>\\d+) step (?P<step>\\d+)', event: step}}
@@ -82,3 +83,119 @@ faults:
     at: {file: 'out/step_*/COMMIT'}
 """, steps=3)
     assert checks["faults_injected"] is False
+
+
+SAVER = ROOT / "tests" / "fixtures" / "save_over_job.py"
+
+
+def save_over(tmp_path: Path, when: str, *, chunks: int, pause: float, mode: str = "wb",
+              atomic: bool = False) -> tuple[Path, dict[str, tuple[bool, str]]]:
+    """Kill the saver on its second save, which overwrites the first one's file."""
+    text = f"""\
+name: save-over
+system:
+  command: [{sys.executable}, {SAVER}]
+  cwd: ${{run_dir}}  # the folder `at: {{file}}` is relative to
+  env: {{JOB_OUT: "${{run_dir}}/out", JOB_CHUNKS: "{chunks}", JOB_CHUNK_SLEEP: "{pause}",
+        JOB_OPEN: "{mode}", JOB_ATOMIC: "{int(atomic)}"}}
+  probes:
+    - {{pattern: 'rank (?P<rank>\\d+) step (?P<step>\\d+) save ends', event: step}}
+faults:
+  - kind: process.kill
+    target: {{rank: 0}}
+    at: {{file: out/snapshot.pt, when: {when}, count: 2}}
+expect:
+  completes: false
+  faults_landed: in_window
+"""
+    loaded = LoadedScenario(parse_scenario(text), tmp_path / "s.yaml", text)
+    result = run_scenario(loaded, run_dir=tmp_path / "run", use_cache=False)
+    return tmp_path / "run", {c.name: (c.passed, c.message) for c in result.checks}
+
+
+@pytest.mark.parametrize("when", ["modified", "opened"])
+def test_a_kill_lands_inside_a_slow_save_over_an_existing_file(tmp_path: Path,
+                                                               when: str) -> None:
+    """torch.save onto the file it resumes from: the open truncates it, and the kill that
+    follows leaves it torn."""
+    run_dir, checks = save_over(tmp_path, when, chunks=8, pause=0.05)
+    (hit,) = read_events(run_dir / "events.jsonl", "fault_injected")
+    assert hit["file"] == "out/snapshot.pt"
+    assert hit["file_open"] is True
+    assert hit["file_writers"] == [hit["pid"]]  # the rank killed was the one writing
+    assert hit["file_size"] < 8 * 1024  # the second save had only begun
+    snapshot = (run_dir / "out" / "snapshot.pt").read_bytes()
+    assert len(snapshot) < 8 * 1024  # left torn: the first save's bytes are gone too
+    assert set(snapshot) <= {2}  # what there is, is the second save's
+    assert checks["faults_injected"][0]
+    assert checks["faults_landed"] == (True, checks["faults_landed"][1])
+    assert "still open for writing" in checks["faults_landed"][1]
+
+
+def test_a_kill_after_the_save_fails_faults_landed(tmp_path: Path) -> None:
+    """A save of one write and a close, published by a rename: its name appears once the
+    save is over, so the kill always comes after it, and the run says so instead of passing
+    as if the save had been hit."""
+    run_dir, checks = save_over(tmp_path, "created", chunks=1, pause=0, atomic=True)
+    (hit,) = read_events(run_dir / "events.jsonl", "fault_injected")
+    assert hit["file_open"] is False
+    assert hit["file_size"] == 1024  # the save was whole when the fault came
+    assert (run_dir / "out" / "snapshot.pt").read_bytes() == bytes([2]) * 1024
+    assert checks["faults_injected"][0]  # it was sent...
+    passed, message = checks["faults_landed"]  # ...but after the save
+    assert not passed
+    assert "missed its window" in message
+    assert "out/snapshot.pt was 1024 bytes, open for writing by no process" in message
+
+
+def test_a_fast_save_over_a_file_is_judged_by_what_the_file_was(tmp_path: Path) -> None:
+    """One write and a close take microseconds: whether the kill beats the close depends on
+    the scheduler (on a loaded machine the harness, woken by the truncation, can run first).
+    Either way the verdict follows the record, and the record follows the file."""
+    run_dir, checks = save_over(tmp_path, "modified", chunks=1, pause=0)
+    (hit,) = read_events(run_dir / "events.jsonl", "fault_injected")
+    snapshot = (run_dir / "out" / "snapshot.pt").read_bytes()
+    passed, message = checks["faults_landed"]
+    assert passed is hit["file_open"]
+    if hit["file_open"]:
+        # Hit between the truncating open and the close: what the save wrote, if anything.
+        assert len(snapshot) <= 1024
+        assert set(snapshot) <= {2}
+    else:
+        assert snapshot == bytes([2]) * 1024
+        assert hit["file_size"] == 1024
+        assert "missed its window" in message
+
+
+def test_an_open_for_writing_is_told_by_who_holds_the_file(tmp_path: Path) -> None:
+    """A save that rewrites its file in place changes nothing on open: only a process of the
+    run seen holding it for writing says the open was a save's, before its first write."""
+    run_dir, checks = save_over(tmp_path, "opened", chunks=8, pause=0.2, mode="r+b")
+    (hit,) = read_events(run_dir / "events.jsonl", "fault_injected")
+    assert hit["file_open"] is True
+    assert hit["file_writers"] == [hit["pid"]]
+    snapshot = (run_dir / "out" / "snapshot.pt").read_bytes()
+    assert len(snapshot) == 8 * 1024
+    assert snapshot.count(2) < 8 * 1024  # the first save's bytes remain: torn
+    assert checks["faults_landed"][0]
+
+
+def test_validate_takes_the_new_triggers_and_names_the_allowed_ones(tmp_path: Path) -> None:
+    scenario = """\
+name: save-over
+system: {{reference: trainer}}
+faults:
+  - kind: process.kill
+    target: {{rank: 0}}
+    at: {{file: 'step_*/rank_0.pt', when: {when}}}
+expect: {{completes: false, faults_landed: in_window}}
+"""
+    good, bad = tmp_path / "good.yaml", tmp_path / "bad.yaml"
+    good.write_text(scenario.format(when="modified"))
+    bad.write_text(scenario.format(when="written"))
+    proc = cli("validate", str(good))
+    assert proc.returncode == 0, proc.stderr
+    proc = cli("validate", str(bad))
+    assert proc.returncode == 2
+    assert (f"{bad}:6:42: faults.0.at.when: Input should be 'created', 'opened', 'modified', "
+            "'closed' or 'deleted'") in proc.stderr

@@ -35,7 +35,7 @@ print(f"notice read: {notice.read_text().strip()} s left", flush=True)
 SCENARIO = """\
 name: preempted
 system:
-  command: [{python}, job.py, '${{run_dir}}/NOTICE']
+  command: [{python}, job.py, NOTICE]   # in its working folder, where file faults land
 faults:
   - kind: preempt.notice
     at: {{time: 300ms}}
@@ -101,7 +101,7 @@ def test_an_installed_package_adds_a_fault_kind_a_scenario_can_use(
     assert fault["injected_at_s"] is not None
     run_dir = Path(record["run_dir"])
     assert "notice read: 7 s left" in (run_dir / "logs" / "launcher.stdout.log").read_text()
-    assert not (run_dir / "NOTICE").exists()  # withdrawn when the run ended
+    assert not (run_dir / "work" / "NOTICE").exists()  # withdrawn when the run ended
     events = run_dir / "events.jsonl"
     assert [e["kind"] for e in read_events(events, "fault_injected")] == ["preempt.notice"]
     assert [e["kind"] for e in read_events(events, "fault_healed")] == ["preempt.notice"]

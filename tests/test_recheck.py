@@ -185,3 +185,62 @@ def test_a_baseline_that_is_not_cached_is_reported_not_rerun(
     match = next(c for c in again.result.checks if c.name == "params_match")
     assert not match.passed
     assert "not available" in match.message
+
+
+PER_RANK_FILES = """\
+import os, subprocess, sys, time
+if len(sys.argv) > 1:  # a rank: its own file, as torchrun --redirects=3 lays them out
+    folder = os.path.join(os.environ["OUT"], "attempt_0", sys.argv[1])
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "stdout.log"), "w", buffering=1) as own:
+        for step in range(15):
+            own.write(f"epoch {step} loss 0.5\\n")
+            time.sleep(0.02)
+else:
+    ranks = [subprocess.Popen([sys.executable, __file__, str(r)]) for r in (0, 1)]
+    sys.exit(max(p.wait() for p in ranks))
+"""
+
+
+def _per_rank_scenario(folder: Path, step: str) -> Path:
+    path = folder / "files.yaml"
+    path.write_text(f"""\
+name: files
+system:
+  command: [{sys.executable}, job.py]
+  env: {{OUT: '${{run_dir}}/ranks'}}
+  world: 2
+  logs: ['${{run_dir}}/ranks/**/stdout.log']
+  probes: [{{pattern: 'epoch (?P<step>{step}) loss', event: step, stream: logs}}]
+expect: {{completes: true}}
+""")
+    return path
+
+
+@pytest.mark.slow
+def test_a_recheck_re_reads_the_per_process_log_files(tmp_path: Path) -> None:
+    """`report --recheck` re-read the launcher's pipes only: a fixed probe over `logs:`
+    files found nothing, and every step the broken probe had read was dropped."""
+    (tmp_path / "job.py").write_text(PER_RANK_FILES)
+    broken = _per_rank_scenario(tmp_path, r"\d")  # steps 10-14 read as 1
+    run_dir = tmp_path / "run"
+    from harness.runner import run_scenario
+    from harness.spec import load_scenario
+    first = run_scenario(load_scenario(broken), run_dir=run_dir)
+    assert first.metrics["steps_committed"] == 9
+    (tmp_path / "fixed").mkdir()
+    (tmp_path / "fixed" / "job.py").write_text(PER_RANK_FILES)
+    fixed = _per_rank_scenario(tmp_path / "fixed", r"\d+")
+    again = recheck(run_dir, scenario=fixed)
+    assert again.result.passed, again.result.checks
+    assert again.result.metrics["steps_committed"] == 14
+    steps = [e for e in again.events if e.event == "step"]
+    assert sorted((e.rank, e.fields["step"]) for e in steps) == [
+        (rank, step) for rank in (0, 1) for step in range(15)]
+    assert not again.notes
+    # Each step at the time the live run read its line, never a guess.
+    live = {(e["rank"], e["line"]): e["t"] for e in map(
+        json.loads, (run_dir / "events.jsonl").read_text().splitlines()) if e["event"] == "step"}
+    for e in steps:
+        if (e.rank, e.fields["line"]) in live:
+            assert e.t == pytest.approx(live[(e.rank, e.fields["line"])], abs=1e-5)

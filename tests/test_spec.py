@@ -217,11 +217,34 @@ def test_file_triggers_are_checked() -> None:
     (problem,) = at("{file: /abs/COMMIT}")
     assert "relative path" in problem
     (problem,) = at("{file: x, when: written}")
-    assert "'created', 'closed' or 'deleted'" in problem
+    assert "'created', 'opened', 'modified', 'closed' or 'deleted'" in problem
     (problem,) = at("{step: 3, when: closed}")
     assert "`when` needs `file`" in problem
     (problem,) = at("{file: x, step: 3}")
     assert "`file: GLOB`" in problem
+
+
+def test_triggers_inside_a_save_and_faults_landed() -> None:
+    """`opened` and `modified` hit a save over an existing file; `faults_landed` needs a
+    trigger whose moment can lie inside a write."""
+    def scenario(when: str, landed: str = "in_window") -> str:
+        return ("name: x\nsystem: {reference: trainer}\nfaults:\n  - kind: process.kill\n"
+                f"    target: {{rank: 0}}\n    at: {{file: snapshot.pt, when: {when}}}\n"
+                f"expect: {{faults_landed: {landed}}}\n")
+
+    for when in ("opened", "modified", "created"):
+        spec = parse_scenario(scenario(when))
+        assert spec.faults[0].at.describe() == f"file snapshot.pt {when}"
+        assert spec.expect.faults_landed == "in_window"
+    for when in ("closed", "deleted"):
+        (problem,) = problems(scenario(when))
+        assert "expect.faults_landed needs a fault triggered inside a write" in problem
+        assert "`closed` and `deleted` come after the write" in problem
+    (problem,) = problems(scenario("opened", "always"))
+    assert "expect.faults_landed: Input should be 'in_window'" in problem
+    (problem,) = problems("name: x\nsystem: {reference: trainer}\n"
+                          "expect: {faults_landed: in_window}\n")
+    assert "`at: {file: GLOB, when: opened}`" in problem
 
 
 def test_lose_unsynced_defaults_and_limits() -> None:
@@ -235,7 +258,11 @@ def test_lose_unsynced_defaults_and_limits() -> None:
              "  - {kind: storage.lose_unsynced, at: {step: 9}}\n")
     (problem,) = problems(twice)
     assert "at most one storage.lose_unsynced" in problem
-    command = ("name: x\nsystem: {command: [/bin/true]}\nfaults:\n"
+    # A plain command's files are in its working folder (${run_dir}/work): the whole of it
+    # may lose power. One that works in the run folder itself must name its folder.
+    assert parse_scenario("name: x\nsystem: {command: [/bin/true]}\nfaults:\n"
+                          "  - {kind: storage.lose_unsynced, at: {step: 5}}\n")
+    command = ("name: x\nsystem: {command: [/bin/true], cwd: '${run_dir}'}\nfaults:\n"
                "  - {kind: storage.lose_unsynced, at: {step: 5}}\n")
     (problem,) = problems(command)
     assert "needs `dir` (or `root`)" in problem

@@ -1,7 +1,9 @@
 """Fault-tolerant data-parallel training with torchft, in the style of torchft's own
 train_ddp example: each replica group is its own torchrun (REPLICA_GROUP_ID set), the
 groups meet through the lighthouse, and a group that fails rejoins by healing from a live
-peer while the others go on. It knows nothing about Aftershock.
+peer while the others go on. It knows nothing about Aftershock: it prints what torchft's
+train_ddp.py prints (its loss line, and torchft's own log lines through Python's logging),
+and Aftershock reads torchft's lines through the `torchft` preset.
 
     torchft_lighthouse --min_replicas 1 &
     REPLICA_GROUP_ID=0 NUM_REPLICA_GROUPS=2 torchrun --nproc-per-node=1 train.py
@@ -9,6 +11,7 @@ peer while the others go on. It knows nothing about Aftershock.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
@@ -21,6 +24,8 @@ from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGlo
 REPLICA_GROUP_ID = int(os.environ.get("REPLICA_GROUP_ID", 0))
 STEPS = int(sys.argv[1]) if len(sys.argv) > 1 else 40
 STEP_SLEEP = float(os.environ.get("STEP_SLEEP", "0.1"))
+
+logging.basicConfig(level=logging.INFO)  # as torchft's train_ddp.py: the Manager's lines
 
 
 def main() -> None:
@@ -45,8 +50,6 @@ def main() -> None:
     )
     ddp = DistributedDataParallel(manager, model)
     optimizer = Optimizer(manager, inner)
-    # Who this process is, for targeting by rank or replica (a log probe's `event: hello`).
-    print(f"[replica {REPLICA_GROUP_ID}] pid {os.getpid()}", flush=True)
     g = torch.Generator().manual_seed(REPLICA_GROUP_ID)
     while manager.current_step() < STEPS:
         x = torch.randn(32, 20, generator=g)
@@ -54,11 +57,7 @@ def main() -> None:
         loss = F.mse_loss(ddp(x), x.sum(dim=1, keepdim=True))
         loss.backward()
         optimizer.step()  # commits only if the quorum's allreduce succeeded
-        # The quorum names the world that committed the step: torchrun's restart count is
-        # per replica group, so only the quorum id says two groups trained together.
-        print(f"[replica {REPLICA_GROUP_ID}] step {manager.current_step()} quorum "
-              f"{manager._quorum_id} loss {loss.item():.5f} t={time.monotonic():.6f}",
-              flush=True)
+        print(f"[{manager.current_step()}] loss = {loss.item()}", flush=True)
         time.sleep(STEP_SLEEP)
 
 

@@ -15,8 +15,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
+from harness import presets
 from harness.logprobe import LogProbe
 from harness.schema import MAX_STEPS, MAX_WORLD, Duration, Strict
 from harness.systems import Driver, register
@@ -33,6 +34,11 @@ class CommandSystem(Strict):
     """
 
     command: list[str] = Field(min_length=1)
+    preset: str | list[str] | None = Field(
+        None, description="the frameworks whose own log lines become events without "
+        "writing probes: torchrun (its agent's worker failures), torchft (its Manager's "
+        "quorums, committed steps, heals; torchrun's too); more through the "
+        "`aftershock.presets` entry points (harness/presets.py). `probes` add to them")
     probes: list[LogProbe] = Field(default_factory=list)
     logs: list[str] = Field(
         default_factory=list, max_length=16,
@@ -72,6 +78,19 @@ class CommandSystem(Strict):
         "`at.phase`); default: whether the command line, a file it names or an `inputs` "
         "file calls it",
     )
+
+    @field_validator("preset")
+    @classmethod
+    def _known_presets(cls, value: str | list[str] | None) -> str | list[str] | None:
+        try:
+            presets.probes(value)
+        except KeyError as exc:
+            raise ValueError(exc.args[0]) from None
+        return value
+
+    def all_probes(self) -> list[LogProbe]:
+        """Its presets' probes, then its own."""
+        return [*presets.probes(self.preset), *self.probes]
 
     def workdir(self, scenario_dir: Path) -> Path:
         """Where the command's relative file names point: its ``cwd``, or the scenario's
@@ -284,7 +303,7 @@ class Command:
             cwd,
             env,
             system.world,
-            tuple(system.probes),
+            tuple(system.all_probes()),
             tuple(str(cwd / expand(pattern, values)) for pattern in system.logs),
             values,
         )
@@ -311,7 +330,7 @@ class Command:
             return (f"the system's `world: {system.world}` has ranks 0-{system.world - 1}; "
                     "give a rank of the world, or correct `world`")
         reported = {"rank", "pid"} if probed else set()
-        for p in system.probes:
+        for p in system.all_probes():
             if p.event == "hello":
                 reported |= set(re.compile(p.pattern).groupindex)
         if probed:
@@ -336,10 +355,16 @@ class Command:
         return system.steps
 
     def default_root(self, system: CommandSystem, run_dir: Path) -> Path:
-        return run_dir
+        """Where the job works, so a fault on its files finds them: its ``cwd`` (a relative
+        one, or one with ``${scenario_dir}``, is resolved against the scenario's folder by
+        the caller), else the fresh ``work`` folder :meth:`launch` gives it."""
+        if not system.cwd:
+            return run_dir / "work"
+        return Path(expand(system.cwd, {"run_dir": str(run_dir)}))
 
     def root_is_run_folder(self, system: CommandSystem) -> bool:
-        return True
+        marker = Path("/run_dir")
+        return Path(os.path.normpath(self.default_root(system, marker))) == marker
 
     def twin(self, system: CommandSystem) -> CommandSystem:
         return system
@@ -367,7 +392,7 @@ class Command:
         return None
 
     def log_probes(self, system: CommandSystem) -> list[LogProbe]:
-        return list(system.probes)
+        return system.all_probes()
 
     def replays(self, system: CommandSystem) -> bool:
         return False
@@ -383,7 +408,7 @@ class Command:
     def problems(self, scenario: Any) -> list[str]:
         system: CommandSystem = scenario.system
         expect = scenario.expect
-        probed = {p.event for p in system.probes}
+        probed = {p.event for p in system.all_probes()}
         problems: list[str] = []
         if expect.params_match and "params" not in probed:
             problems.append("expect.params_match on a command needs a log probe with "

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import ctypes
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from faults import _inotify
+from faults import _inotify, file_writers
 from faults._errors import FaultUnavailable
 from faults._inotify import FileWatch, matches
 
@@ -112,3 +114,68 @@ def test_a_full_watch_table_says_which_limit(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setattr(_inotify, "_libc", Limited)
     with pytest.raises(FaultUnavailable, match="max_user_watches"):
         FileWatch(tmp_path, "x", "created")
+
+
+def test_modified_counts_each_save_over_an_existing_file_once(tmp_path: Path) -> None:
+    """A save onto the file it resumes from (torch.save onto the same path) creates no name:
+    `modified` sees it, once per save however many writes it takes."""
+    (tmp_path / "snapshot.pt").write_bytes(b"old" * 100)
+    with FileWatch(tmp_path, "snapshot.pt", "modified") as watch:
+        (tmp_path / "snapshot.pt").read_bytes()  # a reader is not a save
+        assert watch.poll() == []
+        with open(tmp_path / "snapshot.pt", "wb") as handle:  # truncates: the save begins
+            assert settle(watch, 1) == ["snapshot.pt"]
+            for _ in range(3):
+                handle.write(b"new")
+                handle.flush()
+        with open(tmp_path / "snapshot.pt", "r+b") as handle:
+            handle.write(b"x")
+        assert settle(watch, 2) == ["snapshot.pt", "snapshot.pt"]
+        time.sleep(0.05)
+        assert watch.poll() == []
+
+
+def test_opened_counts_opens_for_writing_not_reads(tmp_path: Path) -> None:
+    target = tmp_path / "snapshot.pt"
+    target.write_bytes(b"old")
+    held: list[Path] = []
+    with FileWatch(tmp_path, "*.pt", "opened") as written, \
+            FileWatch(tmp_path, "*.pt", "opened", writing=lambda p: p in held) as asked:
+        target.read_bytes()
+        time.sleep(0.05)
+        assert written.poll() == []  # a read is not a save
+        assert asked.poll() == []
+        handle = open(target, "ab")  # noqa: SIM115  # no truncation, nothing written yet
+        time.sleep(0.05)
+        assert written.poll() == []  # open, but for what? nothing says yet
+        held.append(target)  # what a /proc scan of the run's processes would find
+        assert settle(asked, 1) == ["snapshot.pt"]
+        handle.write(b"more")
+        handle.close()
+        assert settle(written, 1) == ["snapshot.pt"]  # its write told
+        time.sleep(0.05)
+        assert asked.poll() == []  # one open, one count
+
+
+def test_writers_are_the_processes_holding_the_file_open_for_writing(tmp_path: Path) -> None:
+    target = tmp_path / "snapshot.pt"
+    target.write_bytes(b"old")
+    hold = "import sys, time; f = open(sys.argv[1], sys.argv[2]); print('ok', flush=True); " \
+           "time.sleep(60)"
+    procs = [subprocess.Popen([sys.executable, "-c", hold, str(target), mode],
+                              stdout=subprocess.PIPE, text=True) for mode in ("rb", "r+b")]
+    try:
+        for proc in procs:
+            assert proc.stdout is not None
+            assert proc.stdout.readline() == "ok\n"
+        reader, writer = (p.pid for p in procs)
+        assert file_writers([reader, writer, os.getpid()], target).writers == (writer,)
+        assert file_writers([reader], target).writers == ()  # only the processes named
+        (tmp_path / "other").write_bytes(b"new")
+        os.replace(tmp_path / "other", target)  # a new file under the name: nobody holds it
+        assert file_writers([reader, writer], target).writers == ()
+        assert file_writers([writer], tmp_path / "missing").writers == ()
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.communicate()

@@ -1,0 +1,156 @@
+"""Framework presets: the log probes for what a framework itself logs, declared once by name.
+
+A command's ``system: {preset: torchft}`` brings the probes a user would otherwise write by
+hand for the lines the framework prints whatever the job does: torchrun's agent (a worker
+that failed, with glog's own time), torchft's Manager (the quorum each process enters, the
+steps it commits, its heals and errors). Each preset is one small frozen object
+(:class:`Preset`) registered by name. Built-in presets live here; other packages add
+presets through the ``aftershock.presets`` entry-point group (an object, or a list of
+them), loaded on first use. A plug-in that is not a valid preset is named and skipped
+(:func:`broken`), never allowed to break a scenario that does not use it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+
+from harness.logprobe import LogProbe
+
+ENTRY_POINT_GROUP = "aftershock.presets"
+_NAME = re.compile(r"^[a-z][a-z0-9_.-]*$")
+
+
+@dataclass(frozen=True, slots=True)
+class Preset:
+    """A framework's own log lines, as events.
+
+    ``probes`` are ordinary log probes (harness/logprobe.py); ``includes`` names presets
+    whose probes come with this one (torchft jobs run under torchrun); ``logs`` says, for
+    the docs and for `validate`'s advice, which per-process files its lines are in."""
+
+    name: str
+    summary: str
+    probes: tuple[LogProbe, ...]
+    includes: tuple[str, ...] = ()
+    logs: str = ""
+
+
+_registry: dict[str, Preset] = {}
+_broken: dict[str, str] = {}  # entry point -> why it was skipped
+_loaded = False
+
+
+def register(preset: Preset) -> Preset:
+    """Add ``preset``; ValueError when it is not a valid one or its name is taken."""
+    if not isinstance(preset, Preset):
+        raise ValueError(f"not a harness.presets.Preset: {preset!r:.80}")
+    if not _NAME.match(preset.name):
+        raise ValueError(f"preset name {preset.name!r}: lower-case letters, digits, '_', "
+                         "'.', '-', starting with a letter")
+    if not preset.probes or not all(isinstance(p, LogProbe) for p in preset.probes):
+        raise ValueError(f"preset {preset.name!r}: its probes must be one or more LogProbe")
+    if preset.name in _registry and _registry[preset.name] is not preset:
+        raise ValueError(f"preset {preset.name!r} is registered twice")
+    _registry[preset.name] = preset
+    return preset
+
+
+def _load() -> None:
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    for entry in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            loaded = entry.load()
+            for preset in loaded if isinstance(loaded, list | tuple) else [loaded]:
+                register(preset)
+        except Exception as exc:  # a broken plug-in is named, not fatal
+            _broken[f"{entry.name} ({entry.value})"] = f"{type(exc).__name__}: {exc}"
+
+
+def get(name: str) -> Preset:
+    """The preset called ``name``; KeyError naming the known ones otherwise."""
+    _load()
+    try:
+        return _registry[name]
+    except KeyError:
+        skipped = (f"; skipped as broken: {', '.join(sorted(_broken))}" if _broken else "")
+        raise KeyError(f"unknown preset {name!r} (known: {', '.join(names())}{skipped})"
+                       ) from None
+
+
+def names() -> list[str]:
+    _load()
+    return sorted(_registry)
+
+
+def broken() -> dict[str, str]:
+    """Entry points of the ``aftershock.presets`` group that were skipped, and why."""
+    _load()
+    return dict(_broken)
+
+
+def probes(chosen: str | list[str] | None) -> list[LogProbe]:
+    """The probes of the presets ``chosen`` names, and of those they include, each once."""
+    wanted = [chosen] if isinstance(chosen, str) else list(chosen or [])
+    seen: list[str] = []
+    while wanted:
+        name = wanted.pop(0)
+        if name in seen:
+            continue
+        seen.append(name)
+        wanted.extend(get(name).includes)
+    return [p for name in reversed(seen) for p in get(name).probes]
+
+
+# --------------------------------------------------------------------------- built-in
+
+#: glog's time after its level letter (``E1206 05:33:20.916000 12093 file.py:1002] ...``).
+_GLOG_TIME = r"(?P<time>\d{4} \d\d:\d\d:\d\d\.\d+) +\d+ \S+\]"
+
+TORCHRUN = register(Preset(
+    name="torchrun",
+    summary="torchrun's elastic agent: a worker that failed, with its exit code and pid, "
+            "and the agent's decision to restart its group (with LOGLEVEL=INFO), at the "
+            "agent's own glog time (restarts also show in the process tree: `generations`)",
+    probes=(
+        LogProbe(pattern=r"[EW]" + _GLOG_TIME + r" failed \(exitcode: (?P<cause>-?\d+)\) "
+                 r"local_rank: \d+ \(pid: (?P<pid>\d+)\)",
+                 event="failure_detected", stream="stderr"),
+        # The restart decision, logged at INFO (LOGLEVEL=INFO): also a detection, for a
+        # worker group that failed without an exit code of its own (a peer's rendezvous).
+        LogProbe(pattern=r"I" + _GLOG_TIME + r" \[\w+\] (?P<cause>Worker group FAILED\. "
+                 r"\d+/\d+ attempts left; will restart worker group)",
+                 event="failure_detected", stream="stderr"),
+    ),
+    logs="`--log-dir=${run_dir}/torchrun --redirects=3` (no `--tee`): "
+         "`logs: ['${run_dir}/torchrun/**/*.log']`",
+))
+
+#: torchft's Manager prefixes each line with ``[<replica_id>/<group rank> - step N]``; the
+#: replica id is the job's (``train_ddp_1``) with ``:<uuid>`` of the process that runs it,
+#: and its trailing digits are the replica group's index (torchft's own reading of it).
+_FT = (r"\[(?P<replica_id>[^\s\[\]/]*?(?P<replica>\d*)(?::[0-9a-f-]+)?)/(?P<rank>\d+)"
+       r" - step ")
+
+TORCHFT = register(Preset(
+    name="torchft",
+    summary="torchft's Manager (with torchrun's agent): the quorum each process enters "
+            "(its world), each step it commits (should_commit=True, numbered as torchft "
+            "numbers it), heals and errors; each line proven written after the stamped "
+            "line before it in its file (the Rust half's)",
+    probes=(
+        LogProbe(pattern=_FT + r"\d+\] reconfiguring for quorum_id=(?P<generation>\d+)",
+                 event="world_changed"),
+        LogProbe(pattern=_FT + r"(?P<step>\d+)\] should_commit=True", event="step"),
+        LogProbe(pattern=_FT + r"(?P<step>\d+)\] Loaded state dict", event="recovery_done"),
+        LogProbe(pattern=_FT + r"\d+\] got exception in (?P<cause>.{1,200})",
+                 event="failure_detected"),
+    ),
+    includes=("torchrun",),
+    logs="torchrun's per-process files, stderr included (Python's logging writes there): "
+         "`logs: ['${run_dir}/torchrun/**/*.log']`",
+))
