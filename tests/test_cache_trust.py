@@ -37,8 +37,8 @@ def _run(folder: Path, cache: Path, name: str) -> dict:
     return next(c for c in record["checks"] if c["name"] == "params_match")
 
 
-@pytest.mark.parametrize("plant", ["world_writable_folder", "file_of_another_user"])
-def test_a_planted_twin_is_not_trusted(tmp_path: Path, plant: str) -> None:
+def _planted(tmp_path: Path) -> tuple[Path, Path]:
+    """A cache whose twin, recorded by a first run, now holds a wrong digest."""
     (tmp_path / "job.py").write_text(JOB)
     (tmp_path / "s.yaml").write_text(SCENARIO)
     cache = tmp_path / "cache"
@@ -47,6 +47,12 @@ def test_a_planted_twin_is_not_trusted(tmp_path: Path, plant: str) -> None:
     data = json.loads(cached.read_text())
     data["digests"] = {"0": "0badc0de"}
     cached.write_text(json.dumps(data))
+    return cache, cached
+
+
+@pytest.mark.parametrize("plant", ["world_writable_folder", "file_of_another_user"])
+def test_a_planted_twin_is_not_trusted(tmp_path: Path, plant: str) -> None:
+    cache, cached = _planted(tmp_path)
     if plant == "world_writable_folder":
         os.chmod(cache / "fault_free", 0o777)
     else:
@@ -60,12 +66,5 @@ def test_a_planted_twin_is_not_trusted(tmp_path: Path, plant: str) -> None:
 def test_an_owned_private_cache_is_used(tmp_path: Path) -> None:
     """The control: the same planted digest in a cache only we can write is believed (what
     the cache is for), so the first test fails for the reason it names."""
-    (tmp_path / "job.py").write_text(JOB)
-    (tmp_path / "s.yaml").write_text(SCENARIO)
-    cache = tmp_path / "cache"
-    assert _run(tmp_path, cache, "first")["passed"]
-    (cached,) = (cache / "fault_free").glob("*.json")
-    data = json.loads(cached.read_text())
-    data["digests"] = {"0": "0badc0de"}
-    cached.write_text(json.dumps(data))
+    cache, _ = _planted(tmp_path)
     assert not _run(tmp_path, cache, "second")["passed"]
