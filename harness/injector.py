@@ -79,9 +79,13 @@ class Injector:
     def __init__(
         self, faults_: Sequence[Any], *, target: Target, journal: Journal, timeline: Timeline,
         observer: Observer, seed: int, t0: float, root_of: Callable[[Any], str],
-        log_dir: Path, guarded: Sequence[str] = (),
+        log_dir: Path, guarded: Sequence[str] = (), read_writers: bool = True,
     ) -> None:
         self._faults = list(faults_)
+        # Whether a file-triggered fault first asks which of the run's processes hold its
+        # file open for writing (`faults_landed` needs it): a scan of their descriptors,
+        # which on a loaded machine can take long enough for a save to finish first.
+        self._read_writers = read_writers
         self._target = target
         self._journal = journal
         self._timeline = timeline
@@ -387,13 +391,16 @@ class Injector:
                 self._active.append(_Active(applied, len(self.records) - 1, heal_at))
 
     def _file_state(self, index: int, file: str) -> dict[str, Any]:
-        """The file a trigger named, now: its size (None: gone) and which of the run's
-        processes hold it open for writing (only the run's: the scan stays bounded)."""
+        """The file a trigger named, now: its size (None: gone) and, where the scenario
+        expects `faults_landed`, which of the run's processes hold it open for writing (only
+        the run's: the scan stays bounded); otherwise ``file_open`` is None (not read)."""
         path = Path(self._root_of(self._faults[index])) / file
         try:
             size: int | None = path.stat().st_size
         except OSError:
             size = None
+        if not self._read_writers:
+            return {"file_size": size, "file_open": None}
         held = faults.file_writers([ref.pid for ref in self._target.processes()], path)
         # Open, or not: unknown (None) when a process that might hold it could not be read.
         is_open = True if held.writers else None if held.unreadable else False

@@ -180,7 +180,8 @@ def execute(
     t0 = time.monotonic()
     injector = Injector(spec.faults, target=target, journal=journal, timeline=timeline,
                         observer=observer, seed=seed, t0=t0, root_of=root_of,
-                        log_dir=run_dir / "logs", guarded=_own_records.guarded(run_dir))
+                        log_dir=run_dir / "logs", guarded=_own_records.guarded(run_dir),
+                        read_writers=spec.expect.faults_landed is not None)
     loop = _Loop(list(spec.faults), timeline, observer, target, injector, schedule, triggers, t0,
                  timeout_s=spec.system.timeout.total_seconds(),
                  driver=scenario_load_driver(spec.load, launch.variables, seed=seed,
