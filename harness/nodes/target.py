@@ -36,6 +36,12 @@ KILL_S = 5.0  # how long teardown keeps ending processes of the run left on the 
 #: kernels use, which decides the bits and the platform a golden is recorded for
 #: (harness/golden.py).
 INHERITED = ("PYTHONPATH", "ATEN_CPU_CAPABILITY")
+#: Settings that change how kernels round: each node gets the harness's, as a local system's
+#: processes do, so the golden key and the oracle (harness/golden.py reads the same names)
+#: describe how the nodes really round (a run under MKL_CBWR=COMPATIBLE failed every node
+#: scenario's fault_free_golden: the oracle rounded one way, the nodes another).
+ROUNDING = ("MKL_", "OMP_", "KMP_", "GOMP_", "OPENBLAS_", "GOTO_", "BLIS_", "ATEN_", "DNNL_",
+            "ONEDNN_", "NVIDIA_TF32", "TORCH_ALLOW_TF32")
 
 
 class NodesTarget:
@@ -61,6 +67,9 @@ class NodesTarget:
         for name in INHERITED:
             if os.environ.get(name):
                 env.setdefault(name, os.environ[name])
+        for name, value in os.environ.items():
+            if name.startswith(ROUNDING) and name != "MKL_VERBOSE":
+                env.setdefault(name, value)
         self.cluster = Cluster(run_id=run_id, run_dir=run_dir, nodes=nodes, env=env,
                                cwd=launch.cwd, restart=restart, max_restarts=max_restarts,
                                mounts=mounts, node_loss_ok=node_loss_ok)
