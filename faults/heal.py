@@ -8,9 +8,12 @@ nothing behind.
 A heal trusts nothing it did not write (docs/security.md). Each item it looks
 at ends as one :class:`Healed`: ``undone``; ``refused`` (a journal file that is
 not ours or sits in a folder others can write, a malformed record, an undo
-record its kind's ``validate`` does not accept: nothing of it was touched);
-``failed`` (the undo raised, or the kind is unknown: the fault may still be
-applied); or ``skipped`` (a line cut short by a crash: harmless).
+record its kind's ``validate`` does not accept, or a place that changed since the
+fault acted, such as a run folder moved or swapped for a link (the revert raised
+:class:`UndoRefused`): nothing of it was touched); ``failed`` (the undo raised
+otherwise, or the kind is unknown: the fault may still be applied); or ``skipped``
+(a line cut short by a crash: harmless). Only ``undone`` entries are marked done,
+and the journal goes only when nothing else is left.
 """
 
 from __future__ import annotations
@@ -107,6 +110,14 @@ def validate_launch(undo: Mapping[str, Any], context: UndoContext) -> None:
     # carries it with this run id goes first.
     if "label" in undo:
         validate_nodes(undo, context)
+    # A run submitted to Slurm (harness/nodes/slurm_target.py) names its jobs: only the
+    # name made of this run id.
+    if "slurm_job_name" in undo:
+        from faults import slurm_cli as _slurm
+
+        if undo["slurm_job_name"] != _slurm.job_name(context.run_id):
+            raise UndoRefused(f"slurm_job_name {undo['slurm_job_name']!r} is not this "
+                              f"journal's run's {_slurm.job_name(context.run_id)!r}")
 
 
 def validate_nodes(undo: Mapping[str, Any], context: UndoContext) -> None:
@@ -162,6 +173,10 @@ def revert_entry(entry: Pending) -> None:
             from faults import _docker
 
             _docker.remove_run(str(entry.undo["value"]))
+        if "slurm_job_name" in entry.undo:  # the run's Slurm jobs: cancelled, waited for
+            from faults import slurm_cli as _slurm
+
+            _slurm.cancel_named(str(entry.undo["slurm_job_name"]))
         # The run's cgroup first: it holds even the processes that dropped the run id.
         group = entry.undo.get("cgroup")
         if group and not _cgroup.end_run_group(Path(group), str(entry.undo["value"])):

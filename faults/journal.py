@@ -400,7 +400,9 @@ class UndoContext:
         real = Path(os.path.realpath(journal))
         return cls(
             run_id=real.stem,
-            folders=tuple(Path(os.path.realpath(f)) for f in contents.folders),
+            # As recorded (real paths then), never resolved again: a folder swapped for a
+            # link since would make the link's target count as the run's.
+            folders=tuple(Path(os.path.normpath(f)) for f in contents.folders),
             state=real.parent.parent,
         )
 
@@ -431,6 +433,16 @@ class UndoContext:
         candidate = self._normal(value)
         real = Path(os.path.realpath(candidate))
         if any(real == f or real.is_relative_to(f) for f in self.folders):
+            return candidate
+        where = ", ".join(map(str, self.folders)) or "none recorded"
+        raise UndoRefused(f"{candidate} is outside this run's folders ({where})")
+
+    def inside(self, value: object) -> Path:
+        """A path inside one of the run's folders as written, nothing resolved: for an undo
+        that reaches it again through descriptors and checks what it finds there
+        (faults/_openat.py), so that a run folder moved or swapped since is named as such."""
+        candidate = self._normal(value)
+        if any(candidate == f or candidate.is_relative_to(f) for f in self.folders):
             return candidate
         where = ", ".join(map(str, self.folders)) or "none recorded"
         raise UndoRefused(f"{candidate} is outside this run's folders ({where})")

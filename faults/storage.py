@@ -32,7 +32,7 @@ from typing import Any
 
 from pydantic import Field, field_validator
 
-from faults import lazyfs
+from faults import _openat, lazyfs
 from faults._errors import FaultUnavailable
 from faults._proc import ProcessRef
 from faults.journal import (
@@ -179,10 +179,29 @@ def _listing(folder: Path, limit: int = 20) -> str:
     return f"{len(names)} file{'s' if len(names) != 1 else ''}" + (f": {shown}" if names else "")
 
 
-def _backup(path: Path, journal: Journal, kind: str) -> tuple[str, dict[str, Any]]:
-    """Copy ``path`` aside, journaled first, so revert can put it back."""
+def _backup(path: Path, root: Path, journal: Journal, kind: str, *, stays: bool
+            ) -> tuple[str, dict[str, Any]]:
+    """Copy ``path`` aside, journaled first, so revert can put it back.
+
+    The record also holds what a heal checks before it writes (faults/_openat.py): ``root``
+    and the identity (device, inode) of each folder from it down to the file's
+    (``chain``), and of the file as the fault leaves it (``file``; None when the fault
+    removes it, ``stays`` false)."""
+    where = Path(os.path.realpath(path.parent))
+    if not where.is_relative_to(root):
+        raise NothingToActOn(f"{path} is in {where}, outside {root}: it could not be "
+                             "restored safely")
+    below = where.relative_to(root).parts
+    folders = [root.joinpath(*below[:depth]) for depth in range(len(below) + 1)]
+    real = where / path.name
     backup = state_dir() / "backup" / uuid.uuid4().hex[:12] / path.name
-    undo = {"path": str(path), "backup": str(backup)}
+    undo = {
+        "path": str(real),
+        "backup": str(backup),
+        "root": str(root),
+        "chain": [list(_openat.identity(os.lstat(f))) for f in folders],
+        "file": _leaf(os.lstat(real)) if stays else None,
+    }
     entry = journal.intend(kind, undo)
     private_dir(backup.parent)
     if path.is_dir():
@@ -193,37 +212,109 @@ def _backup(path: Path, journal: Journal, kind: str) -> tuple[str, dict[str, Any
 
 
 def _maybe_backup(
-    path: Path, params: Mapping[str, Any], journal: Journal, kind: str
+    path: Path, params: Mapping[str, Any], journal: Journal, kind: str, *, stays: bool = True
 ) -> tuple[str | None, dict[str, Any]]:
     if params.get("restore", _OnFiles.default("restore")):
-        return _backup(path, journal, kind)
+        root = Path(str(params["root"])).resolve()
+        return _backup(path, root, journal, kind, stays=stays)
     return None, {}
 
 
 def _restore(undo: Mapping[str, Any]) -> None:
+    """Put the original back, through the very folders the fault acted in: reached from
+    ``/`` with no link followed and checked by identity (faults/_openat.py). Anything
+    changed since (the run folder moved, deleted or swapped for a link, a folder on the way
+    replaced, the file replaced) is refused, named, and the backup kept for the user."""
     backup = Path(str(undo["backup"]))
     if not backup.exists():
-        return  # restored already (or never copied: the fault was not applied)
+        return  # restored already (or never copied, or put back by hand)
     path = Path(str(undo["path"]))
-    if backup.is_dir():
-        if path.exists():
-            shutil.rmtree(path)
-        shutil.copytree(backup, path, symlinks=True)
-    else:
-        staged = path.with_name(f".{path.name}.aftershock-restore")
-        shutil.copy2(backup, staged)
-        os.replace(staged, path)  # atomic: a reader never sees half a restore
+    chain = [_openat.identity_of(i) for i in undo["chain"]]
+    try:
+        with _openat.folder(path.parent, chain) as parent:
+            _check_leaf(parent, path, undo.get("file"))
+            _put_back(backup, parent, path.name)
+    except UndoRefused as exc:
+        raise UndoRefused(
+            f"{exc}: nothing was restored. The original is kept in {backup}; copy it back "
+            f"by hand if you still want it, then delete {backup.parent} and run "
+            "`aftershock heal` again to close this entry") from None
     shutil.rmtree(backup.parent)
 
 
+def _leaf(st: os.stat_result) -> list[int]:
+    """A file's device, inode and type: a link made where a file was deleted often gets
+    the freed inode number, so the number alone does not tell them apart."""
+    return [st.st_dev, st.st_ino, stat.S_IFMT(st.st_mode)]
+
+
+def _check_leaf(parent: int, path: Path, left: object) -> None:
+    """The name is free, or holds what the fault left there (``left``, from ``_leaf``)."""
+    try:
+        st = os.lstat(path.name, dir_fd=parent)
+    except FileNotFoundError:
+        return  # nothing there to overwrite
+    if left is not None and _leaf(st) == left:
+        return
+    now = _openat.describe(parent, path.name)
+    if left is None:
+        raise UndoRefused(f"{path}, deleted by the fault, is {now} again, made after it")
+    raise UndoRefused(f"{path} is now {now}, not the file the fault changed (replaced "
+                      "after it)")
+
+
+def _put_back(backup: Path, parent: int, name: str) -> None:
+    """Copy ``backup`` to a staged name in ``parent``, then rename it over ``name``: atomic,
+    a reader never sees half a restore, and nothing is opened through a link there."""
+    staged = f".{name}.aftershock-restore"
+    with contextlib.suppress(FileNotFoundError):  # left by a heal that was killed
+        if stat.S_ISDIR(os.lstat(staged, dir_fd=parent).st_mode):
+            shutil.rmtree(staged, dir_fd=parent)
+        else:
+            os.unlink(staged, dir_fd=parent)
+    if backup.is_dir():
+        shutil.copytree(backup, _openat.proc_path(parent, staged), symlinks=True)
+    else:
+        st = os.stat(backup)
+        fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                     | os.O_CLOEXEC, 0o600, dir_fd=parent)
+        try:
+            with open(backup, "rb") as source, os.fdopen(fd, "wb", closefd=False) as out:
+                shutil.copyfileobj(source, out)
+            os.fchmod(fd, stat.S_IMODE(st.st_mode))
+            os.fsync(fd)
+            os.utime(fd, ns=(st.st_atime_ns, st.st_mtime_ns))
+        finally:
+            os.close(fd)
+    os.replace(staged, name, src_dir_fd=parent, dst_dir_fd=parent)
+
+
 def _validate_restore(undo: Mapping[str, Any], context: UndoContext) -> None:
-    """A file of the run, and its copy in <state>/backup/<token>/ under the same name."""
+    """A file of the run, its copy in <state>/backup/<token>/ under the same name, and the
+    identities a heal checks before it writes (``_restore``)."""
     if not undo:
         return  # not restorable: nothing is done on revert
-    path = context.path(undo.get("path"))
+    path = context.inside(undo.get("path"))
     parts = context.state_path(undo.get("backup"), "backup")
     if parts[1:] != (path.name,):
         raise UndoRefused(f"backup {undo.get('backup')} is not a copy of {path.name}")
+    root, chain = undo.get("root"), undo.get("chain")
+    if root is None or chain is None:
+        raise UndoRefused(f"{path}: recorded without the identity of its folders (by an "
+                          f"older Aftershock), so it cannot be restored safely; the original "
+                          f"is kept in {undo.get('backup')}")
+    root = context.inside(root)
+    if path.parent != root and not path.parent.is_relative_to(root):
+        raise UndoRefused(f"{path} is not under the fault's root {root}")
+    depth = len(path.parent.relative_to(root).parts) + 1
+    if not (isinstance(chain, list) and len(chain) == depth
+            and all(_openat.identity_of(i) is not None for i in chain)):
+        raise UndoRefused(f"chain {chain!r} is not the identities of the {depth} folder(s) "
+                          f"from {root} down to {path.parent}")
+    left = undo.get("file")
+    if left is not None and not (isinstance(left, list) and len(left) == 3 and all(
+            isinstance(v, int) and not isinstance(v, bool) for v in left)):
+        raise UndoRefused(f"file {left!r} is not a device, inode and type")
 
 
 def _keep_times(path: Path) -> tuple[int, int]:
@@ -335,7 +426,7 @@ class Delete(_Storage):
         folder = path.is_dir() and not path.is_symlink()
         # What went with it: a sharded checkpoint's folder is many files.
         detail = f"deleted {path}" + (f" ({_listing(path)})" if folder else "")
-        entry, undo = _maybe_backup(path, params, journal, self.info.kind)
+        entry, undo = _maybe_backup(path, params, journal, self.info.kind, stays=False)
         if folder:
             shutil.rmtree(path)
         else:
@@ -358,15 +449,10 @@ def _tool(name: str) -> str:
     return found
 
 
-def _top_mount(folder: Path) -> str | None:
-    """The source name of the last (topmost) mount on ``folder``, if any."""
-    top = None
-    with open("/proc/self/mounts") as handle:
-        for line in handle:
-            cols = line.split()
-            if len(cols) > 1 and cols[1].replace("\\040", " ") == str(folder):
-                top = cols[0]
-    return top
+def _ours(source: str) -> list[_openat.Mount]:
+    """The tmpfs mounts named ``source``, wherever they are now (a run folder moved since
+    the fault takes its mount with it), the topmost first."""
+    return [m for m in reversed(_openat.mounts()) if m.source == source and m.fstype == "tmpfs"]
 
 
 def _footprint(folder: Path, page: int) -> int:
@@ -381,16 +467,29 @@ def _footprint(folder: Path, page: int) -> int:
 
 
 def _mirror(source: Path, dest: Path) -> None:
-    """Make ``dest`` hold exactly what ``source`` holds."""
+    """Make ``dest`` hold exactly what ``source`` holds. Whatever in ``dest`` is not a
+    folder in both goes first, so no file is written through a link left in ``dest``."""
     keep = set(os.listdir(source))
     for name in os.listdir(dest):
-        if name not in keep:
-            victim = dest / name
-            if victim.is_dir() and not victim.is_symlink():
-                shutil.rmtree(victim)
-            else:
-                victim.unlink()
-    shutil.copytree(source, dest, symlinks=True, dirs_exist_ok=True)
+        victim, origin = dest / name, source / name
+        if name in keep and _real_dir(origin) and _real_dir(victim):
+            _mirror(origin, victim)
+        elif _real_dir(victim):
+            shutil.rmtree(victim)
+        else:
+            victim.unlink()
+    for name in keep:
+        origin, copy = source / name, dest / name
+        if os.path.lexists(copy):
+            continue  # a folder in both: mirrored above
+        if _real_dir(origin):
+            shutil.copytree(origin, copy, symlinks=True)
+        else:
+            shutil.copy2(origin, copy, follow_symlinks=False)
+
+
+def _real_dir(path: Path) -> bool:
+    return path.is_dir() and not path.is_symlink()
 
 
 class Full(_Storage):
@@ -409,8 +508,7 @@ class Full(_Storage):
         return "dir", True
 
     def inject(self, target: ProcessRef, params: Mapping[str, Any], journal: Journal) -> Applied:
-        mount, umount = _tool("mount"), _tool("umount")
-        del umount  # checked now: a revert without it could not unmount
+        mount = _tool("mount")
         p = FullParams.bind(params)
         root = Path(str(params["root"])).resolve()
         folder = (root / p.dir).resolve()
@@ -425,15 +523,22 @@ class Full(_Storage):
         size = max(page, _footprint(folder, page) + -(-free // page) * page)
         token = uuid.uuid4().hex[:12]
         source = f"aftershock_{token}"
-        st = folder.stat()
+        below = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)  # still sees the disk after
+        st = os.fstat(below)
         undo = {
             "dir": str(folder),
             "source": source,
             "stash": str(state_dir() / "storage" / token),
             "write_back": p.write_back,
+            # The folder under the mount: a heal mirrors the stash only into this very
+            # folder, wherever it has moved (the mount itself is found by its source).
+            "below": list(_openat.identity(st)),
         }
-        below = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)  # still sees the disk after
-        entry = journal.intend(self.info.kind, undo)
+        try:
+            entry = journal.intend(self.info.kind, undo)
+        except BaseException:
+            os.close(below)
+            raise
         try:
             options = f"size={size},mode={st.st_mode & 0o7777:o},uid={st.st_uid},gid={st.st_gid}"
             result = subprocess.run(
@@ -460,29 +565,68 @@ class Full(_Storage):
         return Applied(self.info.kind, entry, undo, detail)
 
     def revert(self, undo: Mapping[str, Any]) -> None:
+        """Unmount the tmpfs where it is now, found by its source name in mountinfo, not by
+        the recorded path (the run folder may have moved), reached without following a link
+        and checked to be that mount (its device); then mirror what was written on it into
+        the folder below, if that is still the folder the fault mounted over."""
+        source, stash = str(undo["source"]), Path(str(undo["stash"]))
         folder = Path(str(undo["dir"]))
-        stash = Path(str(undo["stash"]))
-        if _top_mount(folder) == undo["source"]:
-            if undo.get("write_back", True):
-                staging = stash.with_name(stash.name + ".tmp")
-                shutil.rmtree(staging, ignore_errors=True)
-                private_dir(staging.parent)
-                shutil.copytree(folder, staging, symlinks=True)
-                shutil.rmtree(stash, ignore_errors=True)
-                staging.rename(stash)  # whole, or not at all: a half copy is never mirrored
-            umount = _tool("umount")
-            done = subprocess.run([umount, str(folder)], capture_output=True, check=False)
-            if done.returncode != 0:  # busy: detach now, the kernel frees it when unused
-                subprocess.run([umount, "-l", str(folder)], capture_output=True, check=False)
-            if _top_mount(folder) == undo["source"]:
-                raise RuntimeError(f"could not unmount the tmpfs on {folder}")
-        if stash.exists():
-            _mirror(stash, folder)
-            shutil.rmtree(stash)
+        for _ in range(16):  # a mount propagated to peers may need one detach each
+            found = _ours(source)
+            if not found:
+                break
+            folder = found[0].point
+            self._detach(found[0], stash, bool(undo.get("write_back", True)))
+        else:
+            raise RuntimeError(f"the tmpfs {source} is still mounted on {folder} after 16 "
+                               f"unmounts: unmount it yourself (umount -l {folder})")
+        if not stash.exists():
+            return
+        below = _openat.identity_of(undo.get("below"))
+        try:
+            with _openat.folder(folder, [below]) as fd:
+                _mirror(stash, _openat.proc_path(fd))
+        except UndoRefused as exc:
+            raise UndoRefused(
+                f"{exc}: the tmpfs is unmounted, but what was written on it during the fault "
+                f"is kept in {stash} and was not copied back; copy what you want of it by "
+                f"hand, then delete {stash} and run `aftershock heal` again to close this "
+                "entry") from None
+        shutil.rmtree(stash)
+
+    @staticmethod
+    def _detach(mount: _openat.Mount, stash: Path, write_back: bool) -> None:
+        point = mount.point
+        try:
+            with _openat.folder(point) as fd:
+                if os.fstat(fd).st_dev != mount.dev:
+                    raise UndoRefused(f"{point} is not the root of the tmpfs {mount.source} "
+                                      "(changed while it was looked at)")
+                if write_back:
+                    staging = stash.with_name(stash.name + ".tmp")
+                    shutil.rmtree(staging, ignore_errors=True)
+                    private_dir(staging.parent)
+                    shutil.copytree(_openat.proc_path(fd), staging, symlinks=True)
+                    shutil.rmtree(stash, ignore_errors=True)
+                    staging.rename(stash)  # whole, or not at all: a half copy is never mirrored
+                # Detached through the descriptor (it would keep a plain unmount busy
+                # anyway): the kernel frees the tmpfs once the last file on it is closed.
+                _openat.detach(fd)
+        except (UndoRefused, OSError) as exc:
+            raise RuntimeError(
+                f"the tmpfs {mount.source} is still mounted on {point} (mount id {mount.id}) "
+                f"and was left there: {exc}. Unmount it yourself (umount -l {point}), then "
+                "run `aftershock heal` again") from None
+        if any(m.id == mount.id for m in _openat.mounts()):
+            raise RuntimeError(f"could not unmount the tmpfs {mount.source} on {point} "
+                               f"(mount id {mount.id}): unmount it yourself (umount -l "
+                               f"{point}), then run `aftershock heal` again")
 
     def validate(self, undo: Mapping[str, Any], context: UndoContext) -> None:
         """The run's folder, a tmpfs named by the engine, its stash in the state folder."""
-        context.path(undo.get("dir"))
+        context.inside(undo.get("dir"))
+        if undo.get("below") is not None and _openat.identity_of(undo["below"]) is None:
+            raise UndoRefused(f"below {undo['below']!r} is not a device and inode")
         source = context.name(undo.get("source"))
         if context.state_path(undo.get("stash"), "storage") != (source.removeprefix(NAME_PREFIX),):
             raise UndoRefused(f"stash {undo.get('stash')} is not the stash of {source}")

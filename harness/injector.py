@@ -339,8 +339,8 @@ class Injector:
         ranks, label = found.ranks, found.label
         for group in ([found.chosen] if together else [[rank] for rank in found.chosen]):
             rank = group[0]
-            resolve = getattr(kind, "resolve", None)
-            if callable(resolve) and label is None:
+            resolve = faults.hooks(kind).resolve
+            if resolve is not None and label is None:
                 try:
                     params = resolve(params, self._published.get(rank, {}))
                 except ValueError as exc:
@@ -430,16 +430,15 @@ class Injector:
                 item.heal_at = time.monotonic() + item.duration.total_seconds()
 
     def _heal(self, item: _Active) -> None:
-        kind = faults.get(item.applied.kind)
-        try:
-            kind.revert(item.applied.undo)
-        finally:
-            if item.applied.journal_id:
-                self._journal.done(item.applied.journal_id)
-            ev = self._timeline.emit("fault_healed", kind=item.applied.kind)
-            self._observer.event(ev)
-            old = self.records[item.record_index]
-            self.records[item.record_index] = FaultRecord(
-                old.kind, old.target, old.injected_at_s, round(ev.t - self._t0, 4), old.detail,
-                old.fault,
-            )
+        """Undo one fault. One whose undo raised is not healed: its journal entry stays
+        pending (``aftershock heal`` reports it) and the timeline does not say healed."""
+        faults.get(item.applied.kind).revert(item.applied.undo)
+        if item.applied.journal_id:
+            self._journal.done(item.applied.journal_id)
+        ev = self._timeline.emit("fault_healed", kind=item.applied.kind)
+        self._observer.event(ev)
+        old = self.records[item.record_index]
+        self.records[item.record_index] = FaultRecord(
+            old.kind, old.target, old.injected_at_s, round(ev.t - self._t0, 4), old.detail,
+            old.fault,
+        )

@@ -406,11 +406,11 @@ def test_bad_files_and_records_are_reported_and_the_rest_is_healed(tmp_path: Pat
 def test_heal_exits_1_when_an_undo_failed(tmp_path: Path) -> None:
     """An own, valid record whose undo fails: a fault may still be applied, so CI must see it."""
     run = tmp_path / "run"
-    run.mkdir()
-    (run / "ckpt").write_text("a file where the record says a folder was mounted")
+    (run / "ckpt").mkdir(parents=True)
+    below = os.stat(run / "ckpt")
     stash = state_dir() / "storage" / "0123456789ab"
-    stash.mkdir(parents=True)
-    (stash / "step_1.pt").write_text("written during the fault")
+    stash.parent.mkdir(parents=True)
+    stash.write_text("a file where the stash of what was written should be a folder")
     folder = state_dir() / "journal"
     folder.mkdir(mode=0o700)
     path = folder / "run-fails.jsonl"
@@ -418,7 +418,8 @@ def test_heal_exits_1_when_an_undo_failed(tmp_path: Path) -> None:
                                 "folders": [str(run)]}) + "\n" + json.dumps(
         {"t": 0, "op": "fault", "id": "s1", "kind": "storage.full",
          "undo": {"dir": str(run / "ckpt"), "source": "aftershock_0123456789ab",
-                  "stash": str(stash), "write_back": True}}) + "\n")
+                  "stash": str(stash), "write_back": True,
+                  "below": [below.st_dev, below.st_ino]}}) + "\n")
     os.chmod(path, 0o600)
     done = _heal_cli()
     assert done.returncode == 1, done.stdout + done.stderr
