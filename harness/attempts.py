@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from harness import _files
 from harness.records import Event, ProcessEnd
 
 TAIL_BYTES = 64 * 1024  # read of a process's log or error file, from its end
@@ -76,7 +77,10 @@ class LauncherExit:
 def read_tail(path: str | Path, limit: int = TAIL_BYTES) -> str:
     """The last ``limit`` bytes of a file, from its first whole line; "" if unreadable."""
     try:
-        with open(path, "rb") as handle:
+        # The job's own file: never a FIFO waited on, a device or a link followed.
+        with _files.open_regular(Path(path)) as handle:
+            if handle is None:
+                return ""
             size = handle.seek(0, os.SEEK_END)
             start = max(0, size - limit)
             handle.seek(start)

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 from faults import contract
 from faults.journal import unsafe_folder
-from harness import golden, systems
+from harness import _files, golden, systems
 from harness import metrics as _metrics
 from harness._paths import cache_dir as cache_dir  # re-exported: runner, recheck
 from harness.checks import Outcome
@@ -87,9 +87,8 @@ def fault_free_result(
     cached = cache_dir() / "fault_free" / f"{key}.json"
     distrust = untrusted(cached) if use_cache and os.path.lexists(cached) else None
     if use_cache and cached.exists() and distrust is None:
-        with contextlib.suppress(ValueError, OSError, KeyError):
-            data = json.loads(cached.read_text())
-            return dict(data[what]), f"cached ({cached})"
+        with contextlib.suppress(ValueError, OSError, KeyError, TypeError):
+            return read_cached(cached, what), f"cached ({cached})"
     execution = run(twin_of(spec))
     found: dict[str, Any]
     if what == "outputs":
@@ -109,6 +108,18 @@ def fault_free_result(
 
 #: How a note on a twin that the cache had but could not prove its own begins.
 UNTRUSTED = "cached twin not trusted"
+
+
+#: The largest cached twin read (one holds a digest per rank, or a few hundred requests).
+CACHED_LIMIT = 16 << 20
+
+
+def read_cached(path: Path, what: str) -> dict[str, Any]:
+    """A cached twin's ``digests`` or ``outputs``, read as a regular file, capped (check
+    :func:`untrusted` first). ValueError, OSError, KeyError or TypeError if it is no twin."""
+    data = _files.loads(_files.read_capped(path, CACHED_LIMIT, what="a cached twin"),
+                        depth=16)
+    return dict(data[what])
 
 
 def untrusted(path: Path) -> str | None:

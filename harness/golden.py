@@ -44,15 +44,15 @@ import json
 import os
 import platform
 import re
-import stat
 import subprocess
 import sys
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness import systems
+from harness import _files, systems
 from harness._paths import cache_dir
 from harness.errors import HarnessError, SpecError
 from harness.records import CheckResult
@@ -62,6 +62,8 @@ FILE = "golden.json"
 CHECK = "fault_free_golden"
 ABOUT = ("Golden results of the fault-free twins of the scenarios in this folder, recorded on "
          "purpose with `aftershock golden --update`; see docs/scenarios.md (Golden results).")
+#: The largest golden file read (the shipped ones are a few KiB: one entry per twin and host).
+MAX_BYTES = 4 << 20
 
 def twin_system(spec: Scenario) -> dict[str, Any]:
     """The part of ``spec.system`` that decides its fault-free twin's result, ``env`` aside
@@ -217,12 +219,12 @@ def _read_cached(path: Path, key: str) -> Calibration | None:
     """A cached calibration, only if it is one this harness wrote for this key: a regular
     file of this user's, writable by no one else, small, of this format and key, with a
     key of 64 hex digits and a one-line platform. Anything else is asked again."""
+    from harness.baseline import untrusted  # baseline imports this module
+
+    if untrusted(path) is not None:
+        return None
     try:
-        info = path.lstat()
-        if (not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid()
-                or info.st_mode & 0o022 or info.st_size > 4096):
-            return None
-        data = json.loads(path.read_text())
+        data = _files.loads(_files.read_capped(path, 4096, what="a calibration"), depth=2)
     except (OSError, ValueError):
         return None
     if not isinstance(data, dict) or set(data) != {"format", "cache_key", "key", "platform"}:
@@ -338,18 +340,94 @@ def key_of(spec: Scenario, seed: int) -> Key:
                tuple(settings_of(spec).items()))
 
 
+def distrust(path: Path) -> str | None:
+    """Why the golden file ``path`` (or, where there is none yet, its folder) cannot be
+    believed, or None: the twin cache's rules (baseline.untrusted, the heal journal's for
+    the folder). Anyone who could write either could plant a golden that fails a correct
+    run or passes a broken one."""
+    from faults.journal import unsafe_folder
+    from harness.baseline import untrusted  # baseline imports this module
+
+    problem = untrusted(path) if os.path.lexists(path) else unsafe_folder(path.parent)
+    if problem is None:
+        return None
+    me = os.geteuid()
+    return (f"{path}:1:1: not trusted: {problem}. A golden is believed only from a regular "
+            f"file and folder of this user's (uid {me}) that no one else can write: if you "
+            f"trust what is in them, `chown {me} {path.parent} {path}` and `chmod go-w "
+            f"{path.parent} {path}`; else record the goldens again")
+
+
 def read(path: Path) -> list[dict[str, Any]]:
-    """The entries of a golden file; ValueError if it is not one."""
+    """The entries of a golden file; ValueError, naming the file and what is wrong, if it
+    is not one, is not trusted (:func:`distrust`), or is over :data:`MAX_BYTES`."""
+    problem = distrust(path)
+    if problem is not None:
+        raise ValueError(problem)
     try:
-        data = json.loads(path.read_text())
+        raw = _files.read_capped(path, MAX_BYTES, what="a golden file")
+    except _files.Refused as exc:
+        raise ValueError(f"{path}:1:1: {str(exc).removeprefix(f'{path}: ')}") from None
     except OSError as exc:
-        raise ValueError(f"{path}: cannot read ({exc.strerror})") from None
+        raise ValueError(f"{path}:1:1: cannot read ({exc.strerror})") from None
+    try:
+        data = _files.loads(raw, depth=16)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}:{exc.lineno}:{exc.colno}: not JSON ({exc.msg})") from None
     except ValueError as exc:
-        raise ValueError(f"{path}: not JSON ({exc})") from None
+        raise ValueError(f"{path}:1:1: not JSON ({exc})") from None
     entries = data.get("goldens") if isinstance(data, dict) else None
-    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
-        raise ValueError(f"{path}: no `goldens` list")
+    if not isinstance(entries, list):
+        raise ValueError(f"{path}:1:1: no `goldens` list (an object with a list of entries)")
+    for index, entry in enumerate(entries):
+        wrong = _malformed(entry)
+        if wrong is not None:
+            raise ValueError(f"{path}:1:1: goldens.{index}{wrong}")
     return entries
+
+
+def problems(scenarios: Sequence[LoadedScenario], *, writing: bool) -> list[str]:
+    """What is wrong with the golden files of these scenarios' folders (malformed, not a
+    regular file, too large, not trusted), one line each; with ``writing``, a folder that
+    holds none yet must be trusted too (what is recorded there is believed later)."""
+    found: list[str] = []
+    paths = [path_of(s.path) for s in scenarios if what_of(s.spec) is not None]
+    for path in dict.fromkeys(paths):
+        if os.path.lexists(path):
+            try:
+                read(path)
+            except ValueError as exc:
+                found.append(str(exc))
+        elif writing and (problem := distrust(path)) is not None:
+            found.append(problem)
+    return found
+
+
+def _malformed(entry: Any) -> str | None:
+    """What is wrong with one entry of a golden file (``.field: ...``), or None."""
+    if not isinstance(entry, dict):
+        return f": {_shown(entry)} is not an object"
+    fields: list[tuple[str, Any, str]] = [
+        ("system", dict, "an object"), ("seed", int, "an integer"), ("key", str, "a string"),
+        ("platform", str, "a string"), ("scenarios", list, "a list"),
+        ("digests", dict, "an object"), ("outputs_sha256", str, "a string"),
+        ("requests", int, "an integer"), ("checked_by", str, "a string")]
+    for name, kind, what in fields:
+        value = entry.get(name)
+        required = name in ("system", "seed")
+        if (value is None and not required) or (isinstance(value, kind)
+                                                and not isinstance(value, bool)):
+            continue
+        return f".{name}: {_shown(value)} is not {what}"
+    for rank, digest in dict(entry.get("digests") or {}).items():
+        if not rank.isdigit() or not isinstance(digest, str):
+            return f".digests.{_shown(rank)}: not a rank number with a digest string"
+    return None
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def write(path: Path, entries: list[dict[str, Any]]) -> None:
@@ -357,9 +435,16 @@ def write(path: Path, entries: list[dict[str, Any]]) -> None:
                                              int(e.get("seed", 0)),
                                              json.dumps(e.get("system"), sort_keys=True)))
     text = json.dumps({"about": ABOUT, "goldens": ordered}, indent=2) + "\n"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+        os.chmod(tmp, 0o644)  # what a checked-in file has; mkstemp's 0600 is not shared
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def entry_for(key: Key, what: str, found: Mapping[Any, Any], scenarios: Sequence[str],
@@ -389,7 +474,7 @@ def check(loaded: LoadedScenario, *, seed: int, what: str,
     golden is missing or differs, against the independent oracle: a mismatch is a verdict only
     when an independent witness agrees. None when the folder keeps no goldens."""
     path = path_of(loaded.path)
-    if what_of(loaded.spec) != what or not path.exists():
+    if what_of(loaded.spec) != what or not os.path.lexists(path):
         return None
     expected = "equal to its golden result"
     if found is None:
@@ -603,8 +688,11 @@ def update(scenarios: Sequence[LoadedScenario], *, seed: int | None, use_cache: 
 def _record(loaded: LoadedScenario, *, seed: int, what: str, found: Mapping[str, Any],
             checked_by: str) -> Update:
     path = path_of(loaded.path)
+    problem = distrust(path)  # its folder too: what is written there must be believed later
+    if problem is not None:
+        return Update(loaded.path, "refused", problem)
     try:
-        entries = read(path) if path.exists() else []
+        entries = read(path) if os.path.lexists(path) else []
     except ValueError as exc:
         return Update(loaded.path, "failed", f"{exc}; fix or delete it")
     key = key_of(loaded.spec, seed)
@@ -634,7 +722,10 @@ def _prune(updated: Sequence[LoadedScenario]) -> None:
         if not (folder / FILE).exists() or any(_compares(p) for p in present - done):
             continue
         used = [twin_system(m.spec) for m in members]
-        entries = read(folder / FILE)
+        try:
+            entries = read(folder / FILE)
+        except ValueError:  # refused or malformed: its scenarios' updates said so
+            continue
         kept = [e for e in entries if e.get("system") in used and e.get("key")]
         if len(kept) != len(entries):
             write(folder / FILE, kept)

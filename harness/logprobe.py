@@ -5,20 +5,32 @@ One home for what the live run (harness/target.py, as each line is read) and a r
 differently: named groups become fields, ``step``, ``rank`` and ``generation`` integers, the
 rank read from torchrun's ``[N]:`` prefix when the pattern has none, and the line's own
 ``time`` group, where it makes sense, as the event's time (docs/metrics.md).
+
+Probes are matched with the ``regex`` package, not ``re``: a user's pattern that backtracks
+(``(a+)+b`` on a 64 KiB line of ``a``) runs for hours under ``re``, holding the GIL, so the
+whole harness stops reading and triggering while the job goes on. ``regex`` takes ``re``'s
+syntax as it is (named groups, lookarounds, backreferences: RE2 refuses the last two, so a
+working scenario would stop validating) and gives up after ``timeout=`` seconds, counted in
+the harness process's CPU time, not wall time: a busy machine does not make a sound probe
+give up. A line a probe gave up on is a ``probe_timeout`` event (:func:`line_events`), and a
+check that reads that probe's events is "not observed" (:func:`unread`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
 import re
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Literal, get_args
 
+import regex
 from pydantic import Field, field_validator, model_validator
 
-from harness.records import Event
+from harness.records import CheckResult, Event
 from harness.schema import Strict
 
 #: Event kinds a log probe may produce (see docs/events.md).
@@ -71,10 +83,10 @@ class LogProbe(Strict):
     @classmethod
     def _compiles(cls, value: str) -> str:
         try:
-            compiled = re.compile(value)
-        # re.compile raises OverflowError for a{99999999999} and runs out of stack on a few
-        # hundred nested groups.
-        except (re.error, OverflowError, RecursionError) as exc:
+            compiled = regex.compile(value)
+        # Compiled as the run matches it (the `regex` package, above): it refuses
+        # a{99999999999} itself, and runs out of stack on a few hundred nested groups.
+        except (regex.error, OverflowError, RecursionError) as exc:
             raise ValueError(f"not a valid regular expression: {exc}") from None
         if "world" in compiled.groupindex:
             raise ValueError("a (?P<world>...) group: name the world's identity "
@@ -83,7 +95,7 @@ class LogProbe(Strict):
 
     @model_validator(mode="after")
     def _clock_needs_time(self) -> LogProbe:
-        if self.clock != "monotonic" and "time" not in re.compile(self.pattern).groupindex:
+        if self.clock != "monotonic" and "time" not in regex.compile(self.pattern).groupindex:
             raise ValueError(f"clock: {self.clock} needs a (?P<time>...) group in pattern")
         return self
 
@@ -91,7 +103,7 @@ class LogProbe(Strict):
     def _step_needs_its_number(self) -> LogProbe:
         # A step event without its number moves no step trigger and counts no step: the
         # run would fail later with "trigger step N not reached", naming no cause.
-        groups = re.compile(self.pattern).groupindex
+        groups = regex.compile(self.pattern).groupindex
         if self.event == "hello" and "pid" not in groups:
             raise ValueError("an `event: hello` probe needs a (?P<pid>...) group in pattern: "
                              "it says which process is which rank (and `replica`, `shard`, "
@@ -113,28 +125,66 @@ TIMES_SUFFIX = ".times"
 #: ``<offset> <monotonic read time> <path>``.
 TAILED_TIMES = "tailed.times"
 
-CompiledProbes = list[tuple[LogProbe, "re.Pattern[str]"]]
+CompiledProbes = list[tuple[LogProbe, "regex.Pattern[str]"]]
+
+#: Each probe's time on one line, in CPU seconds of the harness process (the `regex`
+#: package's clock). A linear pattern reads a 64 KiB line in about a millisecond; one that
+#: needs more backtracks. A line given up costs the reader at most this, so a stray line
+#: delays the step lines behind it by a fraction of a second; a job that prints many still
+#: outruns the reader, which the run then says (``log_unread``). The match holds the GIL
+#: (``concurrent`` left off): with it released, the harness's other threads would spend the
+#: probe's budget, which is counted over the whole process.
+PROBE_LINE_S = 0.25
+#: Characters of one line the probes read (the launcher's pipes and the tailed files are cut
+#: at 64 KiB already, harness/target.py's LINE_LIMIT; this holds for a re-check too). A
+#: longer line is read up to here, and its events say so (``line_cut``).
+PROBE_LINE_CHARS = 64 * 1024
+#: The timeline event for a line a probe gave up on (docs/events.md).
+PROBE_TIMEOUT = "probe_timeout"
+#: The timeline event for lines the reader had not given to the probes when the run ended.
+LOG_UNREAD = "log_unread"
 
 
 def compile_probes(probes: Sequence[LogProbe], stream: str) -> CompiledProbes:
     """The probes that read ``stream`` (stdout, stderr, or logs: a per-process file),
     compiled."""
-    return [(p, re.compile(p.pattern)) for p in probes if p.stream in (stream, "both")]
+    return [(p, regex.compile(p.pattern)) for p in probes if p.stream in (stream, "both")]
+
+
+def stream_kinds(probes: Sequence[LogProbe], stream: str) -> list[str]:
+    """The event kinds the probes that read ``stream`` make: what its unread lines hide."""
+    return sorted({p.event for p in probes if p.stream in (stream, "both")})
 
 
 def line_events(line: str, compiled: CompiledProbes, *, read_t: float, clock_offset: float,
                 started: float, defaults: dict[str, Any] | None = None,
-                stamps: StreamStamps | None = None) -> list[Event]:
+                stamps: StreamStamps | None = None, where: str | None = None,
+                cut: bool = False) -> list[Event]:
     """Every event ``line`` stands for: each match of each probe, not only the first, so
     two ranks' reports that one pipe ran together into one line are both counted.
     ``defaults``: fields the line's stream gives (a per-rank file's rank and attempt) where
     the pattern gives none. ``stamps``: the line's per-process file so far (give it every
     line of the file, matched or not): an event whose line has no time of its own gets
-    ``written_after``, the newest own time of a line before it."""
+    ``written_after``, the newest own time of a line before it. ``where``: the line's
+    ``file:number``, which a :data:`PROBE_TIMEOUT` event names: a probe that does not finish
+    the line within :data:`PROBE_LINE_S` gives it up (no match), and says so. ``cut``: the
+    reader kept only the line's first part (its cap); the events say so, as they do for a
+    line longer than :data:`PROBE_LINE_CHARS`."""
     before = stamps.last if stamps is not None else None
-    events = [log_event(spec, match, line, read_t=read_t, clock_offset=clock_offset,
-                        started=started)
-              for spec, pattern in compiled for match in pattern.finditer(line)]
+    cut = cut or len(line) > PROBE_LINE_CHARS
+    line = line[:PROBE_LINE_CHARS]
+    events: list[Event] = []
+    for spec, pattern in compiled:
+        try:
+            matches = list(pattern.finditer(line, timeout=PROBE_LINE_S))
+        except TimeoutError:
+            events.append(_timed_out(spec, line, read_t=read_t, where=where))
+            continue
+        events.extend(log_event(spec, match, line, read_t=read_t, clock_offset=clock_offset,
+                                started=started) for match in matches)
+    if cut:  # what matched, or did not, is of the line's first part only
+        for event in events:
+            event.fields["line_cut"] = True
     for event in events:
         for key, value in (defaults or {}).items():
             event.fields.setdefault(key, value)
@@ -143,6 +193,132 @@ def line_events(line: str, compiled: CompiledProbes, *, read_t: float, clock_off
     if stamps is not None:
         stamps.see(line, clock_offset=clock_offset, read_t=read_t, started=started)
     return events
+
+
+class ProbeReader:
+    """The live run's side of :func:`line_events`: each stream's lines are numbered (what a
+    ``probe_timeout`` names), the line each stream's probes are on is known while they are
+    on it, and once the run stops taking events (:meth:`close`) a reader that is still
+    matching writes nothing more (the timeline is closed then; its descriptor may already
+    name another file). ``write`` puts an event on the timeline."""
+
+    def __init__(self, write: Callable[[Event], object]) -> None:
+        self._write = write
+        self._lock = threading.Lock()
+        self._numbers: dict[str, int] = {}
+        self._on: dict[str, str] = {}  # stream -> the line its probes are matching now
+        self._closed = False
+
+    def read(self, stream: str, line: str, compiled: CompiledProbes, *, read_t: float,
+             clock_offset: float, started: float, defaults: dict[str, Any] | None = None,
+             stamps: StreamStamps | None = None, cut: bool = False) -> None:
+        """Match one line of ``stream`` (a file the harness names it by) and write its
+        events; ``cut``: the reader kept only the line's first part."""
+        number = self._numbers[stream] = self._numbers.get(stream, 0) + 1
+        if self._closed or not compiled:
+            return
+        where = f"{stream}:{number}"
+        self._on[stream] = where
+        try:
+            events = line_events(line, compiled, read_t=read_t, clock_offset=clock_offset,
+                                 started=started, defaults=defaults, stamps=stamps,
+                                 where=where, cut=cut)
+        finally:
+            self._on.pop(stream, None)
+        with self._lock:
+            if not self._closed:
+                for event in events:
+                    self._write(event)
+
+    def close(self) -> dict[str, str]:
+        """Take no more events; the streams whose probes were still on a line, and the line."""
+        with self._lock:
+            self._closed = True
+            return dict(self._on)
+
+
+def _timed_out(spec: LogProbe, line: str, *, read_t: float, where: str | None) -> Event:
+    """The record of a line ``spec`` gave up on: which probe, which line, what it lost."""
+    return Event(t=read_t, event=PROBE_TIMEOUT, source="log", fields={
+        "pattern": spec.pattern, "kind": spec.event, "where": where or "a log line",
+        "budget_s": PROBE_LINE_S, "line": line[:LINE_SHOWN], "line_chars": len(line),
+        "clock": "read", "read_t": read_t})
+
+
+def count_matches(compiled: CompiledProbes, line: str) -> int:
+    """How many events ``line`` would make, each probe bounded as :func:`line_events` bounds
+    it (a probe that gives up counts none)."""
+    line = line[:PROBE_LINE_CHARS]
+    found = 0
+    for _, pattern in compiled:
+        with contextlib.suppress(TimeoutError):
+            found += len(pattern.findall(line, timeout=PROBE_LINE_S))
+    return found
+
+
+#: The event kinds a built-in check reads of those log probes make: a line a probe gave up
+#: on, or lines the reader never got to, may have been one of them, so the check cannot
+#: prove its claim. A check not named here (a plug-in's) is taken to read every kind.
+_STEPS = frozenset({"step", "world_changed", "hello", "checkpoint_loaded"})
+CHECK_READS: dict[str, frozenset[str]] = {
+    "completes": frozenset(),
+    "params_match": frozenset({"params"}),
+    "outputs_match": frozenset(),
+    "time_to_detect": frozenset({"failure_detected", "recovery_done"}) | _STEPS,
+    "time_to_recover": frozenset({"failure_detected", "recovery_done"}) | _STEPS,
+    "lost_steps": _STEPS,
+    "skipped_steps": _STEPS,
+    "single_history": _STEPS,
+    "step_rate": _STEPS,
+    "straggler_named": _STEPS,
+    "checkpoint_durable": frozenset({"checkpoint_saved"}) | _STEPS,
+    "xid_action": _STEPS,  # the process goes on committing steps, or it does not
+    "faults_landed": frozenset(),  # the harness's own reading of the file at the fault
+    "fault_free_golden": frozenset(),  # a recorded twin against a golden file
+    "no_lost_requests": frozenset({"serving_ready"}),
+    "no_duplicated_tokens": frozenset({"serving_ready"}),
+}
+_EVERY_KIND = frozenset(get_args(LogEventKind))
+
+
+def _reads(check: str) -> frozenset[str]:
+    if check.startswith("latency."):
+        return CHECK_READS["no_lost_requests"]
+    return CHECK_READS.get(check, _EVERY_KIND)
+
+
+def unread(results: Sequence[CheckResult], events: Sequence[Event]) -> list[CheckResult]:
+    """``results`` with every check that reads what a probe gave up on (``probe_timeout``),
+    or what the reader had not read when the run ended (``log_unread``), failed as not
+    observed, naming the first such line: a verdict from a timeline with a hole in it would
+    be a guess. ``faults_injected`` that passed stands (the injections are the harness's
+    own records); one that failed may have missed a trigger's line, so it is not observed
+    either."""
+    holes: list[tuple[frozenset[str], str]] = []
+    for event in events:
+        fields = event.fields
+        if event.event == PROBE_TIMEOUT:
+            holes.append((frozenset({str(fields.get("kind"))}),
+                          f"probe {fields.get('pattern')!r} timed out on {fields.get('where')} "
+                          f"(over {fields.get('budget_s')} s on one line), so a "
+                          f"{fields.get('kind')} line may have been missed"))
+        elif event.event == LOG_UNREAD:
+            kinds = fields.get("kinds")
+            holes.append((frozenset(map(str, kinds)) if isinstance(kinds, list) else _EVERY_KIND,
+                          f"the log reader was still behind on {fields.get('stream')} when the "
+                          f"run ended ({fields.get('why')})"))
+    if not holes:
+        return list(results)
+    judged: list[CheckResult] = []
+    for result in results:
+        reads = _EVERY_KIND if result.name == "faults_injected" else _reads(result.name)
+        hole = next((why for kinds, why in holes if kinds & reads), None)
+        if hole is None or (result.name == "faults_injected" and result.passed):
+            judged.append(result)
+            continue
+        judged.append(replace(result, passed=False,
+                              message=f"not observed: {hole} (judged alone: {result.message})"))
+    return judged
 
 
 #: torchrun's per-process files (``--log-dir D --redirects 3``):
@@ -171,7 +347,7 @@ def file_fields(path: str) -> dict[str, Any]:
 LINE_TIME_SLACK_S = 1.0
 
 
-def log_event(spec: LogProbe, match: re.Match[str], line: str, *, read_t: float,
+def log_event(spec: LogProbe, match: regex.Match[str], line: str, *, read_t: float,
               clock_offset: float, started: float) -> Event:
     """The event a matching log line stands for.
 

@@ -11,8 +11,8 @@ Nothing is launched.
 
 from __future__ import annotations
 
-import json
 import math
+import os
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -21,6 +21,7 @@ from typing import Any
 
 from harness import _files, systems
 from harness import metrics as _metrics
+from harness.baseline import read_cached, untrusted
 from harness.checks import Outcome
 from harness.errors import SpecError
 from harness.logprobe import (
@@ -28,6 +29,7 @@ from harness.logprobe import (
     TAILED_TIMES,
     StreamStamps,
     compile_probes,
+    count_matches,
     file_fields,
     line_events,
 )
@@ -94,17 +96,18 @@ def reprobe(run: Path, events: Sequence[Event], probes: Sequence[LogProbe]
     untimed = 0
     for name, path in launcher.items():
         compiled = compile_probes(probes, name)
-        for text, t in _lines(run, path):
+        for number, (text, t) in enumerate(_lines(run, path), 1):
             when = t
             if when is None and seen[text[:LINE_SHOWN]] == 1:
                 when = known.get(text[:LINE_SHOWN])
             if when is None:
-                untimed += sum(1 for _, pattern in compiled for _ in pattern.finditer(text))
+                untimed += count_matches(compiled, text)
                 continue
             # The same judgement as the live run's (harness/logprobe.py): a `time` group, a
-            # Unix clock converted with the run's recorded offset, every match of the line.
+            # Unix clock converted with the run's recorded offset, every match of the line,
+            # each probe within its time per line.
             rebuilt.extend(line_events(text, compiled, read_t=when, clock_offset=clock_offset,
-                                       started=started))
+                                       started=started, where=f"logs/{path.name}:{number}"))
     from_files, untimed_in_files = _tailed(run, probes, clock_offset=clock_offset,
                                            started=started)
     rebuilt.extend(from_files)
@@ -138,16 +141,16 @@ def _tailed(run: Path, probes: Sequence[LogProbe], *, clock_offset: float, start
     untimed = 0
     for path, known in times.items():
         stamps = StreamStamps()  # the file's newest own time, as the live run kept it
-        for offset, raw in _files.lines(Path(path), line_limit=LINE_LIMIT,
-                                        total_limit=LOG_LIMIT):
+        for number, (offset, raw) in enumerate(_files.lines(Path(path), line_limit=LINE_LIMIT,
+                                                            total_limit=LOG_LIMIT), 1):
             text = raw.decode(errors="replace")
             t = known.get(offset)
             if t is None:
-                untimed += sum(1 for _, pattern in compiled for _ in pattern.finditer(text))
+                untimed += count_matches(compiled, text)
                 continue
             events.extend(line_events(text, compiled, read_t=t, clock_offset=clock_offset,
                                       started=started, defaults=file_fields(path),
-                                      stamps=stamps))
+                                      stamps=stamps, where=f"{path}:{number}"))
     return events, untimed
 
 
@@ -179,11 +182,13 @@ def _comparable(loaded: LoadedScenario) -> dict[str, Any]:
 
 
 def _cached(loaded: LoadedScenario, seed: int, what: str) -> dict[str, Any] | None:
+    """The cached twin's result, only where the run would believe it (baseline.untrusted)."""
     key = baseline_key(loaded.spec, seed, scenario_dir=loaded.path.parent)
     path = cache_dir() / "fault_free" / f"{key}.json"
+    if not os.path.lexists(path) or untrusted(path) is not None:
+        return None
     try:
-        data = json.loads(path.read_text())
-        return dict(data[what])
+        return read_cached(path, what)
     except (OSError, ValueError, KeyError, TypeError):
         return None
 

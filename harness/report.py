@@ -32,6 +32,7 @@ NOTABLE = {
     "fault_failed", "serving_ready", "load_started", "load_not_ready", "load_finished",
     "request_migrated",
     "request_failed", "teardown", "trigger_late", "process_started", "process_exited",
+    "probe_timeout", "log_unread",
 }
 
 
@@ -73,6 +74,12 @@ def describe(event: Event) -> str:
             return f"prepared {f.get('kind')}: {f.get('detail', '')}"
         case "fault_armed":
             return f"armed {f.get('kind')}: {f.get('detail', '')}"
+        case "probe_timeout":
+            return (f"WARNING probe {f.get('pattern')!r} ({f.get('kind')}) gave up on "
+                    f"{f.get('where')} after {f.get('budget_s')} s: that line counts as unmatched")
+        case "log_unread":
+            return (f"WARNING the log reader was behind on {f.get('stream')} when the run "
+                    f"ended: {f.get('why')}")
         case "trigger_late":
             why = (f"; the run's first step was {f.get('first_step')}: did it resume from "
                    "what an earlier run left?" if f.get("resumed") else "")

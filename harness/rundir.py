@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import fcntl
+import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,6 +25,10 @@ from harness.timeline import read_events
 
 #: Bytes of one process log kept in a report; the rest is named, not shown.
 LOG_SHOWN = 256 * 1024
+#: The largest ``result.json`` read (a run's record is a few KiB to a few hundred).
+RESULT_LIMIT = 16 << 20
+#: The largest ``scenario.yaml`` read: what the harness accepts as a scenario file.
+SCENARIO_LIMIT = 256 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +126,25 @@ def claimed(run_dir: Path) -> Iterator[None]:
         os.close(fd)
 
 
+#: Where ``result.json`` is written before it is renamed into place.
+RESULT_STAGED = ".result.json.partial"
+
+
+def write_result(run_dir: Path, result: RunResult) -> Path:
+    """Write the run's ``result.json`` whole or not at all: written beside it, then renamed
+    over it, so a full disk (or a harness killed mid-write) never leaves an empty or cut
+    record. Raises OSError when it could not be written."""
+    path, staged = run_dir / "result.json", run_dir / RESULT_STAGED
+    try:
+        staged.write_text(json.dumps(result.to_json(), indent=2) + "\n")
+        os.replace(staged, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            staged.unlink()
+        raise
+    return path
+
+
 @dataclass(frozen=True, slots=True)
 class RecordedRun:
     path: Path
@@ -174,7 +198,8 @@ def read_result(path: Path) -> RunResult:
     from pydantic import TypeAdapter, ValidationError
 
     try:
-        return TypeAdapter(RunResult).validate_json(path.read_bytes())
+        data = _files.read_capped(path, RESULT_LIMIT, what="a run record")
+        return TypeAdapter(RunResult).validate_json(data)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(map(str, first["loc"])) or "record"
@@ -188,12 +213,18 @@ def load_run(path: Path) -> RecordedRun:
         result = read_result(record)
     except FileNotFoundError:
         raise SpecError([f"{path}:1:1: not a run folder (no result.json)"]) from None
+    except _files.Refused as exc:
+        raise SpecError([f"{record}:1:1: not read ({exc})"]) from None
     except (OSError, ValueError, TypeError, KeyError) as exc:
         raise SpecError([f"{record}:1:1: not a recorded run ({exc})"]) from None
     timeline = path / "events.jsonl"
-    events = read_events(timeline) if timeline.exists() else []
+    events = read_events(timeline) if os.path.lexists(timeline) else []
     scenario = path / "scenario.yaml"
-    text = scenario.read_text(errors="replace") if scenario.exists() else None
+    try:
+        text = (_files.read_capped(scenario, SCENARIO_LIMIT, what="a scenario file")
+                .decode(errors="replace") if os.path.lexists(scenario) else None)
+    except (_files.Refused, OSError) as exc:
+        raise SpecError([f"{scenario}:1:1: not read ({exc})"]) from None
     return RecordedRun(path=path, result=result, events=events, scenario_text=text)
 
 

@@ -14,6 +14,7 @@ import json
 import shlex
 import shutil
 import signal
+import tempfile
 import time
 import traceback
 import uuid
@@ -27,7 +28,7 @@ from faults import FaultUnavailable, contract, file_writers
 from faults.heal import heal_orphans, start_reaper
 from faults.journal import Journal, UnsafeFolder
 from faults.registry import preflight as fault_preflight
-from harness import _load, _own_records, attempts, baseline, golden, systems
+from harness import _load, _own_records, _room, attempts, baseline, golden, systems
 from harness import metrics as _metrics
 from harness.baseline import CACHE_ENV as CACHE_ENV
 from harness.baseline import UNTRUSTED as UNTRUSTED_TWIN
@@ -38,7 +39,7 @@ from harness.errors import AftershockError, HarnessError, PreflightError, RunFai
 from harness.injector import Injector, acts_on_files, fault_params
 from harness.loadgen import scenario_load_driver
 from harness.records import CheckResult, Event, FaultRecord, ProcessEnd, RunResult
-from harness.rundir import claimed
+from harness.rundir import RESULT_STAGED, claimed, write_result
 from harness.schedule import Progress, Schedule
 from harness.spec import LoadedScenario, Scenario, in_process
 from harness.systems import Driver
@@ -203,6 +204,11 @@ def execute(
                                          wall_offset=time.time() - time.monotonic(),
                                          **target.launched()))
             loop.run()
+    except OSError as exc:
+        # A write of the harness's own in the run loop that found the disk full: the run
+        # ends as when any of its writers finds it (raised below, once all is undone).
+        if not timeline.room.note(str(exc.filename or run_dir), exc):
+            raise
     finally:
         errors = injector.heal_all()
         monitor.stop()
@@ -211,6 +217,8 @@ def execute(
             loop.driver.stop()
         grace = _served_grace(spec) if loop.driven else STOP_GRACE_S
         teardown = target.stop(grace)
+        if timeline.room.full is not None:
+            timeline.room.full.stopped_s = round(time.monotonic() - t0, 1)
         # What was set up at launch goes once nothing of the system can still use it.
         errors.extend(injector.unprepare())
         if loop.driven:
@@ -244,6 +252,9 @@ def execute(
         timeline.close()
         if errors:
             raise HarnessError("could not revert: " + "; ".join(errors))
+    # A writer found the disk full after the loop's last look (the job's last lines): what
+    # was recorded is not whole, so the run is not judged.
+    timeline.room.check()
     for index in schedule.never_fired():
         injector.unreached(index)
     for index, k, n in schedule.missing_repeats():
@@ -286,8 +297,8 @@ def _record_ends(timeline: Timeline, target: Target, loop: _Loop, run_dir: Path,
 #: system (its output, checkpoints, TMPDIR, simulated NVML, logs). The fault-free twin's
 #: folder (``fault_free``) is its own run folder, cleaned by its own run.
 RUN_DIR_MARK = ".aftershock-run"
-_RUN_WRITES = ("events.jsonl", "commands.jsonl", "result.json", "harness_error.txt",
-               "output", "checkpoints", "tmp", "nvml", "logs", "work")
+_RUN_WRITES = ("events.jsonl", "commands.jsonl", "result.json", RESULT_STAGED,
+               "harness_error.txt", "output", "checkpoints", "tmp", "nvml", "logs", "work")
 
 
 def _clean_run_dir(run_dir: Path) -> None:
@@ -358,6 +369,8 @@ class _Loop:
     def run(self) -> None:
         while True:
             raise_if_terminating()
+            # A writer of the run found its disk full: stopped now, not at its timeout.
+            self.timeline.room.check()
             now = time.monotonic()
             for index, exc in self.triggers.poll():
                 if not self.schedule.finished(index):
@@ -622,31 +635,47 @@ def _run_claimed(loaded: LoadedScenario, *, run_dir: Path, seed: int | None,
     seed = spec.seed if seed is None else seed
     observer = observer or NullObserver()
     _clean_run_dir(run_dir)
-    (run_dir / "scenario.yaml").write_text(loaded.text)
     started = time.monotonic()
+    # Room for the record, held from now until it is written: a job that fills the disk
+    # under the run folder must not take the room its record needs.
+    reserve = _room.Reserve(run_dir)
+    kept = ""  # where the record of a run without a verdict was written
 
     def unfinished(error: str, *, interrupted: bool = False) -> RunResult:
+        nonlocal kept
         result = _unfinished(loaded, seed=seed, run_dir=run_dir, started=started, error=error,
                              interrupted=interrupted)
+        kept = _keep(result, run_dir, reserve)
         with contextlib.suppress(Exception):  # the record matters more than its rendering
             observer.finished(result)
         return result
 
     try:
-        with _sigterm_unwinds():
-            preflight(loaded)
-            # What a crashed earlier run left behind goes first; the user hears what was
-            # refused.
-            for item in heal_orphans():
-                observer.phase(spec.name, "heal", item.describe())
-            result = _checked_run(loaded, seed=seed, run_dir=run_dir, observer=observer,
-                                  use_cache=use_cache, started=started)
+        try:
+            with _sigterm_unwinds():
+                reserve.take()
+                (run_dir / "scenario.yaml").write_text(loaded.text)
+                preflight(loaded)
+                # What a crashed earlier run left behind goes first; the user hears what was
+                # refused.
+                for item in heal_orphans():
+                    observer.phase(spec.name, "heal", item.describe())
+                result = _checked_run(loaded, seed=seed, run_dir=run_dir, observer=observer,
+                                      use_cache=use_cache, started=started, reserve=reserve)
+        except OSError as exc:  # a record of the run's own, written while no job ran
+            if not _room.is_full(exc):
+                raise
+            raise _room.RunDirFull(
+                run_dir, f"writing {exc.filename or run_dir}: {exc.strerror or exc}") from None
     except KeyboardInterrupt as exc:
         sigterm = isinstance(exc, Interrupted)
         result = unfinished(
             f"interrupted by {'SIGTERM' if sigterm else 'SIGINT'} after "
             f"{time.monotonic() - started:.1f}s; no check was evaluated", interrupted=True)
         raise RunInterrupted(result, 143 if sigterm else 130) from None
+    except _room.RunDirFull as exc:
+        result = unfinished(f"harness error: {exc}")
+        raise RunFailed(exc.describe(kept), result) from exc
     except AftershockError as exc:
         result = unfinished(f"harness error: {exc}")
         raise RunFailed(str(exc), result) from exc
@@ -659,8 +688,31 @@ def _run_claimed(loaded: LoadedScenario, *, run_dir: Path, seed: int | None,
         message = f"unexpected {type(exc).__name__}: {exc} (traceback: {trace})"
         result = unfinished(f"harness error: {message}")
         raise RunFailed(message, result) from exc
+    finally:
+        reserve.release()
     observer.finished(result)
     return result
+
+
+def _keep(result: RunResult, run_dir: Path, reserve: _room.Reserve) -> str:
+    """Write the record of a run without a verdict where there is room, and say where: its
+    run folder, with the reserve given back first; else a new folder in the system's
+    temporary folder; else nowhere, and the record is in what is said (on stderr)."""
+    reserve.release()
+    try:
+        return f"record written to {write_result(run_dir, result)}"
+    except OSError as exc:
+        first = exc.strerror or str(exc)
+    fallback: Path | None = None
+    with contextlib.suppress(OSError):
+        fallback = Path(tempfile.mkdtemp(prefix=f"aftershock-{run_dir.name}-"))
+        return (f"no room for the record in the run folder ({first}): record written to "
+                f"{write_result(fallback, result)}")
+    if fallback is not None:
+        with contextlib.suppress(OSError):
+            fallback.rmdir()
+    return (f"no room for the record in the run folder ({first}) nor in "
+            f"{tempfile.gettempdir()}; the record: {json.dumps(result.to_json())}")
 
 
 def _unfinished(
@@ -683,14 +735,12 @@ def _unfinished(
         run_dir=str(run_dir), error=error, interrupted=interrupted, ends=ends,
         crash_loop=crash_loop,
     )
-    with contextlib.suppress(OSError):
-        (run_dir / "result.json").write_text(json.dumps(result.to_json(), indent=2) + "\n")
     return result
 
 
 def _checked_run(
     loaded: LoadedScenario, *, seed: int, run_dir: Path, observer: Observer, use_cache: bool,
-    started: float,
+    started: float, reserve: _room.Reserve,
 ) -> RunResult:
     spec = loaded.spec
     baseline: dict[int, str] | None = None
@@ -739,5 +789,6 @@ def _checked_run(
         ends=ends,
         crash_loop=crash_loop,
     )
-    (run_dir / "result.json").write_text(json.dumps(result.to_json(), indent=2) + "\n")
+    reserve.release()  # the room held for the record
+    write_result(run_dir, result)
     return result

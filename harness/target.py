@@ -22,13 +22,16 @@ Both are in the heal journal's ``launch`` record (``LocalTarget.tracking``).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import glob
 import os
 import select
 import shutil
 import signal
+import struct
 import subprocess
 import sys
+import termios
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -39,17 +42,20 @@ from typing import IO, Any, ClassVar, Protocol
 from faults import ProcessRef, contract, kill_all, process_environ, processes_with_env
 from faults import cgroup as _cgroup
 from faults import parent_pid as _parent
-from harness import probe
+from harness import _files, probe
+from harness._room import Room
 from harness.errors import TargetError
 from harness.logprobe import (
+    LOG_UNREAD,
     TAILED_TIMES,
     TIMES_SUFFIX,
     CompiledProbes,
     LogProbe,
+    ProbeReader,
     StreamStamps,
     compile_probes,
     file_fields,
-    line_events,
+    stream_kinds,
 )
 from harness.records import Event
 from harness.timeline import Timeline
@@ -182,16 +188,19 @@ class _LogPump:
     """
 
     def __init__(self, name: str, stream: IO[bytes], path: Path,
-                 on_line: Callable[[bytes, float], None]) -> None:
+                 on_line: Callable[[bytes, float], None], room: Room | None = None) -> None:
         self.name = name
         self.stream = stream
         self.path = path
         self.eof = False
         self._on_line = on_line
+        # A full disk is noted there (the run loop then stops the run), not raised here.
+        self._room = room if room is not None else Room(path.parent)
+        self._log_fd: int | None = None  # None: not written (not opened, or it failed)
+        self._times_fd: int | None = None  # <log>.times: each line's offset and read time
         self._line = bytearray()
         self._line_start = 0  # offset in the stream where the current line began
         self._fed = 0  # bytes of the stream fed to the probes so far
-        self._times: IO[str] | None = None  # <log>.times: each line's offset and read time
         self._written = 0
         self._dropped = 0
         self._stop_at: float | None = None
@@ -207,36 +216,64 @@ class _LogPump:
         fd = self.stream.fileno()
         poller = select.poll()
         poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
-        with open(self.path, "wb") as log, \
-                open(str(self.path) + TIMES_SUFFIX, "w") as self._times:
-            try:
-                while self._stop_at is None or time.monotonic() < self._stop_at:
-                    if not poller.poll(100):
-                        continue
-                    chunk = os.read(fd, 1 << 16)
-                    if not chunk:
-                        self.eof = True
-                        break
-                    self._log(log, chunk)
-                    self._feed(chunk)
-            finally:
-                if self._line:  # the last line had no newline
-                    self._emit_line()
-                if self._dropped:
-                    log.write(f"\n[aftershock: {self._dropped} more bytes were read and "
-                              "dropped]\n".encode())
+        self._log_fd = self._open(str(self.path))
+        self._times_fd = self._open(str(self.path) + TIMES_SUFFIX)
+        try:
+            while self._stop_at is None or time.monotonic() < self._stop_at:
+                if not poller.poll(100):
+                    continue
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    self.eof = True
+                    break
+                self._log(chunk)
+                self._feed(chunk)
+        finally:
+            if self._line:  # the last line had no newline
+                self._emit_line()
+            if self._dropped:
+                self._put(f"\n[aftershock: {self._dropped} more bytes were read and "
+                          "dropped]\n".encode())
+            for written in (self._log_fd, self._times_fd):
+                if written is not None:
+                    os.close(written)
 
-    def _log(self, log: IO[bytes], chunk: bytes) -> None:
-        room = max(0, LOG_LIMIT - self._written)
-        if room:
-            log.write(chunk[:room])
-            self._written += min(room, len(chunk))
-        if len(chunk) > room:
+    def _open(self, path: str) -> int | None:
+        try:
+            return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        except OSError as exc:
+            self._room.note(path, exc)
+            return None
+
+    def _put(self, data: bytes, *, times: bool = False) -> None:
+        """Append to the log (or its ``.times``). A write that fails ends that file, never
+        the pump: the pipe is still read, so the job never blocks on it; a full disk is
+        noted for the run loop."""
+        fd = self._times_fd if times else self._log_fd
+        if fd is None:
+            return
+        path = str(self.path) + (TIMES_SUFFIX if times else "")
+        try:
+            if self._room.write(fd, data, path):
+                return
+        except OSError as exc:
+            self._room.note(path, exc)
+        os.close(fd)
+        if times:
+            self._times_fd = None
+        else:
+            self._log_fd = None
+
+    def _log(self, chunk: bytes) -> None:
+        left = max(0, LOG_LIMIT - self._written)
+        if left:
+            self._put(chunk[:left])
+            self._written += min(left, len(chunk))
+        if len(chunk) > left:
             if not self._dropped:
-                log.write(f"\n[aftershock: log truncated at {LOG_LIMIT} bytes; the rest of "
+                self._put(f"\n[aftershock: log truncated at {LOG_LIMIT} bytes; the rest of "
                           "this stream is read and dropped]\n".encode())
-            self._dropped += len(chunk) - room
-        log.flush()
+            self._dropped += len(chunk) - left
 
     def _feed(self, chunk: bytes) -> None:
         start = 0
@@ -260,10 +297,8 @@ class _LogPump:
         raw = bytes(self._line)
         self._line.clear()
         read_t = time.monotonic()
-        if self._times is not None and self._line_start < LOG_LIMIT:
-            with contextlib.suppress(OSError):
-                self._times.write(f"{self._line_start} {read_t:.6f}\n")
-                self._times.flush()
+        if self._line_start < LOG_LIMIT:
+            self._put(f"{self._line_start} {read_t:.6f}\n".encode(), times=True)
         self._line_start = self._fed
         with contextlib.suppress(Exception):  # a probe that fails must not stop the log
             self._on_line(raw, read_t)
@@ -281,7 +316,8 @@ class _Tailer:
     def __init__(self, patterns: tuple[str, ...],
                  on_line: Callable[[str, bytes, float], None],
                  times: Path | None = None,
-                 on_appear: Callable[[str, float | None], None] | None = None) -> None:
+                 on_appear: Callable[[str, float | None], None] | None = None,
+                 room: Room | None = None) -> None:
         self.patterns = patterns
         self._on_line = on_line
         # Each new file, with when it was last seen absent: the start of the previous pass,
@@ -293,6 +329,7 @@ class _Tailer:
         self._files: dict[str, tuple[int, bytearray, int]] = {}
         self._times_path = times
         self._times: IO[str] | None = None
+        self._room = room  # where a full disk is noted (the run loop then stops the run)
         self._stop_at: float | None = None
         self.thread = threading.Thread(target=self._run, name="log-tail", daemon=True)
 
@@ -317,8 +354,13 @@ class _Tailer:
                     return
                 time.sleep(TAIL_S)
         finally:
-            if self._times is not None:
+            self._close_times()
+
+    def _close_times(self) -> None:
+        if self._times is not None:
+            with contextlib.suppress(OSError):  # what a full disk left buffered is lost
                 self._times.close()
+            self._times = None
 
     def _pass(self) -> None:
         began = time.monotonic()
@@ -329,7 +371,11 @@ class _Tailer:
                         self._on_appear(path, self._last_pass)
                 offset, partial, start = self._files.setdefault(path, (0, bytearray(), 0))
                 try:
-                    with open(path, "rb") as handle:
+                    # The job's own files: a FIFO among them is not waited on (it would
+                    # stall every probe), nor a link followed out of the run folder.
+                    with _files.open_regular(Path(path)) as handle:
+                        if handle is None:
+                            continue
                         handle.seek(offset)
                         chunk = handle.read(1 << 20)
                 except OSError:
@@ -354,9 +400,13 @@ class _Tailer:
     def _emit(self, path: str, raw: bytes, start: int) -> None:
         read_t = time.monotonic()
         if self._times is not None:
-            with contextlib.suppress(OSError):
+            try:
                 self._times.write(f"{start} {read_t:.6f} {path}\n")
                 self._times.flush()
+            except OSError as exc:  # no more capture times; the tail goes on
+                if self._room is not None:
+                    self._room.note(str(self._times_path), exc)
+                self._close_times()
         with contextlib.suppress(Exception):  # a probe that fails must not stop the tail
             self._on_line(path, raw, read_t)
 
@@ -396,6 +446,9 @@ class LocalTarget:
         # this, and Unix times convert with this one offset, fixed for the whole run.
         self._started = time.monotonic()
         self._clock_offset = time.time() - self._started
+        # Numbers each stream's lines for the probes, and knows which line is being matched:
+        # what a reader still behind when the run ends is said with (_note_unread).
+        self._reader = ProbeReader(timeline.write)
         self.cgroup, self.tracking_note = _cgroup.run_group_dir(run_id)
 
     def tracking(self) -> dict[str, Any]:
@@ -500,12 +553,13 @@ class LocalTarget:
         assert self.proc.stderr is not None
         for name, stream in (("stdout", self.proc.stdout), ("stderr", self.proc.stderr)):
             pump = _LogPump(name, stream, self._logs / f"launcher.{name}.log",
-                            self._line_handler(name))
+                            self._line_handler(name), self.timeline.room)
             pump.start()
             self._pumps.append(pump)
         if self.launch.tails:
             self._tailer = _Tailer(self.launch.tails, self._file_line_handler(),
-                                   self._logs / TAILED_TIMES, self._file_appeared)
+                                   self._logs / TAILED_TIMES, self._file_appeared,
+                                   self.timeline.room)
             self._tailer.start()
 
     def _file_appeared(self, path: str, absent_at: float | None) -> None:
@@ -521,11 +575,11 @@ class LocalTarget:
         def on_line(path: str, raw: bytes, read_t: float) -> None:
             if not compiled:
                 return
-            for event in line_events(raw.decode(errors="replace"), compiled, read_t=read_t,
-                                     clock_offset=self._clock_offset, started=self._started,
-                                     defaults=file_fields(path),
-                                     stamps=stamps.setdefault(path, StreamStamps())):
-                self.timeline.write(event)
+            self._reader.read(path, raw.decode(errors="replace"), compiled, read_t=read_t,
+                              clock_offset=self._clock_offset, started=self._started,
+                              defaults=file_fields(path),
+                              stamps=stamps.setdefault(path, StreamStamps()),
+                              cut=len(raw) >= LINE_LIMIT)
 
         return on_line
 
@@ -536,12 +590,12 @@ class LocalTarget:
     def _line_handler(self, name: str) -> Callable[[bytes, float], None]:
         compiled: CompiledProbes = compile_probes(self.launch.probes, name)
 
+        shown = f"logs/launcher.{name}.log"  # as the run folder holds it: file:line
+
         def on_line(raw: bytes, read_t: float) -> None:
-            if not compiled:
-                return
-            for event in line_events(raw.decode(errors="replace"), compiled, read_t=read_t,
-                                     clock_offset=self._clock_offset, started=self._started):
-                self.timeline.write(event)
+            self._reader.read(shown, raw.decode(errors="replace"), compiled, read_t=read_t,
+                              clock_offset=self._clock_offset, started=self._started,
+                              cut=len(raw) >= LINE_LIMIT)
 
         return on_line
 
@@ -729,6 +783,7 @@ class LocalTarget:
         if self._tailer is not None:
             self._tailer.finish(drain_until)
             self._tailer.thread.join(timeout=DRAIN_S + 1.0)
+        self._note_unread()  # before the pipes close: what is still in them is unread
         for pump in self._pumps:
             if not pump.thread.is_alive():
                 # Our end of the pipe; under pytest's warnings-as-errors an unclosed pipe
@@ -745,6 +800,33 @@ class LocalTarget:
             logs_open=tuple(p.name for p in self._pumps if not p.eof),
             cgroup_removed=removed,
         )
+
+    def _note_unread(self) -> None:
+        """A ``log_unread`` event for each stream the readers were still behind on when the
+        drain ended (a probe still matching one of its lines, lines read from the pipe and
+        never given to the probes, or lines left in the pipe by a reader that reached the
+        drain's end still busy): its checks are then not observed (logprobe.unread),
+        rather than judged on a timeline the harness did not read in time. From here on a
+        reader that is still matching writes nothing."""
+        matching = self._reader.close()
+        for pump in self._pumps:
+            shown = f"logs/launcher.{pump.name}.log"
+            unfed = pump._written + pump._dropped - pump._fed
+            left = _pending(pump.stream)
+            if shown in matching or unfed > 0 or left > 0:
+                why = "; ".join(part for part in (
+                    f"its probes were still on line {matching[shown]}" if shown in matching
+                    else "",
+                    f"{unfed} bytes read were never matched" if unfed > 0 else "",
+                    f"{left} bytes were never read from the pipe" if left > 0 else "") if part)
+                self.timeline.emit(LOG_UNREAD, "log-reader", stream=shown, why=why,
+                                   unread_bytes=unfed + left,
+                                   kinds=stream_kinds(self.launch.probes, pump.name))
+        files = [where for stream, where in matching.items() if not stream.startswith("logs/")]
+        if files:
+            self.timeline.emit(LOG_UNREAD, "log-reader", stream="the files of `logs:`",
+                               why=f"its probes were still on line {files[0]}",
+                               kinds=stream_kinds(self.launch.probes, "logs"))
 
     def _end_all(self, timeout: float) -> tuple[int, ...]:
         """SIGKILL the run's cgroup and every process with its run id until none is
@@ -765,6 +847,16 @@ class LocalTarget:
                     left.update(_cgroup.subtree_members(self.cgroup))
                 return tuple(sorted(left))
             time.sleep(0.05)
+
+
+def _pending(stream: IO[bytes]) -> int:
+    """Bytes written into a pipe and not read from it yet (FIONREAD); 0 where that cannot
+    be told (the pipe closed)."""
+    try:
+        answer = fcntl.ioctl(stream.fileno(), termios.FIONREAD, bytes(4))
+    except (OSError, ValueError):
+        return 0
+    return int(struct.unpack("i", answer)[0])
 
 
 OVERRAN_LIMIT = 16  # processes, and threads per process, described when SIGTERM's grace ran out

@@ -23,11 +23,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from harness import _files
+
 if TYPE_CHECKING:
     from harness.systems.trainer import TrainerSystem
 
 #: The math takes ~1 s for 60 steps on a 2-core machine; this only bounds a hang.
 TIMEOUT_S = 300.0
+#: The largest membership log read: one short line per generation.
+MEMBERSHIP_LIMIT = 4 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,12 +57,14 @@ def read_membership(path: Path) -> list[Generation]:
     generation that resumed at or before an earlier one's first step replaces it from there
     (the earlier one's later steps were never kept). Raises ValueError for a malformed log.
     """
+    # Written by the job under test: a regular file of the run folder, capped.
+    text = _files.read_capped(path, MEMBERSHIP_LIMIT, what="a membership log")
     schedule: list[Generation] = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
+    for number, line in enumerate(text.decode(errors="replace").splitlines(), start=1):
         if not line.strip():
             continue
         try:
-            entry = json.loads(line)
+            entry = _files.loads(line, depth=4)
             first = int(entry["first_step"])
             replicas = tuple(sorted(int(r) for r in entry["replicas"]))
         except (ValueError, KeyError, TypeError) as exc:
