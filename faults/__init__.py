@@ -32,19 +32,21 @@ from faults.registry import (
     Applied,
     FaultKind,
     GroupKind,
+    Hooks,
     KindInfo,
     PreparedKind,
     Setting,
     Validates,
     get,
+    hooks,
     kinds,
     register,
 )
 
 __all__ = [
     "CAPABILITIES", "Applied", "FaultKind", "FaultUnavailable", "FileWatch", "GroupKind",
-    "KindInfo", "PreparedKind", "ProcessRef", "Setting", "UndoContext", "UndoRefused",
-    "Validates", "all_pids", "cgroup", "docker_engine", "file_writers", "get", "kill_all",
-    "kinds", "parent_pid", "process_command_line", "process_environ", "processes_with_env",
-    "register",
+    "Hooks", "KindInfo", "PreparedKind", "ProcessRef", "Setting", "UndoContext", "UndoRefused",
+    "Validates", "all_pids", "cgroup", "docker_engine", "file_writers", "get", "hooks",
+    "kill_all", "kinds", "parent_pid", "process_command_line", "process_environ",
+    "processes_with_env", "register",
 ]

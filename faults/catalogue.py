@@ -75,10 +75,10 @@ def parameters(kind: registry.FaultKind) -> dict[str, str]:
 
 def where(kind: registry.FaultKind) -> str:
     """Where a kind acts, in words."""
-    acts = getattr(kind, "acts", "outside")
-    if acts == "either":
-        return f"outside; inside {getattr(kind, 'inside_when', '')}".rstrip()
-    return str(acts)
+    hooks = registry.hooks(kind)
+    if hooks.acts == "either":
+        return f"outside; inside {hooks.inside_when}".rstrip()
+    return hooks.acts
 
 
 def describe(kind: registry.FaultKind) -> dict[str, Any]:
@@ -86,7 +86,7 @@ def describe(kind: registry.FaultKind) -> dict[str, Any]:
     return {
         "kind": kind.info.kind, "summary": kind.info.summary, "caused_by": kind.info.caused_by,
         "params": parameters(kind), "reverted_by": kind.info.reverted_by,
-        "acts": where(kind), "needs": sorted(getattr(kind, "needs", ())),
+        "acts": where(kind), "needs": sorted(registry.hooks(kind).needs),
     }
 
 
@@ -94,8 +94,8 @@ def applicable(kind: registry.FaultKind, offered: Iterable[str]) -> bool:
     """Whether a system that offers ``offered`` (CAPABILITIES) can take this kind in some
     form (a kind that acts either way needs only one of its ways)."""
     have = set(offered)
-    acts = getattr(kind, "acts", "outside")
-    outside = set(getattr(kind, "needs", ())) <= have
+    acts = registry.hooks(kind).acts
+    outside = registry.hooks(kind).needs <= have
     inside = "probe" in have
     return {"outside": outside, "inside": inside, "either": outside or inside}.get(acts, False)
 

@@ -10,6 +10,11 @@ The scenario format, ``aftershock faults`` and docs/faults.md are built from the
 declarations. Built-in kinds live in this package; other packages add kinds through the
 ``aftershock.faults`` entry-point group (docs/extending.md).
 
+Every kind is checked against :data:`PROTOCOL` when it registers, and its optional parts
+are read then into :class:`Hooks` (:func:`hooks`): the harness looks them up there and
+nowhere else. A plug-in the protocol refuses is named in one line and skipped
+(faults/plugins.py); a scenario that uses it fails with that line.
+
 This module imports the standard library only (the probe imports the package).
 
 A kind that journals an undo record also gives ``validate(undo, context)``
@@ -22,11 +27,12 @@ refused: that is the safe default for third-party kinds.
 from __future__ import annotations
 
 import importlib
+import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from importlib.metadata import entry_points
-from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args, runtime_checkable
 
+from faults import plugins
 from faults._proc import ProcessRef
 from faults.journal import Journal, UndoContext
 
@@ -36,7 +42,7 @@ if TYPE_CHECKING:
 ENTRY_POINT_GROUP = "aftershock.faults"
 _BUILTIN_MODULES = (
     "faults.process", "faults.xid", "faults.memory", "faults.collective",
-    "faults.net", "faults.storage", "faults.straggle", "faults.node",
+    "faults.net", "faults.storage", "faults.straggle", "faults.node", "faults.slurm",
 )
 
 #: What a target lets faults act through. A kind names those it needs (``needs``); a
@@ -49,6 +55,7 @@ CAPABILITIES: Mapping[str, str] = {
     "files": "the target's files, at the paths the harness sees",
     "probe": "the in-process probe: the job calls harness.probe.install()",
     "containers": "the target's nodes are containers of a Docker engine (docs/nodes.md)",
+    "slurm": "the target is a Slurm job, its processes' environment names it (scale-out.md)",
 }
 
 #: Where a kind acts: from outside the target's processes, inside them (the in-process probe
@@ -124,8 +131,7 @@ class Validates(Protocol):
 
 def validator(kind: FaultKind) -> Callable[[Mapping[str, Any], UndoContext], None] | None:
     """The kind's ``validate``, or None when it gives none (its records are refused)."""
-    check = getattr(kind, "validate", None)
-    return check if callable(check) else None
+    return hooks(kind).validate
 
 
 class Preflight(Protocol):
@@ -202,33 +208,158 @@ class ChecksScenario(Protocol):
     def check(self, faults: Sequence[Any], setting: Setting) -> list[str]: ...
 
 
+class NeedsFor(Protocol):
+    """Optional on a kind whose needs depend on its parameters (instead of ``needs``)."""
+
+    def needs_for(self, params: Any, phase: str | None) -> frozenset[str]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Hooks:
+    """What a kind declares beyond ``info``, ``inject`` and ``revert``, read once when it
+    registers (:func:`check`): the one place the harness looks its optional parts up.
+    None (or the default) where the kind leaves a part out."""
+
+    acts: Acts = "outside"
+    needs: frozenset[str] = frozenset()
+    params: type[FaultParams] | None = None  # None: used from Python only, not in scenarios
+    inside: Callable[[Any, str | None], bool] | None = None  # ActsEither
+    inside_when: str = ""  # ActsEither
+    needs_for: Callable[[Any, str | None], Any] | None = None  # NeedsFor
+    validate: Callable[[Mapping[str, Any], UndoContext], None] | None = None  # Validates
+    preflight: Callable[[Mapping[str, Any]], list[str]] | None = None  # Preflight
+    resolve: Callable[[Mapping[str, Any], Mapping[str, Any]], dict[str, Any]] | None = None
+    check: Callable[[Sequence[Any], Setting], list[str]] | None = None  # ChecksScenario
+    aim: Callable[[], tuple[str, bool]] | None = None  # AimsAtFiles
+    #: where it acts when a scenario's fault names no ``target`` (``{"role": "launcher"}``),
+    #: and why, for the scenario schema
+    default_target: Mapping[str, Any] | None = None
+    target_help: str | None = None
+
+
+#: A kind's name: dotted, lower case (``process.kill``, ``storage.lose_unsynced``).
+_KIND_NAME = re.compile(r"[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*)+")
+
+
+def _is_info(value: Any) -> bool:
+    return (isinstance(value, KindInfo)
+            and all(isinstance(getattr(value, name), str) and getattr(value, name).strip()
+                    for name in ("kind", "summary", "caused_by"))
+            and _KIND_NAME.fullmatch(value.kind) is not None
+            and isinstance(value.reverted_by, str) and isinstance(value.details, str)
+            and isinstance(value.params, Mapping))
+
+
+def _is_params(value: Any) -> bool:
+    from faults.params import FaultParams  # pydantic: only once a kind declares a model
+
+    return isinstance(value, type) and issubclass(value, FaultParams)
+
+
+def _is_needs(value: Any) -> bool:
+    return isinstance(value, frozenset | set) and set(value) <= set(CAPABILITIES)
+
+
+def _is_optional(kind: type) -> Callable[[Any], bool]:
+    return lambda value: value is None or isinstance(value, kind)
+
+
+#: The protocol every kind is checked against when it registers (FaultKind, and the
+#: optional parts of :class:`Hooks`).
+PROTOCOL: tuple[plugins.Attr, ...] = (
+    plugins.required("info", "a faults.KindInfo with a dotted lower-case `kind`, a "
+                     "`summary` and `caused_by`", _is_info),
+    plugins.required("inject", "a method: inject(target, params, journal)",
+                     plugins.is_callable),
+    plugins.required("revert", "a method: revert(undo)", plugins.is_callable),
+    plugins.optional("params", "a faults.params.FaultParams model", _is_params),
+    plugins.optional("acts", "where it acts", plugins.is_str, allowed=get_args(Acts)),
+    plugins.optional("needs", f"a frozenset of {', '.join(CAPABILITIES)}", _is_needs),
+    plugins.optional("inside", "a method: inside(params, phase)", plugins.is_callable),
+    plugins.optional("inside_when", "a str", plugins.is_str),
+    plugins.optional("needs_for", "a method: needs_for(params, phase)", plugins.is_callable),
+    plugins.optional("validate", "a method: validate(undo, context)", plugins.is_callable),
+    plugins.optional("preflight", "a method: preflight(params)", plugins.is_callable),
+    plugins.optional("resolve", "a method: resolve(params, published)", plugins.is_callable),
+    plugins.optional("check", "a method: check(faults, setting)", plugins.is_callable),
+    plugins.optional("aim", "a method: aim()", plugins.is_callable),
+    plugins.optional("prepare", "a method: prepare(params, journal)", plugins.is_callable),
+    plugins.optional("inject_group", "a method: inject_group(targets, params, journal)",
+                     plugins.is_callable),
+    plugins.optional("default_target", "a mapping or None", _is_optional(Mapping)),
+    plugins.optional("target_help", "a str or None", _is_optional(str)),
+)
+
+
+def check(kind: Any) -> Hooks:
+    """``kind``'s optional parts; PluginProblem (a ValueError) naming everything about it
+    that the protocol does not allow."""
+    found = plugins.check(kind, "fault kind", PROTOCOL, lambda k: k.info.kind)
+    if found.get("acts") == "either" and "inside" not in found:
+        raise plugins.PluginProblem(f"fault kind {found['info'].kind}: `acts` is 'either' "
+                                    "but it gives no `inside(params, phase)`")
+    if "needs" in found:
+        found["needs"] = frozenset(found["needs"])
+    return Hooks(**{f.name: found[f.name] for f in fields(Hooks) if f.name in found})
+
+
+def hooks(kind: FaultKind) -> Hooks:
+    """``kind``'s optional parts, as read when it registered (checked now if it never did)."""
+    known = _hooks.get(id(kind))
+    if known is not None and known[0] is kind:
+        return known[1]
+    return check(kind)
+
+
 def acts_inside(kind: FaultKind, params: Any, phase: str | None) -> bool:
     """Whether ``kind`` with ``params`` (its model, or the fault's) acts inside the target."""
-    acts = getattr(kind, "acts", "outside")
-    if acts == "either":
-        return bool(kind.inside(params, phase))  # type: ignore[attr-defined]
-    return bool(acts == "inside")
+    found = hooks(kind)
+    if found.acts == "either" and found.inside is not None:
+        return bool(found.inside(params, phase))
+    return found.acts == "inside"
 
 
 def needs(kind: FaultKind, params: Any, phase: str | None) -> frozenset[str]:
     """What ``kind`` with ``params`` needs from the target (CAPABILITIES)."""
-    custom = getattr(kind, "needs_for", None)
-    if callable(custom):
-        return frozenset(custom(params, phase))
+    found = hooks(kind)
+    if found.needs_for is not None:
+        return frozenset(found.needs_for(params, phase))
     if acts_inside(kind, params, phase):
         return frozenset({"probe"})
-    return frozenset(getattr(kind, "needs", frozenset()))
+    return found.needs
 
 
 _registry: dict[str, FaultKind] = {}
+_hooks: dict[int, tuple[FaultKind, Hooks]] = {}  # by id(kind): a kind object stays alive
+_broken: list[plugins.Broken] = []
 _loaded = False
 
 
 def register(kind: FaultKind) -> FaultKind:
-    if kind.info.kind in _registry and _registry[kind.info.kind] is not kind:
-        raise ValueError(f"fault kind {kind.info.kind!r} is registered twice")
-    _registry[kind.info.kind] = kind
+    """Add ``kind``; ValueError (PluginProblem) when it does not follow the protocol or its
+    name is taken."""
+    found = check(kind)
+    name = kind.info.kind
+    if name in _registry and _registry[name] is not kind:
+        raise ValueError(f"fault kind {name!r} is registered twice")
+    _registry[name] = kind
+    _hooks[id(kind)] = (kind, found)
     return kind
+
+
+def _register_plugin(kind: Any) -> None:
+    # From another package, a kind is for scenarios: without a parameter model it would be
+    # listed nowhere and refused as unknown, so it is refused here, saying why.
+    found = check(kind)
+    if found.params is None:
+        raise plugins.PluginProblem(
+            f"fault kind {kind.info.kind}: no `params` (a faults.params.FaultParams model; "
+            "`params = FaultParams` for a kind without parameters), so no scenario can use it")
+    register(kind)
+
+
+def _claims(kind: Any) -> list[str]:
+    return [kind.info.kind]
 
 
 def _load() -> None:
@@ -238,10 +369,19 @@ def _load() -> None:
     _loaded = True
     for module in _BUILTIN_MODULES:
         importlib.import_module(module)
-    for entry in entry_points(group=ENTRY_POINT_GROUP):
-        loaded = entry.load()
-        for kind in loaded if isinstance(loaded, list | tuple) else [loaded]:
-            register(kind)
+    _broken.extend(plugins.load(ENTRY_POINT_GROUP, _register_plugin, _claims))
+
+
+def broken() -> list[plugins.Broken]:
+    """The entry points of ``aftershock.faults`` that were skipped, and why."""
+    _load()
+    return list(_broken)
+
+
+def broken_kind(kind: str) -> plugins.Broken | None:
+    """The skipped plug-in that fault kind ``kind`` may come from, if any."""
+    _load()
+    return plugins.provider(_broken, kind) if kind not in _registry else None
 
 
 def get(kind: str) -> FaultKind:
@@ -251,7 +391,7 @@ def get(kind: str) -> FaultKind:
     except KeyError:
         raise KeyError(
             f"unknown fault kind {kind!r} (known: {', '.join(sorted(_registry))})"
-        ) from None
+            + plugins.why_unknown(_broken, kind)) from None
 
 
 def kinds() -> list[FaultKind]:
@@ -261,11 +401,11 @@ def kinds() -> list[FaultKind]:
 
 def declared(kind: FaultKind) -> bool:
     """Whether ``kind`` declares its parameters (and so has a place in scenarios)."""
-    return isinstance(getattr(kind, "params", None), type)
+    return hooks(kind).params is not None
 
 
 def preflight(kind: str, params: Mapping[str, Any]) -> list[str]:
     """What this machine lacks for ``kind`` with ``params``: nothing for a kind without a
     ``preflight`` hook (it says at inject time, through FaultUnavailable)."""
-    check = getattr(get(kind), "preflight", None)
-    return list(check(params)) if callable(check) else []
+    lacks = hooks(get(kind)).preflight
+    return list(lacks(params)) if lacks is not None else []

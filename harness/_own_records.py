@@ -98,8 +98,8 @@ def refused(spec: Any, scenario_dir: Path | None) -> list[tuple[int, str, str]]:
     kind = systems.of(spec.system)
     found: list[tuple[int, str, str]] = []
     for index, fault in enumerate(spec.faults):
-        aim = getattr(faults.get(fault.kind), "aim", None)
-        if not callable(aim) or "root" not in type(fault).model_fields:
+        aim = faults.hooks(faults.get(fault.kind)).aim
+        if aim is None or "root" not in type(fault).model_fields:
             continue
         field, whole = aim()
         root = _root(fault.root, kind.default_root(spec.system, PLACEHOLDER), scenario_dir)

@@ -32,10 +32,55 @@ err = Console(stderr=True, soft_wrap=True, width=None if sys.stderr.isatty() els
 EXIT_OK, EXIT_FAILED, EXIT_INVALID, EXIT_HARNESS = 0, 1, 2, 3
 
 
-def _fail_invalid(problems: list[str]) -> typer.Exit:
+def _show_version(value: bool) -> None:
+    if not value:
+        return
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        installed = version("aftershock")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        installed = "(not installed: no distribution metadata)"
+    out.print(f"aftershock {installed}", markup=False, highlight=False)
+    raise typer.Exit(EXIT_OK)
+
+
+@app.callback()
+def _options(
+    version: Annotated[bool, typer.Option(
+        "--version", callback=_show_version, is_eager=True,
+        help="print the installed version and exit")] = False,
+) -> None:
+    pass
+
+
+def _need_extra(module: str, extra: str, what: str) -> None:
+    """Exit 2 with the one line that installs ``module`` where this install lacks it (a core
+    install has no extras)."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        typer.echo(f"aftershock: {what} needs {module}: pip install 'aftershock[{extra}]'",
+                   err=True)
+        raise typer.Exit(EXIT_INVALID)
+
+
+def _fail_invalid(problems: list[str], *, broken: bool = False) -> typer.Exit:
+    """Exit 2 after printing ``problems``; 3 (``broken``) when a scenario uses a plug-in that
+    was skipped as broken: the installation is at fault, not the scenario."""
     for problem in problems:
         err.print(problem, markup=False, highlight=False)
-    return typer.Exit(EXIT_INVALID)
+    return typer.Exit(EXIT_HARNESS if broken else EXIT_INVALID)
+
+
+def _uses_broken(exc: Exception) -> bool:
+    from harness.errors import PluginError
+
+    return isinstance(exc, PluginError)
 
 
 @app.command()
@@ -49,15 +94,17 @@ def validate(
     from harness.spec import find_scenarios, load_scenario
 
     files, problems = find_scenarios(list(paths))
+    broken = False
     for file in files:
         try:
             load_scenario(file)
         except SpecError as exc:
             problems.extend(exc.problems)
+            broken = broken or _uses_broken(exc)
         else:
             out.print(f"ok {file}", markup=False, highlight=False)
     if problems:
-        raise _fail_invalid(problems)
+        raise _fail_invalid(problems, broken=broken)
     if not files:
         raise _fail_invalid([f"{p}:1:1: no scenario files (*.yaml, *.yml) found" for p in paths])
 
@@ -107,13 +154,15 @@ def run(
             raise SpecError([f"{p}:1:1: no scenario files (*.yaml, *.yml) found" for p in paths])
         problems: list[str] = []
         loaded = []
+        broken = False
         for file in files:
             try:
                 loaded.append(load_scenario(file))
             except SpecError as exc:
                 problems.extend(exc.problems)
+                broken = broken or _uses_broken(exc)
         if problems:
-            raise SpecError(problems)
+            raise _fail_invalid(problems, broken=broken)
     except SpecError as exc:
         raise _fail_invalid(exc.problems) from None
     # Before anything runs: a record that cannot be written is lost after the whole run.
@@ -222,6 +271,7 @@ def explore(
     """
     import secrets
 
+    _need_extra("hypothesis", "explore", "aftershock explore")
     from harness._duration import parse_duration
     from harness.errors import AftershockError, HarnessError, SpecError
     from harness.explore import Exploration, sigterm_unwinds
@@ -238,6 +288,7 @@ def explore(
         except ValueError as exc:
             problems.append(f"--time {time_limit}: {exc}")
     loaded = []
+    broken = False
     try:
         files = discover(list(paths))
         if not files:
@@ -247,6 +298,7 @@ def explore(
                 scenario = load_scenario(file)
             except SpecError as exc:
                 problems.extend(exc.problems)
+                broken = broken or _uses_broken(exc)
                 continue
             if scenario.spec.explore is None:
                 problems.append(f"{file}:1:1: no `explore:` block: nothing to search (add "
@@ -260,7 +312,7 @@ def explore(
         from harness.explore import database_problems
         problems += database_problems(database)
     if problems:
-        raise _fail_invalid(problems)
+        raise _fail_invalid(problems, broken=broken)
     search_seed = seed if seed is not None else secrets.randbelow(2**32)
     console = err if json_out == "-" else out
     done: list[Exploration] = []
@@ -407,13 +459,17 @@ def golden(
             raise SpecError([f"{p}:1:1: no scenario files (*.yaml, *.yml) found" for p in paths])
         problems: list[str] = []
         loaded = []
+        broken = False
         for file in files:
             try:
                 loaded.append(load_scenario(file))
             except SpecError as exc:
                 problems.extend(exc.problems)
+                broken = broken or _uses_broken(exc)
+        # A malformed, unreadable or untrusted golden file is invalid input, found first.
+        problems.extend(goldens.problems(loaded, writing=update))
         if problems:
-            raise SpecError(problems)
+            raise _fail_invalid(problems, broken=broken)
     except SpecError as exc:
         raise _fail_invalid(exc.problems) from None
     if not update:
@@ -476,6 +532,10 @@ def faults(
     kinds = [k for k in engine.kinds() if registry.declared(k)]
     if kind is not None:
         kinds = [k for k in kinds if k.info.kind == kind or k.info.kind.startswith(kind + ".")]
+        skipped = registry.broken_kind(kind)
+        if not kinds and skipped is not None:
+            err.print(f"aftershock: {skipped.line()}", markup=False, highlight=False)
+            raise typer.Exit(EXIT_HARNESS)
         if not kinds:
             known = ", ".join(k.info.kind for k in engine.kinds())
             err.print(f"unknown fault kind {kind!r} (known: {known})", markup=False)
@@ -520,7 +580,7 @@ def _offered(system: str | None, for_file: Path | None) -> frozenset[str] | None
         try:
             loaded = load_scenario(for_file)
         except SpecError as exc:
-            raise _fail_invalid(exc.problems) from None
+            raise _fail_invalid(exc.problems, broken=_uses_broken(exc)) from None
         kind, model, folder = (systems.of(loaded.spec.system), loaded.spec.system,
                                loaded.path.parent)
     else:
@@ -581,7 +641,7 @@ def report(
 
     With --recheck the exit code is the new verdict's (0 all checks hold, 1 a check failed).
     """
-    from harness.errors import SpecError
+    from harness.errors import HarnessError, SpecError
     from harness.pictures import show_runs
 
     if clock not in ("run", "wall"):
@@ -592,7 +652,10 @@ def report(
         passed = show_runs(list(run_dirs), out=out, err=err, recheck=recheck,
                            scenario=scenario, html=html, trace=trace, clock=clock)
     except SpecError as exc:
-        raise _fail_invalid(exc.problems) from None
+        raise _fail_invalid(exc.problems, broken=_uses_broken(exc)) from None
+    except HarnessError as exc:  # a damaged timeline: the run cannot be judged from it
+        err.print(f"aftershock: harness error: {exc}", markup=False)
+        raise typer.Exit(EXIT_HARNESS) from None
     raise typer.Exit(EXIT_OK if passed or not recheck else EXIT_FAILED)
 
 
@@ -615,6 +678,22 @@ def heal() -> None:
     tally = ", ".join(f"{n} {o}" for o, n in counts.items() if n) or "nothing was left behind"
     out.print(f"healed {len(healed)} item(s): {tally}", markup=False)
     raise typer.Exit(exit_code(healed))
+
+
+def _one_line_paragraphs() -> None:
+    """Each command's help from its docstring, every paragraph on one line: docstrings are
+    wrapped for the source, and the help wraps again at the terminal's width, so a line
+    break kept from the source would split a sentence mid-way."""
+    import inspect
+
+    for command in app.registered_commands:
+        doc = command.help or (command.callback.__doc__ if command.callback else None)
+        if doc:
+            command.help = "\n\n".join(" ".join(paragraph.split())
+                                       for paragraph in inspect.cleandoc(doc).split("\n\n"))
+
+
+_one_line_paragraphs()
 
 
 def main() -> None:

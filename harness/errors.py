@@ -21,6 +21,12 @@ class SpecError(AftershockError):
         super().__init__("\n".join(problems))
 
 
+class PluginError(SpecError):
+    """A scenario uses a plug-in that was skipped as broken (faults/plugins.py): exit code 3,
+    since the installation, not the scenario, is at fault. Each problem names the plug-in's
+    distribution and entry point and what is wrong with it, in one line."""
+
+
 class RunDirBusy(AftershockError):
     """Another run holds the run folder (exit code 2): nothing was run, and nothing of the
     other run was touched."""

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from importlib.metadata import entry_points
 
+from faults import plugins
 from harness.logprobe import LogProbe
 
 ENTRY_POINT_GROUP = "aftershock.presets"
@@ -38,14 +38,14 @@ class Preset:
 
 
 _registry: dict[str, Preset] = {}
-_broken: dict[str, str] = {}  # entry point -> why it was skipped
+_broken: dict[str, plugins.Broken] = {}  # "name (module:attribute)" -> what was skipped
 _loaded = False
 
 
 def register(preset: Preset) -> Preset:
     """Add ``preset``; ValueError when it is not a valid one or its name is taken."""
     if not isinstance(preset, Preset):
-        raise ValueError(f"not a harness.presets.Preset: {preset!r:.80}")
+        raise plugins.PluginProblem(f"not a harness.presets.Preset: {preset!r:.80}")
     if not _NAME.match(preset.name):
         raise ValueError(f"preset name {preset.name!r}: lower-case letters, digits, '_', "
                          "'.', '-', starting with a letter")
@@ -62,13 +62,12 @@ def _load() -> None:
     if _loaded:
         return
     _loaded = True
-    for entry in entry_points(group=ENTRY_POINT_GROUP):
-        try:
-            loaded = entry.load()
-            for preset in loaded if isinstance(loaded, list | tuple) else [loaded]:
-                register(preset)
-        except Exception as exc:  # a broken plug-in is named, not fatal
-            _broken[f"{entry.name} ({entry.value})"] = f"{type(exc).__name__}: {exc}"
+    for skipped in plugins.load(ENTRY_POINT_GROUP, register, _claims):
+        _broken[f"{skipped.name} ({skipped.value})"] = skipped
+
+
+def _claims(preset: object) -> list[str]:
+    return [preset.name] if isinstance(preset, Preset) else []
 
 
 def get(name: str) -> Preset:
@@ -77,7 +76,9 @@ def get(name: str) -> Preset:
     try:
         return _registry[name]
     except KeyError:
-        skipped = (f"; skipped as broken: {', '.join(sorted(_broken))}" if _broken else "")
+        skipped = plugins.why_unknown(_broken.values(), name)
+        if not skipped and _broken:
+            skipped = f"; skipped as broken: {', '.join(sorted(_broken))}"
         raise KeyError(f"unknown preset {name!r} (known: {', '.join(names())}{skipped})"
                        ) from None
 
@@ -88,9 +89,16 @@ def names() -> list[str]:
 
 
 def broken() -> dict[str, str]:
-    """Entry points of the ``aftershock.presets`` group that were skipped, and why."""
+    """Entry points of the ``aftershock.presets`` group that were skipped, and why (each
+    ``name (module:attribute)``: its one line)."""
     _load()
-    return dict(_broken)
+    return {key: skipped.line() for key, skipped in _broken.items()}
+
+
+def broken_for(name: str) -> plugins.Broken | None:
+    """The skipped plug-in that preset ``name`` may come from, if any."""
+    _load()
+    return plugins.provider(_broken.values(), name) if name not in _registry else None
 
 
 def probes(chosen: str | list[str] | None) -> list[LogProbe]:
@@ -133,8 +141,11 @@ TORCHRUN = register(Preset(
 #: torchft's Manager prefixes each line with ``[<replica_id>/<group rank> - step N]``; the
 #: replica id is the job's (``train_ddp_1``) with ``:<uuid>`` of the process that runs it,
 #: and its trailing digits are the replica group's index (torchft's own reading of it).
-_FT = (r"\[(?P<replica_id>[^\s\[\]/]*?(?P<replica>\d*)(?::[0-9a-f-]+)?)/(?P<rank>\d+)"
-       r" - step ")
+#: Each part has a length bound: unbounded, the lazy id and the digits after it try every
+#: split of a long run (``[0000...``: a tensor dumped into the log), quadratic in the line,
+#: and the probe would give up on the line (harness/logprobe.py's PROBE_LINE_S).
+_FT = (r"\[(?P<replica_id>[^\s\[\]/]{0,200}?(?P<replica>\d{0,18})(?::[0-9a-f-]{1,64})?)"
+       r"/(?P<rank>\d{1,9}) - step ")
 
 TORCHFT = register(Preset(
     name="torchft",

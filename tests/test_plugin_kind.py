@@ -115,8 +115,8 @@ def test_an_installed_package_adds_a_system_kind(site: Path, tmp_path: Path) -> 
         "faults:\n  - {kind: preempt.notice, at: {time: 300ms}, path: NOTICE, grace: 2s}\n")
     alone = aftershock("validate", str(scenario), site=None, cwd=tmp_path)
     assert alone.returncode == 2
-    assert ("system needs `reference: trainer`, `reference: server`, `command: [...]` or "
-            "`nodes: N`") in alone.stderr
+    assert ("system needs `reference: trainer`, `reference: server`, `command: [...]`, "
+            "`nodes: N` or `slurm: {nodes: N, ...}`") in alone.stderr
     # Its own rules and what its target offers are asked like a built-in kind's.
     missing = scenario.with_name("missing.yaml")
     missing.write_text(scenario.read_text().replace("job.py", "nowhere.py"))

@@ -40,7 +40,7 @@ def test_a_system_block_is_told_apart_by_its_tag() -> None:
         parse_scenario("name: x\nsystem: {reference: bogus}\n", "s.yaml")
     assert caught.value.problems == [
         "s.yaml:2:9: system: system needs `reference: trainer`, `reference: server`, "
-        "`command: [...]` or `nodes: N`"]
+        "`command: [...]`, `nodes: N` or `slurm: {nodes: N, ...}`"]
 
 
 def test_what_a_run_of_each_kind_launches(tmp_path: Path) -> None:

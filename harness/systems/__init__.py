@@ -11,17 +11,20 @@ of them names a system class.
 Built-in kinds are the modules of this package (trainer.py, server.py, command.py), each
 registering one kind; every module here whose name does not start with ``_`` is loaded.
 Other packages add kinds through the ``aftershock.systems`` entry-point group (an object,
-or a list of them). docs/extending.md says how to write one.
+or a list of them). Each kind is checked against :data:`PROTOCOL` when it registers; a
+plug-in it refuses is named in one line and skipped (faults/plugins.py). docs/extending.md
+says how to write one.
 """
 
 from __future__ import annotations
 
 import importlib
 import pkgutil
-from collections.abc import Mapping
-from importlib.metadata import entry_points
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+from faults import plugins
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
@@ -174,15 +177,68 @@ class SystemKind(Protocol):
         ...
 
 
+class Unresolves(Protocol):
+    """Optional on a system kind: why its target can never find the processes a fault's
+    ``target`` names (``replica`` on a job that reports none), or None. ``probed``: whether
+    its job runs the in-process probe."""
+
+    def unresolved(self, system: Any, target: Any, probed: bool) -> str | None: ...
+
+
+def _is_model(value: Any) -> bool:
+    from pydantic import BaseModel
+
+    return isinstance(value, type) and issubclass(value, BaseModel)
+
+
+def _is_name(value: Any) -> bool:
+    return isinstance(value, str) and bool(value) and not any(c.isspace() for c in value)
+
+
+def _is_tag(value: Any) -> bool:
+    return (isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], str)
+            and (value[1] is None or isinstance(value[1], str)))
+
+
+_METHODS = ("launch", "target", "capabilities", "probe", "world", "steps", "default_root",
+            "root_is_run_folder", "twin", "twin_key", "fingerprint", "device", "driver",
+            "log_probes", "replays", "file_problems", "problems")
+
+#: The protocol every system kind is checked against when it registers (:class:`SystemKind`
+#: and :class:`Unresolves`, optional).
+PROTOCOL: tuple[plugins.Attr, ...] = (
+    plugins.required("name", "a name (a str without spaces)", _is_name),
+    plugins.required("model", "a pydantic model (harness.schema.Strict)", _is_model),
+    plugins.required("tag", "a (key, value or None) tuple", _is_tag),
+    plugins.required("shape", "a str", plugins.is_str),
+    plugins.required("order", "an int", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+    plugins.required("family", "a str", plugins.is_str, allowed=("training", "serving")),
+    plugins.required("golden", "a str or None", lambda v: True,
+                     allowed=("digests", "outputs", None)),
+    *(plugins.required(name, "a method", plugins.is_callable) for name in _METHODS),
+    plugins.optional("unresolved", "a method: unresolved(system, target, probed)",
+                     plugins.is_callable),
+)
+
 _registry: dict[str, SystemKind] = {}
+_broken: list[plugins.Broken] = []
 _loaded = False
 
 
 def register(kind: SystemKind) -> SystemKind:
+    """Add ``kind``; ValueError (PluginProblem) when it does not follow the protocol or its
+    name is taken."""
+    plugins.check(kind, "system kind", PROTOCOL, lambda k: k.name)
     if kind.name in _registry and _registry[kind.name] is not kind:
         raise ValueError(f"system kind {kind.name!r} is registered twice")
     _registry[kind.name] = kind
     return kind
+
+
+def _claims(kind: Any) -> list[str]:
+    # A scenario names a system kind by its tag's key (`script:`), messages by its name.
+    tag = getattr(kind, "tag", None)
+    return [tag[0] if tag is not None and _is_tag(tag) else "", str(getattr(kind, "name", ""))]
 
 
 def _load() -> None:
@@ -193,10 +249,22 @@ def _load() -> None:
     for module in pkgutil.iter_modules(__path__):
         if not module.name.startswith("_"):
             importlib.import_module(f"{__name__}.{module.name}")
-    for entry in entry_points(group=ENTRY_POINT_GROUP):
-        loaded = entry.load()
-        for kind in loaded if isinstance(loaded, list | tuple) else [loaded]:
-            register(kind)
+    _broken.extend(plugins.load(ENTRY_POINT_GROUP, register, _claims))
+
+
+def broken_for(raw: Mapping[str, Any]) -> plugins.Broken | None:
+    """The skipped plug-in a raw ``system:`` mapping that no kind claims may be asking for
+    (by one of its keys), if any."""
+    if claimed(raw) is not None:
+        return None
+    return next((b for key in raw if isinstance(key, str)
+                 for b in [plugins.provider(_broken, key)] if b is not None), None)
+
+
+def unresolved(kind: SystemKind) -> Callable[[Any, Any, bool], str | None] | None:
+    """``kind``'s ``unresolved`` (:class:`Unresolves`), or None when it gives none."""
+    hook: Callable[[Any, Any, bool], str | None] | None = getattr(kind, "unresolved", None)
+    return hook  # callable: checked when it registered
 
 
 def kinds() -> list[SystemKind]:
@@ -211,7 +279,7 @@ def get(name: str) -> SystemKind:
         return _registry[name]
     except KeyError:
         raise KeyError(f"unknown system kind {name!r} (known: {', '.join(sorted(_registry))})"
-                       ) from None
+                       f"{plugins.why_unknown(_broken, name)}") from None
 
 
 def of(system: Any) -> SystemKind:
