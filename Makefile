@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv bytecode demo test test-busy test-fast test-scenarios test-explore test-explore-long torchft fuzz lint typecheck docs bench bench-targets clean docker-engine
+.PHONY: venv bytecode demo test test-busy test-fast test-scenarios test-explore test-explore-long test-long torchft fuzz lint typecheck docs bench bench-targets clean docker-engine slurm-cluster slurm-cluster-stop test-slurm
 
 venv: $(STAMP)
 
@@ -33,13 +33,13 @@ bytecode: venv
 # cores idle (docs/benchmarks.md, "The suite's length"). TEST_WORKERS=0 runs it in one.
 TEST_WORKERS ?= 2
 test: venv bytecode
-	$(PY) -m pytest -m "not scenarios and not explore and not explore_long" -n $(TEST_WORKERS)
+	$(PY) -m pytest -m "not scenarios and not explore and not explore_long and not slurm" -n $(TEST_WORKERS)
 
 # Every shipped scenario, through the CLI and the pytest plugin, with its timeline evidence,
 # and the shipped scenarios against the broken trainers they exist to catch.
 # The scenario sweep runs examples/torchft_ddp too, so it installs torchft first.
 test-scenarios: torchft bytecode
-	$(PY) -m pytest -m scenarios
+	$(PY) -m pytest -m "scenarios and not long"
 
 # torchft 0.2.0 without its dependencies, so it cannot pull a CUDA build of torch over the
 # pinned CPU one; the OpenTelemetry packages it imports are installed by name.
@@ -53,14 +53,34 @@ torchft: venv
 docker-engine: venv
 	ci/docker-engine $(PY)
 
+# A real Slurm cluster (docs/scale-out.md): installs slurm-wlm and munge if missing, starts the
+# engine, then slurmctld and two slurmd nodes as containers, munge, partition `debug`; sinfo,
+# sbatch, srun... then work from this host. Idempotent; slurm-cluster-stop leaves nothing.
+slurm-cluster: venv
+	ci/slurm-cluster up $(PY)
+
+slurm-cluster-stop: venv
+	ci/slurm-cluster down $(PY)
+
+# The tests and scenarios that need a Slurm cluster (marker `slurm`): they skip without one
+# unless AFTERSHOCK_REQUIRE_SLURM=1, which this target sets, as CI does.
+test-slurm: slurm-cluster bytecode
+	AFTERSHOCK_REQUIRE_SLURM=1 $(PY) -m pytest -m slurm
+
 # aftershock explore against deliberately broken reference trainers that every shipped
 # scenario misses: each must be found and shrunk within 40 runs (tests/test_explore_broken.py).
 test-explore: venv bytecode
 	$(PY) -m pytest -m explore
 
-# The searches that take about ten minutes each (tests/test_explore_broken_recovery.py).
+# The searches that take about ten minutes each (tests/test_explore_broken_recovery.py,
+# tests/test_explore_serving_broken.py).
 test-explore-long: venv bytecode
 	$(PY) -m pytest -m explore_long
+
+# The evidence that takes about ten minutes: broken variants against every scenario shipped
+# before the one that catches them (tests/test_serving_durability_scenarios.py).
+test-long: torchft bytecode
+	$(PY) -m pytest -m long
 
 # `make test` beside three CPU hogs (busy loops), as on an overloaded CI runner: verdicts must
 # not flip with load (docs/metrics.md, "How starved the machine was"). The hogs end with it.
@@ -69,10 +89,10 @@ test-busy: venv bytecode
 	@hogs=""; for i in $$(seq $(BUSY_HOGS)); do \
 	  $(PY) -c 'while True: pass' & hogs="$$hogs $$!"; done; \
 	trap 'kill $$hogs 2>/dev/null' EXIT INT TERM; \
-	$(PY) -m pytest -m "not scenarios and not explore and not explore_long" -n $(TEST_WORKERS)
+	$(PY) -m pytest -m "not scenarios and not explore and not explore_long and not slurm" -n $(TEST_WORKERS)
 
 test-fast: venv bytecode
-	$(PY) -m pytest -m "not slow and not scenarios and not explore and not explore_long" -n $(TEST_WORKERS)
+	$(PY) -m pytest -m "not slow and not scenarios and not explore and not explore_long and not slurm" -n $(TEST_WORKERS)
 
 # 10,000 malformed scenario files through the loader, and 1,250 of them through
 # `aftershock validate` under CPU and memory limits (tests/test_fuzz_spec.py; `make test` runs
@@ -99,10 +119,11 @@ bench: torchft
 	$(PY) -m bench.harness_overhead
 
 # The failure-free overhead targets with 16 repetitions each: `make bench`'s 3 never resolve
-# them on a noisy 2-core host, 16 sometimes do (docs/benchmarks.md, "The 16-repetition
-# runs"). ~17–23 minutes. Writes bench/results/partial.* and serving-partial.*, and keeps
-# every training job's events and logs under $(BENCH_LOGS)/<UTC time>/repN/ROW (~0.2 MB a
-# job, outside git), so an outlier can be explained after the run.
+# them on a noisy 2-core host, 16 sometimes do (bench/results/history-2026-12.md, "The
+# 16-repetition runs"). ~17–23 minutes. Writes bench/results/partial.* and
+# serving-partial.*, and keeps every training job's events and logs under
+# $(BENCH_LOGS)/<UTC time>/repN/ROW (~0.2 MB a job, outside git), so an outlier can be
+# explained after the run.
 BENCH_LOGS ?= .aftershock/bench-logs
 bench-targets: venv
 	$(PY) -m bench --only ddp,trainer_no_ckpt,hot_spare,elastic --repeat 16 \

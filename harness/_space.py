@@ -7,9 +7,10 @@ schedules from a resolved :class:`Space`.
 
 from __future__ import annotations
 
+import types
 import typing
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
@@ -38,8 +39,8 @@ Problem = tuple[tuple[Any, ...], str]
 
 #: Target families from the simplest to the widest: hypothesis shrinks a choice toward the
 #: first, so a shrunk schedule hits one named process where one is enough.
-FAMILY_ORDER = ("rank", "worker", "random", "replica", "shard", "majority", "spare",
-                "launcher", "all")
+FAMILY_ORDER = ("rank", "worker", "router", "random", "replica", "shard", "majority",
+                "spare", "launcher", "all")
 #: Families that expand to one fault per rank for a fault applied inside the target (the
 #: probe's rank filter names one rank or every rank, not a set).
 GROUPS = ("replica", "shard", "majority")
@@ -50,6 +51,12 @@ ROLES = ("spare", "launcher")
 #: one fault triggered by something else, or it never starts.
 AFTER_A_FAILURE = ("failure_detected", "recovery_done", "checkpoint_loaded",
                    "checkpoint_skipped", "request_migrated", "restore")
+#: The reference server's router's fault points, on the durability path of tokens (docs/
+#: serving.md): only the router reaches them, and its step is its count of token records.
+#: A server reports no committed steps, so there a step trigger is one of these points.
+ROUTER_PHASES = ("token_produced", "journal_appended", "journal_synced", "token_sent")
+#: Kinds a scenario holds at most one of (one lazy filesystem): a schedule draws one at most.
+ONCE_PER_SCENARIO = ("storage.lose_unsynced",)
 #: Fields of a fault that are not parameters.
 _NOT_PARAMS = ("kind", "target", "at", "every")
 #: The reference trainer's fault points in a training step, and around a checkpoint when the
@@ -136,6 +143,9 @@ class Space:
     time_ms: tuple[int, int] | None
     spacing: tuple[int, int] | None
     last_step: int | None = None  # where END_PHASES fire; None: not known (no trainer)
+    options: tuple[ParamDraw, ...] = ()  # system options drawn per run (`explore.system`)
+    # Steps seen only at fault points (the server's router): a step trigger needs one.
+    steps_at_points: bool = False
 
 
 System = TrainerSystem | ServerSystem | CommandSystem
@@ -240,6 +250,7 @@ def families_for(system: System) -> dict[str, str]:
         why["rank"] = "the command's `world` is not given, so its ranks are not known"
     if not server:
         why["worker"] = "only the reference server has workers"
+        why["router"] = "only the reference server has a router"
     for family in ("replica", "shard"):
         if not trainer:
             why[family] = "only the reference trainer reports replicas and shards"
@@ -314,6 +325,15 @@ def resolve(system: System, explore: Explore | None) -> Space:
         choice = _kind_choice(space, where, families, at.phases, problems)
         if choice is None:
             continue
+        if choice.kind == "storage.lose_unsynced" and isinstance(system, ServerSystem):
+            # The power goes under the router's journal and the router, which writes it, dies
+            # with it: a worker alone would leave the router writing past the lost tail.
+            router = ("router",) if "router" in families else ()
+            choice = replace(choice, targeted=True, families=router)
+            if not choice.families:
+                problems.append((where, "storage.lose_unsynced on a server takes its router down "
+                                 "with the power: add `router` to the targets"))
+                continue
         if choice.targeted and not choice.families:
             if families:  # (no family at all is the targets' problem, said above)
                 why = ": a fault applied inside the target needs ranks, not roles" \
@@ -326,6 +346,23 @@ def resolve(system: System, explore: Explore | None) -> Space:
     if at.phases and not phased_any and explore.at is not None:
         problems.append((("at", "phases"), "no fault kind of this search is applied at a fault "
                          "point (collective.*, process.hang, memory.* with `tensor`)"))
+    router_phases = [p for p in at.phases if p in ROUTER_PHASES]
+    if router_phases and not isinstance(system, ServerSystem):
+        problems.append(((*where_at, "phases"), f"{', '.join(router_phases)}: only the reference "
+                         "server's router has these fault points"))
+    elif steps is not None and isinstance(system, ServerSystem) and not (
+            router_phases and "router" in families):
+        # A server commits no steps: its step is the router's count of token records, seen
+        # only at the router's fault points.
+        problems.append(((*where_at, "step"), "a server counts steps only at its router's fault "
+                         f"points: give `phases` among {', '.join(ROUTER_PHASES)} and `router` "
+                         "among the targets"))
+    options = _option_draws(system, explore.system, problems)
+    for draw in (d for d in options if d.name == "steps" and steps is not None):
+        lowest = min(draw.choices) if draw.choices else draw.low
+        if steps is not None and steps[1] > lowest:
+            problems.append((("system", "steps"), f"{lowest:g}: fewer steps than the last step "
+                             f"a fault may be drawn at ({steps[1]}, `at.step.max`)"))
     if problems:
         raise SpaceError(problems)
     return Space(
@@ -339,7 +376,130 @@ def resolve(system: System, explore: Explore | None) -> Space:
         time_ms=time_ms,
         spacing=spacing,
         last_step=system.steps if isinstance(system, TrainerSystem) else None,
+        options=options,
+        steps_at_points=isinstance(system, ServerSystem),
     )
+
+
+#: System fields a search cannot draw: what the system is, and what is not one value.
+_FIXED_OPTIONS = ("reference", "command", "program")
+
+
+def with_options(system: System, options: dict[str, Any]) -> System:
+    """``system`` with ``options`` (option → value) put over it, checked by its own model
+    (raises ValidationError)."""
+    data = system.model_dump(exclude_unset=True)
+    for name, value in options.items():
+        # `load.resubmit`: a field of a block, put over the block's own settings.
+        *blocks, last = name.split(".")
+        inner = data
+        for block in blocks:
+            nested = dict(inner.get(block) or {})
+            inner[block] = nested
+            inner = nested
+        inner[last] = value
+    return type(system).model_validate(data)
+
+
+def option_value(system: System, name: str) -> Any:
+    """The value of the option ``name`` (``steps``, or ``load.resubmit`` in a block)."""
+    value: Any = system
+    for part in name.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _option_field(system: System, name: str) -> Any:
+    """The model field the option ``name`` is (a block's own with a dot: ``load.resubmit``),
+    or None."""
+    model: Any = type(system)
+    field = None
+    for part in name.split("."):
+        fields = getattr(model, "model_fields", None)
+        field = fields.get(part) if isinstance(fields, dict) else None
+        if field is None:
+            return None
+        model = field.annotation
+    return field
+
+
+def _option_draws(system: System, declared: dict[str, list[Any] | ParamSpan],
+                  problems: list[Problem]) -> tuple[ParamDraw, ...]:
+    """``explore.system``: each option a scalar field of the system's model, each value (or
+    each end of a range) one that model takes with the system's other settings."""
+    fields = type(system).model_fields
+    draws: list[ParamDraw] = []
+    for name, choices in declared.items():
+        where: tuple[Any, ...] = ("system", name)
+        field = _option_field(system, name)
+        drawable = sorted(n for n, f in fields.items()
+                          if n not in _FIXED_OPTIONS and _scalar(f.annotation))
+        if field is None or name in _FIXED_OPTIONS or not _scalar(field.annotation):
+            why = "not an option of this system" if field is None else \
+                "what the system is" if name in _FIXED_OPTIONS else "not a single value"
+            problems.append((where, f"{name!r}: {why} (drawable: {', '.join(drawable)})"))
+            continue
+
+        def valid(value: Any, at: tuple[Any, ...], name: str = name) -> Any:
+            try:
+                return option_value(with_options(system, {name: value}), name)
+            except ValidationError as exc:
+                message = str(exc.errors()[0]["msg"]).removeprefix("Value error, ")
+                problems.append((at, f"{value!r}: {message}"))
+                return None
+
+        if isinstance(choices, list):
+            values = [valid(v, (*where, i)) for i, v in enumerate(choices)]
+            if not values:
+                problems.append((where, "give at least one value"))
+            if not values or any(v is None for v in values):
+                continue
+            draws.append(ParamDraw(name, choices=tuple(dict.fromkeys(values))))
+            continue
+        if not _scalar(field.annotation, numeric=True):
+            problems.append((where, "a range needs a number or a duration option; give a list "
+                             "of values"))
+            continue
+        low, high = valid(choices.min, (*where, "min")), valid(choices.max, (*where, "max"))
+        if low is None or high is None:
+            continue
+        if isinstance(low, timedelta) and isinstance(high, timedelta):
+            unit, lo, hi = "ms", float(_ms(low)), float(_ms(high))
+        elif isinstance(low, bool) or not isinstance(low, int | float) \
+                or not isinstance(high, int | float):
+            problems.append((where, "a range needs a number or a duration option; give a list "
+                             "of values"))
+            continue
+        else:
+            unit = "int" if isinstance(low, int) and isinstance(high, int) else "float"
+            lo, hi = float(low), float(high)
+        if hi < lo:
+            problems.append((where, "max is below min"))
+            continue
+        draws.append(ParamDraw(name, low=lo, high=hi, unit=unit))
+    return tuple(draws)
+
+
+def _scalar(annotation: Any, *, numeric: bool = False) -> bool:
+    """Whether a field holds one value (a number, a duration, a string, a choice), not a
+    model, a list or a mapping; ``numeric``: and that value is a number or a duration."""
+    stack, found = [annotation], []
+    while stack:
+        item = stack.pop()
+        origin = typing.get_origin(item)
+        if origin is typing.Literal:
+            found.append(str)
+        elif origin is typing.Annotated:
+            stack.append(typing.get_args(item)[0])
+        elif origin in (typing.Union, types.UnionType):
+            stack.extend(typing.get_args(item))
+        elif origin is not None:
+            return False  # list[...], dict[...]
+        else:
+            found.append(item)
+    kinds = (int, float, timedelta, type(None)) if numeric else \
+        (int, float, str, bool, timedelta, type(None))
+    return bool(found) and all(t in kinds for t in found)
 
 
 def _ms(value: timedelta) -> int:

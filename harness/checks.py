@@ -11,9 +11,10 @@ from dataclasses import dataclass
 
 from harness import metrics as _metrics
 from harness._duration import format_duration
+from harness.logprobe import unread
 from harness.metrics import Output
 from harness.records import CheckResult, Event, FaultRecord
-from harness.spec import WINDOWED, DetectBudget, Expect
+from harness.spec import WINDOWED, CountBudget, DetectBudget, Expect
 from harness.triggers import describe_file_state
 
 
@@ -90,7 +91,7 @@ def evaluate(
                                         expect.time_to_recover.max.total_seconds(),
                                         events, world))
     if expect.lost_steps:
-        results.append(_lost_steps(metrics.get("lost_steps"), expect.lost_steps.max,
+        results.append(_lost_steps(metrics.get("lost_steps"), expect.lost_steps,
                                    events or ()))
     if expect.skipped_steps:
         skipped = metrics.get("skipped_steps")
@@ -126,6 +127,10 @@ def evaluate(
         results.append(_checkpoint_durable(events or ()))
     if expect.faults_landed:
         results.append(_faults_landed(file_triggers or {}, events or ()))
+    if expect.slurm_witness:
+        from harness.nodes.slurm_witness import slurm_witness
+
+        results.append(slurm_witness(events or ()))
     unsent = "no request was sent"
     if (not_ready := _metrics.load_not_ready(events or ())) is not None:
         unsent = f"no request was sent: {not_ready}"
@@ -159,12 +164,18 @@ def evaluate(
             "(the server must send `token_index` per chunk)"))
     if expect.outputs_match:
         results.append(_outputs_match(outputs or {}, baseline_outputs))
+    if expect.acknowledged_durable:
+        from harness.oracle.serving_journal import acknowledged_durable
+
+        results.append(acknowledged_durable(events or ()))
     if expect.latency:
         for name in ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99"):
             budget = getattr(expect.latency, name)
             if budget is not None:
                 results.append(_latency(name, metrics, budget.max.total_seconds()))
-    return results
+    # A line a log probe gave up on, or lines read too late, leave a hole in the timeline:
+    # the checks that read what such a line may have said are not observed.
+    return unread(results, events or ())
 
 
 def _latency(name: str, metrics: Mapping[str, float | int | None], limit_s: float
@@ -201,12 +212,45 @@ def _why_lost(events: Sequence[Event]) -> str:
     return why
 
 
-def _lost_steps(lost: float | int | None, limit: int, events: Sequence[Event]) -> CheckResult:
-    """At most ``limit`` steps done twice, counted only where there is something to count:
-    a run that stopped at its last fault (no step after it, no final parameters) redid
-    nothing because it never went on, and a PASS there would certify a recovery that never
-    happened."""
+def _snapshot_restores(events: Sequence[Event]) -> tuple[int | None, int]:
+    """(the snapshot interval the job recorded, the restores from snapshots): the largest
+    ``snapshot_every`` of its ``membership`` events (None: none recorded), and the
+    generations that loaded a checkpoint (``checkpoint_loaded``, by its ``generation``; one
+    that names none counts once for each step it loaded)."""
+    interval: int | None = None
+    restored: set[object] = set()
+    for event in events:
+        value = event.fields.get("snapshot_every")
+        if event.event == "membership" and isinstance(value, int) \
+                and not isinstance(value, bool) and value >= 1:
+            interval = max(interval or value, value)
+        elif event.event == "checkpoint_loaded":
+            generation = event.fields.get("generation")
+            restored.add(generation if generation is not None
+                         else ("step", event.fields.get("step")))
+    return interval, len(restored)
+
+
+def _lost_steps(lost: float | int | None, budget: CountBudget,
+                events: Sequence[Event]) -> CheckResult:
+    """At most ``budget.max`` steps done twice (with ``snapshot_interval``: that many for
+    each restore from snapshots, plus what the interval the run recorded leaves unsaved,
+    the interval less one), counted only where there is something to count: a run that
+    stopped at its last fault (no step after it, no final parameters) redid nothing because
+    it never went on, and a PASS there would certify a recovery that never happened."""
+    limit = budget.max
     expected = f"<= {limit}"
+    if budget.snapshot_interval:
+        interval, restores = _snapshot_restores(events)
+        if interval is None:
+            return CheckResult("lost_steps", False, lost, f"<= restores x ({limit} + "
+                               "snapshot interval - 1)", "not observed: the run recorded no "
+                               "snapshot interval (`snapshot_every` on a `membership` "
+                               "event), so the steps a restore may lose are not known")
+        # Each restore may lose what the budget allows and the steps since its snapshot.
+        limit = max(limit, restores * (limit + interval - 1))
+        expected = (f"<= {limit} ({restores} restore(s) from snapshots x ({budget.max} + "
+                    f"interval {interval} - 1), at least {budget.max})")
     unseen = _nothing_after_the_fault(events)
     if unseen is not None:
         return CheckResult("lost_steps", False, lost, expected,

@@ -25,13 +25,13 @@ import dataclasses
 import hashlib
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from harness import _files, golden, runner
-from harness._space import Space, sample_fault
+from harness._space import Space, option_value, sample_fault, with_options
 from harness.errors import HarnessError, PreflightError, RunFailed, SpecError
 from harness.records import CheckResult, RunResult
 from harness.spec import LoadedScenario, Scenario, _FaultBase, parse_scenario, to_yaml
@@ -166,8 +166,10 @@ def sigterm_unwinds() -> contextlib.AbstractContextManager[None]:
     return runner._sigterm_unwinds()
 
 
-def describe(schedule: Sequence[_FaultBase]) -> str:
-    """A schedule in one line: ``process.kill rank 1 @ step 25; ...``."""
+def describe(schedule: Sequence[_FaultBase], system: Mapping[str, Any] | None = None) -> str:
+    """A schedule in one line: ``process.kill rank 1 @ step 25; ...``, after the system
+    options drawn for it, if any: ``[snapshot_every=2] process.kill ...``."""
+    drawn = ", ".join(f"{k}={_short(v)}" for k, v in (system or {}).items())
     parts = []
     for fault in schedule:
         data = fault.model_dump(exclude={"kind", "target", "at", "every"},
@@ -177,7 +179,7 @@ def describe(schedule: Sequence[_FaultBase]) -> str:
         where = fault.target.describe() if not kind.startswith("storage.") else ""
         text = f"{kind}{f'({params})' if params else ''}"
         parts.append(" ".join(p for p in (text, where, "@", fault.at.describe()) if p))
-    return "; ".join(parts) or "no faults"
+    return (f"[{drawn}] " if drawn else "") + ("; ".join(parts) or "no faults")
 
 
 def _short(value: Any) -> str:
@@ -218,10 +220,14 @@ def _check_line(check: CheckResult) -> str:
 def run_schedule(
     base: LoadedScenario, schedule: Sequence[_FaultBase], *, run_dir: Path | None = None,
     seed: int | None = None, observer: runner.Observer | None = None, use_cache: bool = True,
+    system: Mapping[str, Any] | None = None,
 ) -> RunResult:
-    """Run ``base`` with ``schedule`` as its faults, as `aftershock run` would run the
-    scenario written for it (for your own ``@given`` tests around harness.strategies)."""
+    """Run ``base`` with ``schedule`` as its faults (and the options in ``system`` over its
+    system), as `aftershock run` would run the scenario written for it (for your own
+    ``@given`` tests around harness.strategies)."""
     spec = base.spec.model_copy(update={"faults": list(schedule), "explore": None})
+    if system:
+        spec = spec.model_copy(update={"system": with_options(spec.system, dict(system))})
     text = to_yaml(spec)
     # What runs is exactly what the YAML says: the written scenario and this run agree.
     loaded = LoadedScenario(parse_scenario(text, str(base.path)), base.path, text)
@@ -296,6 +302,11 @@ class _Search:
         self.tried: dict[str, _Tried] = {}
         self.best: str | None = None  # key of the smallest failing schedule run so far
         self.stage: Stage = "search"
+        self.options: tuple[str, ...] = ()  # the system options the space draws
+
+    def describe(self, spec: Scenario) -> str:
+        """The schedule of ``spec``, after the values of the options drawn for it."""
+        return describe(spec.faults, self.drawn(spec))
 
     def key(self, spec: Scenario) -> str:
         return to_yaml(spec)
@@ -309,7 +320,8 @@ class _Search:
         done = self.exploration.count(self.stage)
         return done < (self.runs if self.stage == "search" else self.shrink_runs)
 
-    def verdict_of(self, schedule: Sequence[_FaultBase]) -> Verdict | None:
+    def verdict_of(self, schedule: Sequence[_FaultBase],
+                   system: Mapping[str, Any] | None = None) -> Verdict | None:
         """The schedule's verdict, from an earlier run or a new one. Past the search's
         budget the search ends (_SearchSpent); past the shrinking's, None: the schedule is
         not run and passes for hypothesis, so the best failure stays one really seen."""
@@ -317,6 +329,8 @@ class _Search:
         if self.stage == "search" and not self.budget_left():
             raise _SearchSpent()
         spec = self.base.spec.model_copy(update={"faults": list(schedule), "explore": None})
+        if system:
+            spec = spec.model_copy(update={"system": with_options(spec.system, dict(system))})
         key = self.key(spec)
         if key in self.tried:
             return self.tried[key].outcome
@@ -335,16 +349,20 @@ class _Search:
             self.best = key
         return tried
 
+    def drawn(self, spec: Scenario) -> dict[str, Any]:
+        """The values of the drawn system options in ``spec``."""
+        return {n: option_value(spec.system, n) for n in self.options}
+
     def run(self, spec: Scenario, key: str, stage: Stage) -> _Tried:
         exploration = self.exploration
         index = exploration.runs + 1
-        schedule = describe(spec.faults)
+        schedule = self.describe(spec)
         run_dir = self.out / "runs" / exploration.name / f"{index:03d}-{stage}"
         view = self.observer.running(index, stage, schedule)
         began = time.monotonic()
         try:
             result = run_schedule(self.base, spec.faults, run_dir=run_dir, seed=self.seed,
-                                  observer=view)
+                                  observer=view, system=self.drawn(spec))
         except SpecError as exc:  # a drawn schedule the loader refuses: a bug of ours
             raise HarnessError(f"a generated schedule does not validate ({schedule}): "
                                f"{exc}") from None
@@ -432,6 +450,7 @@ def explore(
     exploration.twin = _prepare_twin(loaded, out=out, use_cache=use_cache, observer=observer)
     search = _Search(loaded, exploration, runs=runs, shrink_runs=shrink_runs,
                      deadline=deadline, out=out, seed=spec.seed, observer=observer)
+    search.options = tuple(p.name for p in space.options)
 
     db = (DirectoryBasedExampleDatabase(str(database / _database_key(loaded)))
           if database is not None else None)
@@ -445,14 +464,16 @@ def explore(
         verbosity=Verbosity.quiet, print_blob=False,
     )
     @hypothesis_seed(seed)
-    @given(strategies.schedules_in(space))
-    def attempt(schedule: list[_FaultBase]) -> None:
-        verdict = search.verdict_of(schedule)
+    @given(strategies.trials_in(space))
+    def attempt(trial: tuple[dict[str, Any], list[_FaultBase]]) -> None:
+        system, schedule = trial
+        verdict = search.verdict_of(schedule, system)
         if verdict == "discarded":
             reject()
         if verdict == "fail":
             search.stage = "shrink"
-            raise _Failing(search.key(strategies.with_schedule(spec, schedule)))
+            raise _Failing(search.key(strategies.with_schedule(spec, schedule,
+                                                               system=system)))
 
     try:
         with _quiet_hypothesis():
@@ -669,7 +690,7 @@ def _report(search: _Search, *, status_if_unconfirmed: bool, confirm: int = 0) -
     suffix = {"confirmed": "found", "flaky": "flaky", "unconfirmed": "unconfirmed"}[status]
     name = _slug(exploration.name, suffix)
     runs_of_it = tried.runs
-    schedule = describe(tried.spec.faults)
+    schedule = search.describe(tried.spec)
     description = (
         f"Found by `aftershock explore {exploration.file} --seed {exploration.seed}` "
         f"(run {tried.index}), shrunk to {len(tried.spec.faults)} fault(s): {schedule}. "
@@ -677,7 +698,7 @@ def _report(search: _Search, *, status_if_unconfirmed: bool, confirm: int = 0) -
         + (" and was interrupted before a re-run" if status == "unconfirmed" else "")
         + f": {tried.reason}"
         + ("" if flaky is None else
-           f". The simpler schedule {describe(flaky.spec.faults)} failed only "
+           f". The simpler schedule {search.describe(flaky.spec)} failed only "
            f"{flaky.failures} of {flaky.runs} run(s) (flaky), so this is "
            "the simplest failure found that failed every re-run"))
     written = tried.spec.model_copy(update={"name": name, "description": description})

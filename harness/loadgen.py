@@ -31,12 +31,14 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
 
 from faults.contract import SERVING_READY
+from harness.oracle.serving_journal import JOURNAL_CHECKED
 from harness.records import Event
 from harness.schema import Duration, Strict
 from harness.timeline import Timeline
@@ -76,6 +78,12 @@ class Load(Strict):
         20, ge=0, le=100_000, description="times a client resumes a broken stream (same "
         "request id, offset = tokens received) before it gives the request up"
     )
+    resubmit: bool = Field(
+        True, description="false: once the server acknowledged a request (answered 200), a "
+        "broken stream is only resumed (`resume: true` in the body): the client never submits "
+        "it again, so a request the server forgot, or ended with an error, is lost; the "
+        "reference server's API"
+    )
     request_timeout: Duration = Field(
         timedelta(seconds=60), description="a request not finished by then is lost"
     )
@@ -96,7 +104,7 @@ class Load(Strict):
 
 
 #: What the load generator itself puts in every request's body.
-CLIENT_FIELDS = ("prompt", "max_tokens", "stream", "request_id", "offset")
+CLIENT_FIELDS = ("prompt", "max_tokens", "stream", "request_id", "offset", "resume")
 
 
 class Ready(Strict):
@@ -186,6 +194,11 @@ class _Progress:
     tokens: list[int] = field(default_factory=list)
     times: list[float] = field(default_factory=list)
     digests: list[str | None] = field(default_factory=list)  # None: the server sent none
+    # Where the server said it journaled each token (`journal_offset`); None: it did not say.
+    offsets: list[int | None] = field(default_factory=list)
+    acknowledged: bool = False  # the server answered 200 once: it accepted the request
+    server_errors: int = 0  # error events: the server said the request failed
+    forgotten: str = ""  # a resume the server refused: what it said
     duplicates: int = 0
     gaps: int = 0
     resumes: int = 0
@@ -212,6 +225,7 @@ class LoadGenerator:
         self.load = load
         self.timeline = timeline
         self.requests = plan(load, seed)
+        self.records: list[dict[str, Any]] = []  # each request's record, once it ended
         self.done = threading.Event()
         self._stop = threading.Event()
         self._slots = threading.BoundedSemaphore(load.concurrency)
@@ -270,6 +284,8 @@ class LoadGenerator:
                 except (OSError, http.client.HTTPException, _Broken, ValueError) as exc:
                     progress.error = (str(exc) if isinstance(exc, _Broken)
                                       else f"{type(exc).__name__}: {exc}")
+                    if progress.forgotten:
+                        break  # acknowledged, and the server no longer has it: lost
                     attempts += 1
                     if attempts > self.load.retries:
                         break
@@ -284,7 +300,10 @@ class LoadGenerator:
                 "duplicates": progress.duplicates, "gaps": progress.gaps,
                 "resumes": progress.resumes, "unindexed": progress.unindexed,
                 "finish_reason": progress.finish_reason,
+                "journal_offsets": progress.offsets, "acknowledged": progress.acknowledged,
+                "server_errors": progress.server_errors,
             }
+            self.records.append(record)
             if progress.finished:
                 self.timeline.emit("request_done", source="client", **record)
             else:
@@ -292,10 +311,12 @@ class LoadGenerator:
                                    error=progress.error or "stopped", **record)
 
     def _stream(self, request: Request, progress: _Progress, deadline: float) -> None:
+        resume = progress.acknowledged and not self.load.resubmit
         body = json.dumps({
             **self.load.extra_body,
             "prompt": request.prompt, "max_tokens": request.max_tokens, "stream": True,
             "request_id": request.id, "offset": len(progress.tokens),
+            **({"resume": True} if resume else {}),
         })
         import http.client
 
@@ -308,7 +329,12 @@ class LoadGenerator:
             response = conn.getresponse()
             if response.status != 200:
                 detail = response.read(500).decode(errors="replace")
+                if resume and response.status == 404:
+                    progress.forgotten = detail.strip()
+                    raise _Broken(f"acknowledged, then lost: the server no longer has it "
+                                  f"(HTTP 404: {detail.strip()})")
                 raise _Broken(f"HTTP {response.status}: {detail.strip()}")
+            progress.acknowledged = True
             for raw in iter(response.readline, b""):
                 if self._stop.is_set():
                     raise _Broken("load generator stopped")
@@ -322,7 +348,12 @@ class LoadGenerator:
                         return
                     raise _Broken(f"[DONE] after {len(progress.tokens)} of "
                                   f"{request.max_tokens} tokens")
-                self._token(request, progress, json.loads(payload))
+                chunk = json.loads(payload)
+                if isinstance(chunk, dict) and "error" in chunk and "choices" not in chunk:
+                    progress.server_errors += 1
+                    raise _Broken(f"the server ended the stream with an error: "
+                                  f"{json.dumps(chunk['error'])[:300]}")
+                self._token(request, progress, chunk)
             raise _Broken(f"stream ended after {len(progress.tokens)} tokens")
         finally:
             conn.close()
@@ -351,6 +382,8 @@ class LoadGenerator:
             progress.gaps += index - len(progress.tokens)
             raise _Broken(f"token {index} arrived while {len(progress.tokens)} was expected")
         digest = choice.get("logits_digest")
+        where = choice.get("journal_offset")
+        progress.offsets.append(where if isinstance(where, int) and where >= 0 else None)
         progress.tokens.append(int(ids[0]))
         progress.times.append(now)
         progress.digests.append(digest if isinstance(digest, str) and digest else None)
@@ -386,7 +419,7 @@ def fetch_json(url: str, path: str, timeout: float = 2.0) -> dict[str, object] |
 
 #: Of a load, how long clients insist and when they start: never what a fault-free server
 #: answers them (the fault-free twin's cache key leaves them out).
-LOAD_TIMING = ("retries", "request_timeout", "ready")
+LOAD_TIMING = ("retries", "request_timeout", "ready", "resubmit")
 
 
 def twin_key(load: Load) -> dict[str, Any]:
@@ -434,8 +467,9 @@ class LoadDriver:
     saying why, which every serving check then reports)."""
 
     def __init__(self, load: Load, *, seed: int, timeline: Timeline, url: str | None = None,
-                 ready: Ready | None = None) -> None:
+                 ready: Ready | None = None, journal: Path | None = None) -> None:
         self.load = load
+        self.journal = journal  # the server's journal file, checked against the clients
         self.seed = seed
         self.timeline = timeline
         self.url = url
@@ -506,6 +540,9 @@ class LoadDriver:
     def finish(self) -> Event | None:
         if self.generator is None:
             return self._not_ready
+        if self.journal is not None:
+            self.timeline.emit(JOURNAL_CHECKED, source="harness",
+                               **check_journal(self.journal, self.generator.records))
         stats = fetch_json(self.generator.url, "/v1/stats")
         return self.timeline.emit("serving_stats", source="client", **serving_stats(stats))
 
@@ -515,6 +552,23 @@ class LoadDriver:
             self._poller.join(5.0)
         if self.generator is not None:
             self.generator.stop()
+
+
+_JOURNAL_LIMIT = 256 << 20  # bytes of a journal the harness reads
+
+
+def check_journal(path: Path, records: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the server's journal file holds of what its clients received
+    (harness/oracle/serving_journal.py), read while the server still runs: every token a
+    client saw was durable before it was sent, so it is there already."""
+    from harness.oracle.serving_journal import judge, parse
+
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read(_JOURNAL_LIMIT)
+    except OSError as exc:
+        return {"found": False, "path": str(path), "error": f"{type(exc).__name__}: {exc}"}
+    return {"path": str(path), **judge(parse(data), list(records))}
 
 
 def scenario_load_driver(load: ScenarioLoad, variables: dict[str, str], *, seed: int,

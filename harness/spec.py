@@ -35,9 +35,10 @@ from pydantic import (
 import faults
 from faults import contract, registry
 from faults.params import relative_glob
+from faults.plugins import Broken
 from harness import _own_records as own_records
 from harness import systems
-from harness.errors import SpecError
+from harness.errors import PluginError, SpecError
 
 # The system kinds' models and the log probe live with their kinds (harness/systems/,
 # harness/logprobe.py, harness/loadgen.py); they are named here too, where the scenario
@@ -207,8 +208,12 @@ class Target(_Strict):
 #: step is not committed yet; ``restore``: a rank rejoining after a failure, before it trains
 #: again (the step it restores); ``finish``: the last step is committed and the rank has not
 #: reported its final parameters yet; ``exit``: the rank has reported them and left the job,
-#: on its way out; ``decode``: a serving engine step.
-Phase = Literal["forward", "backward", "optimizer", "save", "restore", "finish", "exit", "decode"]
+#: on its way out; ``decode``: a serving engine step. The serving router's durability path,
+#: in order, its step being the count of token records: ``token_produced`` (a worker's tokens
+#: accepted, not yet journaled), ``journal_appended`` (written, not fsynced),
+#: ``journal_synced`` (durable, not yet sent), ``token_sent`` (sent to clients).
+Phase = Literal["forward", "backward", "optimizer", "save", "restore", "finish", "exit", "decode",
+                "token_produced", "journal_appended", "journal_synced", "token_sent"]
 
 
 FileWhen = Literal["created", "opened", "modified", "closed", "deleted"]
@@ -225,7 +230,9 @@ class At(_Strict):
     step: int | None = Field(None, ge=0, le=MAX_STEPS)
     phase: Phase | None = Field(
         None, description="with `step`: the fault point (forward, backward, optimizer, save, "
-        "restore, finish, exit, decode) of that step or a later one (in-process faults only)"
+        "restore, finish, exit, decode; the serving router's token_produced, "
+        "journal_appended, journal_synced, token_sent) of that step or a later one "
+        "(in-process faults only)"
     )
     time: Duration | None = None
     event: str | None = Field(
@@ -308,13 +315,13 @@ class _FaultBase(_Strict):
         kind = faults.get(str(getattr(self, "kind", "")))
         if phase is None or registry.acts_inside(kind, self, phase):
             return self
-        if getattr(kind, "acts", "outside") == "either":
-            when = getattr(kind, "inside_when", "")
+        if registry.hooks(kind).acts == "either":
+            when = registry.hooks(kind).inside_when
             raise ValueError(f"`at.phase` needs {kind.info.kind} applied inside the target "
                              f"(an in-process fault: {when})")
-        inside = [k for k in faults.kinds() if getattr(k, "acts", "outside") != "outside"]
-        listed = ", ".join(k.info.kind + (f" {k.inside_when}"  # type: ignore[attr-defined]
-                                          if getattr(k, "acts", "") == "either" else "")
+        inside = [k for k in faults.kinds() if registry.hooks(k).acts != "outside"]
+        listed = ", ".join(k.info.kind + (f" {registry.hooks(k).inside_when}"
+                                          if registry.hooks(k).acts == "either" else "")
                            for k in inside)
         raise ValueError(f"`at.phase` is for faults applied inside the target ({listed}), "
                          f"not {kind.info.kind}")
@@ -336,10 +343,10 @@ def _fault_model(kind: faults.FaultKind) -> type[_FaultBase]:
     """A scenario's fault of ``kind``: the kind's own parameters (its ``params`` model) with
     ``kind``, ``target``, ``at`` and ``every``."""
     fields: dict[str, Any] = {"kind": (Literal[kind.info.kind], ...)}
-    default_target = getattr(kind, "default_target", None)
-    if default_target is not None:
-        fields["target"] = (Target, Field(Target(**default_target),
-                                          description=getattr(kind, "target_help", None)))
+    hooks = registry.hooks(kind)
+    if hooks.default_target is not None:
+        fields["target"] = (Target, Field(Target(**hooks.default_target),
+                                          description=hooks.target_help))
     model = create_model(
         _model_name(kind.info.kind), __base__=(kind.params, _FaultBase),
         __module__=__name__, __doc__=kind.info.summary, **fields,
@@ -412,6 +419,13 @@ class DetectBudget(Budget):
 
 class CountBudget(_Strict):
     max: int = Field(ge=0, le=MAX_STEPS)
+    # lost_steps only (Expect refuses it elsewhere)
+    snapshot_interval: bool = Field(
+        False, description="`max` for each restore from snapshots, plus what the snapshot "
+        "interval leaves unsaved (interval - 1) at each: restores x (max + interval - 1), at "
+        "least `max`; the interval and the restores read from the run's timeline (the "
+        "reference trainer's `membership` events, its `checkpoint_loaded`); a run that "
+        "recorded no interval fails, not observed")
 
 
 class RateFloor(_Strict):
@@ -472,6 +486,12 @@ class Expect(_Strict):
         "of the same load"
     )
     latency: Latency | None = None
+    acknowledged_durable: bool = Field(
+        False, description="load: every token a client received is in the server's journal "
+        "where the server said (`journal_offset`), every acknowledged request is in it, and a "
+        "request in flight at a crash was resumed from it, not started again (the reference "
+        "server's journal)"
+    )
     checkpoint_durable: bool = Field(
         False, description="after the first fault, the system resumes (checkpoint_loaded) from "
         "a checkpoint at least as new as the last one it reported saved (checkpoint_saved) "
@@ -483,6 +503,12 @@ class Expect(_Strict):
         "or modified landed while a process of the run still had that file open for writing "
         "(inside the save, not after it)"
     )
+    slurm_witness: bool = Field(
+        False, description="a `slurm:` job: Slurm's own record (`scontrol show job`: its "
+        "requeues, each run's start, state, exit code) agrees with the job's reports: its "
+        "first run starts fresh, and a run after a requeue resumes from the checkpoint it "
+        "had saved (docs/scale-out.md)"
+    )
 
     @field_validator("time_to_detect", mode="before")
     @classmethod
@@ -492,10 +518,18 @@ class Expect(_Strict):
             return DetectBudget(max=value.max)
         return value
 
+    @field_validator("skipped_steps")
+    @classmethod
+    def _no_interval(cls, value: CountBudget | None) -> CountBudget | None:
+        if value is not None and value.snapshot_interval:
+            raise ValueError("`snapshot_interval` applies to `lost_steps` only")
+        return value
+
     #: Checks that read what the load's clients received (a load: `load:` or the
     #: reference server's `system.load`).
     SERVING: typing.ClassVar[tuple[str, ...]] = (
-        "no_lost_requests", "no_duplicated_tokens", "outputs_match", "latency")
+        "no_lost_requests", "no_duplicated_tokens", "outputs_match", "latency",
+        "acknowledged_durable")
     #: Checks that read training steps or parameters.
     TRAINING: typing.ClassVar[tuple[str, ...]] = (
         "params_match", "lost_steps", "skipped_steps", "single_history", "step_rate",
@@ -582,9 +616,10 @@ class KindSpace(_Strict):
 #: Who a searched fault may hit. rank, worker: one process; replica, shard: every rank of one
 #: replica or one shard (a correlated failure: a host, a rack, a shard's every copy);
 #: majority: more than half the ranks at once (Jepsen's majority partition); all: every rank;
-#: random: `pick: random`; spare: a warm standby; launcher: the launched command itself.
+#: random: `pick: random`; spare: a warm standby; launcher: the launched command itself;
+#: router: the reference server's router (its durability path has fault points).
 TargetFamily = Literal["rank", "worker", "replica", "shard", "majority", "all", "random",
-                       "spare", "launcher"]
+                       "spare", "launcher", "router"]
 
 
 class EventTrigger(_Strict):
@@ -662,6 +697,10 @@ class Explore(_Strict):
     spacing: Span | None = Field(
         None, description="steps between consecutive step-triggered faults (the next fault's "
         "step is the previous one's plus a gap in this range, at most the last step)")
+    system: dict[str, list[ParamValue] | ParamSpan] = Field(
+        default_factory=dict, description="system options drawn per run: option → a list of "
+        "values, or {min, max} for a number or a duration; each value is checked by the "
+        "system's own model, and a schedule found is written with the values it ran with")
 
 
 class Scenario(_Strict):
@@ -716,8 +755,8 @@ class Scenario(_Strict):
             raise ValueError(problem)
         setting = faults.Setting(kind.name, kind.root_is_run_folder(self.system))
         for name in sorted({str(f.kind) for f in self.faults}):
-            check = getattr(faults.get(name), "check", None)
-            if callable(check):
+            check = registry.hooks(faults.get(name)).check
+            if check is not None:
                 for problem in check([f for f in self.faults if f.kind == name], setting):
                     raise ValueError(problem)
         return self
@@ -1078,20 +1117,20 @@ def unreachable(spec: Scenario, scenario_dir: Path | None) -> list[tuple[int, st
     if no_probe is None:
         offered.add("probe")
     # Optional: why a kind's target can never find the processes a fault's `target` names.
-    unresolved = getattr(kind, "unresolved", None)
+    unresolved = systems.unresolved(kind)
     found: list[tuple[int, str]] = []
     for index, fault in enumerate(spec.faults):
         fault_kind = faults.get(fault.kind)
         missing = registry.needs(fault_kind, fault, fault.at.phase) - offered
-        if fault.target.node is not None and "containers" not in offered:
+        if fault.target.node is not None and not offered & {"containers", "slurm"}:
             found.append((index, f"target {{node: {fault.target.node}}} names a node of a "
                           f"multi-node system (`nodes: N`, docs/nodes.md), which a "
                           f"{kind.shape} system is not"))
             continue
         if "probe" in missing:
             how = ""
-            if getattr(fault_kind, "acts", "") == "either":
-                how = f" {getattr(fault_kind, 'inside_when', '')}".rstrip()
+            if registry.hooks(fault_kind).acts == "either":
+                how = f" {registry.hooks(fault_kind).inside_when}".rstrip()
             found.append((index, f"{fault.kind}{how} is applied inside the target by the "
                           "in-process probe, which the job must start by calling "
                           f"harness.probe.install() (docs/faults.md); but {no_probe}"))
@@ -1104,6 +1143,30 @@ def unreachable(spec: Scenario, scenario_dir: Path | None) -> list[tuple[int, st
             if why is not None:
                 found.append((index, f"target {fault.target.describe()} can never be found: "
                               f"{why}"))
+    return found
+
+
+def _broken_plugins(data: dict[str, Any]) -> list[tuple[tuple[str | int, ...], Broken]]:
+    """The plug-ins skipped as broken (faults/plugins.py) that a scenario which failed to
+    validate names, each with where it names it: such a scenario is not what is wrong."""
+    from harness import presets
+
+    found: list[tuple[tuple[str | int, ...], Broken]] = []
+    system = data.get("system")
+    if isinstance(system, dict):
+        skipped = systems.broken_for(system)
+        if skipped is not None:
+            found.append((("system",), skipped))
+        chosen = system.get("preset")
+        for name in [chosen] if isinstance(chosen, str) else (
+                chosen if isinstance(chosen, list) else []):
+            if isinstance(name, str) and (skipped := presets.broken_for(name)) is not None:
+                found.append((("system", "preset"), skipped))
+    listed = data.get("faults")
+    for index, fault in enumerate(listed if isinstance(listed, list) else []):
+        kind = fault.get("kind") if isinstance(fault, dict) else None
+        if isinstance(kind, str) and (skipped := registry.broken_kind(kind)) is not None:
+            found.append((("faults", index, "kind"), skipped))
     return found
 
 
@@ -1150,6 +1213,13 @@ def parse_scenario(text: str, file: str = "<string>", *, folder: Path | None = N
     try:
         spec = Scenario.model_validate(data)
     except ValidationError as exc:
+        used = _broken_plugins(data)
+        if used:
+            raise PluginError([
+                "{}:{}:{}: {}: {}".format(
+                    file, *(marks.values.get(where) or marks.keys.get(where) or (1, 1)),
+                    ".".join(map(str, where)), skipped.line())
+                for where, skipped in used]) from None
         for error in exc.errors():
             path = _data_path(tuple(error["loc"]), data)
             lookup = marks.keys if error["type"] == "extra_forbidden" else marks.values

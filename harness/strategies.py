@@ -18,6 +18,8 @@ it. ``aftershock explore`` searches with these, and so can your own tests::
 
 A schedule is a list of faults of the same types a scenario's ``faults:`` holds
 (``harness.spec.Fault``), so a failing one is a scenario to keep (``harness.spec.to_yaml``).
+A space may also draw system options per run (``explore.system``: a snapshot interval, say):
+:func:`scenarios` puts them into the scenario, :func:`trials_in` pairs them with a schedule.
 Shrinking goes toward fewer faults, earlier and simpler triggers (a step before an event
 before a file before a time; no fault point before a named one), the first kind and
 parameter value declared, and simpler targets (one rank before a random pick, a replica, a
@@ -40,12 +42,15 @@ from harness._space import (
     AFTER_A_FAILURE,
     END_PHASES,
     FAMILY_ORDER,
+    ONCE_PER_SCENARIO,
     ROLES,
+    ROUTER_PHASES,
     KindChoice,
     ParamDraw,
     Space,
     System,
     resolve,
+    with_options,
 )
 from harness.spec import (
     FAULT_MODELS,
@@ -61,7 +66,7 @@ from harness.spec import (
     _FaultBase,
 )
 
-__all__ = ["fault_schedules", "faults", "scenarios", "space_of"]
+__all__ = ["fault_schedules", "faults", "scenarios", "space_of", "system_options"]
 
 SystemLike = TrainerSystem | ServerSystem | CommandSystem | Scenario
 
@@ -133,15 +138,22 @@ def faults(system: SystemLike, **options: Any) -> st.SearchStrategy[list[_FaultB
 
 
 def scenarios(base: Scenario, **options: Any) -> st.SearchStrategy[Scenario]:
-    """``base`` with its faults replaced by a drawn schedule (and no ``explore`` block): a
-    scenario that runs as is and dumps to YAML (harness.spec.to_yaml). Options as for
-    :func:`fault_schedules`; the space defaults to ``base.explore``."""
-    return fault_schedules(base, **options).map(lambda schedule: with_schedule(base, schedule))
+    """``base`` with its faults replaced by a drawn schedule, its system options (the space's
+    ``system``) by drawn values, and no ``explore`` block: a scenario that runs as is and
+    dumps to YAML (harness.spec.to_yaml). Options as for :func:`fault_schedules`; the space
+    defaults to ``base.explore``."""
+    space = space_of(base, **options)
+    return trials_in(space).map(lambda trial: with_schedule(base, trial[1], system=trial[0]))
 
 
-def with_schedule(base: Scenario, schedule: Sequence[_FaultBase]) -> Scenario:
-    """``base`` running ``schedule`` instead of its own faults, without the search space."""
-    return base.model_copy(update={"faults": list(schedule), "explore": None})
+def with_schedule(base: Scenario, schedule: Sequence[_FaultBase], *,
+                  system: dict[str, Any] | None = None) -> Scenario:
+    """``base`` running ``schedule`` instead of its own faults, with the system options in
+    ``system`` (option → value) put over its system, without the search space."""
+    update: dict[str, Any] = {"faults": list(schedule), "explore": None}
+    if system:
+        update["system"] = with_options(base.system, system)
+    return base.model_copy(update=update)
 
 
 # ----------------------------------------------------------------------------- drawing
@@ -170,6 +182,24 @@ def schedules_in(space: Space) -> st.SearchStrategy[list[_FaultBase]]:
     """Schedules from a resolved space (harness._space.resolve)."""
     drafts = st.lists(_drafts(space), min_size=space.faults[0], max_size=space.faults[1])
     return drafts.map(lambda found: _assemble(space, found))
+
+
+def system_options(space: Space) -> st.SearchStrategy[dict[str, Any]]:
+    """The system options of one run (``explore.system``: option → value), each shrinking
+    toward its first value or the low end of its range."""
+
+    @st.composite
+    def options(draw: st.DrawFn) -> dict[str, Any]:
+        return {p.name: _draw_param(draw, p) for p in space.options}
+
+    return options()
+
+
+def trials_in(space: Space) -> st.SearchStrategy[tuple[dict[str, Any], list[_FaultBase]]]:
+    """What one run of a search is: the system options drawn (none when the space draws
+    none), then the schedule. Options first: a schedule's steps are read against the
+    snapshot interval, say, that the run has."""
+    return st.tuples(system_options(space), schedules_in(space))
 
 
 def _draw_param(draw: st.DrawFn, param: ParamDraw) -> Any:
@@ -203,7 +233,7 @@ def _targets(
         # One per rank, like a group: `pick: all` is armed on the ranks the harness has seen
         # when it arms, which at the start may be fewer than all of them.
         return tuple({"rank": r} for r in range(ranks))
-    if family in ("spare", "launcher"):
+    if family in ("spare", "launcher", "router"):
         return ({"role": family},)
     if family == "majority":
         order = draw(st.permutations(range(ranks)))
@@ -253,6 +283,7 @@ def _drafts(space: Space) -> st.SearchStrategy[_Draft]:
             family = kind.families[0]
         if not kind.phased or trigger != "step" or (family in ROLES and not kind.in_process):
             phase = None  # (a role is not a rank the probe could filter on)
+        family, phase, trigger = _router_points(space, kind, family, phase, trigger, triggers)
         # A fault point makes a process.kill one the probe applies inside the target.
         inside = kind.in_process or phase is not None
         targets = _targets(draw, space, kind, family, index, inside=inside)
@@ -266,6 +297,25 @@ def _drafts(space: Space) -> st.SearchStrategy[_Draft]:
     return draft()
 
 
+def _router_points(space: Space, kind: KindChoice, family: str, phase: str | None,
+                   trigger: str, triggers: Sequence[str]) -> tuple[str, str | None, str]:
+    """Only the server's router reaches its fault points: a drawn one takes the fault there,
+    or is dropped for a kind the router cannot take. A server counts steps only at those
+    points, so a step trigger left without one takes the first point declared, or else
+    the space's next trigger family (its events)."""
+    if phase in ROUTER_PHASES and "router" in kind.families:
+        family = "router"
+    elif phase in ROUTER_PHASES or (family == "router" and phase is not None):
+        phase = None
+    if space.steps_at_points and trigger == "step" and phase is None:
+        points = [p for p in space.phases if p in ROUTER_PHASES]
+        if family == "router" and kind.phased and points:
+            phase = points[0]
+        else:
+            trigger = next((t for t in triggers if t != "step"), trigger)
+    return family, phase, trigger
+
+
 def _starts(draft: _Draft) -> bool:
     """Whether the fault can land in a run that nothing else has failed yet."""
     if draft.trigger == "event":
@@ -276,6 +326,8 @@ def _starts(draft: _Draft) -> bool:
 def _assemble(space: Space, drafts: list[_Draft]) -> list[_FaultBase]:
     # A schedule whose every fault waits for a failure never starts: no run is spent on it.
     assume(any(_starts(d) for d in drafts))
+    # One lazy filesystem per scenario: at most one power loss in a schedule.
+    assume(all(sum(d.kind.kind == k for d in drafts) <= 1 for k in ONCE_PER_SCENARIO))
     schedule: list[_FaultBase] = []
     previous: int | None = None
     for d in drafts:

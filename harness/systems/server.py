@@ -141,7 +141,11 @@ class Server:
     def driver(self, system: ServerSystem, *, seed: int, timeline: Timeline) -> Driver | None:
         # The server runs until its load is served: the load generator starts when the
         # server says where it listens and the run ends when the last request has.
-        return LoadDriver(system.load, seed=seed, timeline=timeline)
+        # Where the server keeps its journal (reference_impl/serving/server.py's default,
+        # under the run's output folder): read after the load, against what clients saw.
+        journal = (timeline.path.parent / "output" / "journal" / "journal.wal"
+                   if system.journal else None)
+        return LoadDriver(system.load, seed=seed, timeline=timeline, journal=journal)
 
     def log_probes(self, system: ServerSystem) -> list[LogProbe]:
         return []

@@ -70,9 +70,11 @@ class Pump:
     """Writes every attached stream from one thread. ``lock`` is the router's lock: what a
     stream may send is read under it, and :meth:`changed_locked` is called under it."""
 
-    def __init__(self, lock: threading.Lock, stopping: Callable[[], bool]) -> None:
+    def __init__(self, lock: threading.Lock, stopping: Callable[[], bool], *,
+                 sent: Callable[[], None] | None = None) -> None:
         self._lock = lock
         self._stopping = stopping  # read under the lock
+        self._sent = sent  # after a round that gave clients bytes (pump thread, no lock)
         self._wake = threading.Condition(lock)
         self._streams: dict[int, list[Stream]] = {}  # id(request) -> its streams (lock)
         self._dirty: dict[int, Visible] = {}  # id(request) -> request, changed since (lock)
@@ -186,10 +188,12 @@ class Pump:
     def _send_all(self) -> None:
         """Give every stream with queued bytes what its client takes now."""
         still: list[Stream] = []
+        gave = False
         for stream in self._blocked:
             try:
                 sent = stream.sock.send(stream.pending)
                 del stream.pending[:sent]
+                gave = gave or sent > 0
             except (BlockingIOError, InterruptedError):
                 pass
             except OSError as exc:  # the client went away: its stream is over
@@ -202,6 +206,8 @@ class Pump:
             elif stream.ending:
                 stream.done.set()
         self._blocked = still
+        if gave and self._sent is not None:
+            self._sent()
         self._give_up_after_stop()
 
     def _cut(self, stream: Stream) -> None:

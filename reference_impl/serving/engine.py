@@ -38,7 +38,7 @@ faster, non-invariant kernel). The cost of ``"read"`` grows with the context the
 with 448-token prompts it was 7% of decode time, where ``"hit"`` may be the better trade; in
 the shape ``python -m bench.serving`` sends one worker (the bench's ``served`` workload),
 1.7% in the sums and 1.7-2.0% of tokens per CPU second in all since the sums are compared as
-Python integers (2.4% and 2.7-9.5% before; docs/serving.md).
+Python integers (2.4% and 2.7-9.5% before; bench/results/serving-notes-2026-12.md).
 
 Logits digests. Every output carries :func:`logits_digest` of the logits row its token was
 chosen from. Greedy tokens hide most numerics changes: re-prefilling 20 migrated requests

@@ -23,28 +23,22 @@ Records:
 
 Durability, and why it is split this way: records reach the file through one writer
 thread, in the order they were posted (:meth:`Journal.post`, under the caller's lock, so
-the order is the order of the caller's decisions). The writer frames what piled up and
-writes it with one ``write(2)`` on an ``O_APPEND`` descriptor (no user-space buffer), then
-tells the caller which records are in the kernel (``on_written``): only then may the caller
-act on them (acknowledge a request, stream a token), so what a client saw survives a crash
-of the router process itself, the common failure. The caller never waits for the disk
-under its own lock: an append can wait milliseconds behind a running ``fsync`` (ext4
-holds a page under writeback), and the router appending under its lock used to hold up
-every token of every request for it. ``fsync`` is batched (group commit): a background
-thread syncs at most every ``fsync_interval`` seconds (50 ms by default) when something
-was written. A power loss can therefore lose the last ~50 ms of records. For tokens that
-is harmless by construction: greedy decoding is deterministic and batch-invariant, so a
-token lost from the journal is recomputed identically when its request is resumed, and a
-client that already saw it sees the same token again at the same index (its ``offset``
-skips it). For a request record it means an acknowledged request can be forgotten by a
-power loss; a client that re-POSTs its ``request_id`` then starts it again, with the same
-tokens. A per-record fsync costs a disk flush per token (milliseconds on real disks, see
-``python -m reference_impl.serving.journal --bench``) to close only that window. Set
-``fsync_interval=0`` to fsync every batch before ``on_written`` hears of it.
+the order is the order of the caller's decisions). The writer frames what piled up, writes
+it with one ``write(2)`` on an ``O_APPEND`` descriptor (no user-space buffer), fsyncs it,
+and only then tells the caller which records are durable and at which byte offset each
+starts (``on_written``): only then may the caller act on them (acknowledge a request,
+stream a token), so what a client saw survives a crash of the router process and a power
+loss alike (``storage.lose_unsynced`` on the journal's folder shows it). The caller never
+waits for the disk under its own lock: records posted while an fsync runs go in the next
+write (group commit: one fsync per batch, however many records it holds). A new journal's
+name is made durable too (its folder is fsynced when the file is created). The stages of
+one batch are fault points (``listen``'s ``point``: ``journal_appended`` after the write,
+``journal_synced`` after the fsync), so a scenario can crash the router between them.
 
 :meth:`request`, :meth:`tokens`, :meth:`token_runs` and :meth:`finish` write at once, on
-the caller's thread (tools, tests, the bench); a journal has one writer at a time, so do
-not mix them with :meth:`post` on one journal.
+the caller's thread (tools, tests, the bench), fsynced by a background thread at most
+every ``fsync_interval`` seconds (each at once with 0); a journal has one writer at a time,
+so do not mix them with :meth:`post` on one journal.
 
 No compaction: the file grows with every token served. Fine for test runs and the
 reference server; a long-lived server would rotate it (finished requests need only
@@ -77,6 +71,7 @@ class JournaledRequest:
     max_tokens: int
     tokens: list[int] = field(default_factory=list)
     digests: list[str] = field(default_factory=list)  # per token; "" where unknown
+    offsets: list[int] = field(default_factory=list)  # per token: its record's byte offset
     finished: bool = False
     error: str | None = None
 
@@ -165,7 +160,8 @@ def _parse(line: bytes) -> dict[str, Any] | None:
     return record if isinstance(record, dict) else None
 
 
-def _apply(requests: dict[str, JournaledRequest], record: dict[str, Any]) -> bool:
+def _apply(requests: dict[str, JournaledRequest], record: dict[str, Any],
+           offset: int = -1) -> bool:
     """Fold one record into the replay state; False if it makes no sense (a bad record)."""
     try:
         kind, rid = record["r"], str(record.get("id"))
@@ -178,7 +174,7 @@ def _apply(requests: dict[str, JournaledRequest], record: dict[str, Any]) -> boo
         if kind == "toks":
             runs = record["runs"]
             return all(_apply(requests, {"r": "tok", "id": r[0], "i": r[1], "t": r[2],
-                                         "d": r[3] if len(r) > 3 else None})
+                                         "d": r[3] if len(r) > 3 else None}, offset)
                        for r in runs)
         request = requests[rid]
         if kind == "tok":
@@ -189,6 +185,7 @@ def _apply(requests: dict[str, JournaledRequest], record: dict[str, Any]) -> boo
                 return False  # a gap (the journal never skips tokens), or a garbled record
             request.tokens[start : start + len(tokens)] = tokens
             request.digests[start : start + len(tokens)] = digests
+            request.offsets[start : start + len(tokens)] = [offset] * len(tokens)
             return True
         if kind == "fin":
             request.finished = True
@@ -213,7 +210,7 @@ def replay(path: str | os.PathLike[str]) -> Replay:
         if end < 0:
             break  # torn tail: the last write never completed
         record = _parse(data[offset:end])
-        if record is None or not _apply(requests, record):
+        if record is None or not _apply(requests, record, offset):
             break
         records += 1
         offset = end + 1
@@ -226,7 +223,11 @@ class Journal:
     def __init__(self, path: str | os.PathLike[str], *, fsync_interval: float = 0.05) -> None:
         self.path = str(path)
         self.fsync_interval = fsync_interval
+        created = not os.path.exists(self.path)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        if created:  # the file's name is durable only once its folder is fsynced
+            _fsync_dir(os.path.dirname(os.path.abspath(self.path)))
+        self._size = os.fstat(self._fd).st_size  # where the next record starts (one writer)
         self._lock = threading.Lock()  # writes (and the fd's life)
         self._sync_lock = threading.Lock()  # a batched fsync: never blocks an append
         self._count_lock = threading.Lock()  # the counters: stats() never waits for a write
@@ -242,7 +243,8 @@ class Journal:
         # The writer thread (started by the first `listen`): records posted, not yet written.
         self._queue: list[tuple[dict[str, object], object]] = []
         self._posted = threading.Condition()
-        self._on_written: Callable[[list[object]], None] | None = None
+        self._on_written: Callable[[list[tuple[object, int]]], None] | None = None
+        self._point: Callable[[str], None] = _no_point
         self._writer: threading.Thread | None = None
         self._stop_writer = False
         self.failed: OSError | None = None  # a write failed: nothing posted is written any more
@@ -277,19 +279,23 @@ class Journal:
     def _append(self, record: dict[str, object]) -> None:
         self._write([_frame(record)])
 
-    def _write(self, lines: list[bytes]) -> None:
-        """Whole lines, in one write(2) (more only if the kernel takes part of it)."""
+    def _write(self, lines: list[bytes], *, sync: bool | None = None) -> int:
+        """Whole lines, in one write(2) (more only if the kernel takes part of it); the byte
+        offset the first one starts at. ``sync``: fsync before returning (default: when
+        ``fsync_interval`` is 0)."""
         data = b"".join(lines)
         with self._lock:
             if self._closed:
                 raise ValueError("journal is closed")
             began = time.perf_counter()
+            start = self._size
             view, writes = memoryview(data), 0
             while view:
                 view = view[os.write(self._fd, view):]
                 writes += 1
+            self._size += len(data)
             took = time.perf_counter() - began
-            if self.fsync_interval <= 0:
+            if self.fsync_interval <= 0 if sync is None else sync:
                 self._fsync_locked()
         with self._count_lock:
             self._write_s += took
@@ -298,18 +304,23 @@ class Journal:
             self._records += len(lines)
             self._bytes += len(data)
         self._dirty.set()
+        return start
 
     # -- records through the writer thread
-    def listen(self, on_written: Callable[[list[object]], None]) -> None:
-        """Write posted records on a thread of the journal's own; after each batch is in the
-        kernel (and on disk, with ``fsync_interval=0``) call ``on_written`` with the marks of
-        its records, in the order they were posted. ``on_written`` runs on the writer
+    def listen(self, on_written: Callable[[list[tuple[object, int]]], None], *,
+               point: Callable[[str], None] | None = None) -> None:
+        """Write posted records on a thread of the journal's own; after each batch is written
+        and fsynced call ``on_written`` with ``(mark, byte offset of its record)`` for each
+        of its records, in the order they were posted. ``on_written`` runs on the writer
         thread and may take the caller's lock: post under that lock (posting never waits),
-        but never :meth:`close` under it."""
+        but never :meth:`close` under it. ``point(name)`` is called between the stages of a
+        batch (``journal_appended``: written, not yet fsynced; ``journal_synced``: fsynced,
+        the caller not yet told), where a fault may stop the process."""
         with self._posted:
             if self._writer is not None:
                 raise RuntimeError("the journal already has a listener")
             self._on_written = on_written
+            self._point = point or _no_point
             self._writer = threading.Thread(target=self._write_loop, name="journal-writer",
                                             daemon=True)
             self._writer.start()
@@ -335,15 +346,24 @@ class Journal:
                 if not batch:
                     return  # stopping, and everything posted is written
             began = time.thread_time()
-            try:  # framing here, not in post: the JSON and CRC stay off the caller's lock
-                self._write([_frame(record) for record, _ in batch])
+            # Framing here, not in post: the JSON and CRC stay off the caller's lock.
+            lines = [_frame(record) for record, _ in batch]
+            try:
+                offset = self._write(lines, sync=False)
+                self._point("journal_appended")
+                self.sync()  # durable before anyone is told: a power loss keeps what was shown
+                self._point("journal_synced")
             except OSError as exc:
                 self.failed = exc
                 print(f"[journal] write failed, nothing more is written: {exc}",
                       file=sys.stderr, flush=True)
                 return
+            placed: list[tuple[object, int]] = []
+            for line, (_, mark) in zip(lines, batch, strict=True):
+                placed.append((mark, offset))
+                offset += len(line)
             try:
-                self._on_written([mark for _, mark in batch])
+                self._on_written(placed)
             except Exception:  # a listener bug must not stop the journal
                 traceback.print_exc()
             self._count_cpu(began)
@@ -411,6 +431,18 @@ class Journal:
             self._syncer.join(timeout=1.0)
 
 
+def _no_point(name: str) -> None:
+    return None
+
+
+def _fsync_dir(folder: str) -> None:
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def bench(folder: str, *, records: int = 5000) -> dict[str, float]:
     """Cost of one token record, microseconds: write only, batched fsync, fsync per record."""
     result: dict[str, float] = {}
@@ -451,10 +483,10 @@ def stall_bench(folder: str, *, seconds: float = 4.0, every: float = 0.002
         posted: dict[int, float] = {}
         visible: list[float] = []
 
-        def written(marks: list[object], posted: dict[int, float] = posted,
+        def written(marks: list[tuple[object, int]], posted: dict[int, float] = posted,
                     visible: list[float] = visible) -> None:
             now = time.perf_counter()
-            visible.extend(now - posted[m] for m in marks if isinstance(m, int))
+            visible.extend(now - posted[m] for m, _ in marks if isinstance(m, int))
 
         if mode == "post":
             journal.listen(written)

@@ -237,7 +237,7 @@ class PagedKVCache:
         blocks is summed through, cheaper than one more call. A pool too fragmented for
         that is gathered. The sums come back as Python integers, compared with the stored
         ones in Python: a tensor per step for the comparison cost more than the sums
-        (docs/serving.md).
+        (bench/results/serving-notes-2026-12.md).
         """
         spans: list[tuple[int, int]] = []
         for block in blocks:

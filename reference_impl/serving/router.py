@@ -93,6 +93,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import socket
 import sys
 import threading
@@ -101,8 +102,9 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Protocol
 
+from faults.contract import COMMANDS_ENV
 from harness import probe
 from reference_impl.serving import _wire
 from reference_impl.serving._streams import Pump, Stream
@@ -190,6 +192,9 @@ class _Request:
         # What the journal holds of it, so what clients may see (durable before visible):
         self.recorded = False  # its `req` record: the request may be acknowledged
         self.shown = 0  # entries of `log` written: streams send these
+        # Per entry of `log` shown: the journal's byte offset of the record holding it (-1:
+        # no journal), sent with the token so a client can prove where it came from.
+        self.offsets: list[int] = []
         self.over = False  # its `fin` record: streams may end
         self.worker: int | None = None  # assigned worker index (None: pending)
         self.link: _Link | None = None  # the link of that assignment
@@ -272,6 +277,25 @@ class _Slot:
     ever_ready: bool = False
 
 
+class FaultPoints(Protocol):
+    """The harness's in-process fault engine (``faults.inproc.Engine``), as the router uses it."""
+
+    def at_point(self, step: int, phase: str) -> None: ...
+
+
+def fault_points() -> FaultPoints | None:
+    """The in-process fault engine for the router's own fault points, or None outside the
+    harness. Not ``probe.install``: that routes torch's collectives too, and the router never
+    imports torch."""
+    path = os.environ.get(COMMANDS_ENV)
+    if not probe.enabled() or not path:
+        return None
+    from faults import inproc
+
+    engine: FaultPoints = inproc.Engine(inproc.Inbox(path), rank=lambda: None, emit=probe.emit)
+    return engine
+
+
 _log_lock = threading.Lock()
 
 
@@ -292,8 +316,10 @@ class Router:
         process_gone: Callable[[int], bool] | None = None,
         kill: Callable[[int], None] | None = None,
         restart_all: Callable[[], None] | None = None,
+        faults: FaultPoints | None = None,
     ) -> None:
         self.config = config
+        self._faults = faults
         self.journal = journal
         self._process_gone = process_gone or (lambda index: False)
         self._kill = kill or (lambda index: None)
@@ -322,31 +348,43 @@ class Router:
         self._cpu_at_ready = 0.0  # process CPU time when it was: serving, not start-up
         self._listener: socket.socket | None = None
         self._threads: list[threading.Thread] = []
-        self._pump = Pump(self._lock, lambda: self._stopping)  # the HTTP streams' writer
+        # The HTTP streams' writer; `sent`: a fault point once tokens went to clients.
+        self._pump = Pump(self._lock, lambda: self._stopping,
+                          sent=lambda: self._point("token_sent"))
+        self._token_records = 0  # token records so far: the router's "step" for fault points
         if journal is not None:
-            journal.listen(self._written)
+            journal.listen(self._written, point=self._point)
         if replayed is not None:
             self._restore(replayed)
 
     # ------------------------------------------------------------------ journal
+    def _point(self, name: str) -> None:
+        """A fault point on the durability path of tokens: ``token_produced`` (a worker's
+        tokens accepted, their record not yet posted), ``journal_appended`` (written, not
+        fsynced), ``journal_synced`` (durable, not yet shown), ``token_sent`` (sent to
+        clients). The step is the number of token records so far."""
+        if self._faults is not None:
+            self._faults.at_point(self._token_records, name)
+
     def _record_locked(self, record: dict[str, object], marks: list[_Mark]) -> None:
-        """Journal ``record``; what its ``marks`` allow is shown once it is written."""
+        """Journal ``record``; what its ``marks`` allow is shown once it is durable."""
         if self.journal is None:
             self._show_locked(marks)
         else:
             self.journal.post(record, marks)
 
-    def _written(self, posted: list[object]) -> None:
-        """The journal wrote these records (its writer thread): each one's list of marks."""
-        marks: list[_Mark] = []
-        for each in posted:
-            marks.extend(each)  # type: ignore[arg-type]
+    def _written(self, posted: list[tuple[object, int]]) -> None:
+        """The journal made these records durable (its writer thread): each one's list of
+        marks, and the byte offset of its record."""
         with self._lock:
-            self._show_locked(marks)
+            for marks, offset in posted:
+                self._show_locked(marks, offset)  # type: ignore[arg-type]
 
-    def _show_locked(self, marks: list[_Mark]) -> None:
+    def _show_locked(self, marks: list[_Mark], offset: int = -1) -> None:
         for request, kind, shown in marks:
             if kind == "tok":
+                if shown > len(request.offsets):
+                    request.offsets.extend([offset] * (shown - len(request.offsets)))
                 request.shown = max(request.shown, shown)
             elif kind == "fin":
                 request.over = True
@@ -365,6 +403,7 @@ class Router:
             request.finished = old.finished or len(old.tokens) >= old.max_tokens
             request.error = old.error
             request.recorded, request.shown, request.over = True, len(request.log), old.finished
+            request.offsets = list(old.offsets)
             self._requests[request.id] = request
             if not request.finished:
                 self._pending.append(request.id)
@@ -538,6 +577,8 @@ class Router:
                                          [d for _, _, d, _ in items])
                                         for rid, items in accepted.items()]
                                        ) if self.journal is not None else {}
+            self._token_records += 1
+            self._point("token_produced")
             marks: list[_Mark] = []
             done: list[_Request] = []
             for request_id, items in accepted.items():
@@ -771,10 +812,18 @@ class Router:
         self._record_locked(finish_record(request.id, error), [(request, "fin", 0)])
 
     # ------------------------------------------------------------------ the API
-    def submit(self, request_id: str | None, prompt: str, max_tokens: int) -> _Request:
-        """Accept a request (journaled first), or return the known one with this id."""
+    def submit(self, request_id: str | None, prompt: str, max_tokens: int, *,
+               resume: bool = False) -> _Request:
+        """Accept a request (journaled first), or return the known one with this id.
+        ``resume``: only the known one, running or finished (a client that never submits
+        twice: what the server acknowledged, it must still have); 404 otherwise."""
         tokens = tuple(encode(prompt))
         with self._lock:
+            known = self._requests.get(request_id) if request_id is not None else None
+            if resume and (known is None or known.error is not None):
+                raise ApiError(404, f"request_id {request_id!r} is not known" + (
+                    "" if known is None else f": it ended in an error ({known.error})"),
+                    "request_id", kind="not_found")
             request = self._accept_locked(request_id, tokens, max_tokens)
         return self._recorded(request)
 
@@ -964,6 +1013,7 @@ class Completion:
     stream: bool
     request_id: str | None
     offset: int
+    resume: bool = False  # only stream a request the server knows (never start one)
 
 
 def parse_completion(body: bytes, idempotency_key: str | None) -> Completion:
@@ -1000,7 +1050,12 @@ def parse_completion(body: bytes, idempotency_key: str | None) -> Completion:
             raise ApiError(400, f"request_id {request_id!r} differs from the Idempotency-Key "
                            f"header {idempotency_key!r}", "request_id")
         request_id = idempotency_key
-    return Completion(prompt, max_tokens, stream, request_id, offset)
+    resume = data.get("resume", False)
+    if not isinstance(resume, bool):
+        raise ApiError(400, f"resume must be true or false, got {resume!r}", "resume")
+    if resume and request_id is None:
+        raise ApiError(400, "resume needs a request_id (or an Idempotency-Key)", "resume")
+    return Completion(prompt, max_tokens, stream, request_id, offset, resume)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -1044,7 +1099,7 @@ class _Handler(BaseHTTPRequestHandler):
             completion = parse_completion(self.rfile.read(length),
                                           self.headers.get("Idempotency-Key"))
             request = router.submit(completion.request_id, completion.prompt,
-                                    completion.max_tokens)
+                                    completion.max_tokens, resume=completion.resume)
         except ApiError as exc:
             self._json(exc.status, exc.body())
             return
@@ -1063,7 +1118,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.flush()
         # The router's stream writer sends the events; this thread only waits for the end.
         stream = router.subscribe(request, offset, self.connection,
-                                  token_event(request.id, router.model_id()), end_event)
+                                  token_event(request.id, router.model_id(), request.offsets),
+                                  end_event)
         stream.done.wait()
 
     def _whole(self, router: Router, request: _Request, offset: int) -> None:
@@ -1090,15 +1146,20 @@ class _Handler(BaseHTTPRequestHandler):
         })
 
 
-def token_event(request_id: str, model: str) -> Callable[[int, int, int, str, bool], bytes]:
+def token_event(request_id: str, model: str, offsets: list[int] | None = None
+                ) -> Callable[[int, int, int, str, bool], bytes]:
     """The server-sent event of one streamed token of ``request_id``, as
-    :meth:`Router.subscribe` wants it framed."""
+    :meth:`Router.subscribe` wants it framed. ``offsets``: the request's journal offsets per
+    position (``_Request.offsets``; set before a position is shown), sent as
+    ``journal_offset``: where the journal holds the token, for the client to check."""
 
     def render(position: int, index: int, token: int, digest: str, last: bool) -> bytes:
+        where = offsets[position] if offsets is not None and position < len(offsets) else -1
         body = {"id": request_id, "object": "text_completion", "created": int(time.time()),
                 "model": model,
                 "choices": [{"index": 0, "text": decode([token]), "token_ids": [token],
                              "token_index": index, "logits_digest": digest or None,
+                             "journal_offset": where if where >= 0 else None,
                              "finish_reason": "length" if last else None}]}
         return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
 

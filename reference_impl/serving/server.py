@@ -51,6 +51,7 @@ from reference_impl.serving.router import (
     RECOVERIES,
     Router,
     RouterConfig,
+    fault_points,
     flat_stats,
     http_server,
 )
@@ -80,7 +81,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="requests per engine step, per worker (default 16)")
     add("--journal", default=None, metavar="PATH",
         help="write-ahead journal; an existing one is replayed (finished requests are "
-        "served from it, unfinished ones resumed). Default $AFTERSHOCK_OUTPUT_DIR/journal.wal, "
+        "served from it, unfinished ones resumed). Default "
+        "$AFTERSHOCK_OUTPUT_DIR/journal/journal.wal, "
         "else a new temporary file")
     add("--no-journal", action="store_true", help="run without a journal")
     add("--no-checksums", action="store_true",
@@ -289,8 +291,10 @@ def _journal(args: argparse.Namespace) -> str | None:
     if args.journal:
         return str(args.journal)
     folder = probe.output_dir()
-    if folder:
-        return str(Path(folder) / "journal.wal")
+    if folder:  # a folder of its own: a power loss can be aimed at it (storage.lose_unsynced)
+        journal = Path(folder) / "journal"
+        journal.mkdir(parents=True, exist_ok=True)
+        return str(journal / "journal.wal")
     fd, path = tempfile.mkstemp(prefix="aftershock-journal-", suffix=".wal")
     os.close(fd)
     return path
@@ -318,7 +322,8 @@ def serve(args: argparse.Namespace) -> int:
     router = Router(config, journal, replayed,
                     process_gone=lambda i: keeper is None or keeper.process_gone(i),
                     kill=lambda i: keeper.kill(i) if keeper else None,
-                    restart_all=lambda: keeper.restart_all() if keeper else None)
+                    restart_all=lambda: keeper.restart_all() if keeper else None,
+                    faults=fault_points())
     stop.also(router.quiesce)
     link = router.listen("127.0.0.1")
     http = http_server(router, sock=socket.socket(fileno=args.http_fd))

@@ -600,8 +600,8 @@ def test_model_weights_follow_the_seed_and_tokens_are_bytes() -> None:
 def test_the_engine_bench_runs_both_workloads_and_says_what_read_costs(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """`python -m reference_impl.serving.engine` (docs/serving.md quotes it): each workload,
-    each mode, and verify=read against off."""
+    """`python -m reference_impl.serving.engine` (bench/results/serving-notes-2026-12.md
+    quotes it): each workload, each mode, and verify=read against off."""
     from reference_impl.serving.engine import _bench
 
     threads = torch.get_num_threads()

@@ -218,17 +218,20 @@ def test_bench_measures_something(tmp_path: Path) -> None:
 
 def test_posted_records_are_written_in_order_and_then_reported(tmp_path: Path) -> None:
     """The writer thread keeps the order of the posts (a replay needs a request's records in
-    order), reports each mark only once its record is in the file, and close() writes what
-    was still queued."""
+    order), reports each mark only once its record is in the file and fsynced, with the byte
+    offset its record starts at, and close() writes what was still queued."""
     path = tmp_path / "j.wal"
     journal = Journal(path)
     reported: list[object] = []
 
-    def written(marks: list[object]) -> None:
+    def written(marks: list[tuple[object, int]]) -> None:
         on_disk = replay(path)
-        for mark in marks:  # each reported record is already in the file
+        data = path.read_bytes()
+        for mark, offset in marks:  # each reported record is already in the file, there
             assert on_disk.records > int(str(mark)), mark
-        reported.extend(marks)
+            assert data[offset + 9:].startswith(b'{"r":'), (mark, offset)
+        assert journal.stats().fsyncs >= 1  # durable before it is reported
+        reported.extend(mark for mark, _ in marks)
 
     journal.listen(written)
     journal.post(request_record("a", [1, 2], 40), 0)
@@ -258,7 +261,7 @@ def test_the_journal_counts_its_own_threads_cpu(tmp_path: Path) -> None:
 
     journal = Journal(tmp_path / "posted.wal")
 
-    def busy(marks: list[object]) -> None:
+    def busy(marks: list[tuple[object, int]]) -> None:
         until = time.thread_time() + 0.002  # 2 ms of CPU per batch, on the writer thread
         while time.thread_time() < until:
             pass

@@ -493,11 +493,15 @@ def test_router_process_crash_is_restarted_on_its_journal(server: Server) -> Non
         assert rest.indices == list(range(received, MAX_TOKENS))
         assert s.tokens + rest.tokens == truth(s.prompt), s.request_id
         assert s.digests + rest.digests == truth_digests(s.prompt), s.request_id
-    (again,) = [e for e in server.events("hello") if e.get("role") == "router"
-                and e["generation"] == 1]
+    # The new router's event is written by its own thread, which on a busy machine can
+    # come after the first requests it resumed.
+    (again,) = wait_for(lambda: [e for e in server.events("hello") if e.get("role") == "router"
+                                 and e["generation"] == 1], 10, "the new router's hello")
     assert alive(again["pid"])
     assert server.stats()["requests"]["resumed_from_journal"] == len(streams)
-    (recovered,) = [e for e in server.events("recovery_done") if e.get("role") == "router"]
+    (recovered,) = wait_for(lambda: [e for e in server.events("recovery_done")
+                                     if e.get("role") == "router"], 10,
+                            "the new router's recovery_done")
     assert recovered["resumed"] == len(streams)
 
 

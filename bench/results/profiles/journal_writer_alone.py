@@ -33,9 +33,9 @@ def main() -> None:
     conditions = [threading.Condition(lock) for _ in range(8)]
     batches = [0]
 
-    def written(marks: list[object]) -> None:
+    def written(marks: list[tuple[object, int]]) -> None:
         with lock:
-            for mark in marks:
+            for mark, _offset in marks:
                 for condition in mark:  # type: ignore[attr-defined]
                     condition.notify_all()
         batches[0] += 1

@@ -1,0 +1,205 @@
+"""Whether what a server acknowledged was durable: its journal file against its clients' records.
+
+The reference server sends, with every streamed token, the byte offset of the journal
+record holding it (``journal_offset``); the load generator records it per token. After the
+load, the harness reads the journal file itself (this module's own parser of its lines,
+``<crc32 as 8 hex digits> <JSON>``; nothing of the server's code) and asks, for every token
+a client received:
+
+- is the record at that offset there, whole, and does it hold this request's token at this
+  index, with this token and logits digest? A token shown before its record was durable is
+  gone after a power loss (the restarted server writes something else there, or nothing);
+- is that record in the request's last generation (no later ``req`` record for the id)? A
+  later one means the request was started again from scratch (a redo), not resumed, unless
+  the client was told the request failed (an error event: a retry is then what it asked for).
+
+And for every request the server acknowledged (answered 200): does the journal hold its
+``req`` record? The facts go on the timeline (``journal_checked``), so ``acknowledged_durable``
+is judged from the timeline alone, like every other check.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+#: The timeline event with what the harness found in the journal.
+JOURNAL_CHECKED = "journal_checked"
+_EXAMPLES = 5  # of each kind of finding, named in the event
+
+
+@dataclass(frozen=True, slots=True)
+class JournalFile:
+    """What a journal file holds: each whole record by its byte offset, up to the first
+    damaged line."""
+
+    records: Mapping[int, dict[str, Any]]
+    good_bytes: int
+    bad_bytes: int  # a torn or damaged tail
+
+    def requests_at(self, offset: int) -> list[tuple[str, int, list[int], list[str]]]:
+        """The token runs ``(id, first index, tokens, digests)`` of the record at
+        ``offset``; none if there is no token record starting there."""
+        record = self.records.get(offset)
+        if record is None:
+            return []
+        if record.get("r") == "tok":
+            return [(str(record.get("id")), _int(record.get("i")), _ints(record.get("t")),
+                     _strs(record.get("d")))]
+        if record.get("r") == "toks" and isinstance(record.get("runs"), list):
+            return [(str(r[0]), _int(r[1]), _ints(r[2]), _strs(r[3] if len(r) > 3 else []))
+                    for r in record["runs"] if isinstance(r, list) and len(r) >= 3]
+        return []
+
+
+def _int(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else -1
+
+
+def _ints(value: Any) -> list[int]:
+    return [_int(v) for v in value] if isinstance(value, list) else []
+
+
+def _strs(value: Any) -> list[str]:
+    return [v if isinstance(v, str) else "" for v in value] if isinstance(value, list) else []
+
+
+def parse(data: bytes) -> JournalFile:
+    """Every record whose line is whole and whose CRC matches, up to the first that is not."""
+    records: dict[int, dict[str, Any]] = {}
+    offset = 0
+    while offset < len(data):
+        end = data.find(b"\n", offset)
+        if end < 0:
+            break
+        line = data[offset:end]
+        body = line[9:]
+        try:
+            if len(line) < 10 or line[8:9] != b" " or int(line[:8], 16) != zlib.crc32(body):
+                break
+            record = json.loads(body)
+        except ValueError:
+            break
+        if not isinstance(record, dict):
+            break
+        records[offset] = record
+        offset = end + 1
+    return JournalFile(records, offset, len(data) - offset)
+
+
+def judge(journal: JournalFile, clients: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The facts of ``journal`` against the clients' request records (the fields of their
+    ``request_done``/``request_failed`` events), as JSON for the timeline."""
+    starts: dict[str, list[int]] = {}  # request id -> offsets of its `req` records
+    for offset, record in journal.records.items():
+        if record.get("r") == "req":
+            starts.setdefault(str(record.get("id")), []).append(offset)
+    seen = proven = unplaced = 0
+    missing: list[str] = []
+    redone: list[str] = []
+    unknown: list[str] = []
+    counts = {"missing": 0, "redone": 0, "unknown": 0}
+    for client in clients:
+        rid = str(client.get("request"))
+        tokens = _ints(client.get("tokens"))
+        given, placed = client.get("digests"), client.get("journal_offsets")
+        digests: list[Any] = given if isinstance(given, list) else []
+        offsets: list[Any] = placed if isinstance(placed, list) else []
+        if client.get("acknowledged") and rid not in starts:
+            counts["unknown"] += 1
+            if len(unknown) < _EXAMPLES:
+                unknown.append(f"{rid} (acknowledged; {len(tokens)} tokens received)")
+        told_failed = bool(client.get("server_errors"))
+        last_start = max(starts.get(rid, [-1]))
+        redo_seen = False
+        for index, token in enumerate(tokens):
+            seen += 1
+            where = offsets[index] if index < len(offsets) else None
+            if not isinstance(where, int) or isinstance(where, bool):
+                unplaced += 1
+                continue
+            digest = digests[index] if index < len(digests) and digests[index] else ""
+            found = _held(journal, where, rid, index)
+            if found is None or found[0] != token or (digest and found[1] != digest):
+                counts["missing"] += 1
+                if len(missing) < _EXAMPLES:
+                    there = ("nothing: the file is shorter" if where >= journal.good_bytes
+                             else "no record starts there" if where not in journal.records
+                             else f"not this token (it holds {found})" if found is not None
+                             else "a record without this token")
+                    missing.append(f"{rid} token {index} ({token}) at offset {where}: {there}")
+                continue
+            proven += 1
+            if where < last_start and not told_failed and not redo_seen:
+                redo_seen = True
+                counts["redone"] += 1
+                if len(redone) < _EXAMPLES:
+                    redone.append(f"{rid}: token {index} the client received is journaled at "
+                                  f"offset {where}, and the request was journaled again from "
+                                  f"scratch at offset {last_start}")
+    return {"found": True, "bytes": journal.good_bytes + journal.bad_bytes,
+            "records": len(journal.records), "bad_bytes": journal.bad_bytes,
+            "tokens_seen": seen, "tokens_proven": proven, "tokens_unplaced": unplaced,
+            "missing_tokens": counts["missing"], "missing": missing,
+            "redone_requests": counts["redone"], "redone": redone,
+            "unknown_requests": counts["unknown"], "unknown": unknown}
+
+
+def _held(journal: JournalFile, offset: int, rid: str, index: int) -> tuple[int, str] | None:
+    """(token, digest) the record at ``offset`` holds for ``rid`` at ``index``, if any."""
+    for run_id, start, tokens, digests in journal.requests_at(offset):
+        if run_id == rid and start <= index < start + len(tokens):
+            n = index - start
+            return tokens[n], digests[n] if n < len(digests) else ""
+    return None
+
+
+def acknowledged_durable(events: Sequence[Any]) -> Any:
+    """The ``acknowledged_durable`` check over a run's timeline: the facts the harness found
+    in the journal (``journal_checked``), proven only where a request streamed across a
+    fault (it had tokens before the fault landed and after it): without one, no recovery was
+    put to the test."""
+    from harness import metrics
+    from harness.records import CheckResult
+
+    name, expected = "acknowledged_durable", "every token seen and request acknowledged journaled"
+    facts = next((e.fields for e in events if e.event == JOURNAL_CHECKED), None)
+    if facts is None:
+        return CheckResult(name, False, None, expected, "not observed: the harness read no "
+                           "journal (the system keeps none, or the load never finished)")
+    if not facts.get("found"):
+        return CheckResult(name, False, None, expected, "not observed: no journal at "
+                           f"{facts.get('path')} ({facts.get('error', 'not found')})")
+    seen, unplaced = int(facts.get("tokens_seen") or 0), int(facts.get("tokens_unplaced") or 0)
+    bad = [f"{facts.get(k)} {what}: " + "; ".join(facts.get(examples) or [])
+           for k, what, examples in (
+               ("missing_tokens", "tokens a client received are not in the journal where the "
+                "server said", "missing"),
+               ("unknown_requests", "acknowledged requests are not in the journal", "unknown"),
+               ("redone_requests", "requests were started again from scratch instead of "
+                "resumed from the journal", "redone"))
+           if facts.get(k)]
+    observed = f"{facts.get('tokens_proven')}/{seen} tokens proven"
+    if bad:
+        return CheckResult(name, False, observed, expected, "; ".join(bad))
+    if not seen:
+        return CheckResult(name, False, observed, expected, "not observed: no client received "
+                           "a token")
+    if unplaced:
+        return CheckResult(name, False, observed, expected, f"not observed: {unplaced} of "
+                           f"{seen} tokens came without a journal_offset, so where they were "
+                           "journaled cannot be proven")
+    landed = metrics.fault_landed(events)
+    across = [r.id for r in metrics.requests(events) if landed is not None and r.times
+              and r.times[0] <= landed < r.times[-1]]
+    if not across:
+        return CheckResult(name, False, observed, expected, "not observed: no request "
+                           "streamed across a fault (tokens before it landed and after), so "
+                           "no resume was put to the test")
+    return CheckResult(name, True, observed, expected,
+                       f"all {seen} tokens clients received are in the journal where the "
+                       f"server said; {len(across)} requests streamed across the fault, "
+                       "resumed, none started again")
