@@ -259,6 +259,12 @@ class Engine:
                     continue
                 if params.get("phase") and params["phase"] != phase:
                     continue
+                if (not params.get("phase") and phase == "forward"
+                        and str(params.get("tensor", "")).startswith("grad:")):
+                    # Before step N's backward the gradients here are step N-1's, which the
+                    # loop drops before computing its own: a NaN there hits nothing. Step
+                    # N's gradient is the one at its next point.
+                    continue
                 if kind == "process.kill":
                     kill = signal.Signals[str(params.get("signal", "SIGKILL"))]
                     # Reported (and marked fired, so a restarted process does not repeat it)

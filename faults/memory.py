@@ -39,7 +39,8 @@ class _WhereParams(FaultParams):
     tensor: MemoryTensor | None = Field(
         None, description="in process: a named tensor, param:NAME, grad:NAME, "
         "optim:NAME.STATE (globs allowed), in a process that called harness.probe.install(); "
-        "poisoned at `at: {step, phase}`")
+        "poisoned at `at: {step, phase}` (a grad:NAME with no phase: at step N's first point "
+        "after `forward`, where its gradient is step N's own)")
     address: int | None = Field(None, ge=0, le=2**64 - 1,
                                 description="from outside: a virtual address (e.g. a "
                                 "tensor's data_ptr()), written through /proc/PID/mem")

@@ -513,9 +513,11 @@ class Controller:
         self.plans[self.gen] = plan
         if self.gen > 0:
             self.superseded[self.gen - 1] = (now, now + wait)
+        # The snapshot interval goes with it: how many steps a restore from snapshots may
+        # lose is judged against what the job ran with (harness checks, `lost_steps`).
         probe.emit("membership", generation=self.gen, replicas=plan["replicas"],
                    members={r: s for r, (s, _) in plan["members"].items()}, why=why,
-                   source="controller", rank=None)
+                   snapshot_every=self.cfg.snapshot_every, source="controller", rank=None)
 
     def log_resume(self, gen: int, step: int) -> None:
         """Generation ``gen`` synced and resumes after ``step`` (its first member says so)."""

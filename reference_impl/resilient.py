@@ -621,7 +621,10 @@ class Worker:
         resume = max(common)
         shard = g.rank % shards
         self.load_flat(snaps[shard][resume])
-        probe.checkpoint_loaded(resume, f"peer-memory snapshot of shard {shard}", rank=g.rank)
+        # The generation that restores, which a survivor's events do not name until its
+        # first step in it: what tells one restore from the next (checks, `lost_steps`).
+        probe.checkpoint_loaded(resume, f"peer-memory snapshot of shard {shard}", rank=g.rank,
+                                generation=g.gen)
         return resume
 
     # -- training -----------------------------------------------------------------------------

@@ -497,3 +497,33 @@ def test_shrinking_does_not_follow_a_failure_that_does_not_happen_again(
                     if a.schedule == attempt.schedule and a.index == attempt.index + 1]
         assert again.stage == "confirm", attempt
     assert any(a.verdict == "pass" and a.stage == "confirm" for a in found.attempts)
+
+
+def test_system_options_are_drawn_shrunk_and_written_with_the_schedule(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`explore.system` draws a system option with every schedule: each run is told the
+    value (what runs is the scenario written for it), the line names it, and a failure that
+    needs a large value shrinks to the smallest declared one that has it, written into the
+    found scenario."""
+    path = tmp_path / "options.yaml"
+    path.write_text(BASE + "  system:\n    timeout: [30s, 60s, 90s]\n")
+    ran: list[tuple[float, str]] = []
+    rule = StandIn(lambda faults: "pass")
+
+    def judged(loaded: LoadedScenario, **kwargs: Any) -> RunResult:
+        timeout = loaded.spec.system.timeout.total_seconds()
+        ran.append((timeout, describe(loaded.spec.faults)))
+        rule.rule = lambda faults: "fail" if timeout >= 60 else "pass"
+        return rule(loaded, **kwargs)
+
+    monkeypatch.setattr(runner, "run_scenario", judged)
+    found = run(load_scenario(path), tmp_path)
+    assert {t for t, _ in ran} == {30.0, 60.0, 90.0}  # every value came up
+    (finding,) = found.findings
+    assert finding.status == "confirmed"
+    written = load_scenario(finding.file).spec
+    assert written.system.timeout.total_seconds() == 60  # the first value that fails
+    assert written.explore is None
+    assert finding.schedule == f"[timeout=60s] {describe(written.faults)}"
+    assert all(a.schedule.startswith("[timeout=") for a in found.attempts)

@@ -6,7 +6,9 @@ shows only under a fault every rank sees, or a shard lost between snapshots or i
 of a snapshot round. The spaces below draw those dimensions the way the shipped
 scenarios/explore/hot_spare.yaml does (`all` among the targets; snapshots sparser than steps,
 the drawn step setting the fault's phase relative to the last one; the `optimizer` fault
-point, inside a snapshot step), and a search of at most 40 runs must find each variant.
+point, inside a snapshot step; or the snapshot interval itself drawn per run, `explore.system`,
+as the shipped hot_spare and elastic spaces do), and a search of at most 40 runs must find
+each variant.
 
 ``make test-explore`` runs this file with tests/test_explore_broken.py (minutes: every run
 launches the reference trainer under torchrun).
@@ -26,7 +28,7 @@ from harness.spec import LoadedScenario, load_scenario
 pytest.importorskip("torch")
 
 # Each search costs up to 40 trainer runs: the one that finds its bug in a few runs is in
-# `make test-explore` (CI); the two that take about ten minutes each are in
+# `make test-explore` (CI); the three that take about ten minutes each are in
 # `make test-explore-long`, outside CI's time.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 
@@ -145,3 +147,58 @@ def test_explore_finds_shards_that_restore_their_own_newest_snapshot(tmp_path: P
     assert kill.at.step is not None
     assert kill.at.step % 2 == 0, kill  # a snapshot step
     assert all(f.at == kill.at for f in others)
+
+
+ELASTIC = """\
+name: {name}
+system:
+  reference: trainer
+  world: {{replicas: 2, shards: 2}}
+  backend: gloo
+  recovery: elastic
+  steps: 40
+  collective_timeout: 3s
+  step_sleep: 10ms
+  env: {{PYTHONPATH: "{path}", AFTERSHOCK_INJECT_TEST_BUG: {bug}}}
+expect:
+  completes: true
+  params_match: replay
+  lost_steps: {{max: 1, snapshot_interval: true}}
+explore:
+  faults: {{min: 1, max: 1}}
+  kinds: [process.kill]
+  targets: [shard]
+  at: {{step: {{min: 5, max: 35}}}}
+  system:
+    snapshot_every: [1, 2, 3]
+"""
+
+
+@pytest.mark.explore_long
+def test_explore_finds_survivors_that_keep_their_state_by_drawing_the_snapshot_interval(
+    tmp_path: Path
+) -> None:
+    """The scenario itself takes a snapshot every step, where survivors that keep their own
+    state instead of loading the snapshot hold the snapshot's state anyway when the shard is
+    lost between steps (train-kill-shard-hot-spare): only a drawn interval of 2 or 3 shows
+    them (a shard lost between two snapshots), and shrinking keeps it. The elastic
+    oracle's `lost_steps` follows the interval each run recorded, so the correct restores
+    of the same runs pass (tests/test_explore_strategies.py draws the interval alone)."""
+    path = tmp_path / "survivors-keep-elastic.yaml"
+    python_path = os.pathsep.join(str(p) for p in (ROOT / "tests" / "broken", ROOT))
+    path.write_text(ELASTIC.format(name="survivors-keep-elastic", path=python_path,
+                                   bug="survivors_keep_state"))
+    # Fewer shrinking runs than the others: the faults shrink in a few, and an interval of
+    # 1, the one simpler value, passes at once. Still 6 to 10 minutes on a 2-core machine
+    # under load 11 to 20: with the long ones.
+    found = explore(load_scenario(path), runs=28, shrink_runs=5, confirm=1, seed=0,
+                    database=None, out=tmp_path / "out")
+    assert found.runs <= BUDGET, found.runs
+    assert found.findings, [(a.schedule, a.verdict, a.reason) for a in found.attempts]
+    finding = found.findings[0]
+    assert finding.status == "confirmed", finding
+    assert "params_match" in finding.failed_checks, finding
+    spec = load_scenario(finding.file).spec
+    assert spec.system.snapshot_every in (2, 3), spec.system  # type: ignore[union-attr]
+    assert finding.schedule.startswith(f"[snapshot_every={spec.system.snapshot_every}]"), \
+        finding.schedule  # type: ignore[union-attr]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 from random import Random
 from typing import Any
@@ -20,7 +21,7 @@ from _helpers import ROOT
 from hypothesis import HealthCheck, find, given, seed, settings
 from hypothesis import strategies as st
 
-from harness._space import END_PHASES, Space, resolve
+from harness._space import END_PHASES, Space, option_value, resolve
 from harness.errors import SpecError
 from harness.explore import describe
 from harness.spec import (
@@ -84,7 +85,14 @@ def bases() -> list[Scenario]:
 
 
 def inside(space: Space, spec: Scenario) -> None:
-    """Every fault of ``spec`` is one the space allows."""
+    """Every fault of ``spec`` is one the space allows, and so is every system option drawn."""
+    for option in space.options:
+        value = option_value(spec.system, option.name)
+        if option.choices:
+            assert value in option.choices, (option, value)
+        else:
+            number = value.total_seconds() * 1000 if option.unit == "ms" else value
+            assert option.low <= number <= option.high, (option, value)
     kinds = {k.kind: k for k in space.kinds}
     ranks = space.layout.ranks
     for fault in spec.faults:
@@ -98,8 +106,10 @@ def inside(space: Space, spec: Scenario) -> None:
                 assert param.low <= number <= param.high
         target = fault.target
         if in_process(fault):
-            # The probe's rank filter names one rank or every rank: never a set or a role.
-            assert (target.replica, target.shard, target.role) == (None, None, None)
+            # The probe's rank filter names one rank or every rank: never a set or a role
+            # (but the server's router, whose durability path has fault points).
+            assert (target.replica, target.shard) == (None, None)
+            assert target.role in (None, "router"), target
         if target.rank is not None or target.worker is not None:
             assert ranks is not None
             assert 0 <= (target.index or 0) < ranks
@@ -314,6 +324,22 @@ BASE = TRAINER.replace("RECOVERY", "restart")
     ("explore:\n  at: {events: [failure_detected]}\n", "11:7: explore.at: every trigger "
      "waits for a failure"),
     ("explore:\n  faults: {min: 3, max: 2}\n", "11:11: explore.faults: max (2) is below min (3)"),
+    ("explore:\n  system: {snapshot_every: [2, 0]}\n", "11:32: explore.system.snapshot_every.1: "
+     "0: Input should be greater than or equal to 1"),
+    ("explore:\n  system: {snapshot_evry: [2]}\n", "11:27: explore.system.snapshot_evry: "
+     "'snapshot_evry': not an option of this system (drawable: backend, "),
+    ("explore:\n  system: {world: [1]}\n", "11:19: explore.system.world: 'world': not a "
+     "single value"),
+    ("explore:\n  system: {reference: [trainer]}\n", "11:23: explore.system.reference: "
+     "'reference': what the system is"),
+    ("explore:\n  system: {backend: {min: 1, max: 2}}\n", "11:21: explore.system.backend: a "
+     "range needs a number or a duration option"),
+    ("explore:\n  system: {snapshot_every: {min: 3, max: 2}}\n", "11:28: "
+     "explore.system.snapshot_every: max is below min"),
+    ("explore:\n  system: {snapshot_every: []}\n", "11:28: explore.system.snapshot_every: give "
+     "at least one value"),
+    ("explore:\n  system: {steps: [30]}\n  at: {step: {min: 1, max: 50}}\n", "11:19: "
+     "explore.system.steps: 30: fewer steps than the last step a fault may be drawn at (50"),
 ])
 def test_a_space_that_does_not_fit_is_refused_at_its_place(
     block: str, expected: str, tmp_path: Path
@@ -368,5 +394,59 @@ def test_all_ranks_expand_for_faults_inside_the_target() -> None:
         assert len({f.at for f in inside}) == 1
         if outside[0].at.phase is None:
             assert [f.target.pick for f in outside] == ["all"]
+
+    check()
+
+
+def test_system_options_are_drawn_per_run_and_written_into_the_scenario() -> None:
+    """`explore.system` draws system options with each schedule: every value declared comes
+    up, ranges stay inside, the scenario written for a run carries the values it ran with
+    (and loads back as the same scenario), and its one-line schedule names them."""
+    base = parse_scenario(TRAINER.replace("RECOVERY", "elastic") + (
+        "explore:\n  kinds: [process.kill]\n  at: {step: {min: 5, max: 30}}\n"
+        "  system:\n    snapshot_every: [1, 2, 3]\n"
+        "    collective_timeout: {min: 1s, max: 3s}\n"))
+    space = space_of(base)
+    seen: set[int] = set()
+
+    @FAST
+    @given(scenarios(base))
+    def check(spec: Scenario) -> None:
+        assert isinstance(spec.system, TrainerSystem)
+        inside(space, spec)
+        seen.add(spec.system.snapshot_every)
+        # What is not drawn stays the base's.
+        assert spec.system.model_copy(update={
+            "snapshot_every": 1, "collective_timeout": base.system.collective_timeout,  # type: ignore[union-attr]
+        }) == base.system.model_copy(update={"snapshot_every": 1})
+        text = to_yaml(spec)
+        assert f"snapshot_every: {spec.system.snapshot_every}" in text
+        assert parse_scenario(text) == spec
+
+    check()
+    assert seen == {1, 2, 3}
+    line = describe([], {"snapshot_every": 2, "collective_timeout": timedelta(seconds=1.5)})
+    assert line == "[snapshot_every=2, collective_timeout=1.5s] no faults"
+
+
+def test_system_options_shrink_to_the_first_value_that_still_fails() -> None:
+    """A failure that needs snapshots sparser than every step shrinks to the first declared
+    interval that has it, and its faults as simple as ever."""
+    base = parse_scenario(TRAINER.replace("RECOVERY", "hot_spare") + (
+        "explore:\n  kinds: [process.kill]\n  targets: [rank, shard]\n"
+        "  at: {step: {min: 5, max: 30}}\n  system:\n    snapshot_every: [1, 2, 3, 4]\n"))
+    found = find(scenarios(base), lambda spec: spec.system.snapshot_every >= 2,  # type: ignore[union-attr]
+                 settings=settings(database=None, max_examples=500))
+    assert found.system.snapshot_every == 2  # type: ignore[union-attr]
+    assert describe(found.faults) == "process.kill rank 0 @ step 5"
+
+
+def test_a_space_without_system_options_draws_the_base_system() -> None:
+    base = parse_scenario(TRAINER.replace("RECOVERY", "hot_spare") + "explore: {}\n")
+
+    @FAST
+    @given(scenarios(base))
+    def check(spec: Scenario) -> None:
+        assert spec.system == base.system
 
     check()

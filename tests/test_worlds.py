@@ -319,8 +319,9 @@ def test_the_live_view_names_the_launcher_of_each_rank_0() -> None:
 
 def test_lost_steps_says_what_a_step_is() -> None:
     from harness.checks import _lost_steps
+    from harness.spec import CountBudget
     events = two_launchers_split()
-    check = _lost_steps(metrics.lost_steps(events), 0, events)
+    check = _lost_steps(metrics.lost_steps(events), CountBudget(max=0), events)
     assert not check.passed
     assert "in steps as its step lines number them ('Epoch 0 | loss 1.0')" in check.message
 

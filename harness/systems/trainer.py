@@ -50,7 +50,8 @@ class TrainerSystem(Strict):
     )
     spares: int = Field(1, ge=0, le=16, description="warm standby processes (hot_spare)")
     snapshot_every: int = Field(
-        1, ge=1, le=MAX_STEPS, description="in-memory peer snapshot interval, in steps (hot_spare)"
+        1, ge=1, le=MAX_STEPS,
+        description="in-memory peer snapshot interval, in steps (hot_spare, elastic)"
     )
     steps: int = Field(200, ge=1, le=MAX_STEPS, description="optimizer steps to train")
     checkpoint_every: int = Field(20, ge=1, le=MAX_STEPS,
@@ -89,7 +90,9 @@ def trainer_program(system: TrainerSystem, run_dir: Path, seed: int) -> list[str
     """What torchrun starts on every rank: the reference trainer and its flags (also on the
     nodes of a multi-node run, harness/systems/nodes.py)."""
     spares = system.spares if system.recovery == "hot_spare" else 0
-    extra = [f"--spares={spares}", f"--snapshot-every={system.snapshot_every}"] if spares else []
+    extra = [f"--spares={spares}"] if spares else []
+    if system.recovery in ("hot_spare", "elastic"):  # the two that keep peer-memory snapshots
+        extra.append(f"--snapshot-every={system.snapshot_every}")
     return [
         "-m",
         "reference_impl.trainer",

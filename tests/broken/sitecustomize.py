@@ -228,6 +228,27 @@ def vote_digits_base_world(resilient: ModuleType) -> None:
     resilient.encode_vote, resilient.decode_vote = encode, decode
 
 
+def switch_unless_unanimous(resilient: ModuleType) -> None:
+    """The vote's third flag ("a newer plan is waiting: stop this generation at the end of
+    the step") is read as a count compared against the world, ``0 < count < world``, not
+    ``count > 0``: written for "some member saw the plan and the others must follow", it
+    forgets the case where every member raised it at once. A step where every rank asks to
+    stop then goes on in the old generation, and so does every step after it."""
+    import math
+
+    decode = resilient.decode_vote
+
+    def broken(total: Any, world: int) -> tuple[bool, bool, bool]:
+        bad, mismatch, ahead = decode(total, world)
+        value = float(total[0])
+        if ahead and math.isfinite(value):  # (a corrupted vote reads as before)
+            base = world + 1
+            ahead = 0 < round(value) // (base * base) < world
+        return bad, mismatch, ahead
+
+    resilient.decode_vote = broken
+
+
 def survivors_keep_state(resilient: ModuleType) -> None:
     """When every replica of some shard is gone, only the members that hold no trained
     state (the spares) load the controller's snapshots; the survivors of the other shards
@@ -264,6 +285,30 @@ def own_newest_snapshot(resilient: ModuleType) -> None:
     resilient.Worker.restore_snapshots = broken
 
 
+def older_common_snapshot(resilient: ModuleType) -> None:
+    """When every holder of a shard is gone, every member goes back to the *oldest* step that
+    every shard still has a snapshot of (the controller keeps two per shard), "the one
+    surely complete", not the newest. The state is consistent (every member loads that
+    step, and the membership log says so, so the replay agrees), but a snapshot interval
+    more of committed work is done again than the interval leaves unsaved."""
+    probe = resilient.probe
+
+    def broken(self: Any, g: Any) -> int:
+        shards = self.cfg.shards
+        snaps = [self.read_snapshot(s) for s in range(shards)]
+        common = set(snaps[0]).intersection(*snaps[1:])
+        if not common:
+            raise SystemExit("no live replica and no complete snapshot for some shard")
+        resume = min(common)
+        shard = g.rank % shards
+        self.load_flat(snaps[shard][resume])
+        probe.checkpoint_loaded(resume, f"peer-memory snapshot of shard {shard}", rank=g.rank,
+                                generation=g.gen)
+        return resume
+
+    resilient.Worker.restore_snapshots = broken
+
+
 def fence_by_pid(controller: ModuleType) -> None:
     """The controller fences a silent member by SIGKILL to the pid it reported, wherever the
     member runs. On one host that is right; a member on another node reported its pid in its
@@ -279,7 +324,23 @@ def fence_by_pid(controller: ModuleType) -> None:
     controller.Controller.fence = broken
 
 
+def fresh_after_requeue(checkpoint: ModuleType) -> None:
+    """A job that Slurm requeued (``SLURM_RESTART_COUNT`` > 0) starts over: it looks for its
+    checkpoints under a folder of the new run instance, so it finds none (tests/slurm/)."""
+    load_latest = checkpoint.load_latest
+
+    def fresh(root: Any, meta: Any, group: Any) -> Any:
+        if int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0:
+            _announce("fresh_after_requeue")
+            return load_latest(Path(root) / f"requeue_{os.environ['SLURM_RESTART_COUNT']}",
+                               meta, group)
+        return load_latest(root, meta, group)
+
+    checkpoint.load_latest = fresh
+
+
 BUGS: dict[str, tuple[str, Callable[[ModuleType], None]]] = {
+    "fresh_after_requeue": ("reference_impl.checkpoint", fresh_after_requeue),
     "prune_before_commit": ("reference_impl.checkpoint", prune_before_commit),
     "quarantine_on_failed_agreement": ("reference_impl.checkpoint",
                                        quarantine_on_failed_agreement),
@@ -293,6 +354,8 @@ BUGS: dict[str, tuple[str, Callable[[ModuleType], None]]] = {
     "vote_digits_base_world": ("reference_impl.resilient", vote_digits_base_world),
     "survivors_keep_state": ("reference_impl.resilient", survivors_keep_state),
     "own_newest_snapshot": ("reference_impl.resilient", own_newest_snapshot),
+    "switch_unless_unanimous": ("reference_impl.resilient", switch_unless_unanimous),
+    "older_common_snapshot": ("reference_impl.resilient", older_common_snapshot),
 }
 
 
