@@ -5,8 +5,10 @@ A node is a container on a real Docker engine (`harness/nodes/`, docs/nodes.md).
 target is any process of the node (its ranks, its torchrun agent): the container that holds
 it is found from the process's cgroup, or named by ``params["container"]``; either way it is
 hit only if its ``aftershock.run`` label names this run (the journal's run id), so a node
-fault never touches a container the run did not make. The engine is reached through the
-Docker SDK (faults/_docker.py), imported only when a node fault is used.
+fault never touches a container the run did not make. The one exception: a node of the Slurm
+test cluster (``make slurm-cluster``, labelled with the cluster's id), frozen or partitioned
+while the target process in it is one of this run's Slurm job (undone at the end). The engine
+is reached through the Docker SDK (faults/_docker.py), imported only when a node fault is used.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from faults import _docker, _nft
+from faults import _docker, _nft, _proc, slurm_cli
 from faults._errors import FaultUnavailable
 from faults._proc import ProcessRef
 from faults.journal import Journal, UndoContext, UndoRefused, undone_on_error
@@ -58,8 +60,29 @@ class _NodeKind:
     needs = frozenset({"containers"})
 
 
-def _node(target: ProcessRef, params: Mapping[str, Any], journal: Journal) -> tuple[Any, Any]:
-    """(engine client, the node as it is now) for the target's container."""
+def _cluster_node(api: Any, container_id: str, target: ProcessRef,
+                  journal: Journal) -> Any:
+    """A node of the Slurm test cluster (``make slurm-cluster``): its containers carry the
+    cluster's label, not a run's, and outlive every run. One is this run's to hit only while
+    it runs this run's job: the target process must be in that very container and be a
+    process of the run's Slurm job (its SLURM_JOB_NAME names the run). Anything else is
+    refused as any other container is."""
+    node = _docker.inspect(api, container_id)
+    if node is None or node.run != slurm_cli.TEST_CLUSTER_ID:
+        return None
+    if _docker.container_of(target.pid) != container_id or \
+            _proc.environ(target.pid).get("SLURM_JOB_NAME") != slurm_cli.job_name(
+                journal.run_id):
+        raise FaultUnavailable(f"container {container_id[:12]} is a node of the Slurm test "
+                               f"cluster, but pid {target.pid} in it is not of this run's job")
+    return node
+
+
+def _node(target: ProcessRef, params: Mapping[str, Any], journal: Journal,
+          cluster: bool = False) -> tuple[Any, Any]:
+    """(engine client, the node as it is now) for the target's container. ``cluster``: a
+    node of the Slurm test cluster that runs this run's job will do too (kinds that undo
+    what they do: the cluster outlives the run)."""
     explicit = NodeParams.bind(params).container
     container_id = explicit if explicit else _docker.container_of(target.pid)
     if not _docker.is_container_id(container_id):
@@ -68,7 +91,13 @@ def _node(target: ProcessRef, params: Mapping[str, Any], journal: Journal) -> tu
         raise FaultUnavailable(f"node faults act on containers: {where}")
     api = _docker.client()
     try:
-        node = _docker.run_of(api, str(container_id), journal.run_id)
+        try:
+            node = _docker.run_of(api, str(container_id), journal.run_id)
+        except FaultUnavailable:
+            node = _cluster_node(api, str(container_id), target, journal) if cluster \
+                else None
+            if node is None:
+                raise
     except BaseException:
         api.close()
         raise
@@ -76,6 +105,35 @@ def _node(target: ProcessRef, params: Mapping[str, Any], journal: Journal) -> tu
         api.close()
         raise FaultUnavailable(f"container {str(container_id)[:12]} is gone")
     return api, node
+
+
+def _undo_of(node: Any, journal: Journal) -> dict[str, Any]:
+    """What an undo record names the node by: the container and the run, and, for a node of
+    the Slurm test cluster, the cluster (what its label says instead of the run)."""
+    undo: dict[str, Any] = {"container": node.id, "run": journal.run_id}
+    if node.run == slurm_cli.TEST_CLUSTER_ID:
+        undo["cluster"] = slurm_cli.TEST_CLUSTER_ID
+    return undo
+
+
+def _validate_node(undo: Mapping[str, Any], context: UndoContext) -> None:
+    """An undo record's container is this run's (faults/_docker.py), or a node of the Slurm
+    test cluster the record says it is, still labelled so, in a record of this run."""
+    if undo.get("cluster") is None:
+        _docker.validate_container(undo, context)
+        return
+    container_id = undo.get("container")
+    if undo.get("cluster") != slurm_cli.TEST_CLUSTER_ID or \
+            not _docker.is_container_id(container_id):
+        raise UndoRefused(f"{container_id!r} of {undo.get('cluster')!r} is not a node of the "
+                          "Slurm test cluster")
+    if undo.get("run") != context.run_id:
+        raise UndoRefused(f"run {undo.get('run')!r} is not this journal's run {context.run_id}")
+    with contextlib.closing(_docker.client()) as api:
+        node = _docker.inspect(api, str(container_id))
+    if node is not None and node.run != slurm_cli.TEST_CLUSTER_ID:
+        raise UndoRefused(f"container {str(container_id)[:12]} is not labelled "
+                          f"{_docker.RUN_LABEL}={slurm_cli.TEST_CLUSTER_ID} (found {node.run!r})")
 
 
 def _preflight_engine() -> list[str]:
@@ -127,9 +185,9 @@ class Freeze(_NodeKind):
         return _preflight_engine()
 
     def inject(self, target: ProcessRef, params: Mapping[str, Any], journal: Journal) -> Applied:
-        api, node = _node(target, params, journal)
+        api, node = _node(target, params, journal, cluster=True)
         with contextlib.closing(api):
-            undo = {"container": node.id, "run": journal.run_id}
+            undo = _undo_of(node, journal)
             entry = journal.intend(self.info.kind, undo)
             with undone_on_error(journal, entry, self.revert, undo):
                 api.api.pause(node.id)
@@ -143,7 +201,7 @@ class Freeze(_NodeKind):
                 api.api.unpause(node.id)
 
     def validate(self, undo: Mapping[str, Any], context: UndoContext) -> None:
-        _docker.validate_container(undo, context)
+        _validate_node(undo, context)
 
 
 def _partition_rules(table: str, direction: str) -> str:
@@ -188,13 +246,12 @@ class Partition(_NodeKind):
     def inject(self, target: ProcessRef, params: Mapping[str, Any], journal: Journal) -> Applied:
         direction = PartitionParams.bind(params).direction
         _nft.nft_binary()
-        api, node = _node(target, params, journal)
+        api, node = _node(target, params, journal, cluster=True)
         table = f"{_nft.TABLE_PREFIX}{uuid.uuid4().hex[:12]}"
         with contextlib.closing(api), _docker.netns_of(api, node) as netns:
             # The init pid names the namespace the table goes into; revert deletes it only
             # from that same namespace, never from a later one of a restarted node.
-            undo = {"container": node.id, "run": journal.run_id, "table": table,
-                    "pid": node.pid}
+            undo = {**_undo_of(node, journal), "table": table, "pid": node.pid}
             entry = journal.intend(self.info.kind, undo)
             with undone_on_error(journal, entry, self.revert, undo):
                 _nft.load(_partition_rules(table, direction), netns=netns)
@@ -214,7 +271,7 @@ class Partition(_NodeKind):
         context.name(undo.get("table"))
         if not isinstance(undo.get("pid"), int):
             raise UndoRefused(f"pid {undo.get('pid')!r} is not a number")
-        _docker.validate_container(undo, context)
+        _validate_node(undo, context)
 
 
 class Restart(_NodeKind):

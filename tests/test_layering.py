@@ -75,8 +75,8 @@ def tops(modules: set[str]) -> set[str]:
 
 
 #: Never needed to start the command line or print its help: each costs tens of milliseconds
-#: of every `aftershock` call, or is an optional extra (docs/benchmarks.md, "What `aftershock
-#: run` costs beyond the job").
+#: of every `aftershock` call, or is an optional extra (bench/results/investigations-2026-12.md,
+#: "What `aftershock run` costs beyond the job").
 NOT_FOR_HELP = {"pydantic", "pydantic_core", "yaml", "faults", "torch", "docker", "hypothesis",
                 "jinja2", "numpy"}
 #: Not needed to load and run a training scenario: the serving client's HTTP, JUnit's XML,

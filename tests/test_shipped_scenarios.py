@@ -753,7 +753,9 @@ def test_pytest_runs_a_shipped_scenario_as_one_test(tmp_path: Path, shared_cache
     assert_passed_and_healed(Run(VIA_PYTEST, record))
 
 
-SCENARIOS = sorted(p for p in (ROOT / "scenarios").rglob("*.yaml") if p != VIA_PYTEST)
+# scenarios/slurm/ need a Slurm cluster: tests/slurm/test_slurm_scenarios.py (make test-slurm).
+SCENARIOS = sorted(p for p in (ROOT / "scenarios").rglob("*.yaml")
+                   if p != VIA_PYTEST and "slurm" not in p.relative_to(ROOT).parts)
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=[key(p) for p in SCENARIOS])

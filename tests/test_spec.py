@@ -100,7 +100,8 @@ def test_every_problem_is_reported_at_once() -> None:
 def test_system_needs_reference_or_command() -> None:
     (problem,) = problems("name: x\nsystem: {steps: 3}\n")
     assert problem == ("s.yaml:2:9: system: system needs `reference: trainer`, "
-                       "`reference: server`, `command: [...]` or `nodes: N`")
+                       "`reference: server`, `command: [...]`, `nodes: N` or "
+                       "`slurm: {nodes: N, ...}`")
 
 
 def test_duplicate_keys_are_errors() -> None:

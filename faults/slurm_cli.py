@@ -1,0 +1,127 @@
+"""Slurm as the harness and its faults talk to it: its own client programs, nothing else.
+
+Every call is one of Slurm's commands (``sbatch``, ``squeue``, ``scontrol``, ``scancel``)
+against whatever cluster they reach (``SLURM_CONF``, else ``/etc/slurm/slurm.conf``): the
+test cluster of ``make slurm-cluster`` or a site's. A run's jobs are named
+``aftershock-<run id>`` (:func:`job_name`), so a heal finds and cancels them from the journal
+alone, and touches no job of anyone else's.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+JOB_PREFIX = "aftershock-"
+#: The label value (``aftershock.run``) of the test cluster's containers
+#: (harness/nodes/slurm_cluster.py): the only containers in which slurm.kill_slurmd starts
+#: a slurmd again.
+TEST_CLUSTER_ID = "slurm-test-cluster"
+#: Job states after which nothing of the job runs or will run again (Slurm's squeue(1)).
+TERMINAL = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL",
+                      "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED", "SPECIAL_EXIT"})
+CALL_TIMEOUT_S = 30.0
+_FIELD = re.compile(r"(?:^|\s)([A-Za-z][A-Za-z0-9_:/]*)=(\S*)")
+
+
+class SlurmError(RuntimeError):
+    """A Slurm command failed: what it said."""
+
+
+def job_name(run_id: str) -> str:
+    """The name of every job a run submits (``scancel --name`` finds them all)."""
+    return f"{JOB_PREFIX}{run_id}"
+
+
+def problem() -> str | None:
+    """Why no Slurm cluster can be used from here, or None when ``sinfo`` answers."""
+    for program in ("sbatch", "squeue", "scontrol", "scancel", "sinfo"):
+        if shutil.which(program) is None:
+            return (f"Slurm's `{program}` is not installed (apt-get install slurm-client; "
+                    "`make slurm-cluster` installs a test cluster)")
+    # Slurm's clients retry a missing configuration for a minute before they give up.
+    named = os.environ.get("SLURM_CONF")
+    places = [Path(named)] if named else [Path("/etc/slurm/slurm.conf"),
+                                          Path("/run/slurm/conf/slurm.conf")]
+    if not any(p.is_file() for p in places):
+        return (f"no Slurm configuration at {' or '.join(map(str, places))} (SLURM_CONF): "
+                "start a test cluster with `make slurm-cluster`")
+    try:
+        done = subprocess.run(["sinfo", "--noheader", "--format=%P"], capture_output=True,
+                              text=True, timeout=CALL_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return "`sinfo` did not answer in 30 s"
+    if done.returncode != 0:
+        said = done.stderr.strip().splitlines()[-1:] or ["no output"]
+        return f"no Slurm cluster answers `sinfo` ({said[0]}): start one with `make slurm-cluster`"
+    return None
+
+
+def run(argv: list[str], *, timeout: float = CALL_TIMEOUT_S) -> str:
+    """Run one Slurm command; its output, or SlurmError with what it said."""
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise SlurmError(f"`{' '.join(argv)}` did not finish in {timeout:g}s") from None
+    except OSError as exc:
+        raise SlurmError(f"`{argv[0]}`: {exc}") from None
+    if done.returncode != 0:
+        raise SlurmError(f"`{' '.join(argv)}` failed ({done.returncode}): "
+                         f"{done.stderr.strip() or done.stdout.strip()}")
+    return done.stdout
+
+
+def parse_record(line: str) -> dict[str, str]:
+    """One ``scontrol show ... -o`` record as its ``Key=Value`` fields (values with spaces,
+    such as a command line, keep their first word only)."""
+    return {key: value for key, value in _FIELD.findall(line)}
+
+
+def show_job(job_id: str) -> dict[str, str] | None:
+    """Slurm's view of job ``job_id`` (``scontrol show job -o``), or None when Slurm no
+    longer knows it (MinJobAge passed) or says it is invalid."""
+    try:
+        text = run(["scontrol", "show", "job", "-o", job_id])
+    except SlurmError as exc:
+        if "Invalid job id" in str(exc):
+            return None
+        raise
+    lines = [line for line in text.splitlines() if line.strip()]
+    return parse_record(lines[0]) if lines else None
+
+
+def exit_status(record: dict[str, str]) -> int:
+    """A finished job's exit status as a shell gives one: its ``ExitCode`` (``code:signal``),
+    128 + the signal when a signal ended it; 1 for a job that failed without either."""
+    code, _, sig = record.get("ExitCode", "0:0").partition(":")
+    status = int(code) if code.isdigit() else 0
+    if status == 0 and sig.isdigit() and int(sig):
+        status = 128 + int(sig)
+    if status == 0 and record.get("JobState") != "COMPLETED":
+        status = 1
+    return status
+
+
+def live_jobs(name: str) -> list[str]:
+    """Ids of the jobs named ``name`` that are queued, running or ending."""
+    text = run(["squeue", "--noheader", f"--name={name}", "--format=%i %T"])
+    return [line.split()[0] for line in text.splitlines()
+            if line.split() and line.split()[-1] not in TERMINAL]
+
+
+def cancel_named(name: str, *, patience_s: float = 60.0) -> None:
+    """Cancel every job named ``name`` (``scancel --name``: SIGTERM, then SIGKILL after the
+    cluster's KillWait) and wait until none is queued or running; SlurmError if one is."""
+    if not name.startswith(JOB_PREFIX):
+        raise SlurmError(f"job name {name!r} is not one of a run ({JOB_PREFIX}<run id>)")
+    deadline = time.monotonic() + patience_s
+    while live_jobs(name):
+        run(["scancel", f"--name={name}"])
+        if time.monotonic() > deadline:
+            raise SlurmError(f"jobs {live_jobs(name)} named {name} outlived scancel by "
+                             f"{patience_s:g}s")
+        time.sleep(0.5)
