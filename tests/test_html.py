@@ -10,6 +10,7 @@ are the run's own files (events.jsonl, scenario.yaml), read independently of the
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -260,6 +261,7 @@ expect:
         assert (Path(props["run_dir"]) / "events.jsonl").is_file()
         assert props["html"] == f"{html.resolve()}#run-{index}"
     page = html.read_text()
+    assert html.stat().st_size < MAX_PAGE_BYTES  # two runs and their comparison
     assert 'id="run-1"' in page
     assert 'id="run-2"' in page
     assert 'id="compare"' in page
@@ -271,3 +273,105 @@ expect:
     assert again.returncode == 0, again.stdout + again.stderr
     assert "2 runs" in again.stdout
     assert "#2 PASSED" in again.stdout
+
+
+#: A report page must stay small enough to mail and attach to a ticket (docs/report.md).
+MAX_PAGE_BYTES = 1_500_000
+
+#: What a core install (`pip install aftershock`, no extras) lacks.
+EXTRAS_ONLY = ("plotly", "docker", "hypothesis")
+
+_BLOCK = f"""\
+import sys
+
+
+class _NotInstalled:
+    # As if a core install: these packages come only with an extra.
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in {EXTRAS_ONLY!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, _NotInstalled())
+"""
+
+
+def test_core_dependencies_leave_out_plotly_docker_and_hypothesis() -> None:
+    import tomllib
+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    core = " ".join(project["project"]["dependencies"]).lower()
+    assert [name for name in EXTRAS_ONLY if name in core] == []
+    extras = project["project"]["optional-dependencies"]
+    assert any(d.startswith("hypothesis") for d in extras["explore"])
+    assert any(d.startswith("docker") for d in extras["nodes"])
+
+
+def test_report_page_size(tmp_path: Path) -> None:
+    """The recorded runs' pages, alone and compared in one page, stay under the bound."""
+    for runs in ([TRAINING], [SERVING], [TRAINING, SERVING]):
+        page = render([load_run(r) for r in runs])
+        assert len(page.encode()) < MAX_PAGE_BYTES, (runs, len(page.encode()))
+
+
+@pytest.mark.slow
+def test_a_core_install_runs_and_writes_a_small_report(tmp_path: Path) -> None:
+    """With plotly, docker and hypothesis unimportable (in every process of the run), a
+    scenario validates, runs with a fault and writes its HTML report, under 1.5 MB."""
+    import subprocess
+    import sys
+
+    from _helpers import quick_scenario
+
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(_BLOCK)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(tmp_path / "site"), os.environ.get("PYTHONPATH")) if p)}
+    scenario = tmp_path / "quick.yaml"
+    scenario.write_text(quick_scenario("quick-core", """\
+faults:
+  - kind: process.kill
+    target: {rank: 1}
+    at: {step: 3}
+"""))
+    html = tmp_path / "r.html"
+
+    def aftershock(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "harness", *args], capture_output=True,
+                              text=True, timeout=110, env=env)
+
+    blocked = subprocess.run([sys.executable, "-c", "import hypothesis"], env=env,
+                             capture_output=True, text=True, timeout=30)
+    assert "No module named 'hypothesis'" in blocked.stderr  # the block itself works
+    checked = aftershock("validate", str(scenario))
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    done = aftershock("run", str(scenario), "--run-dir", str(tmp_path / "runs"),
+                      "--html", str(html))
+    assert done.returncode in (0, 1), done.stdout + done.stderr  # ran; its verdict is its own
+    assert "No module named" not in done.stdout + done.stderr
+    assert len(read_events(tmp_path / "runs" / "quick-core" / "events.jsonl",
+                           "fault_injected")) == 1
+    page = html.read_text()
+    assert page.count('class="figure"') == 1
+    assert '"role":"fault"' in page
+    assert html.stat().st_size < MAX_PAGE_BYTES
+
+
+def test_explore_without_hypothesis_names_the_extra(tmp_path: Path) -> None:
+    """A core install has no hypothesis: `aftershock explore` says which extra to install
+    (exit 2, invalid input) instead of a harness error with a traceback."""
+    import subprocess
+    import sys
+
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(_BLOCK)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(tmp_path / "site"), os.environ.get("PYTHONPATH")) if p)}
+    done = subprocess.run(
+        [sys.executable, "-m", "harness", "explore", "scenarios/explore/elastic.yaml",
+         "--runs", "1"], capture_output=True, text=True, timeout=60, env=env,
+        cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "pip install 'aftershock[explore]'" in done.stderr
+    assert "Traceback" not in done.stdout + done.stderr
