@@ -4,7 +4,7 @@
 harness.oracle.trainer_math`` and reads ``{"digests": {rank: sha256}}``: what every rank must
 end with, recomputed by the oracle (which restates the reference trainer's math and imports
 nothing from ``reference_impl`` or ``bench``) for the bench's model shape. A recovery that is
-fast but wrong then shows as wrong next to its times (docs/benchmarks.md, "Correctness").
+fast but wrong then shows as wrong next to its times (docs/benchmarks.md, "What proves it").
 
 The DDP rows train the same model on the same data with the same optimizer; a sum of two
 replicas' gradients is the same bits whoever adds them (``a + b == b + a``), and DDP's

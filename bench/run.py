@@ -768,7 +768,8 @@ def target_line(t: dict[str, Any]) -> str:
         met = t["note"]
     else:
         # "In this run": one run's interval does not cover what changes between runs of
-        # the same code (docs/benchmarks.md, "Run J"); a target's status reads all of them.
+        # the same code (bench/results/history-2026-12.md, "Run J"); a target's status reads
+        # all of them.
         met = {True: "yes, in this run", False: "**no**",
                None: f"not measured ({t['note']})"}[t["met"]]
     if t["met"] is False and t["note"] == "wrong parameters":

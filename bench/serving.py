@@ -519,7 +519,8 @@ def markdown(record: dict[str, Any]) -> str:
         value = "-" if v["value"] is None else f"{v['value']:.3f}"
         note = v.get("note") or ""
         # "In this run": one run's interval does not cover what changes between runs of
-        # the same code (docs/benchmarks.md, "Run J"); a target's status reads all of them.
+        # the same code (bench/results/history-2026-12.md, "Run J"); a target's status reads
+        # all of them.
         said = ("met in this run" + (f" ({note})" if note else "") if v["met"] else
                 (note or "not measured") if v["met"] is None else
                 "NOT met" + (f" ({note})" if note else ""))

@@ -2,7 +2,7 @@
 
 One run's verdict rests on an interval that takes its repetitions as independent, and two
 16-repetition runs of the same code, hours apart, differed by more than that interval allows
-(docs/benchmarks.md, "Run J"). So a target's status reads every run given:
+(bench/results/history-2026-12.md, "Run J"). So a target's status reads every run given:
 
 - **not met** where any run resolved it over its limit;
 - **met** only where at least two runs were given and every one of them resolved it under;

@@ -9,10 +9,11 @@ with a quorum from the lighthouse every step (``use_async_quorum``, its default)
 Why not ``torchft.ddp.DistributedDataParallel``: its comm hook asserts ``fut._fut`` on the
 future ``Manager.allreduce`` returns, and when the peer replica dies mid-allreduce torchft
 hands back a dummy future instead, so the survivor crashes with an ``AssertionError``
-(docs/benchmarks.md). That would turn "survivors go on" into "survivors restart" and measure a
-bug, not the design. The flat-buffer all-reduce below is one collective per step, like the
-reference trainer's, and errors are handled the torchft way: reported to the manager, the
-step is discarded by ``should_commit`` and recorded as ``step_discarded``.
+(bench/results/investigations-2026-12.md). That would turn "survivors go on" into
+"survivors restart" and measure a bug, not the design. The flat-buffer all-reduce below is
+one collective per step, like the reference trainer's, and errors are handled the torchft
+way: reported to the manager, the step is discarded by ``should_commit`` and recorded as
+``step_discarded``.
 
 Environment: ``TORCHFT_LIGHTHOUSE`` (set by the bench), ``REPLICA_GROUP_ID``.
 """

@@ -2,7 +2,8 @@
 
 A hot_spare/elastic supervisor used to fork its worker's successor only after the death;
 that successor then started Python's side of a fork, connected to the store and only then
-reported the death: ~30 ms of a ~100 ms recovery (docs/trainer.md). Now the successor is
+reported the death: ~30 ms of a ~100 ms recovery (bench/results/investigations-2026-12.md,
+"The successor forked before the death"). Now the successor is
 forked once the worker has lived ``STANDBY_AFTER_S``, connects at once and waits; the death
 wakes it, it reports at once and becomes the new spare. These tests kill real processes of
 a real job: the standby must be the process that takes over, a dead standby must cost

@@ -4,10 +4,10 @@ Each step frees and allocates the same megabytes again (autograd's fresh gradien
 once copied into the flat buffer; the optimizer's temporaries). With glibc's defaults that
 memory went back to the kernel at each free and came back as page faults at the next
 allocation: hundreds per step and rank with a model of a few million parameters, a few
-percent of the step (docs/benchmarks.md, "Page faults every step"). The trainer keeps what
-it frees (``reference_impl._memory.keep_freed``). A real one-rank job (a Gloo group over
-env://, no torchrun) runs twice, short and long; the difference is what the extra steps
-faulted, read from the kernel's accounting of the finished process (``wait4``)."""
+percent of the step (bench/results/history-2026-12.md, "Page faults every step"). The
+trainer keeps what it frees (``reference_impl._memory.keep_freed``). A real one-rank job
+(a Gloo group over env://, no torchrun) runs twice, short and long; the difference is what
+the extra steps faulted, read from the kernel's accounting of the finished process (``wait4``)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """The hot_spare/elastic vote: three flags over the world in one element.
 
 A 4-rank Gloo all_reduce costs ~0.6 ms of wall time and ~30 µs of the transport's CPU per
-rank with one element, ~2 ms and ~400 µs with three (docs/benchmarks.md): the vote is one
-element, each flag a digit of base world + 1 (a flag's sum over the world is at most the
-world's size), summed exactly in float64."""
+rank with one element, ~2 ms and ~400 µs with three (bench/results/investigations-2026-12.md,
+"The three-float vote"): the vote is one element, each flag a digit of base world + 1 (a
+flag's sum over the world is at most the world's size), summed exactly in float64."""
 
 from __future__ import annotations
 

@@ -60,7 +60,7 @@ def test_a_shard_whose_every_average_is_corrupted_restarts_from_the_checkpoint(
     NonFiniteFailure and torchrun restarts the world from step 20's checkpoint: the run ends
     with the fault-free parameters, having computed steps 21-25 twice (what this design
     costs for two corruptions of one shard in one step; a vote after the average skipped
-    the step instead, docs/trainer.md)."""
+    the step instead, bench/results/trainer-internals-2026-12.md)."""
     text = _variant("expect:\n", "  - kind: collective.corrupt\n    target: {rank: 3}\n"
                     "    at: {step: 25, phase: backward}\n    op: all_reduce\n    mode: nan\n"
                     "    index: 0\nexpect:\n")
