@@ -202,3 +202,67 @@ def test_explore_finds_survivors_that_keep_their_state_by_drawing_the_snapshot_i
     assert spec.system.snapshot_every in (2, 3), spec.system  # type: ignore[union-attr]
     assert finding.schedule.startswith(f"[snapshot_every={spec.system.snapshot_every}]"), \
         finding.schedule  # type: ignore[union-attr]
+
+
+@pytest.mark.explore_long
+def test_explore_finds_a_restore_further_back_than_the_interval_leaves_unsaved(
+    tmp_path: Path
+) -> None:
+    """Every holder of a shard lost: the variant goes back to the oldest snapshot every shard
+    still has, not the newest. Its state is consistent (the replay agrees), so only the
+    lost-step bound that follows the drawn interval shows it."""
+    path = tmp_path / "older-common-elastic.yaml"
+    python_path = os.pathsep.join(str(p) for p in (ROOT / "tests" / "broken", ROOT))
+    path.write_text(ELASTIC.format(name="older-common-elastic", path=python_path,
+                                   bug="older_common_snapshot"))
+    found = explore(load_scenario(path), runs=28, shrink_runs=5, confirm=1, seed=0,
+                    database=None, out=tmp_path / "out")
+    assert found.runs <= BUDGET, found.runs
+    assert found.findings, [(a.schedule, a.verdict, a.reason) for a in found.attempts]
+    finding = found.findings[0]
+    assert finding.status == "confirmed", finding
+    assert "lost_steps" in finding.failed_checks, finding
+
+
+ELASTIC_REJOIN = """\
+name: {name}
+system:
+  reference: trainer
+  world: {{replicas: 2, shards: 2}}
+  backend: gloo
+  recovery: elastic
+  steps: 24
+  collective_timeout: 3s
+  step_sleep: 300ms
+  env: {{PYTHONPATH: "{path}", AFTERSHOCK_INJECT_TEST_BUG: {bug}}}
+faults:
+  - {{kind: process.kill, target: {{rank: 1}}, at: {{step: 8}}}}
+expect:
+  completes: true
+  params_match: replay
+  time_to_recover: {{max: 4s}}
+  lost_steps: {{max: 1}}
+explore:
+  faults: {{min: 1, max: 1}}
+  kinds: [process.kill]
+  targets: [rank, replica, random]
+  at: {{step: {{min: 3, max: 16}}}}
+"""
+
+
+@pytest.mark.explore_long
+def test_explore_finds_a_vote_that_needs_a_dissenter_to_switch(tmp_path: Path) -> None:
+    """Every member raises "a newer plan is waiting" in the same vote when the rejoin plan
+    comes out between steps (300 ms each, as in
+    scenarios/training/rejoin_every_rank_votes_to_switch_elastic.yaml): the variant that reads
+    the flag as `0 < count < world` never switches, and the rejoin never comes."""
+    path = tmp_path / "switch-unanimous-elastic.yaml"
+    python_path = os.pathsep.join(str(p) for p in (ROOT / "tests" / "broken", ROOT))
+    path.write_text(ELASTIC_REJOIN.format(name="switch-unanimous-elastic", path=python_path,
+                                          bug="switch_unless_unanimous"))
+    found = explore(load_scenario(path), runs=28, shrink_runs=5, confirm=1, seed=0,
+                    database=None, out=tmp_path / "out")
+    assert found.runs <= BUDGET, found.runs
+    assert found.findings, [(a.schedule, a.verdict, a.reason) for a in found.attempts]
+    finding = found.findings[0]
+    assert finding.status == "confirmed", finding

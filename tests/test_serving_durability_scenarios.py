@@ -89,11 +89,23 @@ def test_a_power_loss_under_the_journal_loses_nothing_a_client_saw(
 def test_each_broken_variant_fails_a_new_scenario(
         variant: str, name: str, check: str, says: str, tmp_path: Path, shared_cache: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    result = run(scenario(name, variant), tmp_path, shared_cache, monkeypatch)
+    # The power loss catches the variant in about two runs of three: where the restarted
+    # router writes the lost tokens again at the same offsets with the same bytes, the journal
+    # holds what the client saw after all (records do not yet name the router generation
+    # that wrote them). So up to four runs, of which one must catch it.
+    tries = 4 if name == "journal_power_loss" else 1
+    for attempt in range(tries):
+        result = run(scenario(name, variant), tmp_path / f"try{attempt}", shared_cache,
+                     monkeypatch)
+        if check in failed(result):
+            break
     assert check in failed(result), result.checks
     assert says in failed(result)[check]
-    if check == "acknowledged_durable":
-        # Output checks cannot see it: every client got the fault-free tokens.
+    if variant == "redo_after_crash" and check == "acknowledged_durable":
+        # Output checks cannot see a redo: the re-POSTing clients got the fault-free tokens.
+        # (Not asserted of the power loss: where it took an acknowledged request's only
+        # record, a client that never resubmits loses it, and the output checks see that
+        # too, depending on when the power went.)
         assert "outputs_match" not in failed(result)
         assert "no_lost_requests" not in failed(result)
 
