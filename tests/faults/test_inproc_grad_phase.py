@@ -46,7 +46,7 @@ def test_a_gradient_fault_without_a_point_waits_for_the_steps_own_gradient(
 def test_a_parameter_fault_without_a_point_still_lands_at_the_first_one(
     tmp_path: Path,
 ) -> None:
-    engine, events, path, model = _engine(tmp_path)
+    engine, events, path, _model = _engine(tmp_path)
     inproc.send(path, {"op": "arm", "id": "c0", "kind": "memory.nan",
                        "params": {"rank": 0, "fault": 0, "tensor": "param:*", "at_step": 5}})
     engine.at_point(5, "forward")
