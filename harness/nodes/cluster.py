@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import signal
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -27,9 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from faults import ProcessRef, all_pids, contract
+from faults import ProcessRef, all_pids, contract, kill_all, processes_with_env
 from faults import docker_engine as _docker
 from faults import process_environ as environ
+from harness import probe
 from harness.nodes import image
 
 # 198.18.0.0/15 is reserved for benchmarking networks between devices (RFC 2544): never a
@@ -284,6 +286,23 @@ class Cluster:
                 if self._api is not None:
                     self._api.close()
                     self._api = None
+
+
+#: How long a teardown keeps ending processes of the run left on the host.
+KILL_S = 5.0
+
+
+def end_run_processes(run_id: str) -> tuple[int, ...]:
+    """Kill (woken first, if stopped) every process on this host carrying the run's id, for
+    up to ``KILL_S``; the pids still alive after that."""
+    deadline = time.monotonic() + KILL_S
+    while (refs := processes_with_env(probe.RUN_ID_ENV, run_id)) and \
+            time.monotonic() < deadline:
+        for ref in refs:
+            ref.signal(signal.SIGCONT)
+        kill_all(refs)
+        time.sleep(0.05)
+    return tuple(sorted(r.pid for r in refs if r.alive()))
 
 
 def node_env(run_dir: Path, run_id: str) -> dict[str, str]:

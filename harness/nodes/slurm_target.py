@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
-from faults import ProcessRef, kill_all, processes_with_env
+from faults import ProcessRef, processes_with_env
 from faults import process_environ as environ
 from faults import slurm_cli as slurm
 from harness import probe
@@ -39,7 +38,7 @@ from harness.logprobe import (
     compile_probes,
     file_fields,
 )
-from harness.nodes.cluster import node_env
+from harness.nodes.cluster import end_run_processes, node_env
 from harness.records import Event
 from harness.target import (
     DRAIN_S,
@@ -56,7 +55,6 @@ POLL_S = 0.5  # how often Slurm is asked for the job's state (each ask is a comm
 #: How long stop waits for Slurm to end the job after scancel: the cluster's KillWait
 #: (SIGTERM to SIGKILL) and the epilogue.
 CANCEL_PATIENCE_S = 60.0
-KILL_S = 5.0
 #: What the timeline keeps of Slurm's view of the job.
 FIELDS = ("JobId", "JobState", "Reason", "Restarts", "Requeue", "ExitCode", "NodeList",
           "BatchHost", "NumNodes", "NumTasks", "Partition", "Account", "RunTime",
@@ -272,13 +270,6 @@ class SlurmTarget:
                     view: dict[str, Any] = _view(record)
                     self.timeline.emit("slurm_job", **view)
         self._drain()
-        deadline = time.monotonic() + KILL_S
-        while (refs := processes_with_env(probe.RUN_ID_ENV, self.run_id)) and \
-                time.monotonic() < deadline:
-            for ref in refs:
-                ref.signal(signal.SIGCONT)
-            kill_all(refs)
-            time.sleep(0.05)
-        survivors = tuple(sorted(r.pid for r in refs if r.alive()))
+        survivors = end_run_processes(self.run_id)
         return Teardown(tracking="slurm", survivors=survivors, logs_open=(),
                         cgroup_removed=None if cancelled else False)

@@ -14,23 +14,20 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
-from faults import ProcessRef, contract, kill_all, processes_with_env
+from faults import ProcessRef, contract
 from faults import docker_engine as _docker
 from faults import parent_pid as _parent
 from harness import probe
 from harness.errors import TargetError
-from harness.nodes.cluster import Cluster, node_env
+from harness.nodes.cluster import Cluster, end_run_processes, node_env
 from harness.records import Event
 from harness.target import STOP_GRACE_S, Launch, Teardown, reported_ranks
 from harness.timeline import Timeline
 
-KILL_S = 5.0  # how long teardown keeps ending processes of the run left on the host
 #: What a node's processes get from the harness's own environment (a node starts from an
 #: empty one): the code under test as the harness imports it, and the vector ISA torch's CPU
 #: kernels use, which decides the bits and the platform a golden is recorded for
@@ -173,14 +170,7 @@ class NodesTarget:
             self.cluster.stop()
         except Exception:
             removed = False  # the journal's launch record stays pending: a heal retries
-        deadline = time.monotonic() + KILL_S
-        while (refs := processes_with_env(probe.RUN_ID_ENV, self.run_id)) and \
-                time.monotonic() < deadline:
-            for ref in refs:
-                ref.signal(signal.SIGCONT)
-            kill_all(refs)
-            time.sleep(0.05)
-        survivors = tuple(sorted(r.pid for r in refs if r.alive()))
+        survivors = end_run_processes(self.run_id)
         return Teardown(tracking="containers", survivors=survivors, logs_open=(),
                         cgroup_removed=None if removed else False)
 
