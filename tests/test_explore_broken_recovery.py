@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from _helpers import ROOT, read_events
 
-from harness.explore import Exploration, explore
+from harness.explore import Exploration, Finding, explore
 from harness.spec import LoadedScenario, load_scenario
 
 pytest.importorskip("torch")
@@ -174,6 +174,21 @@ explore:
 """
 
 
+def find_in_elastic(tmp_path: Path, template: str, name: str, bug: str) -> Finding:
+    """The one confirmed finding of a short search (5 shrinking runs: the faults shrink in a
+    few) of an elastic space written from ``template`` with ``bug`` switched on."""
+    path = tmp_path / f"{name}.yaml"
+    python_path = os.pathsep.join(str(p) for p in (ROOT / "tests" / "broken", ROOT))
+    path.write_text(template.format(name=name, path=python_path, bug=bug))
+    found = explore(load_scenario(path), runs=28, shrink_runs=5, confirm=1, seed=0,
+                    database=None, out=tmp_path / "out")
+    assert found.runs <= BUDGET, found.runs
+    assert found.findings, [(a.schedule, a.verdict, a.reason) for a in found.attempts]
+    finding = found.findings[0]
+    assert finding.status == "confirmed", finding
+    return finding
+
+
 @pytest.mark.explore_long
 def test_explore_finds_survivors_that_keep_their_state_by_drawing_the_snapshot_interval(
     tmp_path: Path
@@ -184,19 +199,10 @@ def test_explore_finds_survivors_that_keep_their_state_by_drawing_the_snapshot_i
     them (a shard lost between two snapshots), and shrinking keeps it. The elastic
     oracle's `lost_steps` follows the interval each run recorded, so the correct restores
     of the same runs pass (tests/test_explore_strategies.py draws the interval alone)."""
-    path = tmp_path / "survivors-keep-elastic.yaml"
-    python_path = os.pathsep.join(str(p) for p in (ROOT / "tests" / "broken", ROOT))
-    path.write_text(ELASTIC.format(name="survivors-keep-elastic", path=python_path,
-                                   bug="survivors_keep_state"))
-    # Fewer shrinking runs than the others: the faults shrink in a few, and an interval of
-    # 1, the one simpler value, passes at once. Still 6 to 10 minutes on a 2-core machine
-    # under load 11 to 20: with the long ones.
-    found = explore(load_scenario(path), runs=28, shrink_runs=5, confirm=1, seed=0,
-                    database=None, out=tmp_path / "out")
-    assert found.runs <= BUDGET, found.runs
-    assert found.findings, [(a.schedule, a.verdict, a.reason) for a in found.attempts]
-    finding = found.findings[0]
-    assert finding.status == "confirmed", finding
+    # An interval of 1, the one simpler value, passes at once. Still 6 to 10 minutes on a
+    # 2-core machine under load 11 to 20: with the long ones.
+    finding = find_in_elastic(tmp_path, ELASTIC, "survivors-keep-elastic",
+                              "survivors_keep_state")
     assert "params_match" in finding.failed_checks, finding
     spec = load_scenario(finding.file).spec
     assert spec.system.snapshot_every in (2, 3), spec.system  # type: ignore[union-attr]
@@ -211,16 +217,8 @@ def test_explore_finds_a_restore_further_back_than_the_interval_leaves_unsaved(
     """Every holder of a shard lost: the variant goes back to the oldest snapshot every shard
     still has, not the newest. Its state is consistent (the replay agrees), so only the
     lost-step bound that follows the drawn interval shows it."""
-    path = tmp_path / "older-common-elastic.yaml"
-    python_path = os.pathsep.join(str(p) for p in (ROOT / "tests" / "broken", ROOT))
-    path.write_text(ELASTIC.format(name="older-common-elastic", path=python_path,
-                                   bug="older_common_snapshot"))
-    found = explore(load_scenario(path), runs=28, shrink_runs=5, confirm=1, seed=0,
-                    database=None, out=tmp_path / "out")
-    assert found.runs <= BUDGET, found.runs
-    assert found.findings, [(a.schedule, a.verdict, a.reason) for a in found.attempts]
-    finding = found.findings[0]
-    assert finding.status == "confirmed", finding
+    finding = find_in_elastic(tmp_path, ELASTIC, "older-common-elastic",
+                              "older_common_snapshot")
     assert "lost_steps" in finding.failed_checks, finding
 
 
@@ -256,13 +254,5 @@ def test_explore_finds_a_vote_that_needs_a_dissenter_to_switch(tmp_path: Path) -
     comes out between steps (300 ms each, as in
     scenarios/training/rejoin_every_rank_votes_to_switch_elastic.yaml): the variant that reads
     the flag as `0 < count < world` never switches, and the rejoin never comes."""
-    path = tmp_path / "switch-unanimous-elastic.yaml"
-    python_path = os.pathsep.join(str(p) for p in (ROOT / "tests" / "broken", ROOT))
-    path.write_text(ELASTIC_REJOIN.format(name="switch-unanimous-elastic", path=python_path,
-                                          bug="switch_unless_unanimous"))
-    found = explore(load_scenario(path), runs=28, shrink_runs=5, confirm=1, seed=0,
-                    database=None, out=tmp_path / "out")
-    assert found.runs <= BUDGET, found.runs
-    assert found.findings, [(a.schedule, a.verdict, a.reason) for a in found.attempts]
-    finding = found.findings[0]
-    assert finding.status == "confirmed", finding
+    find_in_elastic(tmp_path, ELASTIC_REJOIN, "switch-unanimous-elastic",
+                    "switch_unless_unanimous")
