@@ -196,6 +196,8 @@ class _Progress:
     digests: list[str | None] = field(default_factory=list)  # None: the server sent none
     # Where the server said it journaled each token (`journal_offset`); None: it did not say.
     offsets: list[int | None] = field(default_factory=list)
+    # Which writer the server said journaled each (`journal_writer`); None: it did not say.
+    writers: list[str | None] = field(default_factory=list)
     acknowledged: bool = False  # the server answered 200 once: it accepted the request
     server_errors: int = 0  # error events: the server said the request failed
     forgotten: str = ""  # a resume the server refused: what it said
@@ -300,7 +302,8 @@ class LoadGenerator:
                 "duplicates": progress.duplicates, "gaps": progress.gaps,
                 "resumes": progress.resumes, "unindexed": progress.unindexed,
                 "finish_reason": progress.finish_reason,
-                "journal_offsets": progress.offsets, "acknowledged": progress.acknowledged,
+                "journal_offsets": progress.offsets, "journal_writers": progress.writers,
+                "acknowledged": progress.acknowledged,
                 "server_errors": progress.server_errors,
             }
             self.records.append(record)
@@ -384,6 +387,8 @@ class LoadGenerator:
         digest = choice.get("logits_digest")
         where = choice.get("journal_offset")
         progress.offsets.append(where if isinstance(where, int) and where >= 0 else None)
+        writer = choice.get("journal_writer")
+        progress.writers.append(writer if isinstance(writer, str) and writer else None)
         progress.tokens.append(int(ids[0]))
         progress.times.append(now)
         progress.digests.append(digest if isinstance(digest, str) and digest else None)

@@ -76,6 +76,9 @@ def test_each_token_event_says_where_its_record_is() -> None:
     assert body["choices"][0]["journal_offset"] == 120
     without = json.loads(token_event("r1", "m")(0, 0, 65, "d", False)[6:])
     assert without["choices"][0]["journal_offset"] is None
+    assert without["choices"][0]["journal_writer"] is None
+    named = token_event("r1", "m", [0, 120], lambda offset: f"w{offset}")
+    assert json.loads(named(1, 1, 65, "d", False)[6:])["choices"][0]["journal_writer"] == "w120"
 
 
 def test_a_resume_only_post_never_starts_a_request() -> None:
@@ -100,6 +103,7 @@ def _journal(tmp_path: Path, records: list[dict[str, object]]) -> tuple[bytes, l
     """The bytes of a journal holding ``records``, and where each starts."""
     path = tmp_path / "j.wal"
     journal = Journal(path, fsync_interval=0)
+    journal.writer = WRITER
     for record in records:
         journal._append(record)
     journal.close()
@@ -108,10 +112,14 @@ def _journal(tmp_path: Path, records: list[dict[str, object]]) -> tuple[bytes, l
     return data, starts
 
 
+WRITER = "w-test"  # the writer `_journal`'s records name
+
+
 def _client(rid: str, tokens: list[int], offsets: list[int | None],
             **fields: Any) -> dict[str, Any]:
     return {"request": rid, "tokens": tokens, "digests": [f"d{t}" for t in tokens],
-            "journal_offsets": offsets, "acknowledged": True, "server_errors": 0, **fields}
+            "journal_offsets": offsets, "journal_writers": [WRITER] * len(offsets),
+            "acknowledged": True, "server_errors": 0, **fields}
 
 
 def test_tokens_where_the_server_said_are_proven(tmp_path: Path) -> None:
@@ -132,6 +140,38 @@ def test_a_token_shown_before_a_power_loss_took_its_record_is_missing(tmp_path: 
     assert facts["missing_tokens"] == 2
     assert "a record without this token" in facts["missing"][0]
     assert "the file is shorter" in facts["missing"][1]
+
+
+def test_a_token_written_again_by_a_restarted_server_does_not_prove_the_one_shown(
+        tmp_path: Path) -> None:
+    """A power loss took a record the client had been shown; the restarted server wrote the
+    same token again at the same offset. Its writer differs, so it proves nothing."""
+    path = tmp_path / "j.wal"
+    first = Journal(path, fsync_interval=0)
+    first._append(request_record("a", [1], 3))
+    lost_at = first._size
+    first._append(tokens_record("a", 0, [5], ["d5"]))
+    first.close()
+    assert first.writer_at(lost_at) == first.writer
+    shown = _client("a", [5], [lost_at], journal_writers=[first.writer])
+    assert judge(parse(path.read_bytes()), [shown])["tokens_proven"] == 1
+    import os
+    os.truncate(path, lost_at)  # the power loss: the token record never reached the disk
+    second, _ = Journal.open(path, fsync_interval=0)
+    second._append(tokens_record("a", 0, [5], ["d5"]))
+    second.close()
+    assert second.writer != first.writer
+    facts = judge(parse(path.read_bytes()), [shown])
+    assert (facts["tokens_proven"], facts["missing_tokens"]) == (0, 1)
+    assert "written by another process" in facts["missing"][0]
+    # What the restarted server shows of the replayed records names their first writer.
+    reopened, _ = Journal.open(path, fsync_interval=0)
+    assert reopened.writer_at(0) == first.writer
+    assert reopened.writer_at(lost_at) == second.writer
+    reopened.close()
+    # Records that name their writer, a client that was not told it: nothing is proven.
+    unnamed = judge(parse(path.read_bytes()), [_client("a", [5], [lost_at], journal_writers=[])])
+    assert (unnamed["tokens_proven"], unnamed["tokens_unplaced"]) == (0, 1)
 
 
 def test_a_request_started_again_from_scratch_is_a_redo(tmp_path: Path) -> None:

@@ -6,9 +6,13 @@ load, the harness reads the journal file itself (this module's own parser of its
 ``<crc32 as 8 hex digits> <JSON>``; nothing of the server's code) and asks, for every token
 a client received:
 
-- is the record at that offset there, whole, and does it hold this request's token at this
-  index, with this token and logits digest? A token shown before its record was durable is
-  gone after a power loss (the restarted server writes something else there, or nothing);
+- is the record at that offset there, whole, written by the writer the server named with
+  the token (``journal_writer``: every record names its writer, one per server process),
+  and does it hold this request's token at this index, with this token and logits digest?
+  A token shown before its record was durable is gone after a power loss: the restarted
+  server writes something else there, or nothing, or the same token again under its own
+  writer (the same bytes otherwise: the writer is what tells them apart). Where records
+  name writers and the client was not told one, the token is unplaced (not observed);
 - is that record in the request's last generation (no later ``req`` record for the id)? A
   later one means the request was started again from scratch (a redo), not resumed, unless
   the client was told the request failed (an error event: a retry is then what it asked for).
@@ -39,6 +43,12 @@ class JournalFile:
     records: Mapping[int, dict[str, Any]]
     good_bytes: int
     bad_bytes: int  # a torn or damaged tail
+
+    def writer_at(self, offset: int) -> str | None:
+        """The writer the record at ``offset`` names, if it names one."""
+        record = self.records.get(offset)
+        writer = record.get("w") if record is not None else None
+        return writer if isinstance(writer, str) else None
 
     def requests_at(self, offset: int) -> list[tuple[str, int, list[int], list[str]]]:
         """The token runs ``(id, first index, tokens, digests)`` of the record at
@@ -108,6 +118,8 @@ def judge(journal: JournalFile, clients: Sequence[Mapping[str, Any]]) -> dict[st
         given, placed = client.get("digests"), client.get("journal_offsets")
         digests: list[Any] = given if isinstance(given, list) else []
         offsets: list[Any] = placed if isinstance(placed, list) else []
+        named = client.get("journal_writers")
+        writers: list[Any] = named if isinstance(named, list) else []
         if client.get("acknowledged") and rid not in starts:
             counts["unknown"] += 1
             if len(unknown) < _EXAMPLES:
@@ -122,7 +134,19 @@ def judge(journal: JournalFile, clients: Sequence[Mapping[str, Any]]) -> dict[st
                 unplaced += 1
                 continue
             digest = digests[index] if index < len(digests) and digests[index] else ""
+            writer = writers[index] if index < len(writers) else None
+            wrote = journal.writer_at(where)
+            if wrote is not None and not isinstance(writer, str):
+                unplaced += 1  # the record names a writer; which one the client saw, unknown
+                continue
             found = _held(journal, where, rid, index)
+            if wrote is not None and writer != wrote and found is not None:
+                counts["missing"] += 1
+                if len(missing) < _EXAMPLES:
+                    missing.append(f"{rid} token {index} ({token}) at offset {where}: "
+                                   f"written by another process (writer {wrote}; the client "
+                                   f"was shown writer {writer}'s)")
+                continue
             if found is None or found[0] != token or (digest and found[1] != digest):
                 counts["missing"] += 1
                 if len(missing) < _EXAMPLES:
@@ -190,7 +214,8 @@ def acknowledged_durable(events: Sequence[Any]) -> Any:
                            "a token")
     if unplaced:
         return CheckResult(name, False, observed, expected, f"not observed: {unplaced} of "
-                           f"{seen} tokens came without a journal_offset, so where they were "
+                           f"{seen} tokens came without a journal_offset (or without the "
+                           "journal_writer their record names), so where they were "
                            "journaled cannot be proven")
     landed = metrics.fault_landed(events)
     across = [r.id for r in metrics.requests(events) if landed is not None and r.times

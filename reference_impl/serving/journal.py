@@ -21,6 +21,11 @@ Records:
   replays with unknown digests (empty strings);
 - ``{"r": "fin", "id", "reason": "length" | "error", "error"?}``.
 
+Every record also names its writer, ``"w"``: a random id per opened journal (per router
+process). The router sends it with each token (``journal_writer``, with ``journal_offset``),
+so a token a power loss took, written again by the restarted router at the same offset with
+the same bytes, does not pass for the one the client was shown.
+
 Durability, and why it is split this way: records reach the file through one writer
 thread, in the order they were posted (:meth:`Journal.post`, under the caller's lock, so
 the order is the order of the caller's decisions). The writer frames what piled up, writes
@@ -84,6 +89,7 @@ class Replay:
     records: int  # good records read
     valid_bytes: int  # length of the good prefix of the file
     ignored_bytes: int  # torn or corrupt tail that was dropped
+    writers: dict[int, str] = field(default_factory=dict)  # record offset -> its "w"
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,8 +147,8 @@ def finish_record(request_id: str, error: str | None = None) -> dict[str, object
     return record
 
 
-def _frame(record: dict[str, object]) -> bytes:
-    body = json.dumps(record, separators=(",", ":")).encode()
+def _frame(record: dict[str, object], writer: str) -> bytes:
+    body = json.dumps({**record, "w": writer}, separators=(",", ":")).encode()
     return b"%08x %s\n" % (zlib.crc32(body), body)
 
 
@@ -204,6 +210,7 @@ def replay(path: str | os.PathLike[str]) -> Replay:
     except FileNotFoundError:
         return Replay({}, 0, 0, 0)
     requests: dict[str, JournaledRequest] = {}
+    writers: dict[int, str] = {}
     offset = records = 0
     while offset < len(data):
         end = data.find(b"\n", offset)
@@ -212,9 +219,11 @@ def replay(path: str | os.PathLike[str]) -> Replay:
         record = _parse(data[offset:end])
         if record is None or not _apply(requests, record, offset):
             break
+        if isinstance(record.get("w"), str):
+            writers[offset] = record["w"]
         records += 1
         offset = end + 1
-    return Replay(requests, records, offset, len(data) - offset)
+    return Replay(requests, records, offset, len(data) - offset, writers)
 
 
 class Journal:
@@ -228,6 +237,11 @@ class Journal:
         if created:  # the file's name is durable only once its folder is fsynced
             _fsync_dir(os.path.dirname(os.path.abspath(self.path)))
         self._size = os.fstat(self._fd).st_size  # where the next record starts (one writer)
+        # This journal's records name it ("w"); records before `_opened_at` were written
+        # by earlier writers (`writer_at`).
+        self.writer = os.urandom(6).hex()
+        self._opened_at = self._size
+        self._earlier: dict[int, str] = {}
         self._lock = threading.Lock()  # writes (and the fd's life)
         self._sync_lock = threading.Lock()  # a batched fsync: never blocks an append
         self._count_lock = threading.Lock()  # the counters: stats() never waits for a write
@@ -256,7 +270,14 @@ class Journal:
         found = replay(path)
         if found.ignored_bytes:
             os.truncate(path, found.valid_bytes)
-        return cls(path, fsync_interval=fsync_interval), found
+        journal = cls(path, fsync_interval=fsync_interval)
+        journal._earlier = dict(found.writers)
+        return journal, found
+
+    def writer_at(self, offset: int) -> str | None:
+        """The writer named by the record at ``offset``: this journal's own for what it
+        wrote, the replayed record's for what was there (None: that record named none)."""
+        return self.writer if offset >= self._opened_at else self._earlier.get(offset)
 
     # -- records, written at once on the caller's thread
     def request(self, request_id: str, prompt: Sequence[int], max_tokens: int) -> None:
@@ -277,7 +298,7 @@ class Journal:
         self._append(finish_record(request_id, error))
 
     def _append(self, record: dict[str, object]) -> None:
-        self._write([_frame(record)])
+        self._write([_frame(record, self.writer)])
 
     def _write(self, lines: list[bytes], *, sync: bool | None = None) -> int:
         """Whole lines, in one write(2) (more only if the kernel takes part of it); the byte
@@ -347,7 +368,7 @@ class Journal:
                     return  # stopping, and everything posted is written
             began = time.thread_time()
             # Framing here, not in post: the JSON and CRC stay off the caller's lock.
-            lines = [_frame(record) for record, _ in batch]
+            lines = [_frame(record, self.writer) for record, _ in batch]
             try:
                 offset = self._write(lines, sync=False)
                 self._point("journal_appended")

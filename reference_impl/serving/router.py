@@ -1118,7 +1118,9 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.flush()
         # The router's stream writer sends the events; this thread only waits for the end.
         stream = router.subscribe(request, offset, self.connection,
-                                  token_event(request.id, router.model_id(), request.offsets),
+                                  token_event(request.id, router.model_id(), request.offsets,
+                                              router.journal.writer_at
+                                              if router.journal is not None else None),
                                   end_event)
         stream.done.wait()
 
@@ -1146,20 +1148,25 @@ class _Handler(BaseHTTPRequestHandler):
         })
 
 
-def token_event(request_id: str, model: str, offsets: list[int] | None = None
+def token_event(request_id: str, model: str, offsets: list[int] | None = None,
+                writer_at: Callable[[int], str | None] | None = None
                 ) -> Callable[[int, int, int, str, bool], bytes]:
     """The server-sent event of one streamed token of ``request_id``, as
     :meth:`Router.subscribe` wants it framed. ``offsets``: the request's journal offsets per
     position (``_Request.offsets``; set before a position is shown), sent as
-    ``journal_offset``: where the journal holds the token, for the client to check."""
+    ``journal_offset``: where the journal holds the token, for the client to check;
+    ``writer_at``: the writer its record names (``Journal.writer_at``), sent as
+    ``journal_writer``."""
 
     def render(position: int, index: int, token: int, digest: str, last: bool) -> bytes:
         where = offsets[position] if offsets is not None and position < len(offsets) else -1
+        writer = writer_at(where) if writer_at is not None and where >= 0 else None
         body = {"id": request_id, "object": "text_completion", "created": int(time.time()),
                 "model": model,
                 "choices": [{"index": 0, "text": decode([token]), "token_ids": [token],
                              "token_index": index, "logits_digest": digest or None,
                              "journal_offset": where if where >= 0 else None,
+                             "journal_writer": writer,
                              "finish_reason": "length" if last else None}]}
         return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
 
