@@ -26,7 +26,7 @@ demo: venv
 # The project's own modules compiled once, as an install would: the tests start hundreds of
 # Python processes, which otherwise each compile them again where PYTHONDONTWRITEBYTECODE is set.
 bytecode: venv
-	$(PY) -m compileall -q -j 0 harness faults reference_impl bench tests examples _aftershock_pytestplugin.py
+	$(PY) -m compileall -q -j 0 aftershock harness faults reference_impl bench tests examples
 
 # Two test processes (pytest-xdist): the suite waits on real processes, signals, sockets and
 # timeouts for about half its wall time, so one process kept one of this 2-core machine's
@@ -109,7 +109,7 @@ lint: venv
 # The generated part of docs/faults.md, from each fault kind's declaration (installed
 # kinds included). tests/test_docs_faults.py fails when it is stale.
 docs: venv
-	$(PY) -m faults.catalogue docs/faults.md
+	$(PY) -m aftershock.faults.catalogue docs/faults.md
 
 # Side-by-side benchmarks (docs/benchmarks.md, docs/serving.md), then what `aftershock run` costs
 # beyond the job itself on a shipped scenario (bench/harness_overhead.py).

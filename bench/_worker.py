@@ -1,8 +1,10 @@
 """What the peer workers (plain DDP, torchft) share with the reference trainer.
 
-The same model (``reference_impl.model.ParallelMLP``: replicas × tensor-parallel shards), the
+The same model (``aftershock.reference_impl.model.ParallelMLP``: replicas × tensor-parallel
+shards), the
 same data (``synthetic_batch`` keyed by seed, step and replica), the same optimizer, and the
-same event stream (``harness.probe`` lines in ``$AFTERSHOCK_EVENTS``), so every row of the
+same event stream (``aftershock.harness.probe`` lines in ``$AFTERSHOCK_EVENTS``), so every row of
+the
 benchmark is timed from the same kind of per-step timestamps.
 """
 
@@ -14,7 +16,7 @@ import signal
 import sys
 from typing import Any
 
-from harness import probe
+from aftershock.harness import probe
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:

@@ -9,11 +9,13 @@ thread, Gloo's transport loop, Gloo's work threads), rank 0's and all ranks' tog
 methods: ``all_reduce`` (Gloo's, through ``torch.distributed.all_reduce``, as the ``restart``
 loop and the model's tensor-parallel layers call it there), ``group_all_reduce`` (the same, through
 the group's own ``allreduce`` method, as the ``hot_spare`` and ``elastic`` loops call their
-groups), ``star`` (``reference_impl.model.sum_through_root``, what the vote uses: through rank 0
+groups), ``star`` (``aftershock.reference_impl.model.sum_through_root``, what the vote uses:
+through rank 0
 over point-to-point calls, here the group's non-blocking ones, as the ``hot_spare`` loop's vote),
 ``star_blocking`` (the same over the blocking ``dist.send``/``dist.recv``, as the ``restart``
 loop's vote used to), ``socket_star`` (the same over the star's own TCP connections,
-``reference_impl._star``, what both loops' votes use now); and, for the trainer's straggler
+``aftershock.reference_impl._star``, what both loops' votes use now); and, for the trainer's
+straggler
 figures, ``all_gather`` (every rank gets every rank's values) against ``to_root`` (what the
 trainer does now: the others send, rank 0 receives; the others do not wait). Every call's
 result is checked against the sum computed here (the gathers' parts are summed to check
@@ -48,9 +50,9 @@ def _rank(sizes: list[int], methods: list[str], calls: int, out: str) -> int:
     import torch
     import torch.distributed as dist
 
+    from aftershock.reference_impl._star import Star
+    from aftershock.reference_impl.model import sum_through_root
     from bench.run import thread_cpu
-    from reference_impl._star import Star
-    from reference_impl.model import sum_through_root
 
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

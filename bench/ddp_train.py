@@ -23,16 +23,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from bench._worker import add_model_args, exit_on_sigterm, fail
-from harness import probe
-from reference_impl.model import (
+from aftershock.harness import probe
+from aftershock.reference_impl.model import (
     ModelConfig,
     ParallelMLP,
     build_layout,
     param_digest,
     synthetic_batch,
 )
-from reference_impl.phases import Laps
+from aftershock.reference_impl.phases import Laps
+from bench._worker import add_model_args, exit_on_sigterm, fail
 
 COMMIT = "COMMIT"
 

@@ -1,7 +1,8 @@
 """The bench's correctness check: each row's final parameters against the independent oracle.
 
 :func:`expected` sends ``{"shape": {...}, "seed", "steps", "schedule"}`` to ``python -m
-harness.oracle.trainer_math`` and reads ``{"digests": {rank: sha256}}``: what every rank must
+aftershock.harness.oracle.trainer_math`` and reads ``{"digests": {rank: sha256}}``: what every rank
+must
 end with, recomputed by the oracle (which restates the reference trainer's math and imports
 nothing from ``reference_impl`` or ``bench``) for the bench's model shape. A recovery that is
 fast but wrong then shows as wrong next to its times (docs/benchmarks.md, "What proves it").
@@ -34,10 +35,16 @@ def expected(shape: dict[str, int], seed: int, steps: int, schedule: list[list[A
     key = json.dumps(request, sort_keys=True)
     if cache is not None and key in cache:
         return cache[key]
-    proc = subprocess.run([sys.executable, "-m", "harness.oracle.trainer_math"], input=key,
-                          cwd=REPO, capture_output=True, text=True, timeout=600, check=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "aftershock.harness.oracle.trainer_math"],
+        input=key,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
     digests = {int(k): str(v) for k, v in json.loads(proc.stdout)["digests"].items()}
     if cache is not None:
         cache[key] = digests
     return digests
-

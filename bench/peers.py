@@ -133,7 +133,7 @@ def trainer(recovery: str, *, checkpoint_every: int, spares: int = 0,
             *extra,
         ]
         nproc = ctx.model.world + spares
-        return [Command(torchrun(nproc, MAX_RESTARTS, "reference_impl.trainer", args))]
+        return [Command(torchrun(nproc, MAX_RESTARTS, "aftershock.reference_impl.trainer", args))]
 
     return commands
 

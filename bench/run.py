@@ -29,14 +29,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from aftershock.harness import metrics
+from aftershock.harness.oracle import read_membership as oracle_membership
+from aftershock.harness.records import Event
+from aftershock.reference_impl import phases as phases_lib
 from bench.oracle import expected as expected_digests
 from bench.peers import GPU, PEERS, WORLD, Context, Model, Peer
 from bench.stats import run_order, verdict
 from bench.status import code_identity
-from harness import metrics
-from harness.oracle import read_membership as oracle_membership
-from harness.records import Event
-from reference_impl import phases as phases_lib
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
@@ -153,8 +153,18 @@ def accepted_strategies() -> dict[str, str | None]:
     found: dict[str, str | None] = {}
     for name in ("hot_spare", "elastic"):
         done = subprocess.run(
-            [sys.executable, "-m", "reference_impl.trainer", f"--recovery={name}", "--help"],
-            cwd=REPO, capture_output=True, text=True, timeout=120, check=False,
+            [
+                sys.executable,
+                "-m",
+                "aftershock.reference_impl.trainer",
+                f"--recovery={name}",
+                "--help",
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
         )
         lines = done.stderr.strip().splitlines()
         found[name] = None if done.returncode == 0 else (lines[-1] if lines else "rejected")
@@ -194,8 +204,14 @@ def _append_event(path: Path, record: dict[str, Any]) -> None:
         f.write(json.dumps(record) + "\n")
 
 
-def run_job(peer: Peer, settings: Settings, model: Model, marker: str, keep: Path | None,
-            oracle_cache: dict[str, dict[int, str]] | None = None) -> dict[str, Any]:
+def run_job(
+    peer: Peer,
+    settings: Settings,
+    model: Model,
+    marker: str,
+    keep: Path | None,
+    oracle_cache: dict[str, dict[int, str]] | None = None,
+) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix=f"aftershock-bench-{peer.name}-"))
     events_path = workdir / "events.jsonl"
     # A faulted job trains a fixed number of steps past the kill and ends by itself, so its
@@ -230,10 +246,16 @@ def run_job(peer: Peer, settings: Settings, model: Model, marker: str, keep: Pat
     try:
         for cmd in peer.commands(ctx):
             log = (workdir / f"{cmd.name}.log").open("wb")
-            procs.append(subprocess.Popen(
-                cmd.argv, cwd=REPO, env={**base_env, **cmd.env}, stdout=log,
-                stderr=subprocess.STDOUT, start_new_session=True,
-            ))
+            procs.append(
+                subprocess.Popen(
+                    cmd.argv,
+                    cwd=REPO,
+                    env={**base_env, **cmd.env},
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
             log.close()
             if cmd.name == "lighthouse":
                 time.sleep(0.2)  # let it bind before the replica groups dial it
@@ -243,17 +265,26 @@ def run_job(peer: Peer, settings: Settings, model: Model, marker: str, keep: Pat
             time.sleep(0.005)
             new = tail.poll()
             for mark in cpu_marks:
-                if mark not in cpu and any(e.event == "step" and e.rank == 0
-                                           and e.fields.get("step") == mark for e in new):
+                if mark not in cpu and any(
+                    e.event == "step" and e.rank == 0 and e.fields.get("step") == mark for e in new
+                ):
                     cpu[mark] = cpu_sample(marker)
             if t_kill is None and peer.fault:
                 pid = kill_watch.feed(new)
                 if pid is not None:
                     os.kill(pid, signal.SIGKILL)
                     t_kill = time.monotonic()
-                    _append_event(events_path, {"t": t_kill, "event": "fault_injected",
-                                                "source": "bench", "rank": model.kill_rank,
-                                                "pid": pid, "kind": "process.kill"})
+                    _append_event(
+                        events_path,
+                        {
+                            "t": t_kill,
+                            "event": "fault_injected",
+                            "source": "bench",
+                            "rank": model.kill_rank,
+                            "pid": pid,
+                            "kind": "process.kill",
+                        },
+                    )
             elif t_kill is not None and not peer.fixed_end:
                 recovered = full_strength(tail.events, t_kill, peer, world=model.world)
                 if recovered is not None and time.monotonic() > t_kill + recovered + SETTLE_S:
@@ -285,8 +316,7 @@ def run_job(peer: Peer, settings: Settings, model: Model, marker: str, keep: Pat
     # or a cheap failure-free run that skipped work (or a baseline that trained something
     # else), must not look good.
     if peer.fixed_end:
-        result.update(check_params(peer, tail.events, workdir / "out", model, steps,
-                                   oracle_cache))
+        result.update(check_params(peer, tail.events, workdir / "out", model, steps, oracle_cache))
     if keep is not None:
         dest = keep / peer.name
         dest.mkdir(parents=True, exist_ok=True)
@@ -339,9 +369,11 @@ def _roles(events: list[Event]) -> dict[int, str]:
     return roles
 
 
-def cpu_profile(events: list[Event],
-                cpu: dict[int, dict[int, tuple[float, str, dict[str, float]]]],
-                marks: tuple[int, int]) -> dict[str, Any]:
+def cpu_profile(
+    events: list[Event],
+    cpu: dict[int, dict[int, tuple[float, str, dict[str, float]]]],
+    marks: tuple[int, int],
+) -> dict[str, Any]:
     """CPU milliseconds per step between the two marks, in all, by kind of process, and the
     ranks' by kind of thread (all ranks together).
 
@@ -371,29 +403,46 @@ def cpu_profile(events: list[Event],
                 role = "torchrun agent"
             elif "lighthouse" in cmd:
                 role = "lighthouse"
-            elif "reference_impl.trainer" in cmd:
+            elif "aftershock.reference_impl.trainer" in cmd:
                 role = "supervisor"
             else:
                 role = "other"
         by_role[role] += (end - first[pid][0]) * 1e3 / steps
     total = sum(by_role.values())
-    return {"cpu_ms_per_step": total,
-            "cpu_by_role": {k: round(v, 3) for k, v in sorted(by_role.items())},
-            "cpu_rank_threads": {k: round(v, 3) for k, v in sorted(by_thread.items())}}
+    return {
+        "cpu_ms_per_step": total,
+        "cpu_by_role": {k: round(v, 3) for k, v in sorted(by_role.items())},
+        "cpu_rank_threads": {k: round(v, 3) for k, v in sorted(by_thread.items())},
+    }
 
 
-PHASE_ORDER = ("batch", "forward", "zero_grad", "backward", "average", "vote", "optimizer",
-               "straggler figures", "fingerprints", "snapshot", "checkpoint", "rest")
+PHASE_ORDER = (
+    "batch",
+    "forward",
+    "zero_grad",
+    "backward",
+    "average",
+    "vote",
+    "optimizer",
+    "straggler figures",
+    "fingerprints",
+    "snapshot",
+    "checkpoint",
+    "rest",
+)
 
 
 def _in_phase_order(names: Any) -> list[str]:
     """The phase names in the loop's order (PHASE_ORDER), any other after them by name."""
-    return sorted(set(names), key=lambda n: (PHASE_ORDER.index(n) if n in PHASE_ORDER
-                                             else len(PHASE_ORDER), n))
+    return sorted(
+        set(names),
+        key=lambda n: (PHASE_ORDER.index(n) if n in PHASE_ORDER else len(PHASE_ORDER), n),
+    )
 
 
-def phase_profile(events: list[Event], marks: tuple[int, int], *, world: int = WORLD
-                  ) -> dict[str, Any] | None:
+def phase_profile(
+    events: list[Event], marks: tuple[int, int], *, world: int = WORLD
+) -> dict[str, Any] | None:
     """Where a failure-free step goes, from the ranks' ``phases`` events (their training
     loops' lap timers over the CPU window, reference_impl/phases.py): per phase, rank 0's
     wall time and all ranks' main-thread CPU, in ms per step.
@@ -415,8 +464,10 @@ def phase_profile(events: list[Event], marks: tuple[int, int], *, world: int = W
     for name in _in_phase_order(n for r in reports.values() for n in r["phases"]):
         wall = reports[0]["phases"].get(name, {}).get("wall_ns", 0)
         cpu = sum(r["phases"].get(name, {}).get("cpu_ns", 0) for r in reports.values())
-        table[name] = {"wall_ms": round(wall / 1e6 / steps, 4),
-                       "cpu_ms": round(cpu / 1e6 / steps, 4)}
+        table[name] = {
+            "wall_ms": round(wall / 1e6 / steps, 4),
+            "cpu_ms": round(cpu / 1e6 / steps, 4),
+        }
     return table
 
 
@@ -429,8 +480,14 @@ def _final_digests(events: list[Event]) -> dict[int, str]:
     return found
 
 
-def check_params(peer: Peer, events: list[Event], out: Path, model: Model, steps: int,
-                 cache: dict[str, dict[int, str]] | None) -> dict[str, Any]:
+def check_params(
+    peer: Peer,
+    events: list[Event],
+    out: Path,
+    model: Model,
+    steps: int,
+    cache: dict[str, dict[int, str]] | None,
+) -> dict[str, Any]:
     """``params_match``: every rank's final digest equals the oracle's for the membership
     the job trained with (True/False), or None with the reason when not observed."""
     got = _final_digests(events)
@@ -438,38 +495,54 @@ def check_params(peer: Peer, events: list[Event], out: Path, model: Model, steps
         return {"params_match": None, "params_note": "not observed: no final params reported"}
     if peer.name == "elastic":
         try:
-            schedule = [[g.first_step, list(g.replicas)]
-                        for g in oracle_membership(out / "membership.jsonl")]
+            schedule = [
+                [g.first_step, list(g.replicas)]
+                for g in oracle_membership(out / "membership.jsonl")
+            ]
         except (OSError, ValueError) as exc:
             return {"params_match": None, "params_note": f"not observed: {exc}"}
     else:
         schedule = [[1, list(range(model.replicas))]]
-    shape = {"replicas": model.replicas, "shards": model.shards, "d_model": model.d_model,
-             "hidden": model.hidden, "blocks": model.blocks, "batch_size": model.batch_size}
+    shape = {
+        "replicas": model.replicas,
+        "shards": model.shards,
+        "d_model": model.d_model,
+        "hidden": model.hidden,
+        "blocks": model.blocks,
+        "batch_size": model.batch_size,
+    }
     try:
-        want = expected_digests(shape, 0, steps, schedule, cache,
-                                device="cuda" if model.backend == "nccl" else "cpu")
+        want = expected_digests(
+            shape, 0, steps, schedule, cache, device="cuda" if model.backend == "nccl" else "cpu"
+        )
     except (OSError, subprocess.SubprocessError, ValueError) as exc:
         return {"params_match": None, "params_note": f"not observed: oracle failed ({exc})"}
     missing = sorted(set(want) - set(got))
     if missing:
-        return {"params_match": None, "params_note": f"not observed: ranks {missing} "
-                "reported no final params"}
+        return {
+            "params_match": None,
+            "params_note": f"not observed: ranks {missing} reported no final params",
+        }
     wrong = sorted(r for r in want if got[r] != want[r])
     if wrong:
         shown = ", ".join(f"rank {r}: {got[r][:12]} != {want[r][:12]}" for r in wrong)
-        return {"params_match": False,
-                "params_note": f"ranks {wrong} differ from the oracle ({shown})"}
-    return {"params_match": True, "params_note": f"{len(want)} ranks equal the oracle "
-            f"(schedule {schedule})"}
+        return {
+            "params_match": False,
+            "params_note": f"ranks {wrong} differ from the oracle ({shown})",
+        }
+    return {
+        "params_match": True,
+        "params_note": f"{len(want)} ranks equal the oracle (schedule {schedule})",
+    }
 
 
 # ---------------------------------------------------------------------------------------------
 # Metrics (from the job's timeline; definitions in docs/metrics.md and docs/benchmarks.md)
 
 
-def full_strength(events: list[Event], t_kill: float, peer: Peer | None = None, *,
-                  world: int = WORLD) -> float | None:
+def full_strength(
+    events: list[Event], t_kill: float, peer: Peer | None = None, *, world: int = WORLD
+) -> float | None:
     """Kill -> the first step every rank committed after the detection.
 
     Ours and torchrun's: ``time_to_recover`` (docs/metrics.md), which also needs those
@@ -493,8 +566,14 @@ def full_strength(events: list[Event], t_kill: float, peer: Peer | None = None, 
     return None
 
 
-def analyse(events: list[Event], settings: Settings, t_kill: float | None,
-            peer: Peer | None = None, *, world: int = WORLD) -> dict[str, Any]:
+def analyse(
+    events: list[Event],
+    settings: Settings,
+    t_kill: float | None,
+    peer: Peer | None = None,
+    *,
+    world: int = WORLD,
+) -> dict[str, Any]:
     out: dict[str, Any] = {"steps_per_s": _rate(events, settings, t_kill, world)}
     if t_kill is None:
         return out
@@ -525,12 +604,16 @@ def analyse(events: list[Event], settings: Settings, t_kill: float | None,
     return out
 
 
-def _rate(events: list[Event], settings: Settings, t_kill: float | None,
-          world: int = WORLD) -> float | None:
+def _rate(
+    events: list[Event], settings: Settings, t_kill: float | None, world: int = WORLD
+) -> float | None:
     """Failure-free steps/s of rank 0 over (warmup, kill_at], at full strength only."""
     times = [
-        e.t for e in events
-        if e.event == "step" and e.rank == 0 and (t_kill is None or e.t < t_kill)
+        e.t
+        for e in events
+        if e.event == "step"
+        and e.rank == 0
+        and (t_kill is None or e.t < t_kill)
         and settings.warmup < e.fields.get("step", 0) <= settings.kill_at
         and e.fields.get("world", world) >= world
     ]
@@ -543,18 +626,29 @@ def _rate(events: list[Event], settings: Settings, t_kill: float | None,
 # Summary
 
 
-METRICS = ("steps_per_s", "overhead", "cpu_ms_per_step", "cpu_overhead", "detect_s",
-           "resume_s", "full_s", "lost_steps")
+METRICS = (
+    "steps_per_s",
+    "overhead",
+    "cpu_ms_per_step",
+    "cpu_overhead",
+    "detect_s",
+    "resume_s",
+    "full_s",
+    "lost_steps",
+)
 
 
 def _stats(values: list[float | None]) -> dict[str, Any] | None:
     got = [v for v in values if v is not None]
     if not got:
         return None
-    return {"median": statistics.median(got), "min": min(got), "max": max(got), "n": len(got),
-            "values": got}
-
-
+    return {
+        "median": statistics.median(got),
+        "min": min(got),
+        "max": max(got),
+        "n": len(got),
+        "values": got,
+    }
 
 
 def summarise(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
@@ -572,18 +666,30 @@ def summarise(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]
     for name, reps in runs.items():
         entry: dict[str, Any] = {m: _stats([r.get(m) for r in reps]) for m in METRICS}
         checked = [r.get("params_match") for r in reps if "params_match" in r]
-        entry["params"] = None if not checked else {
-            "match": sum(1 for c in checked if c is True),
-            "differ": sum(1 for c in checked if c is False),
-            "not_observed": sum(1 for c in checked if c is None), "n": len(checked)}
+        entry["params"] = (
+            None
+            if not checked
+            else {
+                "match": sum(1 for c in checked if c is True),
+                "differ": sum(1 for c in checked if c is False),
+                "not_observed": sum(1 for c in checked if c is None),
+                "n": len(checked),
+            }
+        )
         for key in ("cpu_by_role", "cpu_rank_threads"):
             kinds = sorted({k for r in reps for k in (r.get(key) or {})})
-            entry[key] = {kind: _stats([(r.get(key) or {}).get(kind) for r in reps])
-                          for kind in kinds}
+            entry[key] = {
+                kind: _stats([(r.get(key) or {}).get(kind) for r in reps]) for kind in kinds
+            }
         timed = [r["phases"] for r in reps if r.get("phases")]
         names = _in_phase_order(n for t in timed for n in t)
-        entry["phases"] = {n: {part: _stats([t.get(n, {}).get(part, 0.0) for t in timed])
-                               for part in ("wall_ms", "cpu_ms")} for n in names}
+        entry["phases"] = {
+            n: {
+                part: _stats([t.get(n, {}).get(part, 0.0) for t in timed])
+                for part in ("wall_ms", "cpu_ms")
+            }
+            for n in names
+        }
         summary[name] = entry
     return summary
 
@@ -610,9 +716,16 @@ def targets(summary: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     run that skipped work is not cheap), and an overhead only against a DDP baseline whose
     every repetition did too."""
 
-    def check(target: str, metric: str, limit: float | None, row: str,
-              *, recovery: bool = False, baseline: str | None = None,
-              over_only: bool = False) -> dict[str, Any]:
+    def check(
+        target: str,
+        metric: str,
+        limit: float | None,
+        row: str,
+        *,
+        recovery: bool = False,
+        baseline: str | None = None,
+        over_only: bool = False,
+    ) -> dict[str, Any]:
         entry = summary.get(row, {}).get(metric)
         value = None if entry is None else entry["median"]
         met: bool | None = None
@@ -621,20 +734,35 @@ def targets(summary: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             # The median of a few noisy repetitions proves nothing by itself: met or not
             # met only when the median's interval is on one side of the limit.
             scale, unit, digits = (100.0, "%", 1) if "overhead" in metric else (1.0, "", 2)
-            met, why = verdict(entry.get("values") or [entry["median"]], limit,
-                               scale=scale, unit=unit, digits=digits)
+            met, why = verdict(
+                entry.get("values") or [entry["median"]],
+                limit,
+                scale=scale,
+                unit=unit,
+                digits=digits,
+            )
             note = why or note
             if met and over_only:  # CPU counts work, not waits: it can only show "over"
-                met, note = None, ("not resolved in CPU: under the limit, but CPU does not "
-                                   "count waits; the throughput line decides")
+                met, note = (
+                    None,
+                    (
+                        "not resolved in CPU: under the limit, but CPU does not "
+                        "count waits; the throughput line decides"
+                    ),
+                )
         correct = _correct(summary, row) if recovery or baseline else True
         if correct is False:
             met, note = False, "wrong parameters"
         elif met and correct is None:
             met, note = None, "parameters not observed"
         elif met and baseline is not None and (base := _correct(summary, baseline)) is not True:
-            met, note = None, (f"not measured: {baseline}'s parameters "
-                               + ("differ from the oracle" if base is False else "not observed"))
+            met, note = (
+                None,
+                (
+                    f"not measured: {baseline}'s parameters "
+                    + ("differ from the oracle" if base is False else "not observed")
+                ),
+            )
         return {"target": target, "value": value, "limit": limit, "met": met, "note": note}
 
     def m(name: str, metric: str) -> float | None:
@@ -645,31 +773,69 @@ def targets(summary: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
 
     hs, el, tn = "hot_spare", "elastic", "trainer_no_ckpt"
     return [
-        check("hot_spare failure-free overhead ≤ 10% vs plain DDP", "overhead", 0.10, hs,
-              baseline="ddp"),
-        check("elastic failure-free overhead ≤ 10% vs plain DDP", "overhead", 0.10, el,
-              baseline="ddp"),
-        check("trainer loop alone (trainer_no_ckpt) ≤ 3% vs plain DDP", "overhead", 0.03, tn,
-              baseline="ddp"),
+        check(
+            "hot_spare failure-free overhead ≤ 10% vs plain DDP",
+            "overhead",
+            0.10,
+            hs,
+            baseline="ddp",
+        ),
+        check(
+            "elastic failure-free overhead ≤ 10% vs plain DDP", "overhead", 0.10, el, baseline="ddp"
+        ),
+        check(
+            "trainer loop alone (trainer_no_ckpt) ≤ 3% vs plain DDP",
+            "overhead",
+            0.03,
+            tn,
+            baseline="ddp",
+        ),
         # The same limits in CPU per step, paired per repetition: a cost the wall clock does
         # not resolve here may still show over the limit in CPU (never under it: waiting
         # for the slowest rank costs steps and no CPU).
-        check("hot_spare failure-free CPU ≤ 10% over plain DDP (shows only over)",
-              "cpu_overhead", 0.10, hs, baseline="ddp", over_only=True),
-        check("elastic failure-free CPU ≤ 10% over plain DDP (shows only over)",
-              "cpu_overhead", 0.10, el, baseline="ddp", over_only=True),
-        check("trainer loop alone (trainer_no_ckpt) CPU ≤ 3% over plain DDP (shows only over)",
-              "cpu_overhead", 0.03, tn, baseline="ddp", over_only=True),
+        check(
+            "hot_spare failure-free CPU ≤ 10% over plain DDP (shows only over)",
+            "cpu_overhead",
+            0.10,
+            hs,
+            baseline="ddp",
+            over_only=True,
+        ),
+        check(
+            "elastic failure-free CPU ≤ 10% over plain DDP (shows only over)",
+            "cpu_overhead",
+            0.10,
+            el,
+            baseline="ddp",
+            over_only=True,
+        ),
+        check(
+            "trainer loop alone (trainer_no_ckpt) CPU ≤ 3% over plain DDP (shows only over)",
+            "cpu_overhead",
+            0.03,
+            tn,
+            baseline="ddp",
+            over_only=True,
+        ),
         check("hot_spare kill → full strength ≤ 0.3 s", "full_s", 0.3, hs, recovery=True),
-        check("hot_spare kill → survivors commit ≤ 0.15 s", "resume_s", 0.15, hs,
-              recovery=True),
+        check("hot_spare kill → survivors commit ≤ 0.15 s", "resume_s", 0.15, hs, recovery=True),
         check("hot_spare lost steps = 0", "lost_steps", 0, hs, recovery=True),
         check("elastic lost steps ≤ 1", "lost_steps", 1, el, recovery=True),
         # Against a peer's median: its own spread is in its row.
-        check("hot_spare kill → survivors commit ≤ torchft 1 s", "resume_s",
-              m("torchft_1s", "resume_s"), hs, recovery=True),
-        check("hot_spare kill → full strength ≤ 1/2 torchrun restart", "full_s",
-              times(m("torchrun_ddp", "full_s"), 0.5), hs, recovery=True),
+        check(
+            "hot_spare kill → survivors commit ≤ torchft 1 s",
+            "resume_s",
+            m("torchft_1s", "resume_s"),
+            hs,
+            recovery=True,
+        ),
+        check(
+            "hot_spare kill → full strength ≤ 1/2 torchrun restart",
+            "full_s",
+            times(m("torchrun_ddp", "full_s"), 0.5),
+            hs,
+            recovery=True,
+        ),
     ]
 
 
@@ -710,12 +876,16 @@ def _params_cell(params: dict[str, int] | None) -> str:
     return text
 
 
-ROLE_ORDER = ("rank", "spare", "controller", "supervisor", "torchrun agent", "lighthouse",
-              "other")
+ROLE_ORDER = ("rank", "spare", "controller", "supervisor", "torchrun agent", "lighthouse", "other")
 
 
-def _split_rows(summary: dict[str, dict[str, Any]], key: str, order: tuple[str, ...],
-                digits: int, total: Callable[[dict[str, Any]], Any]) -> list[str]:
+def _split_rows(
+    summary: dict[str, dict[str, Any]],
+    key: str,
+    order: tuple[str, ...],
+    digits: int,
+    total: Callable[[dict[str, Any]], Any],
+) -> list[str]:
     """One table row per bench row: the medians of ``summary[row][key]`` in ``order``, then
     the median of what ``total`` picks."""
     rows = []
@@ -725,8 +895,11 @@ def _split_rows(summary: dict[str, dict[str, Any]], key: str, order: tuple[str, 
             continue
         cells = [_num(split[k]["median"], digits) if split.get(k) else "–" for k in order]
         last = total(stats)
-        rows.append(f"| `{name}` | " + " | ".join(cells)
-                    + f" | {_num(last['median'] if last else None, 1)} |")
+        rows.append(
+            f"| `{name}` | "
+            + " | ".join(cells)
+            + f" | {_num(last['median'] if last else None, 1)} |"
+        )
     return rows
 
 
@@ -737,26 +910,35 @@ def phase_table(summary: dict[str, dict[str, Any]], settings: dict[str, Any]) ->
     if not rows:
         return []
     names = _in_phase_order(n for r in rows for n in summary[r]["phases"])
-    lines = ["", "Where a failure-free step goes, by phase of the training loop (ms per step, "
-             "median over repetitions: rank 0's wall time / all ranks' main-thread CPU; steps "
-             f"{settings['warmup'] + 1}–{settings['kill_at'] - CPU_TAIL}, timed inside the "
-             "ranks by reference_impl/phases.py; – where a loop has no such phase; "
-             "`backward` is DDP's bucketed all-reduces too, `rest` the step's event and "
-             "what else the loop does):", "",
-             "| phase | " + " | ".join(f"`{r}`" for r in rows) + " |",
-             "| --- |" + " ---: |" * len(rows)]
+    lines = [
+        "",
+        "Where a failure-free step goes, by phase of the training loop (ms per step, "
+        "median over repetitions: rank 0's wall time / all ranks' main-thread CPU; steps "
+        f"{settings['warmup'] + 1}–{settings['kill_at'] - CPU_TAIL}, timed inside the "
+        "ranks by reference_impl/phases.py; – where a loop has no such phase; "
+        "`backward` is DDP's bucketed all-reduces too, `rest` the step's event and "
+        "what else the loop does):",
+        "",
+        "| phase | " + " | ".join(f"`{r}`" for r in rows) + " |",
+        "| --- |" + " ---: |" * len(rows),
+    ]
     for name in names:
         cells = []
         for r in rows:
             got = summary[r]["phases"].get(name)
-            cells.append("–" if got is None else
-                         f"{_num(got['wall_ms']['median'])} / {_num(got['cpu_ms']['median'])}")
+            cells.append(
+                "–"
+                if got is None
+                else f"{_num(got['wall_ms']['median'])} / {_num(got['cpu_ms']['median'])}"
+            )
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     totals = []
     for r in rows:
         split = summary[r]["phases"]
-        totals.append(f"{_num(sum(v['wall_ms']['median'] for v in split.values()))} / "
-                      f"{_num(sum(v['cpu_ms']['median'] for v in split.values()))}")
+        totals.append(
+            f"{_num(sum(v['wall_ms']['median'] for v in split.values()))} / "
+            f"{_num(sum(v['cpu_ms']['median'] for v in split.values()))}"
+        )
     lines.append("| all phases | " + " | ".join(totals) + " |")
     return lines
 
@@ -770,8 +952,9 @@ def target_line(t: dict[str, Any]) -> str:
         # "In this run": one run's interval does not cover what changes between runs of
         # the same code (bench/results/history-2026-12.md, "Run J"); a target's status reads
         # all of them.
-        met = {True: "yes, in this run", False: "**no**",
-               None: f"not measured ({t['note']})"}[t["met"]]
+        met = {True: "yes, in this run", False: "**no**", None: f"not measured ({t['note']})"}[
+            t["met"]
+        ]
     if t["met"] is False and t["note"] == "wrong parameters":
         met += " (wrong parameters)"
     elif t["met"] is not None and str(t["note"]).startswith("the median's"):
@@ -790,7 +973,8 @@ def markdown(record: dict[str, Any]) -> str:
     lines = [
         f"Command: `{record['command']}`  ",
         f"Machine: {record['machine']['description']}"
-        + ("" if load is None else f", at the end {load[0]:.1f}") + "  ",
+        + ("" if load is None else f", at the end {load[0]:.1f}")
+        + "  ",
         f"Model: {record['model']['description']}  ",
         f"Repetitions: {record['settings']['repeat']} of {record['settings']['planned']}"
         f"{'' if record['complete'] else ' (interrupted)'}; median (min–max). "
@@ -814,34 +998,54 @@ def markdown(record: dict[str, Any]) -> str:
         )
     for name, why in record["skipped"].items():
         lines.append(f"| `{name}` | skipped: {why} | | | | | | | | | |")
-    lines += ["", "Where the CPU goes, failure-free (ms per step, median over repetitions, all "
-              "processes of the job between rank 0's steps "
-              f"{record['settings']['warmup']} and "
-              f"{record['settings']['kill_at'] - CPU_TAIL}):", "",
-              "| row | " + " | ".join(ROLE_ORDER) + " | total |",
-              "| --- |" + " ---: |" * (len(ROLE_ORDER) + 1)]
-    lines += _split_rows(summary, "cpu_by_role", ROLE_ORDER, 1,
-                         lambda stats: stats.get("cpu_ms_per_step"))
-    lines += ["", "The ranks' CPU by thread (ms per step, all ranks together, the same window; "
-              "`main`: the training loop; `gloo transport`: Gloo's epoll loops, which move "
-              "every collective's bytes; `gloo work`: the threads that run each collective; "
-              "`other threads`: heartbeats, snapshot sender, plan watcher, the store "
-              "client's):", "",
-              "| row | " + " | ".join(THREAD_ORDER) + " | ranks |",
-              "| --- |" + " ---: |" * (len(THREAD_ORDER) + 1)]
-    lines += _split_rows(summary, "cpu_rank_threads", THREAD_ORDER, 2,
-                         lambda stats: (stats.get("cpu_by_role") or {}).get("rank"))
+    lines += [
+        "",
+        "Where the CPU goes, failure-free (ms per step, median over repetitions, all "
+        "processes of the job between rank 0's steps "
+        f"{record['settings']['warmup']} and "
+        f"{record['settings']['kill_at'] - CPU_TAIL}):",
+        "",
+        "| row | " + " | ".join(ROLE_ORDER) + " | total |",
+        "| --- |" + " ---: |" * (len(ROLE_ORDER) + 1),
+    ]
+    lines += _split_rows(
+        summary, "cpu_by_role", ROLE_ORDER, 1, lambda stats: stats.get("cpu_ms_per_step")
+    )
+    lines += [
+        "",
+        "The ranks' CPU by thread (ms per step, all ranks together, the same window; "
+        "`main`: the training loop; `gloo transport`: Gloo's epoll loops, which move "
+        "every collective's bytes; `gloo work`: the threads that run each collective; "
+        "`other threads`: heartbeats, snapshot sender, plan watcher, the store "
+        "client's):",
+        "",
+        "| row | " + " | ".join(THREAD_ORDER) + " | ranks |",
+        "| --- |" + " ---: |" * (len(THREAD_ORDER) + 1),
+    ]
+    lines += _split_rows(
+        summary,
+        "cpu_rank_threads",
+        THREAD_ORDER,
+        2,
+        lambda stats: (stats.get("cpu_by_role") or {}).get("rank"),
+    )
     lines += phase_table(summary, record["settings"])
     lines += ["", "| target | value | limit | met |", "| --- | ---: | ---: | --- |"]
     lines += [target_line(t) for t in record["targets"]]
-    lines += ["", "Ratios, ours / peer (median over median; < 1 means ours is lower):", "",
-              "| ours | peer | survivors commit | full strength | overhead |",
-              "| --- | --- | ---: | ---: | ---: |"]
+    lines += [
+        "",
+        "Ratios, ours / peer (median over median; < 1 means ours is lower):",
+        "",
+        "| ours | peer | survivors commit | full strength | overhead |",
+        "| --- | --- | ---: | ---: | ---: |",
+    ]
     for r in record["ratios"]:
         if r["resume_s"] is None and r["full_s"] is None and r["overhead"] is None:
             continue
-        lines.append(f"| `{r['ours']}` | `{r['peer']}` | {_num(r['resume_s'])} "
-                     f"| {_num(r['full_s'])} | {_num(r['overhead'])} |")
+        lines.append(
+            f"| `{r['ours']}` | `{r['peer']}` | {_num(r['resume_s'])} "
+            f"| {_num(r['full_s'])} | {_num(r['overhead'])} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -855,15 +1059,24 @@ def _machine(gpu: bool = False) -> dict[str, Any]:
     except Exception:
         torchft = "not installed"
     load = os.getloadavg()
-    desc = (f"{platform.machine()}, {os.cpu_count()} cores, Linux {platform.release()}, "
-            f"Python {platform.python_version()}, torch {torch.__version__}, torchft {torchft}, "
-            f"load average at start {load[0]:.1f}")
-    found = {"description": desc, "cores": os.cpu_count(), "torch": torch.__version__,
-             "torchft": torchft, "loadavg_start": load}
+    desc = (
+        f"{platform.machine()}, {os.cpu_count()} cores, Linux {platform.release()}, "
+        f"Python {platform.python_version()}, torch {torch.__version__}, torchft {torchft}, "
+        f"load average at start {load[0]:.1f}"
+    )
+    found = {
+        "description": desc,
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "torchft": torchft,
+        "loadavg_start": load,
+    }
     if gpu:
         nccl = ".".join(str(v) for v in torch.cuda.nccl.version())
-        found["gpu"] = (f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, "
-                        f"CUDA {torch.version.cuda}, NCCL {nccl}")
+        found["gpu"] = (
+            f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, "
+            f"CUDA {torch.version.cuda}, NCCL {nccl}"
+        )
         found["description"] = f"{desc}; {found['gpu']}"
     return found
 
@@ -881,16 +1094,28 @@ def _cuda_devices() -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="1 repetition, fewer steps")
-    parser.add_argument("--only", action="append", default=[], metavar="NAME",
-                        help="run only these rows (repeatable, or comma-separated); "
-                        f"rows: {', '.join(p.name for p in PEERS)}")
+    parser.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="run only these rows (repeatable, or comma-separated); "
+        f"rows: {', '.join(p.name for p in PEERS)}",
+    )
     parser.add_argument("--repeat", type=int, help="repetitions (default 3; --quick: 1)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for JSON + Markdown")
-    parser.add_argument("--keep-logs", type=Path, metavar="DIR",
-                        help="copy each job's events and logs here: DIR/repN/ROW")
-    parser.add_argument("--gpu", action="store_true",
-                        help="one rank with NCCL on one GPU (1 replica x 1 shard): the rows "
-                        "one rank can run; writes gpu.json")
+    parser.add_argument(
+        "--keep-logs",
+        type=Path,
+        metavar="DIR",
+        help="copy each job's events and logs here: DIR/repN/ROW",
+    )
+    parser.add_argument(
+        "--gpu",
+        action="store_true",
+        help="one rank with NCCL on one GPU (1 replica x 1 shard): the rows "
+        "one rank can run; writes gpu.json",
+    )
     args = parser.parse_args(argv)
     settings = QUICK if args.quick else FULL
     if args.repeat:
@@ -901,9 +1126,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown row(s) {sorted(unknown)}; rows: {[p.name for p in PEERS]}")
     model = GPU if args.gpu else Model()
     if args.gpu and _cuda_devices() < model.world:
-        parser.error("--gpu needs a CUDA device, and torch sees none here (torch.cuda."
-                     "is_available() is False): run it on a GPU machine, or leave --gpu out "
-                     "for the CPU rows")
+        parser.error(
+            "--gpu needs a CUDA device, and torch sees none here (torch.cuda."
+            "is_available() is False): run it on a GPU machine, or leave --gpu out "
+            "for the CPU rows"
+        )
     strategies = accepted_strategies()
     skipped: dict[str, str] = {}
     chosen: list[Peer] = []
@@ -912,13 +1139,17 @@ def main(argv: list[str] | None = None) -> int:
             continue
         if args.gpu and not peer.one_rank:
             if only:
-                skipped[peer.name] = ("needs a second rank, and NCCL refuses two ranks on "
-                                      "one GPU: run it on a machine with a GPU per rank")
+                skipped[peer.name] = (
+                    "needs a second rank, and NCCL refuses two ranks on "
+                    "one GPU: run it on a machine with a GPU per rank"
+                )
             continue
         if peer.requires and strategies.get(peer.requires):
             skipped[peer.name] = f"the reference trainer rejects it ({strategies[peer.requires]})"
-        elif peer.name.startswith("torchft") and not Path(sys.executable).with_name(
-                "torchft_lighthouse").exists():
+        elif (
+            peer.name.startswith("torchft")
+            and not Path(sys.executable).with_name("torchft_lighthouse").exists()
+        ):
             skipped[peer.name] = "torchft is not installed (pip install torchft==0.2.0)"
         else:
             chosen.append(peer)
@@ -934,9 +1165,13 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[dict[str, Any]]] = {p.name: [] for p in chosen}
     oracle_cache: dict[str, dict[int, str]] = {}  # the same schedule needs one computation
     started = time.monotonic()
-    command = "python -m bench" + (" --gpu" if args.gpu else "") + (
-        " --quick" if args.quick else "") + "".join(
-        f" --only {n}" for n in sorted(only)) + (f" --repeat {args.repeat}" if args.repeat else "")
+    command = (
+        "python -m bench"
+        + (" --gpu" if args.gpu else "")
+        + (" --quick" if args.quick else "")
+        + "".join(f" --only {n}" for n in sorted(only))
+        + (f" --repeat {args.repeat}" if args.repeat else "")
+    )
     stem = "quick" if args.quick else "partial" if only or args.repeat else "results"
     if args.gpu:  # never over the CPU rows' records
         stem = "gpu-quick" if args.quick else "gpu"
@@ -950,13 +1185,25 @@ def main(argv: list[str] | None = None) -> int:
             "complete": done == settings.repeat,
             "machine": {**machine, "loadavg_end": os.getloadavg()},
             "code": code,
-            "model": {"d_model": model.d_model, "hidden": model.hidden, "blocks": model.blocks,
-                      "batch_size": model.batch_size, "parameters": model.parameters(),
-                      "replicas": model.replicas, "shards": model.shards,
-                      "backend": model.backend, "description": model.describe()},
-            "settings": {"repeat": done, "planned": settings.repeat, "kill_at": settings.kill_at,
-                         "warmup": settings.warmup, "after": settings.after,
-                         "kill_rank": model.kill_rank},
+            "model": {
+                "d_model": model.d_model,
+                "hidden": model.hidden,
+                "blocks": model.blocks,
+                "batch_size": model.batch_size,
+                "parameters": model.parameters(),
+                "replicas": model.replicas,
+                "shards": model.shards,
+                "backend": model.backend,
+                "description": model.describe(),
+            },
+            "settings": {
+                "repeat": done,
+                "planned": settings.repeat,
+                "kill_at": settings.kill_at,
+                "warmup": settings.warmup,
+                "after": settings.after,
+                "kill_rank": model.kill_rank,
+            },
             "peers": [{"name": p.name, "group": p.group, "what": p.what} for p in chosen],
             "skipped": skipped,
             "runs": runs,
@@ -977,8 +1224,7 @@ def main(argv: list[str] | None = None) -> int:
                 keep = args.keep_logs / f"rep{rep + 1}" if args.keep_logs else None
                 result = run_job(peer, settings, model, marker, keep, oracle_cache)
                 runs[peer.name].append(result)
-                shown = {k: (round(v, 3) if isinstance(v, float) else v)
-                         for k, v in result.items()}
+                shown = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in result.items()}
                 print(f"[{rep + 1}/{settings.repeat}] {peer.name}: {shown}", flush=True)
             table = write(rep + 1)
     finally:
@@ -986,4 +1232,3 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     print(f"wrote {args.out / stem}.json and .md in {time.monotonic() - started:.0f} s")
     return 0
-

@@ -48,13 +48,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from aftershock.harness import metrics
+from aftershock.harness.records import RunResult
+from aftershock.harness.runner import run_scenario
+from aftershock.harness.spec import LoadedScenario, parse_scenario
+from aftershock.harness.timeline import read_events
 from bench.stats import run_order, verdict
 from bench.status import code_identity
-from harness import metrics
-from harness.records import RunResult
-from harness.runner import run_scenario
-from harness.spec import LoadedScenario, parse_scenario
-from harness.timeline import read_events
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
@@ -193,9 +193,15 @@ def _router_cpu_once(journal_path: Path | None, workers: int = 3, per_worker: in
     a step every 2.7 ms (a worker's decode step in ``python -m bench.serving``)."""
     import socket
 
-    from reference_impl.serving import _wire
-    from reference_impl.serving.journal import Journal
-    from reference_impl.serving.router import Router, RouterConfig, _Link, end_event, token_event
+    from aftershock.reference_impl.serving import _wire
+    from aftershock.reference_impl.serving.journal import Journal
+    from aftershock.reference_impl.serving.router import (
+        Router,
+        RouterConfig,
+        _Link,
+        end_event,
+        token_event,
+    )
 
     journal = Journal(journal_path) if journal_path is not None else None
     router = Router(RouterConfig(workers=workers), journal, None)

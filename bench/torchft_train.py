@@ -31,9 +31,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torchft import Manager, ProcessGroupGloo
 
+from aftershock.harness import probe
+from aftershock.reference_impl.model import (
+    Layout,
+    ModelConfig,
+    ParallelMLP,
+    param_digest,
+    synthetic_batch,
+)
 from bench._worker import add_model_args, exit_on_sigterm, fail
-from harness import probe
-from reference_impl.model import Layout, ModelConfig, ParallelMLP, param_digest, synthetic_batch
 
 
 def _grad(param: torch.Tensor) -> torch.Tensor:

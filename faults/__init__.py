@@ -15,19 +15,21 @@ modules whose names start with ``_`` are not. This package imports nothing from
 
 from __future__ import annotations
 
-from faults import _cgroup as cgroup  # the run's cgroup v2 group: make, join, kill, remove
+from aftershock.faults import (
+    _cgroup as cgroup,  # the run's cgroup v2 group: make, join, kill, remove
+)
 
 # The Docker engine, for nodes (docs/nodes.md); the SDK itself is imported only when used.
-from faults import _docker as docker_engine
-from faults._errors import FaultUnavailable
-from faults._inotify import FileWatch
-from faults._proc import ProcessRef, all_pids, kill_all, processes_with_env
-from faults._proc import command_line as process_command_line
-from faults._proc import environ as process_environ
-from faults._proc import parent as parent_pid
-from faults._proc import writers as file_writers
-from faults.journal import UndoContext, UndoRefused
-from faults.registry import (
+from aftershock.faults import _docker as docker_engine
+from aftershock.faults._errors import FaultUnavailable
+from aftershock.faults._inotify import FileWatch
+from aftershock.faults._proc import ProcessRef, all_pids, kill_all, processes_with_env
+from aftershock.faults._proc import command_line as process_command_line
+from aftershock.faults._proc import environ as process_environ
+from aftershock.faults._proc import parent as parent_pid
+from aftershock.faults._proc import writers as file_writers
+from aftershock.faults.journal import UndoContext, UndoRefused
+from aftershock.faults.registry import (
     CAPABILITIES,
     Applied,
     FaultKind,

@@ -19,8 +19,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from faults._errors import FaultUnavailable
-from faults.journal import UndoContext, UndoRefused
+from aftershock.faults._errors import FaultUnavailable
+from aftershock.faults.journal import UndoContext, UndoRefused
 
 RUN_LABEL = "aftershock.run"  # the run id, on every container, network and image we make
 NODE_LABEL = "aftershock.node"  # a node container's index in its run (0, 1, ...)

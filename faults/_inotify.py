@@ -41,7 +41,7 @@ from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 from typing import Literal
 
-from faults._errors import FaultUnavailable
+from aftershock.faults._errors import FaultUnavailable
 
 When = Literal["created", "opened", "modified", "closed", "deleted"]
 

@@ -10,8 +10,8 @@ import os
 import shutil
 import subprocess
 
-from faults._errors import FaultUnavailable
-from faults._netns import enter as enter_netns
+from aftershock.faults._errors import FaultUnavailable
+from aftershock.faults._netns import enter as enter_netns
 
 TABLE_PREFIX = "aftershock_"
 

@@ -21,7 +21,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from faults.journal import UndoRefused
+from aftershock.faults.journal import UndoRefused
 
 Identity = tuple[int, int]  # (st_dev, st_ino)
 

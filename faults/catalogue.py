@@ -4,7 +4,8 @@ JSON) and the generated part of docs/faults.md.
 Nothing here is written by hand per kind: a kind's summary, cause and undo come from its
 ``info``, its parameters (names, types, defaults, meanings) from its ``params`` model,
 where it acts and what it needs from its ``acts`` and ``needs``. ``python -m
-faults.catalogue docs/faults.md`` (``make docs``) rewrites the generated part of the page;
+aftershock.faults.catalogue docs/faults.md`` (``make docs``) rewrites the generated part of the
+page;
 tests/test_docs_faults.py fails when it is stale.
 """
 
@@ -20,11 +21,14 @@ from typing import Any
 
 from pydantic.fields import FieldInfo
 
-from faults import registry
-from faults._duration import format_duration
+from aftershock.faults import registry
+from aftershock.faults._duration import format_duration
 
-BEGIN = ("<!-- Generated from each kind's declaration by `make docs` (python -m faults.catalogue "
-         "docs/faults.md): edit the kind in faults/, not this part. -->")
+BEGIN = (
+    "<!-- Generated from each kind's declaration by `make docs` "
+    "(python -m aftershock.faults.catalogue "
+    "docs/faults.md): edit the kind in faults/, not this part. -->"
+)
 END = "<!-- End of the generated part. -->"
 
 
@@ -41,8 +45,13 @@ def _type_words(annotation: Any) -> str:
         return " | ".join(_type_words(a) for a in args)
     if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
         return " | ".join(str(m.value) for m in annotation)
-    names = {bool: "true | false", int: "integer", float: "number", str: "text",
-             timedelta: "duration"}
+    names = {
+        bool: "true | false",
+        int: "integer",
+        float: "number",
+        str: "text",
+        timedelta: "duration",
+    }
     return names.get(annotation, getattr(annotation, "__name__", str(annotation)))
 
 
@@ -84,9 +93,13 @@ def where(kind: registry.FaultKind) -> str:
 def describe(kind: registry.FaultKind) -> dict[str, Any]:
     """A kind as ``aftershock faults --json`` prints it."""
     return {
-        "kind": kind.info.kind, "summary": kind.info.summary, "caused_by": kind.info.caused_by,
-        "params": parameters(kind), "reverted_by": kind.info.reverted_by,
-        "acts": where(kind), "needs": sorted(registry.hooks(kind).needs),
+        "kind": kind.info.kind,
+        "summary": kind.info.summary,
+        "caused_by": kind.info.caused_by,
+        "params": parameters(kind),
+        "reverted_by": kind.info.reverted_by,
+        "acts": where(kind),
+        "needs": sorted(registry.hooks(kind).needs),
     }
 
 
@@ -102,8 +115,11 @@ def applicable(kind: registry.FaultKind, offered: Iterable[str]) -> bool:
 
 def builtin() -> list[registry.FaultKind]:
     """This package's kinds (an installed third-party kind is documented by its package)."""
-    return [k for k in registry.kinds()
-            if registry.declared(k) and type(k).__module__.startswith("faults.")]
+    return [
+        k
+        for k in registry.kinds()
+        if registry.declared(k) and type(k).__module__.startswith("aftershock.faults.")
+    ]
 
 
 def _cell(text: str) -> str:
@@ -114,15 +130,20 @@ def markdown(kinds: Sequence[registry.FaultKind]) -> str:
     """The generated part of docs/faults.md: a table of every kind, then each kind's own
     section where it declares one (``info.details``)."""
     lines = [
-        BEGIN, "", "## Kinds", "",
+        BEGIN,
+        "",
+        "## Kinds",
+        "",
         "| kind | what | where it acts | parameters | how it is really caused | undone by |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for kind in kinds:
         params = "<br>".join(f"`{n}`: {_cell(t)}" for n, t in parameters(kind).items()) or "none"
-        lines.append(f"| `{kind.info.kind}` | {_cell(kind.info.summary)} | {where(kind)} | "
-                     f"{params} | {_cell(kind.info.caused_by)} | "
-                     f"{_cell(kind.info.reverted_by)} |")
+        lines.append(
+            f"| `{kind.info.kind}` | {_cell(kind.info.summary)} | {where(kind)} | "
+            f"{params} | {_cell(kind.info.caused_by)} | "
+            f"{_cell(kind.info.reverted_by)} |"
+        )
     for kind in kinds:
         if kind.info.details:
             lines += ["", f"### `{kind.info.kind}`", "", kind.info.details.strip()]
@@ -136,17 +157,19 @@ def rewrite(page: str, kinds: Sequence[registry.FaultKind]) -> str:
         head, rest = page.split(BEGIN, 1)
         _, tail = rest.split(END, 1)
     except ValueError:
-        raise ValueError(f"the page has no generated part (a line {BEGIN!r}, later one "
-                         f"{END!r})") from None
+        raise ValueError(
+            f"the page has no generated part (a line {BEGIN!r}, later one {END!r})"
+        ) from None
     return head + markdown(kinds).rstrip("\n") + tail
 
 
 def main(argv: Sequence[str]) -> int:
-    """``python -m faults.catalogue PAGE [--check]``: rewrite PAGE's generated part, or with
+    """``python -m aftershock.faults.catalogue PAGE [--check]``: rewrite PAGE's generated part, or
+    with
     --check only say whether it is up to date (exit 1 if not)."""
     paths = [a for a in argv if not a.startswith("--")]
     if len(paths) != 1:
-        print("usage: python -m faults.catalogue PAGE [--check]", file=sys.stderr)
+        print("usage: python -m aftershock.faults.catalogue PAGE [--check]", file=sys.stderr)
         return 2
     path = Path(paths[0])
     page = path.read_text()

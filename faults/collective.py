@@ -12,11 +12,11 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from faults._proc import ProcessRef
-from faults.inproc import COLLECTIVES, arm, release, validate_release
-from faults.journal import Journal, UndoContext
-from faults.params import MAX_INDEX, MAX_SEED, MAX_STEPS, Duration, FaultParams
-from faults.registry import Acts, Applied, KindInfo, register
+from aftershock.faults._proc import ProcessRef
+from aftershock.faults.inproc import COLLECTIVES, arm, release, validate_release
+from aftershock.faults.journal import Journal, UndoContext
+from aftershock.faults.params import MAX_INDEX, MAX_SEED, MAX_STEPS, Duration, FaultParams
+from aftershock.faults.registry import Acts, Applied, KindInfo, register
 
 Collective = Literal[
     "all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce",
@@ -57,13 +57,13 @@ class CorruptParams(CollectiveParams):
 
 _CAUSED_BY = (
     "the probe wraps the target's process-group objects (torchft's FakeProcessGroupWrapper "
-    "pattern; groups a trainer builds itself, through harness.probe.wrap_group) and "
+    "pattern; groups a trainer builds itself, through aftershock.probe.wrap_group) and "
     "torch.distributed's collective functions (the groups it keeps in its own tables), Gloo "
     "and NCCL alike, and acts on the `call`-th matching call of `op` on the target rank, at or "
     "after `at: {step}`; with `at.phase`, only calls made after that fault point of the step "
     "count (`phase: backward`: the gradient all_reduce, not the forward pass's); the target "
-    "must call harness.probe.install() (torch.distributed's groups) or "
-    "harness.probe.wrap_group() on each group it builds."
+    "must call aftershock.probe.install() (torch.distributed's groups) or "
+    "aftershock.probe.wrap_group() on each group it builds."
 )
 
 
@@ -122,9 +122,10 @@ class ProcessHang:
         "while its other threads (heartbeats, sockets) run on: a wedged decode step, a "
         "deadlocked loop, a device call that never returns. Unlike process.freeze, a "
         "heartbeat alone does not see it; progress checks must.",
-        caused_by="the probe blocks the thread that calls harness.probe.fault_point() at the "
+        caused_by="the probe blocks the thread that calls aftershock.probe.fault_point() "
+        "at the "
         "first point matching `at` (`step`, `phase`) after arming; the target must call "
-        "harness.probe.install().",
+        "aftershock.probe.install().",
         reverted_by="the blocked thread is released",
     )
 
@@ -144,5 +145,11 @@ COLLECTIVE_HANG = register(CollectiveHang())
 COLLECTIVE_DELAY = register(CollectiveDelay())
 COLLECTIVE_CORRUPT = register(CollectiveCorrupt())
 
-__all__ = ["COLLECTIVES", "COLLECTIVE_CORRUPT", "COLLECTIVE_DELAY", "COLLECTIVE_ERROR",
-           "COLLECTIVE_HANG", "PROCESS_HANG"]
+__all__ = [
+    "COLLECTIVES",
+    "COLLECTIVE_CORRUPT",
+    "COLLECTIVE_DELAY",
+    "COLLECTIVE_ERROR",
+    "COLLECTIVE_HANG",
+    "PROCESS_HANG",
+]

@@ -1,6 +1,6 @@
 """Undo what a run left behind: from a live run's teardown, a reaper, or `aftershock heal`.
 
-Run as ``python -m faults.heal --journal FILE --watch PID`` this module is the
+Run as ``python -m aftershock.faults.heal --journal FILE --watch PID`` this module is the
 reaper: a small process in its own session that waits for the harness to exit
 and then heals that harness's journal, so even a SIGKILLed harness leaves
 nothing behind.
@@ -32,9 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from faults import _cgroup, registry
-from faults._proc import kill_all, processes_with_env
-from faults.journal import (
+from aftershock.faults import _cgroup, registry
+from aftershock.faults._proc import kill_all, processes_with_env
+from aftershock.faults.journal import (
     RUN_ID_ENV,
     RUN_ID_PATTERN,
     Journal,
@@ -113,7 +113,7 @@ def validate_launch(undo: Mapping[str, Any], context: UndoContext) -> None:
     # A run submitted to Slurm (harness/nodes/slurm_target.py) names its jobs: only the
     # name made of this run id.
     if "slurm_job_name" in undo:
-        from faults import slurm_cli as _slurm
+        from aftershock.faults import slurm_cli as _slurm
 
         if undo["slurm_job_name"] != _slurm.job_name(context.run_id):
             raise UndoRefused(f"slurm_job_name {undo['slurm_job_name']!r} is not this "
@@ -123,7 +123,7 @@ def validate_launch(undo: Mapping[str, Any], context: UndoContext) -> None:
 def validate_nodes(undo: Mapping[str, Any], context: UndoContext) -> None:
     """A run's containers (faults/_docker.py): only those labelled with this journal's own
     run id, which the engine filters on; no container id or name is taken from the record."""
-    from faults import _docker
+    from aftershock.faults import _docker
 
     if undo.get("label") != _docker.RUN_LABEL:
         raise UndoRefused(f"label {undo.get('label')!r} is not {_docker.RUN_LABEL}")
@@ -162,7 +162,7 @@ def validate_entry(entry: Pending, context: UndoContext) -> None:
 
 def revert_entry(entry: Pending) -> None:
     if entry.op == "launch" and entry.kind == NODES_KIND:
-        from faults import _docker
+        from aftershock.faults import _docker
 
         _docker.remove_run(str(entry.undo["value"]))
         return
@@ -170,11 +170,11 @@ def revert_entry(entry: Pending) -> None:
         if "label" in entry.undo:
             # The run's containers first: removing them thaws and ends their processes
             # (a paused node's cannot be signalled) and stops their restart policy.
-            from faults import _docker
+            from aftershock.faults import _docker
 
             _docker.remove_run(str(entry.undo["value"]))
         if "slurm_job_name" in entry.undo:  # the run's Slurm jobs: cancelled, waited for
-            from faults import slurm_cli as _slurm
+            from aftershock.faults import slurm_cli as _slurm
 
             _slurm.cancel_named(str(entry.undo["slurm_job_name"]))
         # The run's cgroup first: it holds even the processes that dropped the run id.
@@ -291,7 +291,7 @@ def heal_orphans(folder: Path | None = None) -> list[Healed]:
 def start_reaper(journal: Path) -> subprocess.Popen[bytes]:
     """Start a process that heals ``journal`` as soon as this process exits, however."""
     return subprocess.Popen(
-        [sys.executable, "-m", "faults.heal",
+        [sys.executable, "-m", "aftershock.faults.heal",
          "--journal", str(journal), "--watch", str(os.getpid())],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
@@ -313,7 +313,7 @@ def _wait_for_exit(pid: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m faults.heal")
+    parser = argparse.ArgumentParser(prog="python -m aftershock.faults.heal")
     parser.add_argument("--journal", type=Path, required=True)
     parser.add_argument("--watch", type=int, required=True, help="pid of the harness")
     args = parser.parse_args(argv)

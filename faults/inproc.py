@@ -11,7 +11,7 @@ holds. It reports the moment it applied one as a ``fault_injected`` event.
 Collective faults act on process-group objects, whoever calls them. A group the
 target builds itself (the reference trainer's hot_spare and elastic strategies
 build a ``ProcessGroupGloo`` per membership generation and call its methods) is
-opted in with ``harness.probe.wrap_group(group)``, which returns a
+opted in with ``aftershock.harness.probe.wrap_group(group)``, which returns a
 :class:`FaultyGroup`: a wrapper around that object, as torchft's
 ``FakeProcessGroupWrapper`` wraps any ProcessGroup, whose collective methods ask
 the engine before calling the group's own. The groups torch.distributed creates
@@ -47,10 +47,10 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from faults._proc import ProcessRef, environ
-from faults.contract import COMMANDS_ENV, FAULT_INJECTED
-from faults.journal import Journal, UndoContext, UndoRefused
-from faults.registry import Applied
+from aftershock.faults._proc import ProcessRef, environ
+from aftershock.faults.contract import COMMANDS_ENV, FAULT_INJECTED
+from aftershock.faults.journal import Journal, UndoContext, UndoRefused
+from aftershock.faults.registry import Applied
 
 #: torch.distributed functions the wrapper intercepts, by the name scenarios use.
 COLLECTIVES = (
@@ -95,7 +95,7 @@ def commands_path(target: ProcessRef, params: Mapping[str, Any]) -> str:
     if not path:
         raise ValueError(
             f"pid {target.pid} has no {COMMANDS_ENV} in its environment: in-process faults "
-            "need a process launched by the harness that calls harness.probe.install()"
+            "need a process launched by the harness that calls aftershock.harness.probe.install()"
         )
     return str(path)
 
@@ -289,7 +289,7 @@ class Engine:
                     self.refresh()
 
     def _poison(self, command: dict[str, Any]) -> None:
-        from faults.memory import poison_tensor
+        from aftershock.faults.memory import poison_tensor
 
         params = command["params"]
         pattern = str(params["tensor"])
@@ -354,7 +354,7 @@ class Engine:
         result = call(*args, **kwargs)
         if (returns_work or kwargs.get("async_op")) and result is not None:
             result.wait()
-        from faults.memory import poison_tensor
+        from aftershock.faults.memory import poison_tensor
 
         tensor = _first_tensor(args[0] if args else kwargs.get("tensor"))
         if tensor is not None:
@@ -383,7 +383,7 @@ class FaultyGroup:
     :meth:`Engine.around` and then to the wrapped group's own method; every other attribute
     is the wrapped group's. It holds the only reference the wrapper adds, so dropping the
     wrapper drops the group (and, for Gloo, closes its sockets) as dropping the group did.
-    Built by ``harness.probe.wrap_group``.
+    Built by ``aftershock.harness.probe.wrap_group``.
     """
 
     __slots__ = ("__weakref__", "_engine", "_group")

@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from faults import contract
-from faults._proc import ProcessRef, environ, start_time
+from aftershock.faults import contract
+from aftershock.faults._proc import ProcessRef, environ, start_time
 
 STATE_ENV = contract.STATE_ENV
 # Everything a run launches carries this with the run id (the journal's file name).

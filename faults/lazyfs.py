@@ -4,7 +4,7 @@
 starts, and at the fault tells it to lose every write that was not made durable. It is
 Jepsen's lazyfs idea (a filesystem that drops un-fsynced data on command) in a few hundred
 lines of Python over libfuse3 (``mfusepy``, the project's ``fuse`` extra), run as its own
-process: ``python -m faults.lazyfs FOLDER --name NAME``.
+process: ``python -m aftershock.faults.lazyfs FOLDER --name NAME``.
 
 What "durable" means here is the weakest promise POSIX makes, so a writer that passes on
 this filesystem is durable on any filesystem that keeps POSIX's promise:
@@ -703,7 +703,7 @@ def launch(folder: Path, name: str, log: Path | None = None,
         stderr = open(log, "ab")  # noqa: SIM115 (the child owns it from here on)
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "faults.lazyfs", str(folder), "--name", name],
+            [sys.executable, "-m", "aftershock.faults.lazyfs", str(folder), "--name", name],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
             start_new_session=True,  # Ctrl-C in the harness's terminal must not reach it
             close_fds=True,
@@ -765,7 +765,7 @@ def main(argv: list[str] | None = None) -> int:
     """The server. Handshake on stdin/stdout: it says ``ready`` once it has read the folder,
     mounts only when told ``mount``, says ``mounted`` when the kernel has the mount, and
     unmounts itself when its stdin closes (the harness that started it is gone)."""
-    parser = argparse.ArgumentParser(prog="python -m faults.lazyfs")
+    parser = argparse.ArgumentParser(prog="python -m aftershock.faults.lazyfs")
     parser.add_argument("folder", type=Path)
     parser.add_argument("--name", required=True, help=f"mount source, {SOURCE_PREFIX}...")
     args = parser.parse_args(argv)

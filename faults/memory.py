@@ -23,12 +23,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
-from faults import _procmem
-from faults._errors import FaultUnavailable
-from faults._proc import ProcessRef
-from faults.journal import Journal, UndoContext, UndoRefused
-from faults.params import MAX_INDEX, MAX_SEED, FaultParams
-from faults.registry import Acts, Applied, KindInfo, register
+from aftershock.faults import _procmem
+from aftershock.faults._errors import FaultUnavailable
+from aftershock.faults._proc import ProcessRef
+from aftershock.faults.journal import Journal, UndoContext, UndoRefused
+from aftershock.faults.params import MAX_INDEX, MAX_SEED, FaultParams
+from aftershock.faults.registry import Acts, Applied, KindInfo, register
 
 MemoryTensor = Annotated[str, Field(pattern=r"^(param|grad|optim|[a-z_]+):.+$")]
 
@@ -37,15 +37,23 @@ class _WhereParams(FaultParams):
     """Where in memory: a named tensor (in process) or an address (from outside)."""
 
     tensor: MemoryTensor | None = Field(
-        None, description="in process: a named tensor, param:NAME, grad:NAME, "
-        "optim:NAME.STATE (globs allowed), in a process that called harness.probe.install(); "
+        None,
+        description="in process: a named tensor, param:NAME, grad:NAME, "
+        "optim:NAME.STATE (globs allowed), in a process that called "
+        "aftershock.probe.install(); "
         "poisoned at `at: {step, phase}` (a grad:NAME with no phase: at step N's first point "
-        "after `forward`, where its gradient is step N's own)")
-    address: int | None = Field(None, ge=0, le=2**64 - 1,
-                                description="from outside: a virtual address (e.g. a "
-                                "tensor's data_ptr()), written through /proc/PID/mem")
-    index: int | None = Field(None, ge=0, le=MAX_INDEX,
-                              description="with `tensor` or `address_of`: flat element index")
+        "after `forward`, where its gradient is step N's own)",
+    )
+    address: int | None = Field(
+        None,
+        ge=0,
+        le=2**64 - 1,
+        description="from outside: a virtual address (e.g. a "
+        "tensor's data_ptr()), written through /proc/PID/mem",
+    )
+    index: int | None = Field(
+        None, ge=0, le=MAX_INDEX, description="with `tensor` or `address_of`: flat element index"
+    )
     seed: int = Field(0, ge=0, le=MAX_SEED, description="seed for the elements or bits chosen")
     restore: bool = Field(False, description="write the old bytes back when healed")
 
@@ -55,35 +63,55 @@ class _WhereParams(FaultParams):
         address_of = getattr(self, "address_of", None)
         given = [x for x in (self.tensor, self.address, region, address_of) if x is not None]
         if len(given) != 1:
-            allowed = ("`tensor`, `address`, `address_of` or `region: heap`"
-                       if "region" in type(self).model_fields else "`tensor` or `address`")
+            allowed = (
+                "`tensor`, `address`, `address_of` or `region: heap`"
+                if "region" in type(self).model_fields
+                else "`tensor` or `address`"
+            )
             raise ValueError(f"give exactly one of {allowed}")
         return self
 
 
 class BitflipParams(_WhereParams):
     region: Literal["heap"] | None = Field(
-        None, description="from outside: seeded random bits in the process's anonymous "
-        "writable memory (rw-p mappings, preferring ones of at least `min_region` bytes)")
+        None,
+        description="from outside: seeded random bits in the process's anonymous "
+        "writable memory (rw-p mappings, preferring ones of at least `min_region` bytes)",
+    )
     address_of: str | None = Field(
-        None, pattern=r"^param:.+$",
+        None,
+        pattern=r"^param:.+$",
         description="from outside: the address of this CPU parameter (param:NAME, element "
         "`index`), as the probe published it at start-up; written through /proc/PID/mem",
     )
-    bit: int | None = Field(None, ge=0, le=63, description="the bit, counted from the byte at "
-                            "the address, little-endian; default: the top exponent bit (30 "
-                            "for a float32)")
+    bit: int | None = Field(
+        None,
+        ge=0,
+        le=63,
+        description="the bit, counted from the byte at "
+        "the address, little-endian; default: the top exponent bit (30 "
+        "for a float32)",
+    )
     count: int = Field(1, ge=1, le=1_000_000, description="region: bits to flip")
-    min_region: int = Field(1 << 20, ge=1, le=MAX_INDEX,
-                            description="region: mappings at least this large (bytes) are "
-                            "preferred")
+    min_region: int = Field(
+        1 << 20,
+        ge=1,
+        le=MAX_INDEX,
+        description="region: mappings at least this large (bytes) are preferred",
+    )
 
 
 class FillParams(_WhereParams):
-    nbytes: int | None = Field(None, ge=1, le=2**30, description="with address: bytes to "
-                               "overwrite, a multiple of the dtype's size; default one element")
+    nbytes: int | None = Field(
+        None,
+        ge=1,
+        le=2**30,
+        description="with address: bytes to "
+        "overwrite, a multiple of the dtype's size; default one element",
+    )
     dtype: Literal["float16", "bfloat16", "float32", "float64"] = Field(
-        "float32", description="the element type written")
+        "float32", description="the element type written"
+    )
 
 
 class _Memory:
@@ -104,16 +132,17 @@ class _Memory:
             return frozenset({"memory", "probe"})
         return frozenset({"memory"})
 
-    def resolve(self, params: Mapping[str, Any], published: Mapping[str, Any]
-                ) -> dict[str, Any]:
+    def resolve(self, params: Mapping[str, Any], published: Mapping[str, Any]) -> dict[str, Any]:
         """``address_of: param:NAME`` (element ``index``): the address the rank published."""
         if "address_of" not in params:
             return dict(params)
         name = str(params["address_of"])
         if name not in published:
             choices = ", ".join(sorted(published)[:8]) or "none published"
-            raise ValueError(f"published no address for {name!r} ({choices}); the system "
-                             "must call harness.probe.install(model=...)")
+            raise ValueError(
+                f"published no address for {name!r} ({choices}); the system "
+                "must call aftershock.probe.install(model=...)"
+            )
         pointer, numel, size = published[name]
         index = int(params.get("index") or 0)
         if not 0 <= index < numel:
@@ -121,6 +150,7 @@ class _Memory:
         resolved = {k: v for k, v in params.items() if k not in ("address_of", "index")}
         resolved["address"] = int(pointer) + index * int(size)
         return resolved
+
 
 # Bit patterns of the special values, little-endian as on every Linux target we run on.
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
@@ -237,8 +267,9 @@ class BitFlip(_Memory):
             bit = 30 if p.bit is None else p.bit  # the top exponent bit of a float32
             chosen = [(p.address + bit // 8, bit % 8)]
         else:  # region: heap
-            chosen = _procmem.choose_bits(_procmem.maps(target.pid), p.count, p.seed,
-                                          min_region=p.min_region)
+            chosen = _procmem.choose_bits(
+                _procmem.maps(target.pid), p.count, p.seed, min_region=p.min_region
+            )
         writes = _bitflip_writes(target.pid, chosen)
         return _apply(self.info.kind, target, writes, p.restore, journal)
 
@@ -254,7 +285,7 @@ def _in_process(
 ) -> Applied:
     """A named tensor (``param:NAME``, ``grad:NAME``, ``optim:NAME.STATE``, globs allowed)
     is poisoned by the probe inside the target, at the scenario's step and phase."""
-    from faults import inproc
+    from aftershock.faults import inproc
 
     return inproc.arm(kind, target, params, journal)
 

@@ -30,14 +30,21 @@ from typing import Any
 
 from pydantic import Field
 
-from faults import _cgroup, _docker, _nft
-from faults._errors import FaultUnavailable
-from faults._netns import enter as _netns_enter
-from faults._proc import ProcessRef
-from faults._sockets import CONNECTED, LISTEN, TcpSocket, same_netns, tcp_sockets, tcp_table
-from faults.journal import Journal, UndoContext, UndoRefused, undone_on_error
-from faults.params import Duration, FaultParams
-from faults.registry import Acts, Applied, KindInfo, register
+from aftershock.faults import _cgroup, _docker, _nft
+from aftershock.faults._errors import FaultUnavailable
+from aftershock.faults._netns import enter as _netns_enter
+from aftershock.faults._proc import ProcessRef
+from aftershock.faults._sockets import (
+    CONNECTED,
+    LISTEN,
+    TcpSocket,
+    same_netns,
+    tcp_sockets,
+    tcp_table,
+)
+from aftershock.faults.journal import Journal, UndoContext, UndoRefused, undone_on_error
+from aftershock.faults.params import Duration, FaultParams
+from aftershock.faults.registry import Acts, Applied, KindInfo, register
 
 # nft resolves `socket cgroupv2` paths relative to this folder (hard-coded in nftables).
 _NFT_CGROUP_ROOT = Path("/sys/fs/cgroup")

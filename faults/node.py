@@ -21,12 +21,12 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from faults import _docker, _nft, _proc, slurm_cli
-from faults._errors import FaultUnavailable
-from faults._proc import ProcessRef
-from faults.journal import Journal, UndoContext, UndoRefused, undone_on_error
-from faults.params import Duration, FaultParams
-from faults.registry import Acts, Applied, KindInfo, register
+from aftershock.faults import _docker, _nft, _proc, slurm_cli
+from aftershock.faults._errors import FaultUnavailable
+from aftershock.faults._proc import ProcessRef
+from aftershock.faults.journal import Journal, UndoContext, UndoRefused, undone_on_error
+from aftershock.faults.params import Duration, FaultParams
+from aftershock.faults.registry import Acts, Applied, KindInfo, register
 
 
 class NodeParams(FaultParams):

@@ -1,7 +1,7 @@
 """A simulated NVML: pynvml's names and semantics over files, so Xid faults reach a rank.
 
 A rank process on a machine without a GPU (or a test that must not touch a real
-one) opts in with ``import faults.nvml_sim as pynvml`` and runs the same health
+one) opts in with ``import aftershock.faults.nvml_sim as pynvml`` and runs the same health
 watcher it would run against ``nvidia-ml-py``: register for
 ``nvmlEventTypeXidCriticalError``, wait with ``nvmlEventSetWait_v2``, and see
 ``NVMLError_GpuIsLost`` from device calls after an Xid 79, exactly as real
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from faults import contract
+from aftershock.faults import contract
 
 NVML_DIR_ENV = contract.NVML_DIR_ENV
 GPU_COUNT_ENV = "AFTERSHOCK_NVML_GPUS"  # how many GPUs a fresh folder simulates (default 1)
@@ -433,7 +433,7 @@ def publish_xid(
     lost, and a rank that finds the device lost (and then takes the lock) always
     finds the event too. Returns the kernel-log line (without dmesg's timestamp).
     """
-    from faults.xid import kernel_log_line  # the catalogue imports this module
+    from aftershock.faults.xid import kernel_log_line  # the catalogue imports this module
 
     path = Path(folder)
     info = setup(path, gpu_index + 1)[gpu_index]

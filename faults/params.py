@@ -26,7 +26,7 @@ from typing import Any, Self
 
 from pydantic import BaseModel, ConfigDict
 
-from faults._duration import (
+from aftershock.faults._duration import (
     DURATION_HELP,
     MAX_DURATION,
     Duration,

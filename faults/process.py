@@ -10,10 +10,10 @@ from typing import Any
 
 from pydantic import Field, field_validator
 
-from faults._proc import ProcessRef
-from faults.journal import Journal, UndoContext
-from faults.params import Duration, FaultParams
-from faults.registry import Acts, Applied, KindInfo, register
+from aftershock.faults._proc import ProcessRef
+from aftershock.faults.journal import Journal, UndoContext
+from aftershock.faults.params import Duration, FaultParams
+from aftershock.faults.registry import Acts, Applied, KindInfo, register
 
 _SIGNALS = sorted(s.name for s in signal.Signals if not s.name.startswith("SIG_"))
 
@@ -53,7 +53,7 @@ class Kill:
         "start time so a reused pid is never hit. With `at: {step, phase}` the probe inside "
         "the target sends it to its own process at that fault point (e.g. `phase: save`, "
         "between a checkpoint's shard writes and its commit), a moment no outside trigger "
-        "can hit; the target must call harness.probe.install().",
+        "can hit; the target must call aftershock.probe.install().",
     )
 
     def inside(self, params: FaultParams, phase: str | None) -> bool:
@@ -61,7 +61,7 @@ class Kill:
 
     def inject(self, target: ProcessRef, params: Mapping[str, Any], journal: Journal) -> Applied:
         if params.get("phase"):
-            from faults import inproc
+            from aftershock.faults import inproc
 
             return inproc.arm(self.info.kind, target, params, journal)
         sig = signal.Signals[KillParams.bind(params).signal]

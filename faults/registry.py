@@ -32,17 +32,24 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args, runtime_checkable
 
-from faults import plugins
-from faults._proc import ProcessRef
-from faults.journal import Journal, UndoContext
+from aftershock.faults import plugins
+from aftershock.faults._proc import ProcessRef
+from aftershock.faults.journal import Journal, UndoContext
 
 if TYPE_CHECKING:
-    from faults.params import FaultParams
+    from aftershock.faults.params import FaultParams
 
 ENTRY_POINT_GROUP = "aftershock.faults"
 _BUILTIN_MODULES = (
-    "faults.process", "faults.xid", "faults.memory", "faults.collective",
-    "faults.net", "faults.storage", "faults.straggle", "faults.node", "faults.slurm",
+    "aftershock.faults.process",
+    "aftershock.faults.xid",
+    "aftershock.faults.memory",
+    "aftershock.faults.collective",
+    "aftershock.faults.net",
+    "aftershock.faults.storage",
+    "aftershock.faults.straggle",
+    "aftershock.faults.node",
+    "aftershock.faults.slurm",
 )
 
 #: What a target lets faults act through. A kind names those it needs (``needs``); a
@@ -53,7 +60,7 @@ CAPABILITIES: Mapping[str, str] = {
     "memory": "the target's memory through /proc/PID/mem",
     "network": "the target's sockets, in the harness's own network namespace",
     "files": "the target's files, at the paths the harness sees",
-    "probe": "the in-process probe: the job calls harness.probe.install()",
+    "probe": "the in-process probe: the job calls aftershock.probe.install()",
     "containers": "the target's nodes are containers of a Docker engine (docs/nodes.md)",
     "slurm": "the target is a Slurm job, its processes' environment names it (scale-out.md)",
 }
@@ -107,9 +114,7 @@ class FaultKind(Protocol):
         """The CAPABILITIES it needs when it acts from outside (inside: ``probe``)."""
         ...
 
-    def inject(
-        self, target: ProcessRef, params: Mapping[str, Any], journal: Journal
-    ) -> Applied:
+    def inject(self, target: ProcessRef, params: Mapping[str, Any], journal: Journal) -> Applied:
         """Apply the fault. Anything to undo is journaled *before* it is done."""
         ...
 
@@ -123,7 +128,7 @@ class Validates(Protocol):
 
     def validate(self, undo: Mapping[str, Any], context: UndoContext) -> None:
         """Return if ``undo`` names only what ``context``'s run made, else raise
-        ``faults.journal.UndoRefused`` saying why. Build it from the context's checks
+        ``aftershock.faults.journal.UndoRefused`` saying why. Build it from the context's checks
         (``process``, ``path``, ``state_path``, ``name``, ``cgroup``); any other error
         raised here (a missing key, a wrong type) also refuses the record."""
         ...
@@ -180,8 +185,9 @@ class Resolves(Protocol):
     (the probe's ``tensors`` event: where each parameter lives) become what ``inject``
     takes, for that rank, just before it is applied."""
 
-    def resolve(self, params: Mapping[str, Any], published: Mapping[str, Any]
-                ) -> dict[str, Any]: ...
+    def resolve(
+        self, params: Mapping[str, Any], published: Mapping[str, Any]
+    ) -> dict[str, Any]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,16 +248,21 @@ _KIND_NAME = re.compile(r"[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*)+")
 
 
 def _is_info(value: Any) -> bool:
-    return (isinstance(value, KindInfo)
-            and all(isinstance(getattr(value, name), str) and getattr(value, name).strip()
-                    for name in ("kind", "summary", "caused_by"))
-            and _KIND_NAME.fullmatch(value.kind) is not None
-            and isinstance(value.reverted_by, str) and isinstance(value.details, str)
-            and isinstance(value.params, Mapping))
+    return (
+        isinstance(value, KindInfo)
+        and all(
+            isinstance(getattr(value, name), str) and getattr(value, name).strip()
+            for name in ("kind", "summary", "caused_by")
+        )
+        and _KIND_NAME.fullmatch(value.kind) is not None
+        and isinstance(value.reverted_by, str)
+        and isinstance(value.details, str)
+        and isinstance(value.params, Mapping)
+    )
 
 
 def _is_params(value: Any) -> bool:
-    from faults.params import FaultParams  # pydantic: only once a kind declares a model
+    from aftershock.faults.params import FaultParams  # pydantic: only once a kind declares a model
 
     return isinstance(value, type) and issubclass(value, FaultParams)
 
@@ -267,12 +278,14 @@ def _is_optional(kind: type) -> Callable[[Any], bool]:
 #: The protocol every kind is checked against when it registers (FaultKind, and the
 #: optional parts of :class:`Hooks`).
 PROTOCOL: tuple[plugins.Attr, ...] = (
-    plugins.required("info", "a faults.KindInfo with a dotted lower-case `kind`, a "
-                     "`summary` and `caused_by`", _is_info),
-    plugins.required("inject", "a method: inject(target, params, journal)",
-                     plugins.is_callable),
+    plugins.required(
+        "info",
+        "a faults.KindInfo with a dotted lower-case `kind`, a `summary` and `caused_by`",
+        _is_info,
+    ),
+    plugins.required("inject", "a method: inject(target, params, journal)", plugins.is_callable),
     plugins.required("revert", "a method: revert(undo)", plugins.is_callable),
-    plugins.optional("params", "a faults.params.FaultParams model", _is_params),
+    plugins.optional("params", "an aftershock.faults.params.FaultParams model", _is_params),
     plugins.optional("acts", "where it acts", plugins.is_str, allowed=get_args(Acts)),
     plugins.optional("needs", f"a frozenset of {', '.join(CAPABILITIES)}", _is_needs),
     plugins.optional("inside", "a method: inside(params, phase)", plugins.is_callable),
@@ -284,8 +297,9 @@ PROTOCOL: tuple[plugins.Attr, ...] = (
     plugins.optional("check", "a method: check(faults, setting)", plugins.is_callable),
     plugins.optional("aim", "a method: aim()", plugins.is_callable),
     plugins.optional("prepare", "a method: prepare(params, journal)", plugins.is_callable),
-    plugins.optional("inject_group", "a method: inject_group(targets, params, journal)",
-                     plugins.is_callable),
+    plugins.optional(
+        "inject_group", "a method: inject_group(targets, params, journal)", plugins.is_callable
+    ),
     plugins.optional("default_target", "a mapping or None", _is_optional(Mapping)),
     plugins.optional("target_help", "a str or None", _is_optional(str)),
 )
@@ -296,8 +310,10 @@ def check(kind: Any) -> Hooks:
     that the protocol does not allow."""
     found = plugins.check(kind, "fault kind", PROTOCOL, lambda k: k.info.kind)
     if found.get("acts") == "either" and "inside" not in found:
-        raise plugins.PluginProblem(f"fault kind {found['info'].kind}: `acts` is 'either' "
-                                    "but it gives no `inside(params, phase)`")
+        raise plugins.PluginProblem(
+            f"fault kind {found['info'].kind}: `acts` is 'either' "
+            "but it gives no `inside(params, phase)`"
+        )
     if "needs" in found:
         found["needs"] = frozenset(found["needs"])
     return Hooks(**{f.name: found[f.name] for f in fields(Hooks) if f.name in found})
@@ -353,8 +369,10 @@ def _register_plugin(kind: Any) -> None:
     found = check(kind)
     if found.params is None:
         raise plugins.PluginProblem(
-            f"fault kind {kind.info.kind}: no `params` (a faults.params.FaultParams model; "
-            "`params = FaultParams` for a kind without parameters), so no scenario can use it")
+            f"fault kind {kind.info.kind}: no `params` (an aftershock.faults.params.FaultParams "
+            f"model; "
+            "`params = FaultParams` for a kind without parameters), so no scenario can use it"
+        )
     register(kind)
 
 
@@ -391,7 +409,8 @@ def get(kind: str) -> FaultKind:
     except KeyError:
         raise KeyError(
             f"unknown fault kind {kind!r} (known: {', '.join(sorted(_registry))})"
-            + plugins.why_unknown(_broken, kind)) from None
+            + plugins.why_unknown(_broken, kind)
+        ) from None
 
 
 def kinds() -> list[FaultKind]:

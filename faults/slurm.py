@@ -19,13 +19,13 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from faults import slurm_cli as _slurm
-from faults._errors import FaultUnavailable
-from faults._proc import ProcessRef, all_pids
-from faults._proc import environ as process_environ
-from faults.journal import Journal, UndoContext, UndoRefused, undone_on_error
-from faults.params import Duration, FaultParams
-from faults.registry import Acts, Applied, KindInfo, register
+from aftershock.faults import slurm_cli as _slurm
+from aftershock.faults._errors import FaultUnavailable
+from aftershock.faults._proc import ProcessRef, all_pids
+from aftershock.faults._proc import environ as process_environ
+from aftershock.faults.journal import Journal, UndoContext, UndoRefused, undone_on_error
+from aftershock.faults.params import Duration, FaultParams
+from aftershock.faults.registry import Acts, Applied, KindInfo, register
 
 _NODE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")  # a Slurm node name
 _REASON = "aftershock"  # the Reason Slurm shows for a node this harness took down
@@ -212,7 +212,7 @@ class KillSlurmd(_SlurmKind):
     )
 
     def inject(self, target: ProcessRef, params: Mapping[str, Any], journal: Journal) -> Applied:
-        from faults import _docker
+        from aftershock.faults import _docker
 
         job, node = _job_of(target, journal)
         found = _slurmd_of(node)
@@ -231,7 +231,7 @@ class KillSlurmd(_SlurmKind):
                        f"SIGKILL -> slurmd of node {node} (pid {ref.pid}; job {job})")
 
     def revert(self, undo: Mapping[str, Any]) -> None:
-        from faults import _docker
+        from aftershock.faults import _docker
 
         if _slurmd_of(str(undo["node"])) is not None:
             return  # one runs there again (the node was restarted)
@@ -245,7 +245,7 @@ class KillSlurmd(_SlurmKind):
             api.close()
 
     def validate(self, undo: Mapping[str, Any], context: UndoContext) -> None:
-        from faults import _docker
+        from aftershock.faults import _docker
 
         NodeDown().validate(undo, context)
         argv = undo.get("argv")

@@ -32,10 +32,10 @@ from typing import Any
 
 from pydantic import Field, field_validator
 
-from faults import _openat, lazyfs
-from faults._errors import FaultUnavailable
-from faults._proc import ProcessRef
-from faults.journal import (
+from aftershock.faults import _openat, lazyfs
+from aftershock.faults._errors import FaultUnavailable
+from aftershock.faults._proc import ProcessRef
+from aftershock.faults.journal import (
     NAME_PREFIX,
     Journal,
     UndoContext,
@@ -44,8 +44,8 @@ from faults.journal import (
     state_dir,
     undone_on_error,
 )
-from faults.params import MAX_INDEX, MAX_SEED, Duration, FaultParams, relative_glob
-from faults.registry import Acts, Applied, KindInfo, Setting, register
+from aftershock.faults.params import MAX_INDEX, MAX_SEED, Duration, FaultParams, relative_glob
+from aftershock.faults.registry import Acts, Applied, KindInfo, Setting, register
 
 _ROOT = ("folder the path is relative to; default: a command's working folder (its `cwd`, "
          "else ${run_dir}/work), the reference trainer's checkpoint folder, else the run "
@@ -658,7 +658,7 @@ def _is_server(ref: ProcessRef, name: str) -> bool:
         cmdline = Path(f"/proc/{ref.pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return False
-    return ref.alive() and b"faults.lazyfs" in cmdline and name.encode() in cmdline
+    return ref.alive() and b"aftershock.faults.lazyfs" in cmdline and name.encode() in cmdline
 
 
 #: docs/faults.md, under the kind (Markdown).

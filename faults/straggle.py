@@ -19,12 +19,12 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from faults import _cgroup
-from faults._errors import FaultUnavailable
-from faults._proc import ProcessRef
-from faults.journal import Journal, UndoContext, UndoRefused, undone_on_error
-from faults.params import Duration, FaultParams
-from faults.registry import Acts, Applied, KindInfo, register
+from aftershock.faults import _cgroup
+from aftershock.faults._errors import FaultUnavailable
+from aftershock.faults._proc import ProcessRef
+from aftershock.faults.journal import Journal, UndoContext, UndoRefused, undone_on_error
+from aftershock.faults.params import Duration, FaultParams
+from aftershock.faults.registry import Acts, Applied, KindInfo, register
 
 PERIOD_US = 100_000  # CFS period; 100 ms is the kernel default and keeps stalls short
 MIN_QUOTA_US = 1_000  # the kernel refuses quotas below 1 ms

@@ -24,11 +24,11 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from faults import nvml_sim
-from faults._proc import ProcessRef, environ
-from faults.journal import Journal, UndoContext, UndoRefused
-from faults.params import MAX_SEED, MAX_WORLD, FaultParams
-from faults.registry import Acts, Applied, KindInfo, register
+from aftershock.faults import nvml_sim
+from aftershock.faults._proc import ProcessRef, environ
+from aftershock.faults.journal import Journal, UndoContext, UndoRefused
+from aftershock.faults.params import MAX_SEED, MAX_WORLD, FaultParams
+from aftershock.faults.registry import Acts, Applied, KindInfo, register
 
 CATALOG_URL = "https://docs.nvidia.com/deploy/xid-errors/analyzing-xid-catalog.html"
 DEBUG_GUIDE_URL = "https://docs.nvidia.com/deploy/gpu-debug-guidelines/index.html"
@@ -397,7 +397,8 @@ class GpuXid:
         "the Xid's effect (kill, hang, lost device, link down, poisoned memory, log only).",
         caused_by="Real Xids are raised by the NVIDIA driver on GPU faults (ECC, MMU faults, "
         "PCIe link loss, NVLink errors, GSP firmware timeouts). Here: an event appended to the "
-        "NVML simulation's folder (faults.nvml_sim), the driver's `NVRM: Xid` line appended to "
+        "NVML simulation's folder (aftershock.faults.nvml_sim), the driver's `NVRM: Xid` line "
+        "appended to "
         "its kern.log, then the effect on the process: SIGKILL, SIGSTOP, or device state.",
         reverted_by="hang: SIGCONT; device_lost and link_down: a simulated GPU reset (state "
         "cleared); kill_process, poison_memory and log_only: nothing to undo.",
@@ -452,13 +453,14 @@ class GpuXid:
         elif effect is Effect.POISON_MEMORY:
             flips = p.bitflips or 0
             if flips > 0:
-                from faults import memory
+                from aftershock.faults import memory
 
                 record = memory.flip_heap_bits(target, count=flips, seed=p.seed)
                 undo["flips"] = record
                 done = f"{len(record)} bits flipped in anonymous memory"
             else:
-                done = "published only (poison data with memory.* or faults.memory.poison_tensor)"
+                done = ("published only (poison data with memory.* or "
+                        "aftershock.faults.memory.poison_tensor)")
         else:
             done = "published only"
         detail = f"Xid {entry.code} on GPU {gpu} of pid {target.pid}: {done}; {line}"

@@ -1,7 +1,9 @@
-"""The rounding battery: how this host's kernels round, as one digest (harness.golden's key).
+"""The rounding battery: how this host's kernels round, as one digest (aftershock.harness.golden's
+key).
 
-Run as ``python -m harness._calibrate DEVICE THREADS`` in the environment the system under
-test gets (harness.golden builds it). It runs a small fixed battery of the kernels the
+Run as ``python -m aftershock.harness._calibrate DEVICE THREADS`` in the environment the system
+under
+test gets (aftershock.harness.golden builds it). It runs a small fixed battery of the kernels the
 reference systems use, on fixed inputs, with the thread count their processes use, and
 prints one JSON line: ``{"key": sha256 of every result's bits, "platform": what a human
 reads}``. Two hosts (or two settings of one host: ``MKL_CBWR``, an ISA cap, another BLAS,
@@ -100,7 +102,8 @@ def digest(results: list[torch.Tensor]) -> str:
 
 def platform_line(device: torch.device) -> str:
     """What a human reads: torch, the CPU and the ISA torch dispatches to, the device (and,
-    where torch uses MKL, MKL's code path: harness.golden reads it from MKL's verbose line)."""
+    where torch uses MKL, MKL's code path: aftershock.harness.golden reads it from MKL's verbose
+    line)."""
     isa = torch.backends.cpu.get_cpu_capability()
     cpu = " ".join(p for p in (platform.machine(), isa) if p)
     if device.type == "cuda":

@@ -6,8 +6,8 @@ the engine (faults/params.py; the engine cannot import the harness) and is named
 
 from __future__ import annotations
 
-from faults.params import DURATION_HELP as DURATION_HELP
-from faults.params import MAX_DURATION as MAX_DURATION
-from faults.params import Duration as Duration
-from faults.params import format_duration as format_duration
-from faults.params import parse_duration as parse_duration
+from aftershock.faults.params import DURATION_HELP as DURATION_HELP
+from aftershock.faults.params import MAX_DURATION as MAX_DURATION
+from aftershock.faults.params import Duration as Duration
+from aftershock.faults.params import format_duration as format_duration
+from aftershock.faults.params import parse_duration as parse_duration

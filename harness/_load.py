@@ -25,8 +25,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from harness.records import Event
-from harness.timeline import Timeline
+from aftershock.harness.records import Event
+from aftershock.harness.timeline import Timeline
 
 MACHINE_LOAD = "machine_load"
 PERIOD_S = 0.1

@@ -16,10 +16,10 @@ from fnmatch import fnmatchcase
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-import faults
-from faults.journal import state_dir
-from harness import systems
-from harness._paths import cache_dir
+from aftershock import faults
+from aftershock.faults.journal import state_dir
+from aftershock.harness import systems
+from aftershock.harness._paths import cache_dir
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,12 +5,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from faults import contract
+from aftershock.faults import contract
 
 
 def cache_dir() -> Path:
     """$AFTERSHOCK_CACHE_DIR, else $XDG_CACHE_HOME/aftershock (fault-free twins, the platform
-    line of harness.golden)."""
+    line of aftershock.harness.golden)."""
     explicit = os.environ.get(contract.CACHE_ENV)
     if explicit:
         return Path(explicit)

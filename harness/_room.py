@@ -21,7 +21,7 @@ import threading
 import time
 from pathlib import Path
 
-from harness.errors import HarnessError
+from aftershock.harness.errors import HarnessError
 
 #: What a write that found no room fails with: no space, or the user's quota reached.
 FULL = frozenset({errno.ENOSPC, errno.EDQUOT})

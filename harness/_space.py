@@ -1,7 +1,8 @@
 """The search space of ``aftershock explore``: a scenario's ``explore:`` block with the
 system's defaults filled in and every choice checked against the fault kinds' own models.
 
-No hypothesis here: validating a scenario must not import it. ``harness.strategies`` draws
+No hypothesis here: validating a scenario must not import it. ``aftershock.strategies``
+draws
 schedules from a resolved :class:`Space`.
 """
 
@@ -16,7 +17,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from harness.spec import (
+from aftershock.harness.spec import (
     FAULT_MODELS,
     CommandSystem,
     EventTrigger,

@@ -3,7 +3,7 @@
 The small public API beside the CLI (docs/own-job.md). Everything here is what the CLI
 and the pytest plugin use; nothing else in ``harness`` is promised to stay as it is.
 
-    from harness import api
+    from aftershock.harness import api
 
     scenario = api.load("examples/torchrun_ddp/kill.yaml")
     result = api.run(scenario, seed=3)
@@ -22,14 +22,14 @@ from typing import Any
 
 import yaml
 
-from harness.records import CheckResult as CheckResult
-from harness.records import FaultRecord as FaultRecord
-from harness.records import RunResult as RunResult
-from harness.runner import Observer as Observer
-from harness.runner import run_scenario
-from harness.spec import LoadedScenario as LoadedScenario
-from harness.spec import Scenario as Scenario
-from harness.spec import load_scenario, parse_scenario
+from aftershock.harness.records import CheckResult as CheckResult
+from aftershock.harness.records import FaultRecord as FaultRecord
+from aftershock.harness.records import RunResult as RunResult
+from aftershock.harness.runner import Observer as Observer
+from aftershock.harness.runner import run_scenario
+from aftershock.harness.spec import LoadedScenario as LoadedScenario
+from aftershock.harness.spec import Scenario as Scenario
+from aftershock.harness.spec import load_scenario, parse_scenario
 
 __all__ = ["CheckResult", "FaultRecord", "LoadedScenario", "Observer", "RunResult",
            "Scenario", "check", "from_dict", "load", "loads", "run"]
@@ -69,7 +69,7 @@ def check(result: RunResult) -> RunResult:
     """``result`` if it passed; else AssertionError with its failed checks and the table."""
     if result.passed:
         return result
-    from harness.report import check_table_text
+    from aftershock.harness.report import check_table_text
 
     failed = ", ".join(c.name for c in result.failed_checks()) or result.error or "no verdict"
     raise AssertionError(f"{result.name}: {failed}\n{check_table_text(result)}")

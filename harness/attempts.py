@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness import _files
-from harness.records import Event, ProcessEnd
+from aftershock.harness import _files
+from aftershock.harness.records import Event, ProcessEnd
 
 TAIL_BYTES = 64 * 1024  # read of a process's log or error file, from its end
 AGENT_TAIL_BYTES = 1 << 20  # of the launcher's stderr: torchrun's lines of every attempt

@@ -18,15 +18,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from faults import contract
-from faults.journal import unsafe_folder
-from harness import _files, golden, systems
-from harness import metrics as _metrics
-from harness._paths import cache_dir as cache_dir  # re-exported: runner, recheck
-from harness.checks import Outcome
-from harness.loadgen import twin_key as load_key
-from harness.records import Event
-from harness.spec import LoadedScenario, Scenario
+from aftershock.faults import contract
+from aftershock.faults.journal import unsafe_folder
+from aftershock.harness import _files, golden, systems
+from aftershock.harness import metrics as _metrics
+from aftershock.harness._paths import cache_dir as cache_dir  # re-exported: runner, recheck
+from aftershock.harness.checks import Outcome
+from aftershock.harness.loadgen import twin_key as load_key
+from aftershock.harness.records import Event
+from aftershock.harness.spec import LoadedScenario, Scenario
 
 CACHE_ENV = contract.CACHE_ENV
 
@@ -125,7 +125,8 @@ def read_cached(path: Path, what: str) -> dict[str, Any]:
 def untrusted(path: Path) -> str | None:
     """Why a cached file cannot be believed, or None: it must be a regular file (not a
     link) that this user owns and no one else can write, in a folder that passes the heal
-    journal's rules (faults.journal.unsafe_folder): otherwise anyone who could write there
+    journal's rules (aftershock.faults.journal.unsafe_folder): otherwise anyone who could write
+    there
     could have planted a digest that fails a correct run or passes a broken one."""
     folder_problem = unsafe_folder(path.parent)
     if folder_problem is not None:

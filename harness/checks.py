@@ -9,13 +9,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from harness import metrics as _metrics
-from harness._duration import format_duration
-from harness.logprobe import unread
-from harness.metrics import Output
-from harness.records import CheckResult, Event, FaultRecord
-from harness.spec import WINDOWED, CountBudget, DetectBudget, Expect
-from harness.triggers import describe_file_state
+from aftershock.harness import metrics as _metrics
+from aftershock.harness._duration import format_duration
+from aftershock.harness.logprobe import unread
+from aftershock.harness.metrics import Output
+from aftershock.harness.records import CheckResult, Event, FaultRecord
+from aftershock.harness.spec import WINDOWED, CountBudget, DetectBudget, Expect
+from aftershock.harness.triggers import describe_file_state
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +128,7 @@ def evaluate(
     if expect.faults_landed:
         results.append(_faults_landed(file_triggers or {}, events or ()))
     if expect.slurm_witness:
-        from harness.nodes.slurm_witness import slurm_witness
+        from aftershock.harness.nodes.slurm_witness import slurm_witness
 
         results.append(slurm_witness(events or ()))
     unsent = "no request was sent"
@@ -165,7 +165,7 @@ def evaluate(
     if expect.outputs_match:
         results.append(_outputs_match(outputs or {}, baseline_outputs))
     if expect.acknowledged_durable:
-        from harness.oracle.serving_journal import acknowledged_durable
+        from aftershock.harness.oracle.serving_journal import acknowledged_durable
 
         results.append(acknowledged_durable(events or ()))
     if expect.latency:
@@ -463,7 +463,7 @@ def _xid_action(events: Sequence[Event]) -> CheckResult:
       at most the one step in flight when it announced, and the harness sees it exit
       (``target_exited``) before the run ends. A restarted process is a new process.
     """
-    from faults.xid import CATALOG
+    from aftershock.faults.xid import CATALOG
 
     injected = [e for e in events if e.event == "fault_injected" and e.fields.get("kind")
                 == "gpu.xid"]

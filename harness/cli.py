@@ -78,7 +78,7 @@ def _fail_invalid(problems: list[str], *, broken: bool = False) -> typer.Exit:
 
 
 def _uses_broken(exc: Exception) -> bool:
-    from harness.errors import PluginError
+    from aftershock.harness.errors import PluginError
 
     return isinstance(exc, PluginError)
 
@@ -90,8 +90,8 @@ def validate(
     ],
 ) -> None:
     """Parse and validate scenario files without running anything."""
-    from harness.errors import SpecError
-    from harness.spec import find_scenarios, load_scenario
+    from aftershock.harness.errors import SpecError
+    from aftershock.harness.spec import find_scenarios, load_scenario
 
     files, problems = find_scenarios(list(paths))
     broken = False
@@ -142,11 +142,17 @@ def run(
     ] = None,
 ) -> None:
     """Run scenarios: launch, inject faults, check recovery, report."""
-    from harness import systems
-    from harness.errors import AftershockError, HarnessError, RunDirBusy, RunFailed, SpecError
-    from harness.report import LiveObserver, PlainObserver
-    from harness.runner import Interrupted, Observer, RunInterrupted, run_scenario
-    from harness.spec import discover, load_scenario
+    from aftershock.harness import systems
+    from aftershock.harness.errors import (
+        AftershockError,
+        HarnessError,
+        RunDirBusy,
+        RunFailed,
+        SpecError,
+    )
+    from aftershock.harness.report import LiveObserver, PlainObserver
+    from aftershock.harness.runner import Interrupted, Observer, RunInterrupted, run_scenario
+    from aftershock.harness.spec import discover, load_scenario
 
     try:
         files = discover(list(paths))
@@ -272,13 +278,13 @@ def explore(
     import secrets
 
     _need_extra("hypothesis", "explore", "aftershock explore")
-    from harness._duration import parse_duration
-    from harness.errors import AftershockError, HarnessError, SpecError
-    from harness.explore import Exploration, sigterm_unwinds
-    from harness.explore import explore as explore_scenario
-    from harness.report import ExploreLiveObserver, ExplorePlainObserver
-    from harness.runner import Interrupted, RunInterrupted
-    from harness.spec import discover, load_scenario
+    from aftershock.harness._duration import parse_duration
+    from aftershock.harness.errors import AftershockError, HarnessError, SpecError
+    from aftershock.harness.explore import Exploration, sigterm_unwinds
+    from aftershock.harness.explore import explore as explore_scenario
+    from aftershock.harness.report import ExploreLiveObserver, ExplorePlainObserver
+    from aftershock.harness.runner import Interrupted, RunInterrupted
+    from aftershock.harness.spec import discover, load_scenario
 
     problems: list[str] = []
     limit_s: float | None = None
@@ -309,7 +315,7 @@ def explore(
     problems += _check_outputs(json_out=json_out, junit=None, run_dir=out_dir)
     database = None if no_db else (db or Path(".aftershock") / "hypothesis")
     if database is not None:
-        from harness.explore import database_problems
+        from aftershock.harness.explore import database_problems
         problems += database_problems(database)
     if problems:
         raise _fail_invalid(problems, broken=broken)
@@ -413,7 +419,7 @@ def _write_pictures(results: list[Any], *, html: Path | None, trace: Path | None
     """The HTML report and the trace of the runs that left a folder (docs/report.md)."""
     if not results or (html is None and trace is None):
         return
-    from harness.pictures import write_pictures
+    from aftershock.harness.pictures import write_pictures
 
     for problem in write_pictures([Path(r.run_dir) for r in results], html=html, trace=trace):
         err.print(problem, markup=False, highlight=False)
@@ -421,7 +427,7 @@ def _write_pictures(results: list[Any], *, html: Path | None, trace: Path | None
 
 def _write_records(results: list[Any], json_out: str | None, junit: Path | None,
                    html: Path | None = None) -> None:
-    from harness.report import junit_xml, write_json
+    from aftershock.harness.report import junit_xml, write_json
 
     if json_out == "-":
         write_json(results, sys.stdout)
@@ -448,10 +454,10 @@ def golden(
 ) -> None:
     """Golden results of fault-free twins (golden.json beside the scenarios): show which
     scenarios have one for this host's rounding key, or record them on purpose with --update."""
-    from harness import golden as goldens
-    from harness.errors import SpecError
-    from harness.runner import default_run_dir
-    from harness.spec import discover, load_scenario
+    from aftershock.harness import golden as goldens
+    from aftershock.harness.errors import SpecError
+    from aftershock.harness.runner import default_run_dir
+    from aftershock.harness.spec import discover, load_scenario
 
     try:
         files = discover(list(paths))
@@ -486,7 +492,7 @@ def golden(
 
 
 def _golden_status(scenario: Any, seed: int | None) -> str:
-    from harness import golden as goldens
+    from aftershock.harness import golden as goldens
 
     what = goldens.what_of(scenario.spec)
     if what is None:
@@ -523,8 +529,8 @@ def faults(
 
     `aftershock faults xid` prints NVIDIA's Xid table as the simulation uses it.
     """
-    import faults as engine
-    from faults import catalogue, registry
+    from aftershock import faults as engine
+    from aftershock.faults import catalogue, registry
 
     if kind == "xid":
         _xid_table(as_json)
@@ -564,9 +570,9 @@ def faults(
 def _offered(system: str | None, for_file: Path | None) -> frozenset[str] | None:
     """What the system named by ``--system`` or ``--for`` lets faults act through; None
     without either."""
-    from harness import systems
-    from harness.errors import SpecError
-    from harness.spec import load_scenario
+    from aftershock.harness import systems
+    from aftershock.harness.errors import SpecError
+    from aftershock.harness.spec import load_scenario
 
     if system is not None and for_file is not None:
         raise _fail_invalid(["give --system or --for, not both"])
@@ -594,7 +600,7 @@ def _offered(system: str | None, for_file: Path | None) -> frozenset[str] | None
 def _xid_table(as_json: bool) -> None:
     from dataclasses import asdict
 
-    from faults.xid import CATALOG, CATALOG_URL
+    from aftershock.faults.xid import CATALOG, CATALOG_URL
 
     if as_json:
         print(json.dumps([asdict(x) for x in CATALOG.values()], indent=2, default=str))
@@ -613,7 +619,7 @@ def _xid_table(as_json: bool) -> None:
 @app.command()
 def schema() -> None:
     """Print the scenario file's JSON Schema."""
-    from harness.spec import json_schema
+    from aftershock.harness.spec import json_schema
 
     print(json.dumps(json_schema(), indent=2))
 
@@ -641,8 +647,8 @@ def report(
 
     With --recheck the exit code is the new verdict's (0 all checks hold, 1 a check failed).
     """
-    from harness.errors import HarnessError, SpecError
-    from harness.pictures import show_runs
+    from aftershock.harness.errors import HarnessError, SpecError
+    from aftershock.harness.pictures import show_runs
 
     if clock not in ("run", "wall"):
         raise _fail_invalid([f"--clock {clock}: allowed: run, wall"])
@@ -668,7 +674,7 @@ def heal() -> None:
     1: an undo failed, a fault may still be applied; 2: something was refused or
     unreadable and left untouched (the output says what and why).
     """
-    from faults.heal import exit_code, heal_orphans
+    from aftershock.faults.heal import exit_code, heal_orphans
 
     healed = heal_orphans()
     for item in healed:

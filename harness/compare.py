@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from harness.records import RunResult
+from aftershock.harness.records import RunResult
 
 
 @dataclass(frozen=True, slots=True)

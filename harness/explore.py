@@ -1,6 +1,7 @@
 """``aftershock explore``: search a scenario's space of fault schedules for one that breaks it.
 
-Hypothesis draws schedules (harness.strategies), each is run as an ordinary scenario through
+Hypothesis draws schedules (aftershock.strategies), each is run as an ordinary scenario
+through
 ``runner.run_scenario`` with the scenario's ``expect`` as the oracle, and a failing one is
 shrunk by hypothesis toward fewer faults, earlier and simpler triggers and simpler targets.
 What hypothesis leaves is then made 1-minimal (every fault is tried away once more), re-run
@@ -30,11 +31,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from harness import _files, golden, runner
-from harness._space import Space, option_value, sample_fault, with_options
-from harness.errors import HarnessError, PreflightError, RunFailed, SpecError
-from harness.records import CheckResult, RunResult
-from harness.spec import LoadedScenario, Scenario, _FaultBase, parse_scenario, to_yaml
+from aftershock.harness import _files, golden, runner
+from aftershock.harness._space import Space, option_value, sample_fault, with_options
+from aftershock.harness.errors import HarnessError, PreflightError, RunFailed, SpecError
+from aftershock.harness.records import CheckResult, RunResult
+from aftershock.harness.spec import LoadedScenario, Scenario, _FaultBase, parse_scenario, to_yaml
 
 #: Checks that judge how a run went, not the system: `faults_injected` fails when a drawn
 #: trigger never came (an event that did not happen) or a fault could not be applied here,
@@ -224,7 +225,7 @@ def run_schedule(
 ) -> RunResult:
     """Run ``base`` with ``schedule`` as its faults (and the options in ``system`` over its
     system), as `aftershock run` would run the scenario written for it (for your own
-    ``@given`` tests around harness.strategies)."""
+    ``@given`` tests around aftershock.strategies)."""
     spec = base.spec.model_copy(update={"faults": list(schedule), "explore": None})
     if system:
         spec = spec.model_copy(update={"system": with_options(spec.system, dict(system))})
@@ -428,7 +429,7 @@ def explore(
     from hypothesis.database import DirectoryBasedExampleDatabase
     from hypothesis.errors import Flaky, HypothesisException
 
-    from harness import strategies
+    from aftershock.harness import strategies
 
     observer = observer or NullExploreObserver()
     spec = loaded.spec
@@ -543,7 +544,7 @@ def _unmasking_interrupts(call: Callable[[], None]) -> None:
 def _runnable(space: Space) -> tuple[Space, list[tuple[str, str]]]:
     """The space without the kinds this machine cannot cause (a missing tool, kernel feature
     or privilege: runner.preflight), and those kinds with why."""
-    from faults.registry import preflight
+    from aftershock.faults.registry import preflight
 
     kept, left_out = [], []
     for kind in space.kinds:

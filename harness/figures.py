@@ -14,9 +14,9 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
-from harness import metrics as _metrics
-from harness.records import Event
-from harness.rundir import RecordedRun
+from aftershock.harness import metrics as _metrics
+from aftershock.harness.records import Event
+from aftershock.harness.rundir import RecordedRun
 
 Figure = dict[str, Any]
 

@@ -15,7 +15,8 @@ run's math share one twin, hence one entry. An entry is keyed by
   without ``env`` (the reference systems' math must not depend on the environment: a change
   there is exactly what a golden must catch);
 - ``seed``;
-- ``key``: how the host rounds, the digest of a calibration battery (harness._calibrate: the
+- ``key``: how the host rounds, the digest of a calibration battery (aftershock.harness._calibrate:
+the
   kernels the reference systems use, in their shapes, on fixed inputs) run once per
   interpreter, device and rounding settings (MKL_*, OMP_*, ATEN_CPU_CAPABILITY, the thread
   count, ...: the system's environment as its processes get it) and cached. Any host or
@@ -25,8 +26,10 @@ run's math share one twin, hence one entry. An entry is keyed by
 
 A mismatch is a verdict only when an independent witness agrees. When the twin differs from a
 golden of its key, or there is no golden for the key (a new host, another seed, a changed
-system), the twin is judged by an independent oracle: the trainer's (harness.oracle, bitwise,
-on the layouts it restates) or the server's (harness.oracle.serving: greedy decoding without
+system), the twin is judged by an independent oracle: the trainer's (aftershock.harness.oracle,
+bitwise,
+on the layouts it restates) or the server's (aftershock.harness.oracle.serving: greedy decoding
+without
 the serving stack). Only a twin that disagrees with its oracle fails; with no golden and an
 oracle that agrees the check passes ("no golden for this platform; the oracle agrees"). With
 no oracle the check fails as "not observed" and says how to record a golden. A scenario
@@ -52,11 +55,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness import _files, systems
-from harness._paths import cache_dir
-from harness.errors import HarnessError, SpecError
-from harness.records import CheckResult
-from harness.spec import LoadedScenario, Scenario, TrainerSystem, load_scenario
+from aftershock._root import ROOT
+from aftershock.harness import _files, systems
+from aftershock.harness._paths import cache_dir
+from aftershock.harness.errors import HarnessError, SpecError
+from aftershock.harness.records import CheckResult
+from aftershock.harness.spec import LoadedScenario, Scenario, TrainerSystem, load_scenario
 
 FILE = "golden.json"
 CHECK = "fault_free_golden"
@@ -204,7 +208,8 @@ def _settings_key(device: str, threads: int, settings: Mapping[str, str]) -> str
 
 @dataclass(frozen=True, slots=True)
 class Calibration:
-    """How a host rounds: ``key``, the sha256 of the battery's bits (harness._calibrate), and
+    """How a host rounds: ``key``, the sha256 of the battery's bits
+    (aftershock.harness._calibrate), and
     ``platform``, what a human reads (torch, the CPU, MKL's code path, the device)."""
 
     key: str
@@ -219,7 +224,7 @@ def _read_cached(path: Path, key: str) -> Calibration | None:
     """A cached calibration, only if it is one this harness wrote for this key: a regular
     file of this user's, writable by no one else, small, of this format and key, with a
     key of 64 hex digits and a one-line platform. Anything else is asked again."""
-    from harness.baseline import untrusted  # baseline imports this module
+    from aftershock.harness.baseline import untrusted  # baseline imports this module
 
     if untrusted(path) is not None:
         return None
@@ -257,10 +262,10 @@ def _calibrate(executable: str, device: str, threads: int,
         found = _read_cached(cached, key)
         if found is not None:
             return found
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(ROOT)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     env["MKL_VERBOSE"] = "1"  # MKL names the code path it dispatched to (mkl_path)
-    proc = subprocess.run([executable, "-m", "harness._calibrate", device, str(threads)],
+    proc = subprocess.run([executable, "-m", "aftershock.harness._calibrate", device, str(threads)],
                           capture_output=True, text=True, timeout=120, check=False, env=env)
     output = proc.stdout.strip().splitlines()
     lines = [line for line in output if not line.startswith("MKL_VERBOSE")]
@@ -345,8 +350,8 @@ def distrust(path: Path) -> str | None:
     believed, or None: the twin cache's rules (baseline.untrusted, the heal journal's for
     the folder). Anyone who could write either could plant a golden that fails a correct
     run or passes a broken one."""
-    from faults.journal import unsafe_folder
-    from harness.baseline import untrusted  # baseline imports this module
+    from aftershock.faults.journal import unsafe_folder
+    from aftershock.harness.baseline import untrusted  # baseline imports this module
 
     problem = untrusted(path) if os.path.lexists(path) else unsafe_folder(path.parent)
     if problem is None:
@@ -547,14 +552,14 @@ def oracle_of(loaded: LoadedScenario, key: Key, what: str,
               found: Mapping[Any, Any]) -> Witness | None:
     """The independent oracle's judgement of the twin, run in the settings the system's
     processes round with; None where no oracle restates the system."""
-    from harness import oracle
-    from harness.oracle import serving
-    from harness.systems.server import ServerSystem
+    from aftershock.harness import oracle
+    from aftershock.harness.oracle import serving
+    from aftershock.harness.systems.server import ServerSystem
 
     env = dict(key.settings)
     system = trainer_of(loaded.spec.system)
     if what == "digests" and system is not None:
-        name = "the independent oracle (harness.oracle)"
+        name = "the independent oracle (aftershock.harness.oracle)"
         expected = oracle.trainer_digests(system, seed=key.seed,
                                           schedule=oracle.full_membership(system), env=env)
         if expected.digests is None:
@@ -638,7 +643,7 @@ def update(scenarios: Sequence[LoadedScenario], *, seed: int | None, use_cache: 
     it, or nothing is recorded: a golden is only worth what it was checked against. Entries
     of systems that no scenario of a folder uses any more, and entries without a rounding key
     (an older format), are dropped when the whole folder was updated."""
-    from harness import runner
+    from aftershock.harness import runner
 
     observer = observer or runner.NullObserver()
     results: list[Update] = []

@@ -75,7 +75,7 @@ def _nvml() -> str:
 def _poison() -> str:
     import torch
 
-    from faults.memory import poison_tensor
+    from aftershock.faults.memory import poison_tensor
 
     tensor = torch.ones(1024, device="cuda")
     poison_tensor(tensor, "bitflip", index=0)
@@ -108,8 +108,8 @@ SCENARIO = textwrap.dedent("""\
 
 
 def _trainer() -> str:
-    from harness.runner import run_scenario
-    from harness.spec import LoadedScenario, parse_scenario
+    from aftershock.harness.runner import run_scenario
+    from aftershock.harness.spec import LoadedScenario, parse_scenario
 
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "gpu.yaml"

@@ -19,12 +19,12 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from harness import figures
-from harness.compare import Comparison, compare
-from harness.compare import show as _num
-from harness.records import Event
-from harness.report import NOTABLE, describe
-from harness.rundir import LOG_SHOWN, LogLine, ProcessLog, RecordedRun
+from aftershock.harness import figures
+from aftershock.harness.compare import Comparison, compare
+from aftershock.harness.compare import show as _num
+from aftershock.harness.records import Event
+from aftershock.harness.report import NOTABLE, describe
+from aftershock.harness.rundir import LOG_SHOWN, LogLine, ProcessLog, RecordedRun
 
 #: Lines of one log shown in the page; the rest is named with its file.
 LOG_LINES_SHOWN = 4000
@@ -41,7 +41,11 @@ def plotly_js() -> str:
 
 
 def _template(name: str) -> str:
-    return resources.files("harness").joinpath("templates", name).read_text(encoding="utf-8")
+    return (
+        resources.files("aftershock.harness")
+        .joinpath("templates", name)
+        .read_text(encoding="utf-8")
+    )
 
 
 def _script_safe(data: Any) -> str:
@@ -74,15 +78,23 @@ def _log_lines(log: ProcessLog) -> _Shown:
     return _Shown(lines, cut)
 
 
-_STORY_CLASS = {"fault_injected": "fault", "fault_failed": "fault", "timeout": "fault",
-                "failure_detected": "detect", "recovery_done": "recover"}
+_STORY_CLASS = {
+    "fault_injected": "fault",
+    "fault_failed": "fault",
+    "timeout": "fault",
+    "failure_detected": "detect",
+    "recovery_done": "recover",
+}
 
 
 def _story(run: RecordedRun) -> list[tuple[Event, str]]:
     """The notable events (the terminal's list), plus generations and checkpoints."""
     extra = {"hello", "checkpoint_saved", "exit", "worker_started", "membership"}
-    return [(e, _STORY_CLASS.get(e.event, "")) for e in run.events
-            if e.event in NOTABLE or e.event in extra]
+    return [
+        (e, _STORY_CLASS.get(e.event, ""))
+        for e in run.events
+        if e.event in NOTABLE or e.event in extra
+    ]
 
 
 def _who(e: Event) -> str:
@@ -104,24 +116,30 @@ def _show_s(value: float | None) -> str:
     return "-" if value is None else f"+{value:.3f}s"
 
 
-def render(runs: Sequence[RecordedRun], *, notes: Sequence[Sequence[str]] = (),
-           title: str | None = None) -> str:
+def render(
+    runs: Sequence[RecordedRun], *, notes: Sequence[Sequence[str]] = (), title: str | None = None
+) -> str:
     """The page for one run, or for several with a comparison on top."""
     import jinja2
     from markupsafe import Markup
 
-    env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined,
-                             keep_trailing_newline=True)
+    env = jinja2.Environment(
+        autoescape=True, undefined=jinja2.StrictUndefined, keep_trailing_newline=True
+    )
     template = env.from_string(_template("report.html.j2"))
     comparison: Comparison | None = compare([r.result for r in runs]) if len(runs) > 1 else None
-    name = title or (runs[0].result.name if len(runs) == 1 else
-                     f"{len(runs)} runs of " + ", ".join(sorted({r.result.name for r in runs})))
+    name = title or (
+        runs[0].result.name
+        if len(runs) == 1
+        else f"{len(runs)} runs of " + ", ".join(sorted({r.result.name for r in runs}))
+    )
     stories = {id(r): _story(r) for r in runs}
 
     def launched(run: RecordedRun) -> str:
         wall = run.t0 + (run.wall_offset or 0.0)
-        return datetime.datetime.fromtimestamp(wall, datetime.UTC).strftime(
-            "%Y-%m-%d %H:%M:%S.%f")[:-3]
+        return datetime.datetime.fromtimestamp(wall, datetime.UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[
+            :-3
+        ]
 
     return template.render(
         title=f"Aftershock: {name}",
@@ -132,13 +150,19 @@ def render(runs: Sequence[RecordedRun], *, notes: Sequence[Sequence[str]] = (),
         css=Markup(_template("report.css")),
         js=Markup(_template("report.js")),
         plotly=Markup(plotly_js()),
-        figure_json=lambda r: Markup(
-            _script_safe(_clean(figures.figure(r)))),
-        show=_show, show_s=_show_s, num=_num, describe=describe, who=_who,
-        story=lambda r: stories[id(r)], log_lines=_log_lines, launched=launched,
+        figure_json=lambda r: Markup(_script_safe(_clean(figures.figure(r)))),
+        show=_show,
+        show_s=_show_s,
+        num=_num,
+        describe=describe,
+        who=_who,
+        story=lambda r: stories[id(r)],
+        log_lines=_log_lines,
+        launched=launched,
     )
 
 
-def write_html(runs: Sequence[RecordedRun], path: Path, *,
-               notes: Sequence[Sequence[str]] = ()) -> None:
+def write_html(
+    runs: Sequence[RecordedRun], path: Path, *, notes: Sequence[Sequence[str]] = ()
+) -> None:
     path.write_text(render(runs, notes=notes), encoding="utf-8")

@@ -18,18 +18,18 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import faults
-from faults import ProcessRef, contract, parent_pid
-from faults import process_command_line as command_line
-from faults.journal import Journal
-from harness.records import Event, FaultRecord
-from harness.spec import in_process
-from harness.timeline import Timeline
-from harness.triggers import describe_file_state
+from aftershock import faults
+from aftershock.faults import ProcessRef, contract, parent_pid
+from aftershock.faults import process_command_line as command_line
+from aftershock.faults.journal import Journal
+from aftershock.harness.records import Event, FaultRecord
+from aftershock.harness.spec import in_process
+from aftershock.harness.timeline import Timeline
+from aftershock.harness.triggers import describe_file_state
 
 if TYPE_CHECKING:
-    from harness.runner import Observer
-    from harness.target import Target
+    from aftershock.harness.runner import Observer
+    from aftershock.harness.target import Target
 
 
 def acts_on_files(spec: Any) -> bool:

@@ -16,7 +16,7 @@ Every request ends as one ``request_done`` or ``request_failed`` event on the
 timeline, carrying its tokens, the arrival time of each and the digest of the
 logits row each was chosen from (``logits_digest`` in the chunk, when the server
 sends one), so every serving metric is a pure function of the timeline
-(``harness.metrics``). One
+(``aftershock.harness.metrics``). One
 ``first_token`` event per request lets scenarios trigger on load
 (``at: {event: first_token, count: 10}``).
 """
@@ -37,11 +37,11 @@ from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
 
-from faults.contract import SERVING_READY
-from harness.oracle.serving_journal import JOURNAL_CHECKED
-from harness.records import Event
-from harness.schema import Duration, Strict
-from harness.timeline import Timeline
+from aftershock.faults.contract import SERVING_READY
+from aftershock.harness.oracle.serving_journal import JOURNAL_CHECKED
+from aftershock.harness.records import Event
+from aftershock.harness.schema import Duration, Strict
+from aftershock.harness.timeline import Timeline
 
 # http.client (ssl with it: ~8 ms of CPU) is imported where a request is made: only serving
 # runs speak HTTP, and every `aftershock run` imports this module.
@@ -566,7 +566,7 @@ def check_journal(path: Path, records: list[dict[str, Any]]) -> dict[str, Any]:
     """What the server's journal file holds of what its clients received
     (harness/oracle/serving_journal.py), read while the server still runs: every token a
     client saw was durable before it was sent, so it is there already."""
-    from harness.oracle.serving_journal import judge, parse
+    from aftershock.harness.oracle.serving_journal import judge, parse
 
     try:
         with open(path, "rb") as handle:

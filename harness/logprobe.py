@@ -30,8 +30,8 @@ from typing import Any, Literal, get_args
 import regex
 from pydantic import Field, field_validator, model_validator
 
-from harness.records import CheckResult, Event
-from harness.schema import Strict
+from aftershock.harness.records import CheckResult, Event
+from aftershock.harness.schema import Strict
 
 #: Event kinds a log probe may produce (see docs/events.md).
 LogEventKind = Literal[

@@ -13,7 +13,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from harness.records import Event
+from aftershock.harness.records import Event
 
 
 def first_fault_time(events: Sequence[Event]) -> float | None:

@@ -8,8 +8,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.text import Text
 
-from harness.errors import AftershockError
-from harness.rundir import RecordedRun, find_runs, load_run
+from aftershock.harness.errors import AftershockError
+from aftershock.harness.rundir import RecordedRun, find_runs, load_run
 
 
 def write_pictures(run_dirs: list[Path], *, html: Path | None, trace: Path | None,
@@ -23,14 +23,14 @@ def write_pictures(run_dirs: list[Path], *, html: Path | None, trace: Path | Non
     except AftershockError as exc:
         return [f"aftershock: no HTML or trace: {exc}"]
     if html is not None:
-        from harness.html import write_html
+        from aftershock.harness.html import write_html
 
         try:
             write_html(loaded, html, notes=notes or [])
         except (AftershockError, OSError) as exc:
             problems.append(f"aftershock: cannot write {html}: {exc}")
     if trace is not None:
-        from harness.trace import write_trace
+        from aftershock.harness.trace import write_trace
 
         try:
             write_trace(loaded, trace, clock=clock)
@@ -44,8 +44,8 @@ def show_runs(paths: list[Path], *, out: Console, err: Console, recheck: bool,
               clock: str) -> bool:
     """Print the runs (one: its check table; several: compared), re-checked if asked, and
     write the HTML and trace. True when every run passed."""
-    from harness.compare import compare, render_comparison
-    from harness.report import render_result
+    from aftershock.harness.compare import compare, render_comparison
+    from aftershock.harness.report import render_result
 
     dirs = find_runs(paths)
     runs: list[RecordedRun] = []
@@ -53,7 +53,7 @@ def show_runs(paths: list[Path], *, out: Console, err: Console, recheck: bool,
     for path in dirs:
         run = load_run(path)
         if recheck:
-            from harness.recheck import recheck as judge_again
+            from aftershock.harness.recheck import recheck as judge_again
 
             again = judge_again(path, scenario=scenario)
             run = RecordedRun(path=path, result=again.result, events=list(again.events),
@@ -74,7 +74,7 @@ def show_runs(paths: list[Path], *, out: Console, err: Console, recheck: bool,
         if recheck and not any(line.startswith("re-checked:") for line in said):
             out.print(Text(prefix + "re-checked: no verdict changed"), highlight=False)
     if trace is not None and clock == "wall":
-        from harness.errors import SpecError
+        from aftershock.harness.errors import SpecError
 
         missing = [str(r.path) for r in runs if r.wall_offset is None]
         if missing:

@@ -15,8 +15,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from faults import plugins
-from harness.logprobe import LogProbe
+from aftershock.faults import plugins
+from aftershock.harness.logprobe import LogProbe
 
 ENTRY_POINT_GROUP = "aftershock.presets"
 _NAME = re.compile(r"^[a-z][a-z0-9_.-]*$")
@@ -45,7 +45,7 @@ _loaded = False
 def register(preset: Preset) -> Preset:
     """Add ``preset``; ValueError when it is not a valid one or its name is taken."""
     if not isinstance(preset, Preset):
-        raise plugins.PluginProblem(f"not a harness.presets.Preset: {preset!r:.80}")
+        raise plugins.PluginProblem(f"not an aftershock.harness.presets.Preset: {preset!r:.80}")
     if not _NAME.match(preset.name):
         raise ValueError(f"preset name {preset.name!r}: lower-case letters, digits, '_', "
                          "'.', '-', starting with a letter")

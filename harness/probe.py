@@ -21,11 +21,11 @@ import time
 from typing import Any
 
 # The environment the harness gives every process it launches (faults/contract.py).
-from faults.contract import COMMANDS_ENV as COMMANDS_ENV
-from faults.contract import EVENTS_ENV as EVENTS_ENV
-from faults.contract import HELLO, NODE_ENV, STEP, TENSORS
-from faults.contract import OUTPUT_ENV as OUTPUT_ENV
-from faults.contract import RUN_ID_ENV as RUN_ID_ENV
+from aftershock.faults.contract import COMMANDS_ENV as COMMANDS_ENV
+from aftershock.faults.contract import EVENTS_ENV as EVENTS_ENV
+from aftershock.faults.contract import HELLO, NODE_ENV, STEP, TENSORS
+from aftershock.faults.contract import OUTPUT_ENV as OUTPUT_ENV
+from aftershock.faults.contract import RUN_ID_ENV as RUN_ID_ENV
 
 _lock = threading.RLock()  # re-entrant: a signal handler may report while emit() holds it
 _fd: int | None = None
@@ -166,7 +166,7 @@ def wrap_group(group: Any) -> Any:
     engine = _start_engine()
     if engine is None:
         return group
-    from faults import inproc
+    from aftershock.faults import inproc
 
     return inproc.wrap_group(group, engine)
 
@@ -180,7 +180,9 @@ def _start_engine() -> Any:
         return None
     with _engine_lock:
         if _engine is None:
-            from faults import inproc  # torch and the engine only where faults are wanted
+            from aftershock.faults import (
+                inproc,  # torch and the engine only where faults are wanted
+            )
 
             engine = inproc.Engine(inproc.Inbox(path), rank=_rank, emit=emit)
             inproc.install_collectives(engine)

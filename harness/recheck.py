@@ -19,12 +19,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from harness import _files, systems
-from harness import metrics as _metrics
-from harness.baseline import read_cached, untrusted
-from harness.checks import Outcome
-from harness.errors import SpecError
-from harness.logprobe import (
+from aftershock.harness import _files, systems
+from aftershock.harness import metrics as _metrics
+from aftershock.harness.baseline import read_cached, untrusted
+from aftershock.harness.checks import Outcome
+from aftershock.harness.errors import SpecError
+from aftershock.harness.logprobe import (
     LINE_SHOWN,
     TAILED_TIMES,
     StreamStamps,
@@ -33,12 +33,12 @@ from harness.logprobe import (
     file_fields,
     line_events,
 )
-from harness.records import Event, RunResult
-from harness.rundir import ProcessLog, RecordedRun, load_run
-from harness.runner import NullObserver, assess, baseline_key, cache_dir, replay_digests
-from harness.spec import LoadedScenario, LogProbe, load_scenario, parse_scenario
-from harness.target import LINE_LIMIT, LOG_LIMIT
-from harness.timeline import read_events
+from aftershock.harness.records import Event, RunResult
+from aftershock.harness.rundir import ProcessLog, RecordedRun, load_run
+from aftershock.harness.runner import NullObserver, assess, baseline_key, cache_dir, replay_digests
+from aftershock.harness.spec import LoadedScenario, LogProbe, load_scenario, parse_scenario
+from aftershock.harness.target import LINE_LIMIT, LOG_LIMIT
+from aftershock.harness.timeline import read_events
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,12 +17,12 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from harness import attempts
-from harness.records import Event, RunResult
+from aftershock.harness import attempts
+from aftershock.harness.records import Event, RunResult
 
 if TYPE_CHECKING:
-    from harness.explore import Attempt, Exploration, Stage
-    from harness.runner import Observer
+    from aftershock.harness.explore import Attempt, Exploration, Stage
+    from aftershock.harness.runner import Observer
 
 #: Events worth a line of their own in the plain and live views.
 NOTABLE = {

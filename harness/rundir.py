@@ -17,11 +17,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness import _files
-from harness.errors import RunDirBusy, SpecError
-from harness.logprobe import TIMES_SUFFIX  # X.log.times: per-line offset and capture time
-from harness.records import Event, RunResult
-from harness.timeline import read_events
+from aftershock.harness import _files
+from aftershock.harness.errors import RunDirBusy, SpecError
+from aftershock.harness.logprobe import (
+    TIMES_SUFFIX,  # X.log.times: per-line offset and capture time
+)
+from aftershock.harness.records import Event, RunResult
+from aftershock.harness.timeline import read_events
 
 #: Bytes of one process log kept in a report; the rest is named, not shown.
 LOG_SHOWN = 256 * 1024

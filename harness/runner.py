@@ -24,28 +24,28 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
 
-from faults import FaultUnavailable, contract, file_writers
-from faults.heal import heal_orphans, start_reaper
-from faults.journal import Journal, UnsafeFolder
-from faults.registry import preflight as fault_preflight
-from harness import _load, _own_records, _room, attempts, baseline, golden, systems
-from harness import metrics as _metrics
-from harness.baseline import CACHE_ENV as CACHE_ENV
-from harness.baseline import UNTRUSTED as UNTRUSTED_TWIN
-from harness.baseline import baseline_key as baseline_key
-from harness.baseline import cache_dir as cache_dir
-from harness.checks import Outcome, evaluate
-from harness.errors import AftershockError, HarnessError, PreflightError, RunFailed
-from harness.injector import Injector, acts_on_files, fault_params
-from harness.loadgen import scenario_load_driver
-from harness.records import CheckResult, Event, FaultRecord, ProcessEnd, RunResult
-from harness.rundir import RESULT_STAGED, claimed, write_result
-from harness.schedule import Progress, Schedule
-from harness.spec import LoadedScenario, Scenario, in_process
-from harness.systems import Driver
-from harness.target import SERVED_STOP_GRACE_S, STOP_GRACE_S, Target
-from harness.timeline import Timeline, read_events
-from harness.triggers import FileTriggers
+from aftershock.faults import FaultUnavailable, contract, file_writers
+from aftershock.faults.heal import heal_orphans, start_reaper
+from aftershock.faults.journal import Journal, UnsafeFolder
+from aftershock.faults.registry import preflight as fault_preflight
+from aftershock.harness import _load, _own_records, _room, attempts, baseline, golden, systems
+from aftershock.harness import metrics as _metrics
+from aftershock.harness.baseline import CACHE_ENV as CACHE_ENV
+from aftershock.harness.baseline import UNTRUSTED as UNTRUSTED_TWIN
+from aftershock.harness.baseline import baseline_key as baseline_key
+from aftershock.harness.baseline import cache_dir as cache_dir
+from aftershock.harness.checks import Outcome, evaluate
+from aftershock.harness.errors import AftershockError, HarnessError, PreflightError, RunFailed
+from aftershock.harness.injector import Injector, acts_on_files, fault_params
+from aftershock.harness.loadgen import scenario_load_driver
+from aftershock.harness.records import CheckResult, Event, FaultRecord, ProcessEnd, RunResult
+from aftershock.harness.rundir import RESULT_STAGED, claimed, write_result
+from aftershock.harness.schedule import Progress, Schedule
+from aftershock.harness.spec import LoadedScenario, Scenario, in_process
+from aftershock.harness.systems import Driver
+from aftershock.harness.target import SERVED_STOP_GRACE_S, STOP_GRACE_S, Target
+from aftershock.harness.timeline import Timeline, read_events
+from aftershock.harness.triggers import FileTriggers
 
 POLL_S = 0.01
 #: A step trigger that fires more than this many steps (or a tenth of its step) past its
@@ -518,13 +518,13 @@ def replay_digests(
     loaded: LoadedScenario, *, seed: int, run_dir: Path, observer: Observer
 ) -> tuple[dict[int, str] | None, str]:
     """The final digests the membership the run recorded implies, recomputed by the
-    independent oracle (harness.oracle): from the model's math alone, not by the trainer.
+    independent oracle (aftershock.harness.oracle): from the model's math alone, not by the trainer.
 
     The reference trainer writes every generation's first step and live replicas to
     ``output/membership.jsonl``. Replaying that log with the trainer's own code would repeat
     any bug of that code (a wrong gradient average passes itself), so the oracle restates the
     math instead. A layout it cannot reproduce bitwise is "not observed", never a pass."""
-    from harness import oracle
+    from aftershock.harness import oracle
 
     spec = loaded.spec
     if not systems.of(spec.system).replays(spec.system):

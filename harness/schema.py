@@ -8,7 +8,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict
 
 # One definition each, shared with the fault kinds' parameters (faults/params.py).
-from faults.params import MAX_INDEX, MAX_SEED, MAX_STEPS, MAX_WORLD, Duration
+from aftershock.faults.params import MAX_INDEX, MAX_SEED, MAX_STEPS, MAX_WORLD, Duration
 
 __all__ = ["MAX_INDEX", "MAX_SEED", "MAX_STEPS", "MAX_WORLD", "Duration", "Strict"]
 

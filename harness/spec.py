@@ -32,33 +32,33 @@ from pydantic import (
     model_validator,
 )
 
-import faults
-from faults import contract, registry
-from faults.params import relative_glob
-from faults.plugins import Broken
-from harness import _own_records as own_records
-from harness import systems
-from harness.errors import PluginError, SpecError
+from aftershock import faults
+from aftershock.faults import contract, registry
+from aftershock.faults.params import relative_glob
+from aftershock.faults.plugins import Broken
+from aftershock.harness import _own_records as own_records
+from aftershock.harness import systems
+from aftershock.harness.errors import PluginError, SpecError
 
 # The system kinds' models and the log probe live with their kinds (harness/systems/,
 # harness/logprobe.py, harness/loadgen.py); they are named here too, where the scenario
 # format is.
-from harness.loadgen import Load as Load
-from harness.loadgen import PromptMix as PromptMix
-from harness.loadgen import Ready as Ready
-from harness.loadgen import ScenarioLoad as ScenarioLoad
-from harness.logprobe import LogEventKind as LogEventKind
-from harness.logprobe import LogProbe as LogProbe
-from harness.schema import MAX_SEED as MAX_SEED
-from harness.schema import MAX_STEPS as MAX_STEPS
-from harness.schema import MAX_WORLD as MAX_WORLD
-from harness.schema import Duration
-from harness.schema import Strict as _Strict
-from harness.systems.command import CommandSystem as CommandSystem
-from harness.systems.command import uses as uses_variable
-from harness.systems.server import ServerSystem as ServerSystem
-from harness.systems.trainer import TrainerSystem as TrainerSystem
-from harness.systems.trainer import World as World
+from aftershock.harness.loadgen import Load as Load
+from aftershock.harness.loadgen import PromptMix as PromptMix
+from aftershock.harness.loadgen import Ready as Ready
+from aftershock.harness.loadgen import ScenarioLoad as ScenarioLoad
+from aftershock.harness.logprobe import LogEventKind as LogEventKind
+from aftershock.harness.logprobe import LogProbe as LogProbe
+from aftershock.harness.schema import MAX_SEED as MAX_SEED
+from aftershock.harness.schema import MAX_STEPS as MAX_STEPS
+from aftershock.harness.schema import MAX_WORLD as MAX_WORLD
+from aftershock.harness.schema import Duration
+from aftershock.harness.schema import Strict as _Strict
+from aftershock.harness.systems.command import CommandSystem as CommandSystem
+from aftershock.harness.systems.command import uses as uses_variable
+from aftershock.harness.systems.server import ServerSystem as ServerSystem
+from aftershock.harness.systems.trainer import TrainerSystem as TrainerSystem
+from aftershock.harness.systems.trainer import World as World
 
 SCENARIO_SUFFIXES = (".yaml", ".yml")
 
@@ -1106,7 +1106,7 @@ def _position(text: str, index: int) -> tuple[int, int]:
 
 def unreachable(spec: Scenario, scenario_dir: Path | None) -> list[tuple[int, str]]:
     """Faults that cannot reach this system, by index, each with why: what the fault needs
-    (faults.registry.CAPABILITIES) that the system's target does not offer, or the
+    (aftershock.faults.registry.CAPABILITIES) that the system's target does not offer, or the
     in-process probe that its job does not call, or a ``target`` coordinate it can never
     resolve (``replica`` on a job that reports none: ``SystemKind.unresolved``)
     (``scenario_dir``: where the scenario file is, to read the files its command names;
@@ -1133,7 +1133,7 @@ def unreachable(spec: Scenario, scenario_dir: Path | None) -> list[tuple[int, st
                 how = f" {registry.hooks(fault_kind).inside_when}".rstrip()
             found.append((index, f"{fault.kind}{how} is applied inside the target by the "
                           "in-process probe, which the job must start by calling "
-                          f"harness.probe.install() (docs/faults.md); but {no_probe}"))
+                          f"aftershock.probe.install() (docs/faults.md); but {no_probe}"))
         elif missing:
             what = "; ".join(faults.CAPABILITIES.get(c, c) for c in sorted(missing))
             found.append((index, f"{fault.kind} needs {what}, which a {kind.shape} system's "
@@ -1149,7 +1149,7 @@ def unreachable(spec: Scenario, scenario_dir: Path | None) -> list[tuple[int, st
 def _broken_plugins(data: dict[str, Any]) -> list[tuple[tuple[str | int, ...], Broken]]:
     """The plug-ins skipped as broken (faults/plugins.py) that a scenario which failed to
     validate names, each with where it names it: such a scenario is not what is wrong."""
-    from harness import presets
+    from aftershock.harness import presets
 
     found: list[tuple[tuple[str | int, ...], Broken]] = []
     system = data.get("system")
@@ -1234,7 +1234,7 @@ def parse_scenario(text: str, file: str = "<string>", *, folder: Path | None = N
             problems.append(f"{file}:{position[0]}:{position[1]}: {_describe(error, path, data)}")
         raise SpecError(problems) from None
     if spec.explore is not None:
-        from harness._space import SpaceError, resolve
+        from aftershock.harness._space import SpaceError, resolve
 
         try:
             resolve(spec.system, spec.explore)

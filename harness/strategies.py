@@ -4,9 +4,9 @@ The one module of the harness that imports hypothesis; ``import harness`` does n
 it. ``aftershock explore`` searches with these, and so can your own tests::
 
     from hypothesis import given, settings
-    from harness.explore import run_schedule
-    from harness.spec import load_scenario
-    from harness.strategies import fault_schedules
+    from aftershock.harness.explore import run_schedule
+    from aftershock.harness.spec import load_scenario
+    from aftershock.harness.strategies import fault_schedules
 
     BASE = load_scenario("scenarios/explore/restart.yaml")
 
@@ -17,7 +17,8 @@ it. ``aftershock explore`` searches with these, and so can your own tests::
         assert result.passed, result.failed_checks()
 
 A schedule is a list of faults of the same types a scenario's ``faults:`` holds
-(``harness.spec.Fault``), so a failing one is a scenario to keep (``harness.spec.to_yaml``).
+(``aftershock.harness.spec.Fault``), so a failing one is a scenario to keep
+(``aftershock.harness.spec.to_yaml``).
 A space may also draw system options per run (``explore.system``: a snapshot interval, say):
 :func:`scenarios` puts them into the scenario, :func:`trials_in` pairs them with a schedule.
 Shrinking goes toward fewer faults, earlier and simpler triggers (a step before an event
@@ -38,7 +39,7 @@ from hypothesis import assume
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from harness._space import (
+from aftershock.harness._space import (
     AFTER_A_FAILURE,
     END_PHASES,
     FAMILY_ORDER,
@@ -52,7 +53,7 @@ from harness._space import (
     resolve,
     with_options,
 )
-from harness.spec import (
+from aftershock.harness.spec import (
     FAULT_MODELS,
     CommandSystem,
     EventTrigger,
@@ -115,7 +116,7 @@ def fault_schedules(
     explore: Explore | None = None,
 ) -> st.SearchStrategy[list[_FaultBase]]:
     """Fault schedules for ``system`` (or a scenario: then its ``explore:`` block is the
-    space): lists of faults, each a valid ``harness.spec.Fault``.
+    space): lists of faults, each a valid ``aftershock.harness.spec.Fault``.
 
     ``kinds``: fault kinds, bare (``"process.kill"``) or with parameter choices
     (``{"kind": "process.freeze", "params": {"duration": {"min": "200ms", "max": "3s"}}}``);
@@ -140,7 +141,8 @@ def faults(system: SystemLike, **options: Any) -> st.SearchStrategy[list[_FaultB
 def scenarios(base: Scenario, **options: Any) -> st.SearchStrategy[Scenario]:
     """``base`` with its faults replaced by a drawn schedule, its system options (the space's
     ``system``) by drawn values, and no ``explore`` block: a scenario that runs as is and
-    dumps to YAML (harness.spec.to_yaml). Options as for :func:`fault_schedules`; the space
+    dumps to YAML (aftershock.harness.spec.to_yaml). Options as for :func:`fault_schedules`; the
+    space
     defaults to ``base.explore``."""
     space = space_of(base, **options)
     return trials_in(space).map(lambda trial: with_schedule(base, trial[1], system=trial[0]))
@@ -179,7 +181,7 @@ class _Draft:
 
 
 def schedules_in(space: Space) -> st.SearchStrategy[list[_FaultBase]]:
-    """Schedules from a resolved space (harness._space.resolve)."""
+    """Schedules from a resolved space (aftershock.harness._space.resolve)."""
     drafts = st.lists(_drafts(space), min_size=space.faults[0], max_size=space.faults[1])
     return drafts.map(lambda found: _assemble(space, found))
 

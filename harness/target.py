@@ -39,13 +39,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, ClassVar, Protocol
 
-from faults import ProcessRef, contract, kill_all, process_environ, processes_with_env
-from faults import cgroup as _cgroup
-from faults import parent_pid as _parent
-from harness import _files, probe
-from harness._room import Room
-from harness.errors import TargetError
-from harness.logprobe import (
+from aftershock.faults import ProcessRef, contract, kill_all, process_environ, processes_with_env
+from aftershock.faults import cgroup as _cgroup
+from aftershock.faults import parent_pid as _parent
+from aftershock.harness import _files, probe
+from aftershock.harness._room import Room
+from aftershock.harness.errors import TargetError
+from aftershock.harness.logprobe import (
     LOG_UNREAD,
     TAILED_TIMES,
     TIMES_SUFFIX,
@@ -57,8 +57,8 @@ from harness.logprobe import (
     file_fields,
     stream_kinds,
 )
-from harness.records import Event
-from harness.timeline import Timeline
+from aftershock.harness.records import Event
+from aftershock.harness.timeline import Timeline
 
 LINE_LIMIT = 64 * 1024  # bytes of one log line the probes see; a longer line is only logged
 LOG_LIMIT = 1 << 30  # bytes kept per launcher log file (1 GiB); the rest is read and dropped

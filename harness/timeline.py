@@ -23,10 +23,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from harness import _files
-from harness._room import Room
-from harness.errors import HarnessError
-from harness.records import Event
+from aftershock.harness import _files
+from aftershock.harness._room import Room
+from aftershock.harness.errors import HarnessError
+from aftershock.harness.records import Event
 
 #: The longest line of a timeline: an event is a few KiB at most (a captured log line, an
 #: argv); a longer line is damage, and is not held whole to find that out.

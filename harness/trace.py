@@ -16,10 +16,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from harness import metrics as _metrics
-from harness.errors import SpecError
-from harness.records import Event
-from harness.rundir import RecordedRun
+from aftershock.harness import metrics as _metrics
+from aftershock.harness.errors import SpecError
+from aftershock.harness.records import Event
+from aftershock.harness.rundir import RecordedRun
 
 #: Above Linux's largest pid (4194304), so a made-up track never takes a real process's id.
 _SYNTHETIC = 4_194_305

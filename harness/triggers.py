@@ -13,8 +13,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from faults import FaultUnavailable, FileWatch
-from harness.spec import FileWhen
+from aftershock.faults import FaultUnavailable, FileWatch
+from aftershock.harness.spec import FileWhen
 
 
 def describe_file_state(file: str, state: Mapping[str, Any]) -> str:

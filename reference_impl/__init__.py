@@ -1,7 +1,7 @@
 """Reference systems under test for Aftershock: a fault-tolerant trainer (and later a server).
 
-They are ordinary users of the harness: they report through ``harness.probe`` and can be
+They are ordinary users of the harness: they report through ``aftershock.harness.probe`` and can be
 replaced by a user's own code. Importing this package is cheap; torch is imported only by
-the submodules (``reference_impl.model``, ``reference_impl.checkpoint``,
-``reference_impl.trainer``).
+the submodules (``aftershock.reference_impl.model``, ``aftershock.reference_impl.checkpoint``,
+``aftershock.reference_impl.trainer``).
 """

@@ -16,7 +16,8 @@ with the process), then writes ``nbytes`` of heap and frees them: later allocati
 process's main thread reuse those pages without a fault. The process keeps that memory (its
 resident size grows by ``nbytes``) until it exits.
 
-Every training rank calls ``keep_freed`` at its start (``reference_impl.trainer.main``): a
+Every training rank calls ``keep_freed`` at its start (``aftershock.reference_impl.trainer.main``):
+a
 step frees and allocates the same megabytes again, and with glibc's defaults each step
 faulted them in anew (docs/benchmarks.md, "Page faults every step").
 

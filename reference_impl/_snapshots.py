@@ -1,7 +1,8 @@
 """Peer-memory snapshots: held in the controller's memory, sent over a socket of their own.
 
 One replica of each shard sends its flattened parameters and AdamW state every
-``--snapshot-every`` steps and after every sync (``reference_impl.resilient``); the controller
+``--snapshot-every`` steps and after every sync (``aftershock.reference_impl.resilient``); the
+controller
 keeps the two newest of each shard, so that losing every replica of a shard at once costs the
 steps since the newest snapshot that every shard has, not the run.
 

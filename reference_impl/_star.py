@@ -39,8 +39,8 @@ from typing import Any
 
 import torch
 
-from reference_impl._snapshots import recv_exactly
-from reference_impl.model import sum_through_root
+from aftershock.reference_impl._snapshots import recv_exactly
+from aftershock.reference_impl.model import sum_through_root
 
 MAGIC = b"ASv1"
 HELLO = struct.Struct("!4s16sII")  # magic, token, rank, size

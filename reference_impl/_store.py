@@ -19,7 +19,7 @@ rank's death), carries everything the members of a run say to each other outside
 ``hb/{slot}/{inc}``    heartbeat counter of one incarnation of one slot; negative once
                        the controller fenced it from another node (``controller.FENCED``)
 ``snapshots``          ``host:port`` of the controller's snapshot server
-                       (``reference_impl._snapshots``: the snapshots themselves go there)
+                       (``aftershock.reference_impl._snapshots``: the snapshots themselves go there)
 ``job/end``            set by the controller when training is over; it also writes
                        ``plan/{g+1}`` as ``{"end": true}`` then, which wakes every
                        process blocked waiting for a next plan

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from harness import probe
+from aftershock.harness import probe
 
 COMMIT = "COMMIT"
 

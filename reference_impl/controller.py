@@ -41,8 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness import probe
-from reference_impl import _snapshots, _store
+from aftershock.harness import probe
+from aftershock.reference_impl import _snapshots, _store
 
 #: What the controller writes over a member's heartbeat counter to fence a process it cannot
 #: signal (one on another node, in another PID namespace): the member's next beat reads a

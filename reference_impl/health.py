@@ -1,10 +1,10 @@
 """GPU health for the reference trainer: watch NVML for Xid errors and react as NVIDIA says.
 
 The watcher uses real pynvml when the rank has a CUDA device, and Aftershock's
-simulated NVML (``faults.nvml_sim``, same function names, errors and values)
+simulated NVML (``aftershock.faults.nvml_sim``, same function names, errors and values)
 when it has none but the harness gave it an NVML folder. It runs in a daemon
 thread and hands each Xid to ``on_xid`` with the action NVIDIA recommends for
-it (``faults.xid``'s catalogue):
+it (``aftershock.faults.xid``'s catalogue):
 
 - ``none`` (63, 92, ...): log and keep training;
 - ``restart_app`` (13, 31, 43, 94, ...): the application must restart: treat
@@ -22,7 +22,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from faults.xid import CATALOG, Action
+from aftershock.faults.xid import CATALOG, Action
 
 
 def nvml_module() -> Any | None:
@@ -41,7 +41,7 @@ def nvml_module() -> Any | None:
         except ImportError:
             return None
     if os.environ.get("AFTERSHOCK_NVML_DIR"):
-        import faults.nvml_sim as sim
+        import aftershock.faults.nvml_sim as sim
 
         # One simulated GPU per local rank (the simulation defaults to one), so every rank
         # can watch the GPU its LOCAL_RANK names.

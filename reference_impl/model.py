@@ -90,7 +90,7 @@ def all_reduce(tensor: torch.Tensor, group: Any) -> None:
 
     ``group`` is either a group registered with torch.distributed (``dist.new_group``, the
     restart strategy) or a bare ``ProcessGroupGloo`` built per membership generation by
-    ``reference_impl.resilient``, which torch.distributed's functions do not know about.
+    ``aftershock.reference_impl.resilient``, which torch.distributed's functions do not know about.
     Both run the same Gloo algorithm, so the bits do not depend on which one is used.
     """
     started = time.perf_counter()
@@ -110,7 +110,8 @@ def sum_through_root(value: torch.Tensor, rank: int, size: int,
 
     ``send(tensor, peer)`` and ``recv(tensor, peer)`` are point-to-point calls by group
     rank: a Gloo group's (each returns a ``Work`` to wait for) or a star's
-    (``reference_impl._star``, what the trainer's votes use; they return None, done). They
+    (``aftershock.reference_impl._star``, what the trainer's votes use; they return None, done).
+    They
     fail as a collective does: at the timeout, or at once when the peer's connection closes,
     so a rank that completes has heard from every rank (rank 0 from all, the others from
     rank 0 after it heard from all). 2 (size - 1) messages in two hops: for one float64 over

@@ -2,7 +2,8 @@
 
 Off unless ``AFTERSHOCK_PHASES`` is ``FIRST:LAST`` (two step numbers, FIRST < LAST): then
 the loop's laps over steps FIRST + 1 to LAST are summed, and once step LAST is done the rank
-appends one ``phases`` event to the run's timeline (``harness.probe``): the steps counted and,
+appends one ``phases`` event to the run's timeline (``aftershock.harness.probe``): the steps
+counted and,
 per phase, the main thread's CPU and the wall time in nanoseconds. ``make bench`` sets it for
 its rows and reports the table (bench/run.py, docs/benchmarks.md). A lap reads two clocks
 (about a microsecond); off, it is one attribute test.
@@ -18,7 +19,7 @@ from __future__ import annotations
 import os
 import time
 
-from harness import probe
+from aftershock.harness import probe
 
 ENV = "AFTERSHOCK_PHASES"
 EVENT = "phases"

@@ -13,11 +13,12 @@ Process shape (one torchrun worker per *slot*; torchrun only launches, it never 
   slot's next worker. The supervisor's own exit status is what torchrun sees: torchrun's
   agent would otherwise answer any death by tearing down and restarting the whole group,
   which is exactly what we avoid.
-- The **controller** (``reference_impl.controller``) hosts the TCPStore (so no rank's death
+- The **controller** (``aftershock.reference_impl.controller``) hosts the TCPStore (so no rank's
+death
   takes the store with it), watches deaths, heartbeats and failed collectives, and publishes
   numbered membership plans.
 - A **worker** joins a plan by building fresh ``ProcessGroupGloo``s over a ``PrefixStore``
-  named ``gen{g}/...``, and the vote's star (``reference_impl._star``); on any failure it
+  named ``gen{g}/...``, and the vote's star (``aftershock.reference_impl._star``); on any failure it
   destroys its groups and closes its star (which makes its peers' pending collectives and
   votes fail at once instead of at their timeout) and waits for the next plan.
 
@@ -35,7 +36,8 @@ peer-memory snapshots that one replica per shard sends off the critical path (a 
 thread) into the controller's memory.
 
 Faults come from outside (the harness's chaos engine) or through the probe's fault points
-(``harness.probe.fault_point``); deliberately broken variants of this trainer live in the tests
+(``aftershock.harness.probe.fault_point``); deliberately broken variants of this trainer live in
+the tests
 (tests/broken/sitecustomize.py), never here.
 """
 
@@ -62,10 +64,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from harness import probe
-from reference_impl import _leave, _memory, _snapshots, _store, checkpoint, controller
-from reference_impl._star import Star
-from reference_impl.model import (
+from aftershock.harness import probe
+from aftershock.reference_impl import _leave, _memory, _snapshots, _store, checkpoint, controller
+from aftershock.reference_impl._star import Star
+from aftershock.reference_impl.model import (
     GradBuffer,
     Layout,
     ParallelBlock,
@@ -75,7 +77,7 @@ from reference_impl.model import (
     shard_numels,
     synthetic_batch,
 )
-from reference_impl.phases import Laps
+from aftershock.reference_impl.phases import Laps
 
 
 class Superseded(Exception):

@@ -3,7 +3,8 @@
 Launch with torchrun (all ranks on one host, Gloo on CPU)::
 
     python -m torch.distributed.run --standalone --nproc-per-node=4 --max-restarts=3 \\
-        -m reference_impl.trainer --replicas 2 --shards 2 --steps 200 --checkpoint-every 20
+        -m aftershock.reference_impl.trainer --replicas 2 --shards 2 --steps 200 --checkpoint-every
+        20
 
 Training is deterministic: data, initialisation and reduction order depend only on the seed
 and the step, so a fault-free run is a golden trajectory and a run that was killed and resumed
@@ -39,11 +40,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from harness import probe
-from reference_impl import _memory, checkpoint, health
-from reference_impl import model as model_lib
-from reference_impl._star import Star
-from reference_impl.model import (
+from aftershock.harness import probe
+from aftershock.reference_impl import _memory, checkpoint, health
+from aftershock.reference_impl import model as model_lib
+from aftershock.reference_impl._star import Star
+from aftershock.reference_impl.model import (
     GradBuffer,
     Layout,
     ModelConfig,
@@ -51,8 +52,8 @@ from reference_impl.model import (
     build_layout,
     param_digest,
 )
-from reference_impl.model import synthetic_batch as make_batch
-from reference_impl.phases import Laps
+from aftershock.reference_impl.model import synthetic_batch as make_batch
+from aftershock.reference_impl.phases import Laps
 
 RECOVERY_STRATEGIES = ("restart", "hot_spare", "elastic")
 STRAGGLER_EVERY = 10  # steps between comparisons of the ranks' compute times
@@ -108,7 +109,8 @@ class TrainConfig:
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
     """Command line → TrainConfig: one ``--flag-name`` per field, typed by its default."""
     defaults = TrainConfig()
-    parser = argparse.ArgumentParser(prog="python -m reference_impl.trainer", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m aftershock.reference_impl.trainer",
+                                     description=__doc__)
     for name, default in asdict(defaults).items():
         flag = "--" + name.replace("_", "-")
         if name == "out":
@@ -124,8 +126,16 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         else:
             parser.add_argument(flag, default=default, type=type(default))
     cfg = TrainConfig(**vars(parser.parse_args(argv)))
-    numbers = ("steps", "checkpoint_every", "step_sleep", "keep_checkpoints", "spares",
-               "snapshot_every", "fingerprint_every", "heartbeat_timeout")
+    numbers = (
+        "steps",
+        "checkpoint_every",
+        "step_sleep",
+        "keep_checkpoints",
+        "spares",
+        "snapshot_every",
+        "fingerprint_every",
+        "heartbeat_timeout",
+    )
     for name in numbers:
         if getattr(cfg, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(cfg, name)}")
@@ -258,9 +268,14 @@ class NonFiniteFailure(RuntimeError):
 # Training
 
 
-def average_gradients(model: torch.nn.Module, loss: torch.Tensor, layout: Layout,
-                      buffer: GradBuffer, flags: torch.Tensor, late: bool = False
-                      ) -> tuple[float, bool]:
+def average_gradients(
+    model: torch.nn.Module,
+    loss: torch.Tensor,
+    layout: Layout,
+    buffer: GradBuffer,
+    flags: torch.Tensor,
+    late: bool = False,
+) -> tuple[float, bool]:
     """Average gradients over the DP group in one all_reduce; return (the mean loss, whether
     this rank's averaged gradients are all finite). On the way, start the vote (``vote``):
     ``flags[0]`` says whether this rank's own gradients are finite, sent before the average;
@@ -300,7 +315,8 @@ def vote(flags: torch.Tensor, finite: bool, layout: Layout) -> tuple[bool, list[
     Ranks of one shard share their averaged gradients, but the shards do not, so a NaN in
     one shard's gradients would make only that shard skip the step: every rank must take
     the same decision. Each rank sends whether its own gradients are finite (``flags[0]``)
-    to rank 0 over the world's star (``reference_impl._star``: its own connections, read by
+    to rank 0 over the world's star (``aftershock.reference_impl._star``: its own connections, read
+    by
     this thread) before the gradient all_reduce, and reads the total after it, so the vote
     waits for the slowest rank's backward, not for its all_reduce. A NaN in any rank's
     gradients reaches every rank's total: nobody applies the step.
@@ -322,8 +338,13 @@ def vote(flags: torch.Tensor, finite: bool, layout: Layout) -> tuple[bool, list[
     return flags[0].item() == 0, waiting
 
 
-def repair(waiting: list[int], layout: Layout, model: torch.nn.Module,
-           optimizer: torch.optim.Optimizer, last: dict[str, Any]) -> dict[str, Any] | None:
+def repair(
+    waiting: list[int],
+    layout: Layout,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    last: dict[str, Any],
+) -> dict[str, Any] | None:
     """Give each rank in ``waiting`` the state of the first rank of its shard that is not
     waiting: the parameters, the optimizer's state, and ``last`` (the step and its loss, for
     its step event). Every rank calls it with the same ``waiting``; only the DP groups with
@@ -338,15 +359,20 @@ def repair(waiting: list[int], layout: Layout, model: torch.nn.Module,
         if all(member in waiting for member in members):
             raise NonFiniteFailure(
                 f"every replica of shard {shard} lost its average of step {last['step'] + 1}: "
-                "no peer holds the step")
+                "no peer holds the step"
+            )
     members = [layout.shard + k * shards for k in range(replicas)]
     if not any(member in waiting for member in members):
         return None
     source = next(member for member in members if member not in waiting)
     payload: list[Any] = [None]
     if layout.rank == source:
-        payload[0] = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                      "source": source, **last}
+        payload[0] = {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "source": source,
+            **last,
+        }
     dist.broadcast_object_list(payload, src=source, group=layout.dp_group)
     if layout.rank not in waiting:
         return None
@@ -410,8 +436,10 @@ def _busy_seconds() -> float | None:
         return None
     before = _thread_busy
     # A reused thread id whose figures went down is a new thread: all of its time counts.
-    _busy_total[0] += sum(now - before.get(tid, 0.0) if now >= before.get(tid, 0.0) else now
-                          for tid, now in seen.items())
+    _busy_total[0] += sum(
+        now - before.get(tid, 0.0) if now >= before.get(tid, 0.0) else now
+        for tid, now in seen.items()
+    )
     _thread_busy.clear()
     _thread_busy.update(seen)
     return _busy_total[0]
@@ -470,13 +498,20 @@ def collect_stragglers(layout: Layout) -> None:
     _straggler_window[0] = (now, busy_totals, compute_totals)
     values = [
         max(compute - compute_was, busy - busy_was if busy >= 0 and busy_was >= 0 else 0.0)
-        for busy, busy_was, compute, compute_was
-        in zip(busy_totals, busy_before, compute_totals, compute_before, strict=True)
+        for busy, busy_was, compute, compute_was in zip(
+            busy_totals, busy_before, compute_totals, compute_before, strict=True
+        )
     ]
     for rank, ratio in stragglers(values, window):
-        probe.emit("straggler_detected", slow_rank=rank, ratio=round(ratio, 2), step=step,
-                   busy_s=round(values[rank], 4), median_s=round(statistics.median(values), 4),
-                   window_s=round(window, 3))
+        probe.emit(
+            "straggler_detected",
+            slow_rank=rank,
+            ratio=round(ratio, 2),
+            step=step,
+            busy_s=round(values[rank], 4),
+            median_s=round(statistics.median(values), 4),
+            window_s=round(window, 3),
+        )
 
 
 def stragglers(values: list[float], window: float | None = None) -> list[tuple[int, float]]:
@@ -486,12 +521,20 @@ def stragglers(values: list[float], window: float | None = None) -> list[tuple[i
     if median <= 0:
         return []
     floor = 0.0 if window is None else STRAGGLER_SHARE * window
-    return [(rank, value / median) for rank, value in enumerate(values)
-            if value > STRAGGLER_RATIO * median and value - median > floor]
+    return [
+        (rank, value / median)
+        for rank, value in enumerate(values)
+        if value > STRAGGLER_RATIO * median and value - median > floor
+    ]
 
 
-def train(cfg: TrainConfig, layout: Layout, world: int, device: torch.device,
-          xid: XidMonitor | None = None) -> None:
+def train(
+    cfg: TrainConfig,
+    layout: Layout,
+    world: int,
+    device: torch.device,
+    xid: XidMonitor | None = None,
+) -> None:
     rank = layout.rank
     model = ParallelMLP(cfg.model_config(), layout, cfg.seed).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
@@ -535,8 +578,11 @@ def train(cfg: TrainConfig, layout: Layout, world: int, device: torch.device,
         laps.lap("backward")
         flags = torch.zeros(1 + world, dtype=torch.float64)
         flags[1 + rank] = 1.0 if behind else 0.0
-        late = (layout.replicas == 1 or current == cfg.steps
-                or bool(cfg.checkpoint_every and current % cfg.checkpoint_every == 0))
+        late = (
+            layout.replicas == 1
+            or current == cfg.steps
+            or bool(cfg.checkpoint_every and current % cfg.checkpoint_every == 0)
+        )
         global_loss, mine = average_gradients(model, loss, layout, grads, flags, late)
         laps.lap("average")
         collect_stragglers(layout)  # the last comparison's figures come before this vote
@@ -563,7 +609,8 @@ def train(cfg: TrainConfig, layout: Layout, world: int, device: torch.device,
                 probe.detected(cause="non_finite", step=current, attempt=non_finite)
             if non_finite >= NON_FINITE_RETRIES:
                 raise NonFiniteFailure(
-                    f"gradients of step {current} non-finite {non_finite} times in a row")
+                    f"gradients of step {current} non-finite {non_finite} times in a row"
+                )
             continue
         non_finite = 0
         if not mine:
@@ -643,7 +690,7 @@ def main(argv: list[str] | None = None) -> int:
     _memory.keep_freed()
     if cfg.recovery != "restart":
         # Warm processes, in-memory state and in-place regrouping: a different runtime.
-        from reference_impl import resilient
+        from aftershock.reference_impl import resilient
 
         _exit_now(resilient.main(cfg))
     # Until the groups are up, keep Python's default SIGTERM action: it kills the process at
@@ -705,8 +752,13 @@ def main(argv: list[str] | None = None) -> int:
         generation = max(int(p[3]) for p in gathered)
         # The vote's connections, met through the job's store under the world's generation:
         # a store that outlives a world must not hand the next one the last world's address.
-        star = Star.connect(dist.distributed_c10d._get_default_store(), layout.rank, world,
-                            cfg.collective_timeout, key=f"aftershock/vote/{generation}")
+        star = Star.connect(
+            dist.distributed_c10d._get_default_store(),
+            layout.rank,
+            world,
+            cfg.collective_timeout,
+            key=f"aftershock/vote/{generation}",
+        )
         layout = dataclasses.replace(layout, star=star)
         probe.hello(
             world=world,
@@ -739,6 +791,6 @@ if __name__ == "__main__":
     # Run the importable module's main, not this __main__ copy of it: one copy of every
     # function and class, so whatever wraps or patches reference_impl.trainer (a profiler,
     # a test's deliberately broken variant) sees the code that actually runs.
-    from reference_impl import trainer
+    from aftershock.reference_impl import trainer
 
     sys.exit(trainer.main())

@@ -15,10 +15,16 @@ from typing import Any
 import pytest
 from _helpers import ROOT, on_two_ranks, read_events
 
-from harness import runner
-from harness.records import CheckResult, RunResult
-from harness.spec import LoadedScenario, Scenario, TrainerSystem, load_scenario, parse_scenario
-from harness.systems.nodes import NodesSystem
+from aftershock.harness import runner
+from aftershock.harness.records import CheckResult, RunResult
+from aftershock.harness.spec import (
+    LoadedScenario,
+    Scenario,
+    TrainerSystem,
+    load_scenario,
+    parse_scenario,
+)
+from aftershock.harness.systems.nodes import NodesSystem
 
 BROKEN = ROOT / "tests" / "broken"
 BUG_ENV = "AFTERSHOCK_TEST_BUG"

@@ -40,7 +40,7 @@ def cli(
     env = dict(os.environ)
     if cache is not None:
         env["AFTERSHOCK_CACHE_DIR"] = str(cache)
-    return subprocess.run([sys.executable, "-m", "harness", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "aftershock", *args], capture_output=True,
                           text=True, timeout=timeout, cwd=cwd, env=env)
 
 
@@ -125,7 +125,7 @@ def bounded_cli(*args: str, cpu_s: int = 5, wall_s: float = 30.0,
         report = Path(tmp) / "usage.json"
         proc = subprocess.Popen(
             [sys.executable, "-c", _MEASURE, str(cpu_s), str(address_space_mb * 1024 * 1024),
-             str(report), sys.executable, "-m", "harness", *args],
+             str(report), sys.executable, "-m", "aftershock", *args],
             stdout=out, stderr=err, stdin=subprocess.DEVNULL, start_new_session=True)
         timed_out = False
         try:
@@ -148,15 +148,16 @@ def bounded_cli(*args: str, cpu_s: int = 5, wall_s: float = 30.0,
 
 
 def reaper_of(pid: int) -> int | None:
-    """The pid of the reaper (``python -m faults.heal --watch PID``) watching harness ``pid``."""
-    from faults import all_pids
+    """The pid of the reaper (``python -m aftershock.faults.heal --watch PID``) watching harness
+    ``pid``."""
+    from aftershock.faults import all_pids
 
     for other in all_pids():
         try:
             argv = Path(f"/proc/{other}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"faults.heal" in argv and str(pid).encode() in argv:
+        if b"aftershock.faults.heal" in argv and str(pid).encode() in argv:
             return other
     return None
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from harness.records import Event
+from aftershock.harness.records import Event
 
 
 def step(t: float, rank: int, n: int, world: int = 4) -> Event:
@@ -326,22 +326,28 @@ def test_cpu_per_step_is_split_by_what_each_process_said_it_is() -> None:
         # The spare becomes rank 3 after the kill: it was a spare in the window.
         Event(t=9.0, event="hello", source="rank3", fields={"rank": 3, "pid": 11}),
     ]
-    first = {10: (1.0, "python -m reference_impl.trainer",
+    first = {10: (1.0, "python -m aftershock.reference_impl.trainer",
                   {"main": 0.5, "gloo transport": 0.3, "gloo work": 0.2}),
              11: (0.5, "python", {"main": 0.5}),
              12: (0.2, "python", {}), 13: (0.0, "python -m torch.distributed.run", {}),
-             14: (0.0, "python -m reference_impl.trainer", {})}
+             14: (0.0, "python -m aftershock.reference_impl.trainer", {})}
     # Rank 0's heartbeat thread started inside the window: its CPU counts in the process's
     # total (rank) but in no thread kind, which names only threads seen at both marks.
-    last = {10: (2.0, "python -m reference_impl.trainer",
+    last = {10: (2.0, "python -m aftershock.reference_impl.trainer",
                  {"main": 1.0, "gloo transport": 0.55, "gloo work": 0.35,
                   "other threads": 0.1}),
             11: (0.6, "python", {"main": 0.6}),
             12: (0.3, "python", {}), 13: (0.05, "python -m torch.distributed.run", {}),
-            14: (0.01, "python -m reference_impl.trainer", {}), 15: (9.0, "born late", {})}
+            14: (0.01, "python -m aftershock.reference_impl.trainer", {}),
+            15: (9.0, "born late", {})}
     out = cpu_profile(events, {20: first, 70: last}, (20, 70))
-    assert out["cpu_by_role"] == {"controller": 2.0, "rank": 20.0, "spare": 2.0,
-                                  "supervisor": 0.2, "torchrun agent": 1.0}
+    assert out["cpu_by_role"] == {
+        "controller": 2.0,
+        "rank": 20.0,
+        "spare": 2.0,
+        "supervisor": 0.2,
+        "torchrun agent": 1.0,
+    }
     assert round(out["cpu_ms_per_step"], 6) == 25.2
     # The spare's main thread is not a rank's.
     assert out["cpu_rank_threads"] == {"gloo transport": 5.0, "gloo work": 3.0, "main": 10.0}
@@ -354,13 +360,14 @@ def test_thread_cpu_finds_the_thread_that_spends_it() -> None:
     sleeps, alive, while it is measured."""
     from bench.run import thread_cpu
 
-    code = ("import threading, time\n"
-            "def spin():\n"
-            "    while time.thread_time() < 0.5: pass\n"
-            "    print('spun', flush=True); time.sleep(60)\n"
-            "t = threading.Thread(target=spin); t.start(); t.join()\n")
-    with subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                          text=True) as proc:
+    code = (
+        "import threading, time\n"
+        "def spin():\n"
+        "    while time.thread_time() < 0.5: pass\n"
+        "    print('spun', flush=True); time.sleep(60)\n"
+        "t = threading.Thread(target=spin); t.start(); t.join()\n"
+    )
+    with subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True) as proc:
         try:
             assert proc.stdout is not None
             assert proc.stdout.readline() == "spun\n"
@@ -378,13 +385,22 @@ def test_torchft_is_at_full_strength_when_all_ranks_commit_one_step_whatever_the
     from bench.run import full_strength
 
     torchft = next(p for p in PEERS if p.name == "torchft")
-    events = [Event(t=1.0, event="fault_injected", source="bench", fields={}),
-              Event(t=1.1, event="failure_detected", source="rank0", fields={"rank": 0})]
+    events = [
+        Event(t=1.0, event="fault_injected", source="bench", fields={}),
+        Event(t=1.1, event="failure_detected", source="rank0", fields={"rank": 0}),
+    ]
     events += [step(1.2 + 0.1 * i, r, 100 + i) for i in range(1, 30) for r in (0, 1)]
     # The killed group is back at step 120, in its own generation.
-    events += [Event(t=1.2 + 0.1 * i + 0.01, event="step", source=f"rank{r}",
-                     fields={"rank": r, "step": 100 + i, "world": 4, "generation": 1})
-               for i in range(20, 30) for r in (2, 3)]
+    events += [
+        Event(
+            t=1.2 + 0.1 * i + 0.01,
+            event="step",
+            source=f"rank{r}",
+            fields={"rank": r, "step": 100 + i, "world": 4, "generation": 1},
+        )
+        for i in range(20, 30)
+        for r in (2, 3)
+    ]
     events.sort(key=lambda e: e.t)
     assert round(full_strength(events, 1.0, torchft) or 0, 3) == 2.21
 
@@ -439,8 +455,7 @@ burn(0.1); emit("teardown"); time.sleep(0.05); burn(0.15)
     return cpu_at["launch"], cpu_at["teardown"] - cpu_at["launch"], total - cpu_at["teardown"]
 
 
-def test_harness_overhead_charges_the_clis_own_cpu_to_each_side_of_the_job(
-        tmp_path: Path) -> None:
+def test_harness_overhead_charges_the_clis_own_cpu_to_each_side_of_the_job(tmp_path: Path) -> None:
     before, during, after = _cpu_split(tmp_path)
     assert 0.18 <= before <= 0.3
     assert 0.08 <= during <= 0.2  # the child's 0.3 s is not the CLI's
@@ -448,7 +463,8 @@ def test_harness_overhead_charges_the_clis_own_cpu_to_each_side_of_the_job(
 
 
 def test_harness_overhead_cpu_check_catches_a_reading_that_counts_the_children(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import bench.harness_overhead
 
     monkeypatch.syspath_prepend(str(Path(__file__).parent / "broken"))
@@ -466,18 +482,46 @@ def test_allreduce_sizes_times_real_gloo_collectives_and_checks_their_sums() -> 
     `torch.distributed`'s functions against the group's own methods (`group_all_reduce`), and
     the blocking vote against the non-blocking one (`star_blocking`); and the votes' own
     connections (`socket_star`), what both loops vote over now."""
-    methods = ["all_reduce", "group_all_reduce", "star", "star_blocking", "socket_star",
-               "all_gather", "to_root"]
-    done = subprocess.run([sys.executable, "-m", "bench.allreduce_sizes", "--ranks", "3",
-                           "--sizes", "1,3", "--calls", "30", "--repeat", "1",
-                           "--methods", ",".join(methods)],
-                          cwd=Path(__file__).resolve().parents[1], capture_output=True,
-                          text=True, timeout=240, check=False)
+    methods = [
+        "all_reduce",
+        "group_all_reduce",
+        "star",
+        "star_blocking",
+        "socket_star",
+        "all_gather",
+        "to_root",
+    ]
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.allreduce_sizes",
+            "--ranks",
+            "3",
+            "--sizes",
+            "1,3",
+            "--calls",
+            "30",
+            "--repeat",
+            "1",
+            "--methods",
+            ",".join(methods),
+        ],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
-    rows = [line.split("|")[1:-1] for line in done.stdout.splitlines()
-            if line.startswith("| 1 ") or line.startswith("| 3 ")]
+    rows = [
+        line.split("|")[1:-1]
+        for line in done.stdout.splitlines()
+        if line.startswith("| 1 ") or line.startswith("| 3 ")
+    ]
     assert [(int(r[0]), r[1].strip()) for r in rows] == [
-        (size, method) for size in (1, 3) for method in methods], done.stdout
+        (size, method) for size in (1, 3) for method in methods
+    ], done.stdout
     for row in rows:
         assert float(row[2]) > 0  # wall µs per call
         assert float(row[6]) >= float(row[3])  # all ranks' CPU covers rank 0's main thread
@@ -487,8 +531,9 @@ def test_allreduce_sizes_times_real_gloo_collectives_and_checks_their_sums() -> 
 def test_allreduce_sizes_fails_on_a_wrong_sum(tmp_path: Path) -> None:
     """The "wrong" column is not decoration: a sum through rank 0 that forgets the last rank's
     part makes the run fail and say so."""
-    (tmp_path / "sitecustomize.py").write_text(textwrap.dedent("""\
-        import reference_impl.model as m
+    (tmp_path / "sitecustomize.py").write_text(
+        textwrap.dedent("""\
+        import aftershock.reference_impl.model as m
         good = m.sum_through_root
         def broken(value, rank, size, send, recv):
             def lossy(t, peer):
@@ -499,14 +544,33 @@ def test_allreduce_sizes_fails_on_a_wrong_sum(tmp_path: Path) -> None:
                     t.zero_()
             return good(value, rank, size, send, lossy)
         m.sum_through_root = broken
-    """))
+    """)
+    )
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{root}"}
-    done = subprocess.run([sys.executable, "-m", "bench.allreduce_sizes", "--ranks", "3",
-                           "--sizes", "1", "--calls", "5", "--repeat", "1",
-                           "--methods", "star,socket_star"],
-                          cwd=root, capture_output=True, text=True, timeout=240, check=False,
-                          env=env)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.allreduce_sizes",
+            "--ranks",
+            "3",
+            "--sizes",
+            "1",
+            "--calls",
+            "5",
+            "--repeat",
+            "1",
+            "--methods",
+            "star,socket_star",
+        ],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+        env=env,
+    )
     assert done.returncode == 1, done.stdout + done.stderr[-2000:]
     assert "results differ from the sum" in done.stderr
 
@@ -526,8 +590,12 @@ def test_every_other_repetition_runs_the_rows_in_reverse(
 
     monkeypatch.setattr(bench.run, "run_job", fake_job)
     monkeypatch.setattr(bench.run, "accepted_strategies", dict)
-    assert bench.run.main(["--only", "ddp,trainer_no_ckpt,hot_spare", "--repeat", "3",
-                           "--out", str(tmp_path)]) == 0
+    assert (
+        bench.run.main(
+            ["--only", "ddp,trainer_no_ckpt,hot_spare", "--repeat", "3", "--out", str(tmp_path)]
+        )
+        == 0
+    )
     order = ["ddp", "trainer_no_ckpt", "hot_spare"]
     assert ran == order + order[::-1] + order
 
@@ -548,8 +616,7 @@ def test_the_kill_is_decided_from_each_polls_new_events_alone() -> None:
             return super().rank
 
     def ev(event: str, rank: int, **fields: Any) -> Event:
-        return Counted(t=0.0, event=event, source=f"rank{rank}",
-                       fields={"rank": rank, **fields})
+        return Counted(t=0.0, event=event, source=f"rank{rank}", fields={"rank": rank, **fields})
 
     watch = KillWatch(kill_at=5)
     batches = [
@@ -581,29 +648,36 @@ def test_rows_run_in_reverse_order_every_other_repetition(monkeypatch, tmp_path)
         return None
 
     cpu = {"median": 1.0, "min": 1.0, "max": 1.0}
-    monkeypatch.setattr(serving, "router_cpu", lambda folder, repeat: {
-        "bare": cpu, "journal": cpu, "journal_extra_us": 0.0})
+    monkeypatch.setattr(
+        serving,
+        "router_cpu",
+        lambda folder, repeat: {"bare": cpu, "journal": cpu, "journal_extra_us": 0.0},
+    )
     monkeypatch.setattr(serving, "scenario", lambda row, requests, folder: row)
     monkeypatch.setattr(serving, "run_scenario", fake_run)
-    monkeypatch.setattr(serving, "measure", lambda result: {"tokens_per_s": 100.0,
-                                                             "passed": True})
+    monkeypatch.setattr(serving, "measure", lambda result: {"tokens_per_s": 100.0, "passed": True})
     cache = os.environ.get("AFTERSHOCK_CACHE_DIR")
-    serving.main(["--repeat", "3", "--only", "durable", "--only", "bare",
-                  "--out", str(tmp_path)])
+    serving.main(["--repeat", "3", "--only", "durable", "--only", "bare", "--out", str(tmp_path)])
     # Its own cache lived in a folder it removed: pointing the rest of this process (the
     # suite's later tests) there cost them every cached fault-free twin.
     assert os.environ.get("AFTERSHOCK_CACHE_DIR") == cache
-    assert ran == [(0, "durable"), (0, "bare"), (1, "bare"), (1, "durable"),
-                   (2, "durable"), (2, "bare")]
+    assert ran == [
+        (0, "durable"),
+        (0, "bare"),
+        (1, "bare"),
+        (1, "durable"),
+        (2, "durable"),
+        (2, "bare"),
+    ]
 
 
 def test_serving_measure_reads_the_workers_batches_from_their_counters(tmp_path: Path) -> None:
     """Tokens per engine step and the workers' CPU per step come from the engine counters
     the client fetched when the load was done (steps, generated tokens, cpu_ms), not from
     the router's own stats at shutdown; absent counters are not measured, not zero."""
+    from aftershock.harness.records import RunResult
+    from aftershock.harness.timeline import Timeline
     from bench.serving import measure
-    from harness.records import RunResult
-    from harness.timeline import Timeline
 
     timeline = Timeline(tmp_path / "events.jsonl")
     timeline.emit("serving_stats", "server", steps=1, generated_tokens=1, cpu_ms=1)
@@ -623,21 +697,36 @@ def test_serving_measure_reads_the_workers_batches_from_their_counters(tmp_path:
 
 def _phases(rank: int, window: tuple[int, int], **ms: tuple[float, float]) -> Event:
     """A rank's ``phases`` event: per phase (cpu ms, wall ms) over the window, in all."""
-    return Event(t=1.0, event="phases", source=f"rank{rank}", fields={
-        "rank": rank, "first": window[0], "last": window[1], "steps": window[1] - window[0],
-        "phases": {name: {"cpu_ns": int(cpu * 1e6), "wall_ns": int(wall * 1e6)}
-                   for name, (cpu, wall) in ms.items()}})
+    return Event(
+        t=1.0,
+        event="phases",
+        source=f"rank{rank}",
+        fields={
+            "rank": rank,
+            "first": window[0],
+            "last": window[1],
+            "steps": window[1] - window[0],
+            "phases": {
+                name: {"cpu_ns": int(cpu * 1e6), "wall_ns": int(wall * 1e6)}
+                for name, (cpu, wall) in ms.items()
+            },
+        },
+    )
 
 
 def test_the_phase_table_is_rank_0s_wall_time_and_every_ranks_cpu() -> None:
     from bench.run import phase_profile
 
     window = (20, 30)  # 10 steps
-    events = [_phases(r, window, forward=(10.0 * (r + 1), 40.0 + r), vote=(1.0, 20.0 + r))
-              for r in range(4)]
+    events = [
+        _phases(r, window, forward=(10.0 * (r + 1), 40.0 + r), vote=(1.0, 20.0 + r))
+        for r in range(4)
+    ]
     table = phase_profile(events, window)
-    assert table == {"forward": {"wall_ms": 4.0, "cpu_ms": 10.0},   # 100 ms of CPU / 10
-                     "vote": {"wall_ms": 2.0, "cpu_ms": 0.4}}
+    assert table == {
+        "forward": {"wall_ms": 4.0, "cpu_ms": 10.0},  # 100 ms of CPU / 10
+        "vote": {"wall_ms": 2.0, "cpu_ms": 0.4},
+    }
     assert list(table) == ["forward", "vote"]  # the loop's order, not the events'
 
 
@@ -661,8 +750,14 @@ def test_the_rendered_phase_table_puts_rows_side_by_side() -> None:
 
     runs = {
         "ddp": [{"phases": {"backward": {"wall_ms": 9.0, "cpu_ms": 6.0}}}],
-        "trainer_no_ckpt": [{"phases": {"backward": {"wall_ms": 3.0, "cpu_ms": 4.0},
-                                        "vote": {"wall_ms": 2.5, "cpu_ms": 1.0}}}],
+        "trainer_no_ckpt": [
+            {
+                "phases": {
+                    "backward": {"wall_ms": 3.0, "cpu_ms": 4.0},
+                    "vote": {"wall_ms": 2.5, "cpu_ms": 1.0},
+                }
+            }
+        ],
         "torchft": [{"phases": None}],  # a loop that does not time its phases
     }
     lines = phase_table(summarise(runs), {"warmup": 20, "kill_at": 300})
@@ -673,8 +768,10 @@ def test_the_rendered_phase_table_puts_rows_side_by_side() -> None:
     assert "| vote | – | 2.50 / 1.00 |" in text
     assert "| all phases | 9.00 / 6.00 | 5.50 / 5.00 |" in text
     assert "steps 21–295" in text
-    assert phase_table(summarise({"torchft": [{"phases": None}]}), {"warmup": 20,
-                                                                     "kill_at": 300}) == []
+    assert (
+        phase_table(summarise({"torchft": [{"phases": None}]}), {"warmup": 20, "kill_at": 300})
+        == []
+    )
 
 
 def test_a_resolved_target_says_what_resolved_it_never_a_missing_peer() -> None:
@@ -684,11 +781,19 @@ def test_a_resolved_target_says_what_resolved_it_never_a_missing_peer() -> None:
     from bench.run import summarise, target_line, targets
 
     def found(pairs: list[float]) -> dict[str, dict[str, Any]]:
-        runs = {"ddp": [{"steps_per_s": 100.0, "cpu_ms_per_step": 20.0, "params_match": True}
-                        for _ in pairs],
-                "trainer_no_ckpt": [{"steps_per_s": 100.0 / (1 + p),
-                                     "cpu_ms_per_step": 20.0 * (1 + p), "params_match": True}
-                                    for p in pairs]}
+        runs = {
+            "ddp": [
+                {"steps_per_s": 100.0, "cpu_ms_per_step": 20.0, "params_match": True} for _ in pairs
+            ],
+            "trainer_no_ckpt": [
+                {
+                    "steps_per_s": 100.0 / (1 + p),
+                    "cpu_ms_per_step": 20.0 * (1 + p),
+                    "params_match": True,
+                }
+                for p in pairs
+            ],
+        }
         return {t["target"]: t for t in targets(summarise(runs))}
 
     name = "trainer loop alone (trainer_no_ckpt) ≤ 3% vs plain DDP"
@@ -696,21 +801,24 @@ def test_a_resolved_target_says_what_resolved_it_never_a_missing_peer() -> None:
     assert over["met"] is False
     assert over["note"] == "the median's 94% interval 5.0–8.0% lies over the limit"
     assert target_line(over).endswith(
-        "| **no** (the median's 94% interval 5.0–8.0% lies over the limit) |")
+        "| **no** (the median's 94% interval 5.0–8.0% lies over the limit) |"
+    )
     under = found([0.01, 0.0, 0.02, 0.01, 0.015])[name]
     assert under["met"] is True
     assert under["note"] == "the median's 94% interval 0.0–2.0% lies under the limit"
     # One run's interval does not cover what changes between runs (two runs of the same
     # code differed beyond it: docs/benchmarks.md, "Run J"), so a met target says whose.
     assert target_line(under).endswith(
-        "| yes, in this run (the median's 94% interval 0.0–2.0% lies under the limit) |")
+        "| yes, in this run (the median's 94% interval 0.0–2.0% lies under the limit) |"
+    )
     for target in found([0.05, 0.06, 0.07, 0.05, 0.08]).values():
         if target["limit"] is not None:
             assert "peer row" not in str(target["note"]), target
 
 
-def test_the_gpu_bench_refuses_a_machine_without_cuda(capsys: pytest.CaptureFixture[str],
-                                                     tmp_path: Path) -> None:
+def test_the_gpu_bench_refuses_a_machine_without_cuda(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     """`python -m bench --gpu` on a CPU machine: a clear refusal, and no record written."""
     import torch
 

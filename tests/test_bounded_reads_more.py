@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 from _helpers import ROOT, bounded_cli
 
-from harness import golden, timeline
-from harness.spec import LoadedScenario, load_scenario, parse_scenario
-from harness.timeline import DamagedTimeline, Timeline, read_events
+from aftershock.harness import golden, timeline
+from aftershock.harness.spec import LoadedScenario, load_scenario, parse_scenario
+from aftershock.harness.timeline import DamagedTimeline, Timeline, read_events
 
 GIB = 1 << 30
 DEEP = "[" * 200_000
@@ -229,7 +229,7 @@ def test_the_shipped_golden_files_are_accepted() -> None:
 @pytest.mark.parametrize("plant", ["fifo", "dev_zero"])
 def test_a_membership_log_or_a_worker_log_is_read_only_as_a_regular_file(
         tmp_path: Path, plant: str) -> None:
-    from harness import attempts, oracle
+    from aftershock.harness import attempts, oracle
 
     for name in ("membership.jsonl", "stderr.log"):
         path = tmp_path / name
@@ -244,7 +244,7 @@ def test_a_membership_log_or_a_worker_log_is_read_only_as_a_regular_file(
 
 @pytest.mark.timeout(30)
 def test_a_membership_line_nested_deep_is_a_malformed_entry(tmp_path: Path) -> None:
-    from harness import oracle
+    from aftershock.harness import oracle
 
     path = tmp_path / "membership.jsonl"
     path.write_text('{"gen": 0, "first_step": 1, "replicas": [0]}\n' + DEEP + "\n")
@@ -255,8 +255,8 @@ def test_a_membership_line_nested_deep_is_a_malformed_entry(tmp_path: Path) -> N
 @pytest.mark.timeout(30)
 def test_recheck_believes_a_cached_twin_only_where_the_run_would(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from harness import recheck
-    from harness.runner import baseline_key
+    from aftershock.harness import recheck
+    from aftershock.harness.runner import baseline_key
 
     monkeypatch.setenv("AFTERSHOCK_CACHE_DIR", str(tmp_path / "cache"))
     loaded = _trainer_folder(tmp_path / "s")
@@ -289,7 +289,7 @@ def test_the_per_process_log_tail_passes_over_a_fifo(tmp_path: Path) -> None:
     every log probe; it is passed over, and the regular log beside it still read."""
     import threading
 
-    from harness.target import _Tailer
+    from aftershock.harness.target import _Tailer
 
     logs = tmp_path / "attempt_0"
     logs.mkdir()

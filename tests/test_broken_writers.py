@@ -1,7 +1,7 @@
 """Broken checkpoint writers fail the shipped storage scenarios' checkpoint_durable check.
 
 Each run is a shipped scenario, unchanged but for the writer: a sitecustomize.py
-(tests/fixtures/broken_writer/) patches reference_impl.checkpoint in every process of the
+(tests/fixtures/broken_writer/) patches aftershock.reference_impl.checkpoint in every process of the
 job, through the scenario's ``system.env``. The correct writer passes the same scenarios
 (test_shipped_scenarios.py). ``params_match`` is left out: it cannot see these bugs (a
 deterministic trainer that starts over still ends bitwise equal), and a different

@@ -22,7 +22,7 @@ SCRIPT = textwrap.dedent("""\
     import os, socket, sys, tempfile
     from pathlib import Path
     import torch, torch.distributed as dist
-    from reference_impl import checkpoint
+    from aftershock.reference_impl import checkpoint
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

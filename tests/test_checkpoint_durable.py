@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from harness.checks import Outcome, evaluate
-from harness.errors import SpecError
-from harness.records import CheckResult, Event
-from harness.spec import Expect, parse_scenario
+from aftershock.harness.checks import Outcome, evaluate
+from aftershock.harness.errors import SpecError
+from aftershock.harness.records import CheckResult, Event
+from aftershock.harness.spec import Expect, parse_scenario
 
 
 def ev(t: float, event: str, rank: int | None = None, **fields: object) -> Event:

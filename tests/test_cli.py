@@ -15,8 +15,8 @@ import pytest
 from _helpers import ROOT, cli, quick_scenario
 from rich.console import Console
 
-from harness.records import CheckResult, Event, RunResult
-from harness.report import LiveObserver, PlainObserver, junit_xml
+from aftershock.harness.records import CheckResult, Event, RunResult
+from aftershock.harness.report import LiveObserver, PlainObserver, junit_xml
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -298,7 +298,7 @@ def test_report_on_a_damaged_record_exits_2(tmp_path: Path, damage: dict[str, ob
 
 
 def test_docs_give_every_command_its_exit_codes() -> None:
-    from harness.cli import app
+    from aftershock.harness.cli import app
 
     table = (ROOT / "docs" / "cli.md").read_text().split("## Exit codes", 1)[1]
     names = [c.name or (c.callback.__name__ if c.callback else "") for c in app.registered_commands]
@@ -332,7 +332,7 @@ def test_unreadable_files_and_folders_are_named_with_a_position(tmp_path: Path) 
     sub.chmod(0)
     try:
         proc = subprocess.run(
-            [*_as_unprivileged(), sys.executable, "-m", "harness", "validate", str(good),
+            [*_as_unprivileged(), sys.executable, "-m", "aftershock", "validate", str(good),
              str(unreadable), str(locked / "inside.yaml"), str(tmp_path / "tree")],
             capture_output=True, text=True, timeout=60, env={**os.environ},
         )

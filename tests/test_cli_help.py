@@ -14,13 +14,13 @@ from _helpers import ROOT
 from typer.models import CommandInfo
 from typer.testing import CliRunner
 
-from harness.cli import app
+from aftershock.harness.cli import app
 
 pytestmark = pytest.mark.timeout(120)
 
 
 def test_version_is_the_installed_distributions() -> None:
-    shown = subprocess.run([sys.executable, "-m", "harness", "--version"], capture_output=True,
+    shown = subprocess.run([sys.executable, "-m", "aftershock", "--version"], capture_output=True,
                            text=True, timeout=60, cwd=ROOT,
                            env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert shown.returncode == 0, shown.stderr

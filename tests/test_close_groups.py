@@ -23,8 +23,8 @@ TIMEOUT_S = 60.0  # what a peer would wait if the groups were left open
 def _generation(store: Any, rank: int) -> Any:
     import torch.distributed as dist
 
-    from reference_impl._star import Star
-    from reference_impl.resilient import Groups
+    from aftershock.reference_impl._star import Star
+    from aftershock.reference_impl.resilient import Groups
 
     def group(name: str) -> Any:
         return dist.ProcessGroupGloo(dist.PrefixStore(f"gen0/{name}/", store), rank, 2,
@@ -40,8 +40,8 @@ def test_closing_a_generation_fails_a_blocked_peer_at_once_and_leaves_no_thread(
         blocked_on: str) -> None:
     import torch.distributed as dist
 
-    from reference_impl._leave import Leave
-    from reference_impl.resilient import Worker
+    from aftershock.reference_impl._leave import Leave
+    from aftershock.reference_impl.resilient import Worker
 
     store = dist.HashStore()
     groups = on_threads(2, lambda rank: _generation(store, rank))
@@ -78,8 +78,8 @@ def test_closing_a_generation_fails_a_blocked_peer_at_once_and_leaves_no_thread(
 
 
 def test_closing_nothing_is_a_no_op() -> None:
-    from reference_impl._leave import Leave
-    from reference_impl.resilient import Worker
+    from aftershock.reference_impl._leave import Leave
+    from aftershock.reference_impl.resilient import Worker
 
     idle = SimpleNamespace(groups=None, model=None, leave=Leave())
     Worker.close_groups(idle)  # type: ignore[arg-type]

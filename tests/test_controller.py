@@ -22,8 +22,8 @@ import pytest
 import torch.distributed as dist
 from _helpers import killed
 
-from reference_impl import controller
-from reference_impl.trainer import TrainConfig
+from aftershock.reference_impl import controller
+from aftershock.reference_impl.trainer import TrainConfig
 
 T = 3.0  # collective timeout; the heartbeat timeout defaults to it
 TICK = 0.02  # the controller's own check interval
@@ -536,7 +536,7 @@ def reader(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[dist.Store, Any]]:
     reader on its own connection, in a thread. The thread ends before the store does: a
     hosted store destroyed under a blocked reader aborts the interpreter (``terminate
     called without an active exception``, exit status 134)."""
-    from reference_impl import _store
+    from aftershock.reference_impl import _store
 
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
     with socket.socket() as s:
@@ -572,7 +572,7 @@ def test_a_reporter_killed_between_its_index_and_its_report_does_not_silence_the
     hole once it has stayed empty for ``HOLE_S`` while a later index was taken, and a
     reporter that was only slow finds its index filled and reports again under a new one:
     nothing is lost, and the reader never waits on a dead writer."""
-    from reference_impl import _store
+    from aftershock.reference_impl import _store
 
     store, out = reader
     job = job_factory(recovery="hot_spare", replicas=2, spares=1)

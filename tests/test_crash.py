@@ -29,8 +29,8 @@ from typing import Any
 import pytest
 from _helpers import reaper_of
 
-from faults import _cgroup
-from faults._proc import all_pids, environ, state
+from aftershock.faults import _cgroup
+from aftershock.faults._proc import all_pids, environ, state
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = ROOT / "tests" / "fixtures" / "ranks_job.py"
@@ -130,7 +130,7 @@ class Trial:
         self.digest = hashlib.sha256(self.data.read_bytes()).hexdigest()
         self.env = {**os.environ, "AFTERSHOCK_STATE_DIR": str(self.state)}
         self.harness = subprocess.Popen(
-            [sys.executable, "-m", "harness", "run", str(_scenario(tmp_path)),
+            [sys.executable, "-m", "aftershock", "run", str(_scenario(tmp_path)),
              "--run-dir", str(self.runs), "--plain"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.env,
             cwd=ROOT,
@@ -246,7 +246,7 @@ def trial(tmp_path: Path) -> Any:
         if t.harness.poll() is None:
             t.harness.kill()
             t.harness.communicate(timeout=30)
-        subprocess.run([sys.executable, "-m", "harness", "heal"], env=t.env, cwd=ROOT,
+        subprocess.run([sys.executable, "-m", "aftershock", "heal"], env=t.env, cwd=ROOT,
                        capture_output=True, timeout=60, check=False)
 
 
@@ -287,7 +287,7 @@ def test_heal_leaves_nothing_when_the_reaper_died_too(trial: Any, moment: int | 
     in_place, what = t.kill(reaper="killed")
     if moment is None:
         _everything(in_place)
-    healed = subprocess.run([sys.executable, "-m", "harness", "heal"], env=t.env, cwd=ROOT,
+    healed = subprocess.run([sys.executable, "-m", "aftershock", "heal"], env=t.env, cwd=ROOT,
                             capture_output=True, text=True, timeout=60)
     assert healed.returncode == 0, f"{what}\n{healed.stdout}{healed.stderr}"
     # Processes get SIGKILL, which takes effect a moment later; everything else is done.

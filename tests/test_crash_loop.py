@@ -1,7 +1,8 @@
 """Crash loops explained: how each process of a run ended, in the report, JSON and JUnit.
 
 The unit tests build torchrun's files by hand (its ``--log-dir`` layout, its agent's stderr
-lines) and read them through :mod:`harness.attempts`; the last test runs a real torchrun job
+lines) and read them through :mod:`aftershock.harness.attempts`; the last test runs a real torchrun
+job
 whose every restart dies loading an empty snapshot.
 """
 
@@ -16,8 +17,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from harness import api
-from harness.attempts import (
+from aftershock.harness import api
+from aftershock.harness.attempts import (
     TAIL_BYTES,
     LauncherExit,
     crash_loop,
@@ -28,9 +29,9 @@ from harness.attempts import (
     report_lines,
     summarize,
 )
-from harness.records import Event, ProcessEnd, RunResult
-from harness.report import check_table_text, junit_xml, render_result, write_json
-from harness.rundir import read_result
+from aftershock.harness.records import Event, ProcessEnd, RunResult
+from aftershock.harness.report import check_table_text, junit_xml, render_result, write_json
+from aftershock.harness.rundir import read_result
 
 JOB = Path(__file__).parent / "fixtures" / "crash_loop_job.py"
 

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 from _helpers import ROOT
 
-from harness.checks import Outcome, evaluate
-from harness.errors import SpecError
-from harness.records import Event
-from harness.runner import run_scenario
-from harness.spec import LoadedScenario, parse_scenario
+from aftershock.harness.checks import Outcome, evaluate
+from aftershock.harness.errors import SpecError
+from aftershock.harness.records import Event
+from aftershock.harness.runner import run_scenario
+from aftershock.harness.spec import LoadedScenario, parse_scenario
 
 FREEZE = ROOT / "scenarios" / "serving" / "freeze_worker.yaml"
 

@@ -15,12 +15,12 @@ from typing import Any
 
 import pytest
 
-from harness import explore as engine
-from harness import runner
-from harness.errors import HarnessError, PreflightError
-from harness.explore import Exploration, describe, explore
-from harness.records import CheckResult, FaultRecord, RunResult
-from harness.spec import LoadedScenario, load_scenario, parse_scenario, to_yaml
+from aftershock.harness import explore as engine
+from aftershock.harness import runner
+from aftershock.harness.errors import HarnessError, PreflightError
+from aftershock.harness.explore import Exploration, describe, explore
+from aftershock.harness.records import CheckResult, FaultRecord, RunResult
+from aftershock.harness.spec import LoadedScenario, load_scenario, parse_scenario, to_yaml
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -360,9 +360,9 @@ explore: {kinds: [process.kill], targets: [rank], at: {step: {min: 1, max: 20}}}
 def test_kinds_this_machine_cannot_cause_are_left_out(
     base: LoadedScenario, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import faults.registry
+    import aftershock.faults.registry
 
-    monkeypatch.setattr(faults.registry, "preflight", lambda kind, params:
+    monkeypatch.setattr(aftershock.faults.registry, "preflight", lambda kind, params:
                         ["no freezer here"] if kind == "process.freeze" else [])
     fake = stand_in(monkeypatch, lambda faults: "pass")
     notes: list[str] = []
@@ -374,7 +374,7 @@ def test_kinds_this_machine_cannot_cause_are_left_out(
     run(base, tmp_path, runs=10, observer=Notes())
     assert notes == ["left out process.freeze: this machine cannot cause it (no freezer here)"]
     assert not any("freeze" in s for s in fake.ran)
-    monkeypatch.setattr(faults.registry, "preflight", lambda kind, params: ["nothing"])
+    monkeypatch.setattr(aftershock.faults.registry, "preflight", lambda kind, params: ["nothing"])
     with pytest.raises(PreflightError, match="cannot cause any fault kind"):
         run(base, tmp_path, runs=10)
 
@@ -398,7 +398,7 @@ def test_the_live_view_and_plain_lines_show_runs_failures_and_findings(
 
     from rich.console import Console
 
-    from harness.report import ExploreLiveObserver, ExplorePlainObserver
+    from aftershock.harness.report import ExploreLiveObserver, ExplorePlainObserver
 
     stand_in(monkeypatch, second_fault_during_recovery)
     plain = io.StringIO()

@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 from _helpers import ROOT, cli, read_events
 
-from harness import runner
-from harness.explore import NOT_ORACLES, Exploration, explore, judge, run_schedule
-from harness.spec import LoadedScenario, Scenario, load_scenario
+from aftershock.harness import runner
+from aftershock.harness.explore import NOT_ORACLES, Exploration, explore, judge, run_schedule
+from aftershock.harness.spec import LoadedScenario, Scenario, load_scenario
 
 pytest.importorskip("torch")
 

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 from _helpers import ROOT, read_events
 
-from harness.explore import Exploration, Finding, explore
-from harness.spec import LoadedScenario, load_scenario
+from aftershock.harness.explore import Exploration, Finding, explore
+from aftershock.harness.spec import LoadedScenario, load_scenario
 
 pytest.importorskip("torch")
 

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 from _helpers import ROOT, cli
 
-from faults._proc import environ
-from harness.spec import load_scenario
+from aftershock.faults._proc import environ
+from aftershock.harness.spec import load_scenario
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -160,7 +160,7 @@ def start_explore(tmp_path: Path) -> tuple[subprocess.Popen[str], Path]:
     scenario = write(tmp_path, "job", job_scenario("job"))
     out = tmp_path / "out"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "harness", "explore", str(scenario), "--runs", "40", "--seed",
+        [sys.executable, "-m", "aftershock", "explore", str(scenario), "--runs", "40", "--seed",
          "2", "--out", str(out), "--no-db"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=tmp_path)
     return proc, out

@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 from _helpers import ROOT
 
-from harness.explore import Exploration, explore
-from harness.runner import run_scenario
-from harness.spec import LoadedScenario, load_scenario
+from aftershock.harness.explore import Exploration, explore
+from aftershock.harness.runner import run_scenario
+from aftershock.harness.spec import LoadedScenario, load_scenario
 
 pytestmark = [pytest.mark.slow, pytest.mark.explore_long, pytest.mark.timeout(2400)]
 

@@ -19,11 +19,18 @@ import pytest
 from _helpers import ROOT
 from hypothesis import HealthCheck, find, given, settings
 
-from harness._space import ROUTER_PHASES, option_value, with_options
-from harness.errors import SpecError
-from harness.explore import describe
-from harness.spec import Scenario, ServerSystem, in_process, load_scenario, parse_scenario, to_yaml
-from harness.strategies import scenarios, space_of
+from aftershock.harness._space import ROUTER_PHASES, option_value, with_options
+from aftershock.harness.errors import SpecError
+from aftershock.harness.explore import describe
+from aftershock.harness.spec import (
+    Scenario,
+    ServerSystem,
+    in_process,
+    load_scenario,
+    parse_scenario,
+    to_yaml,
+)
+from aftershock.harness.strategies import scenarios, space_of
 
 pytestmark = pytest.mark.timeout(120)
 

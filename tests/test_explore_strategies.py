@@ -21,10 +21,10 @@ from _helpers import ROOT
 from hypothesis import HealthCheck, find, given, seed, settings
 from hypothesis import strategies as st
 
-from harness._space import END_PHASES, Space, option_value, resolve
-from harness.errors import SpecError
-from harness.explore import describe
-from harness.spec import (
+from aftershock.harness._space import END_PHASES, Space, option_value, resolve
+from aftershock.harness.errors import SpecError
+from aftershock.harness.explore import describe
+from aftershock.harness.spec import (
     Scenario,
     ServerSystem,
     TrainerSystem,
@@ -34,7 +34,7 @@ from harness.spec import (
     parse_scenario,
     to_yaml,
 )
-from harness.strategies import fault_schedules, scenarios, schedules_in, space_of
+from aftershock.harness.strategies import fault_schedules, scenarios, schedules_in, space_of
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -357,10 +357,14 @@ def test_schema_includes_the_explore_block() -> None:
 
 
 def test_importing_the_harness_does_not_import_hypothesis() -> None:
-    code = ("import sys, harness, harness.spec, harness.explore, harness.cli, harness.runner, "
-            "harness._space; print('hypothesis' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, cwd=ROOT)
+    code = (
+        "import sys, aftershock, aftershock.harness.spec, aftershock.harness.explore, "
+        "aftershock.harness.cli, aftershock.harness.runner, aftershock.harness._space; "
+        "print('hypothesis' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+    )
     assert out.stdout.strip() == "False"
 
 
@@ -386,9 +390,16 @@ def test_all_ranks_expand_for_faults_inside_the_target() -> None:
     nan = {"kind": "memory.nan", "params": {"tensor": ["grad:*"]}}
 
     @FAST
-    @given(fault_schedules(system, kinds=[nan], targets=["all"], at=steps, max_faults=1),
-           fault_schedules(system, kinds=["process.kill"], targets=["all"],
-                           at={"step": {"min": 1, "max": 60}}, max_faults=1))
+    @given(
+        fault_schedules(system, kinds=[nan], targets=["all"], at=steps, max_faults=1),
+        fault_schedules(
+            system,
+            kinds=["process.kill"],
+            targets=["all"],
+            at={"step": {"min": 1, "max": 60}},
+            max_faults=1,
+        ),
+    )
     def check(inside: list[Any], outside: list[Any]) -> None:
         assert sorted(f.target.rank for f in inside) == [0, 1, 2, 3]
         assert len({f.at for f in inside}) == 1
@@ -402,10 +413,14 @@ def test_system_options_are_drawn_per_run_and_written_into_the_scenario() -> Non
     """`explore.system` draws system options with each schedule: every value declared comes
     up, ranges stay inside, the scenario written for a run carries the values it ran with
     (and loads back as the same scenario), and its one-line schedule names them."""
-    base = parse_scenario(TRAINER.replace("RECOVERY", "elastic") + (
-        "explore:\n  kinds: [process.kill]\n  at: {step: {min: 5, max: 30}}\n"
-        "  system:\n    snapshot_every: [1, 2, 3]\n"
-        "    collective_timeout: {min: 1s, max: 3s}\n"))
+    base = parse_scenario(
+        TRAINER.replace("RECOVERY", "elastic")
+        + (
+            "explore:\n  kinds: [process.kill]\n  at: {step: {min: 5, max: 30}}\n"
+            "  system:\n    snapshot_every: [1, 2, 3]\n"
+            "    collective_timeout: {min: 1s, max: 3s}\n"
+        )
+    )
     space = space_of(base)
     seen: set[int] = set()
 
@@ -416,9 +431,12 @@ def test_system_options_are_drawn_per_run_and_written_into_the_scenario() -> Non
         inside(space, spec)
         seen.add(spec.system.snapshot_every)
         # What is not drawn stays the base's.
-        assert spec.system.model_copy(update={
-            "snapshot_every": 1, "collective_timeout": base.system.collective_timeout,  # type: ignore[union-attr]
-        }) == base.system.model_copy(update={"snapshot_every": 1})
+        assert spec.system.model_copy(
+            update={
+                "snapshot_every": 1,
+                "collective_timeout": base.system.collective_timeout,  # type: ignore[union-attr]
+            }
+        ) == base.system.model_copy(update={"snapshot_every": 1})
         text = to_yaml(spec)
         assert f"snapshot_every: {spec.system.snapshot_every}" in text
         assert parse_scenario(text) == spec
@@ -432,11 +450,18 @@ def test_system_options_are_drawn_per_run_and_written_into_the_scenario() -> Non
 def test_system_options_shrink_to_the_first_value_that_still_fails() -> None:
     """A failure that needs snapshots sparser than every step shrinks to the first declared
     interval that has it, and its faults as simple as ever."""
-    base = parse_scenario(TRAINER.replace("RECOVERY", "hot_spare") + (
-        "explore:\n  kinds: [process.kill]\n  targets: [rank, shard]\n"
-        "  at: {step: {min: 5, max: 30}}\n  system:\n    snapshot_every: [1, 2, 3, 4]\n"))
-    found = find(scenarios(base), lambda spec: spec.system.snapshot_every >= 2,  # type: ignore[union-attr]
-                 settings=settings(database=None, max_examples=500))
+    base = parse_scenario(
+        TRAINER.replace("RECOVERY", "hot_spare")
+        + (
+            "explore:\n  kinds: [process.kill]\n  targets: [rank, shard]\n"
+            "  at: {step: {min: 5, max: 30}}\n  system:\n    snapshot_every: [1, 2, 3, 4]\n"
+        )
+    )
+    found = find(
+        scenarios(base),
+        lambda spec: spec.system.snapshot_every >= 2,  # type: ignore[union-attr]
+        settings=settings(database=None, max_examples=500),
+    )
     assert found.system.snapshot_every == 2  # type: ignore[union-attr]
     assert describe(found.faults) == "process.kill rank 0 @ step 5"
 

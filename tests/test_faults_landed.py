@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from harness.checks import Outcome, evaluate
-from harness.records import CheckResult, Event
-from harness.spec import Expect
+from aftershock.harness.checks import Outcome, evaluate
+from aftershock.harness.records import CheckResult, Event
+from aftershock.harness.spec import Expect
 
 
 def injected(fault: int, **fields: Any) -> Event:

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from _helpers import ROOT, cli, read_events
 
-from harness.runner import run_scenario
-from harness.spec import LoadedScenario, parse_scenario
+from aftershock.harness.runner import run_scenario
+from aftershock.harness.spec import LoadedScenario, parse_scenario
 
 JOB = ROOT / "tests" / "fixtures" / "files_job.py"
 

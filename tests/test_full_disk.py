@@ -127,7 +127,7 @@ def test_a_full_run_folder_stops_the_job_at_once_with_a_record(tmp_path: Path,
         run_dir = disk / "runs"
         began = time.monotonic()
         done = subprocess.run(
-            [sys.executable, "-m", "harness", "run", str(path), "--run-dir", str(run_dir),
+            [sys.executable, "-m", "aftershock", "run", str(path), "--run-dir", str(run_dir),
              "--plain", "--json", str(tmp_path / "out.json")],
             capture_output=True, text=True, timeout=TIMEOUT_S - 60, env=env, cwd=tmp_path)
         took = time.monotonic() - began
@@ -177,7 +177,7 @@ def test_no_room_at_all_keeps_the_record_elsewhere_and_says_where(tmp_path: Path
                 filler.write(bytes(64 * 1024))
                 filler.flush()
         done = subprocess.run(
-            [sys.executable, "-m", "harness", "run", str(path), "--run-dir", str(run_dir),
+            [sys.executable, "-m", "aftershock", "run", str(path), "--run-dir", str(run_dir),
              "--plain"],
             capture_output=True, text=True, timeout=100, env=env, cwd=tmp_path)
         output = done.stdout + done.stderr

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from harness._room import Room, RunDirFull
-from harness.target import _LogPump
-from harness.timeline import Timeline
+from aftershock.harness._room import Room, RunDirFull
+from aftershock.harness.target import _LogPump
+from aftershock.harness.timeline import Timeline
 
 pytestmark = pytest.mark.timeout(60)
 

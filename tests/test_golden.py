@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 from _helpers import ROOT, cli
 
-from harness import golden, oracle, runner
-from harness.runner import run_scenario
-from harness.spec import LoadedScenario, TrainerSystem, load_scenario, parse_scenario
+from aftershock.harness import golden, oracle, runner
+from aftershock.harness.runner import run_scenario
+from aftershock.harness.spec import LoadedScenario, TrainerSystem, load_scenario, parse_scenario
 
 FAULTS = ROOT / "scenarios" / "faults"
 DATA_ORDER = ROOT / "tests" / "fixtures" / "broken" / "data_order"
@@ -135,7 +135,7 @@ def test_the_twin_must_equal_its_golden(
     assert not other.passed
     assert other.observed == "1/2 ranks equal the oracle"
     assert "differs from the golden of this host's key" in other.message
-    assert "the independent oracle (harness.oracle) disagrees too" in other.message
+    assert "the independent oracle (aftershock.harness.oracle) disagrees too" in other.message
     assert f"aftershock golden --update {loaded.path}" in other.message
     missing = golden.check(loaded, seed=0, what="digests", found=None)
     assert missing is not None
@@ -219,7 +219,7 @@ def test_update_records_once_per_twin_and_says_what_changed(
     assert runs == ["a"]
     (entry,) = golden.read(folder / "golden.json")
     assert entry["scenarios"] == ["a", "b"]
-    assert entry["checked_by"] == "equal to the independent oracle (harness.oracle)"
+    assert entry["checked_by"] == "equal to the independent oracle (aftershock.harness.oracle)"
     digests["1"] = "c"
     assert [r.status for r in golden.update([paced], seed=None, use_cache=False,
                                             run_root=tmp_path)] == ["changed"]
@@ -315,8 +315,8 @@ def test_an_outputs_golden_sees_every_token_and_every_logits_digest() -> None:
     """The golden of a server's twin hashes what outputs_match compares: each request's tokens
     and each token's logits digest, whatever form the outputs come in (the run's Output
     records, or the twin cache's JSON)."""
-    from harness.golden import outputs_digest
-    from harness.metrics import Output
+    from aftershock.harness.golden import outputs_digest
+    from aftershock.harness.metrics import Output
 
     outputs = {"r1": Output((5, 6), ("aa", "bb")), "r0": Output((7,), ("cc",))}
     as_json = {k: v.to_json() for k, v in outputs.items()}

@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 from _helpers import ROOT
 
-from harness import golden, oracle, runner
-from harness.oracle import serving
-from harness.spec import LoadedScenario, parse_scenario
+from aftershock.harness import golden, oracle, runner
+from aftershock.harness.oracle import serving
+from aftershock.harness.spec import LoadedScenario, parse_scenario
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 DATA_ORDER = ROOT / "tests" / "fixtures" / "broken" / "data_order"
@@ -150,7 +150,7 @@ def test_no_golden_for_the_key_and_the_oracle_agrees_passes(
     bad = golden.check(loaded, seed=0, what="digests", found={0: "a", 1: "b"})
     assert bad is not None
     assert not bad.passed
-    assert "disagrees with the independent oracle (harness.oracle)" in bad.message
+    assert "disagrees with the independent oracle (aftershock.harness.oracle)" in bad.message
     assert bad.observed == "1/2 ranks equal the oracle"
 
 
@@ -174,7 +174,7 @@ def test_a_golden_of_the_same_key_that_differs_is_judged_by_the_oracle(
     assert broken is not None
     assert not broken.passed
     assert "differs from the golden of this host's key" in broken.message
-    assert "the independent oracle (harness.oracle) disagrees too" in broken.message
+    assert "the independent oracle (aftershock.harness.oracle) disagrees too" in broken.message
     fake_oracle(monkeypatch, None)  # no oracle to confirm: the golden alone is the witness
     alone = golden.check(loaded, seed=0, what="digests", found={0: "a", 1: "a"})
     assert alone is not None
@@ -264,9 +264,9 @@ def test_the_serving_oracle_restates_the_model_and_judges_the_engine() -> None:
     changed token does not."""
     import torch
 
-    from harness.oracle import serving_math
-    from reference_impl.serving.engine import Engine, EngineConfig
-    from reference_impl.serving.model import GPT, ModelConfig, encode
+    from aftershock.harness.oracle import serving_math
+    from aftershock.reference_impl.serving.engine import Engine, EngineConfig
+    from aftershock.reference_impl.serving.model import GPT, ModelConfig, encode
 
     config = ModelConfig(seed=3)
     assert (config.vocab, config.n_layer, config.n_head, config.d_model, config.max_seq) == (
@@ -375,7 +375,7 @@ def test_a_broken_fault_free_path_fails_on_a_forced_host_key(
     result, _ = broken_trainer_on("forced-key", tmp_path, monkeypatch)
     assert result is not None
     assert not result.passed
-    assert "disagrees with the independent oracle (harness.oracle)" in result.message
+    assert "disagrees with the independent oracle (aftershock.harness.oracle)" in result.message
 
 
 @pytest.mark.scenarios
@@ -387,7 +387,7 @@ def test_a_broken_fault_free_path_fails_on_every_simulated_host(
     result, _ = broken_trainer_on(host, tmp_path, monkeypatch)
     assert result is not None
     assert not result.passed, result.message
-    assert "disagrees with the independent oracle (harness.oracle)" in result.message
+    assert "disagrees with the independent oracle (aftershock.harness.oracle)" in result.message
 
 
 @pytest.mark.scenarios

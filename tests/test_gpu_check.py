@@ -1,4 +1,4 @@
-"""ci/gpu-check (harness.gpu_check): what can be checked without a GPU.
+"""ci/gpu-check (aftershock.harness.gpu_check): what can be checked without a GPU.
 
 Its trainer row runs on CUDA with NCCL only where a GPU is lent (docs/gpu.md); here the
 same scenario runs with Gloo on the CPU, so a scenario that could not pass anywhere (a
@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import gpu_check
-from harness.runner import run_scenario
-from harness.spec import LoadedScenario, parse_scenario
+from aftershock.harness import gpu_check
+from aftershock.harness.runner import run_scenario
+from aftershock.harness.spec import LoadedScenario, parse_scenario
 
 
 @pytest.mark.slow

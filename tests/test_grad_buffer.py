@@ -21,7 +21,7 @@ def _parts(seed: int) -> list[object]:
 
 
 def test_the_buffer_holds_what_a_fresh_concatenation_holds_step_after_step() -> None:
-    from reference_impl.model import GradBuffer
+    from aftershock.reference_impl.model import GradBuffer
 
     buffer = GradBuffer()
     first = buffer.flatten(_parts(0))
@@ -34,7 +34,7 @@ def test_the_buffer_holds_what_a_fresh_concatenation_holds_step_after_step() -> 
 
 
 def test_a_change_of_size_or_dtype_gets_a_new_buffer() -> None:
-    from reference_impl.model import GradBuffer
+    from aftershock.reference_impl.model import GradBuffer
 
     buffer = GradBuffer()
     buffer.flatten(_parts(0))
@@ -53,7 +53,7 @@ def test_gradients_still_viewing_the_buffer_are_never_overwritten() -> None:
     """The loops drop the previous step's gradient views (``zero_grad(set_to_none=True)``)
     before the next backward. A view still read as an input must fail the step loudly, not
     be overwritten while it is read."""
-    from reference_impl.model import GradBuffer
+    from aftershock.reference_impl.model import GradBuffer
 
     buffer = GradBuffer()
     flat = buffer.flatten(_parts(0))
@@ -70,9 +70,9 @@ def test_the_trainer_reuses_one_buffer_and_ends_bitwise_where_it_did(tmp_path: o
 
     import torch.distributed as dist
 
-    from reference_impl import trainer
-    from reference_impl._star import Star
-    from reference_impl.model import GradBuffer, ModelConfig, ParallelMLP, build_layout
+    from aftershock.reference_impl import trainer
+    from aftershock.reference_impl._star import Star
+    from aftershock.reference_impl.model import GradBuffer, ModelConfig, ParallelMLP, build_layout
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29655")
@@ -107,7 +107,7 @@ def test_all_finite_finds_one_nan_or_infinity_wherever_it_is(dtype: str) -> None
     applied. One pass finds both bounds (``torch.aminmax``): checked here against
     ``torch.isfinite(...).all()`` for each special value at the edges, inside a vectorised
     stretch and in its tail, and for sizes around the vector widths."""
-    from reference_impl.model import all_finite
+    from aftershock.reference_impl.model import all_finite
 
     kind = getattr(torch, dtype)
     gen = torch.Generator().manual_seed(7)

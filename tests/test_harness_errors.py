@@ -29,7 +29,7 @@ def run(tmp_path: Path, scenario: str, *, broken: str = "",
     env = {**os.environ, "PYTHONPATH": f"{BROKEN}{os.pathsep}{ROOT}",
            "AFTERSHOCK_TEST_BREAK": broken, "AFTERSHOCK_CACHE_DIR": str(tmp_path / "cache")}
     return subprocess.run(
-        [sys.executable, "-m", "harness", "run", str(path), "--run-dir", str(tmp_path / "runs"),
+        [sys.executable, "-m", "aftershock", "run", str(path), "--run-dir", str(tmp_path / "runs"),
          "--plain", "--json", str(tmp_path / "out.json"), "--junit", str(tmp_path / "out.xml"),
          *extra],
         capture_output=True, text=True, timeout=100, env=env, cwd=tmp_path)

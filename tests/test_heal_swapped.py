@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest
 from _helpers import quick_scenario, reaper_of
 
-from faults._proc import ProcessRef
-from faults.heal import heal_journal
-from faults.journal import Journal, UndoRefused, state_dir
-from faults.storage import CORRUPT
+from aftershock.faults._proc import ProcessRef
+from aftershock.faults.heal import heal_journal
+from aftershock.faults.journal import Journal, UndoRefused, state_dir
+from aftershock.faults.storage import CORRUPT
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -54,7 +54,7 @@ class Crashed:
         faults = faults.replace("${job}", str(self.job))
         scenario.write_text(quick_scenario("swapped", f"faults:\n{faults}", duration=60))
         self.harness = subprocess.Popen(
-            [sys.executable, "-m", "harness", "run", str(scenario), "--run-dir",
+            [sys.executable, "-m", "aftershock", "run", str(scenario), "--run-dir",
              str(self.runs), "--plain"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=self.env, cwd=ROOT)
         self._wait_applied(applied)
@@ -91,7 +91,7 @@ class Crashed:
         return list(folder.iterdir()) if folder.is_dir() else []
 
     def heal(self) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "harness", "heal"], env=self.env,
+        return subprocess.run([sys.executable, "-m", "aftershock", "heal"], env=self.env,
                               cwd=ROOT, capture_output=True, text=True, timeout=60)
 
 

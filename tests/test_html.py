@@ -19,8 +19,8 @@ import yaml
 from _browser import Browser, chromium, png_pixels
 from _helpers import cli, read_events
 
-from harness.html import render
-from harness.rundir import load_run
+from aftershock.harness.html import render
+from aftershock.harness.rundir import load_run
 
 RUNS = Path(__file__).parent / "fixtures" / "recorded"
 TRAINING = RUNS / "train-kill-rank-hot-spare"
@@ -203,9 +203,9 @@ def test_comparison_names_the_runs_that_failed() -> None:
 
     from rich.console import Console
 
-    from harness.compare import compare, render_comparison
-    from harness.records import CheckResult
-    from harness.rundir import read_result
+    from aftershock.harness.compare import compare, render_comparison
+    from aftershock.harness.records import CheckResult
+    from aftershock.harness.rundir import read_result
 
     base = read_result(TRAINING / "result.json")
     slow = CheckResult("time_to_recover", False, 9.0, "<= 3s", "recovery took 9s")
@@ -338,7 +338,7 @@ faults:
     html = tmp_path / "r.html"
 
     def aftershock(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "harness", *args], capture_output=True,
+        return subprocess.run([sys.executable, "-m", "aftershock", *args], capture_output=True,
                               text=True, timeout=110, env=env)
 
     blocked = subprocess.run([sys.executable, "-c", "import hypothesis"], env=env,
@@ -369,7 +369,7 @@ def test_explore_without_hypothesis_names_the_extra(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         p for p in (str(tmp_path / "site"), os.environ.get("PYTHONPATH")) if p)}
     done = subprocess.run(
-        [sys.executable, "-m", "harness", "explore", "scenarios/explore/elastic.yaml",
+        [sys.executable, "-m", "aftershock", "explore", "scenarios/explore/elastic.yaml",
          "--runs", "1"], capture_output=True, text=True, timeout=60, env=env,
         cwd=Path(__file__).resolve().parent.parent)
     assert done.returncode == 2, done.stdout + done.stderr

@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 from _helpers import NAN_THEN_HANG
 
-from faults import ProcessRef
-from faults.contract import COMMANDS_ENV
-from faults.journal import Journal
-from harness.injector import Injector
-from harness.records import Event
-from harness.runner import NullObserver
-from harness.spec import parse_scenario
-from harness.timeline import Timeline
+from aftershock.faults import ProcessRef
+from aftershock.faults.contract import COMMANDS_ENV
+from aftershock.faults.journal import Journal
+from aftershock.harness.injector import Injector
+from aftershock.harness.records import Event
+from aftershock.harness.runner import NullObserver
+from aftershock.harness.spec import parse_scenario
+from aftershock.harness.timeline import Timeline
 
 SCENARIO = """\
 name: order

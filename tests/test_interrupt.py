@@ -18,7 +18,7 @@ from xml.etree import ElementTree as ET
 
 import pytest
 
-from faults._proc import all_pids, environ, state
+from aftershock.faults._proc import all_pids, environ, state
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = ROOT / "tests" / "fixtures" / "ranks_job.py"
@@ -55,7 +55,7 @@ def run_processes(run_root: Path) -> list[tuple[int, str | None]]:
 def start(tmp_path: Path) -> tuple[subprocess.Popen[str], Path]:
     runs = tmp_path / "runs"
     harness = subprocess.Popen(
-        [sys.executable, "-m", "harness", "run", str(write_scenario(tmp_path)),
+        [sys.executable, "-m", "aftershock", "run", str(write_scenario(tmp_path)),
          "--run-dir", str(runs), "--plain", "--json", str(tmp_path / "out.json"),
          "--junit", str(tmp_path / "out.xml")],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -134,14 +134,14 @@ def test_heal_command_cleans_up_when_no_reaper_ran(tmp_path: Path) -> None:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if b"faults.heal" in cmdline and str(harness.pid).encode() in cmdline:
+        if b"aftershock.faults.heal" in cmdline and str(harness.pid).encode() in cmdline:
             os.kill(pid, signal.SIGKILL)
     harness.kill()
     harness.communicate(timeout=30)
     time.sleep(0.5)
     assert any(s == "T" for _, s in run_processes(runs))  # left behind, still frozen
     healed = subprocess.run(
-        [sys.executable, "-m", "harness", "heal"], capture_output=True, text=True, timeout=60,
+        [sys.executable, "-m", "aftershock", "heal"], capture_output=True, text=True, timeout=60,
         env={**os.environ, "AFTERSHOCK_STATE_DIR": str(tmp_path / "state")},
     )
     assert healed.returncode == 0, healed.stderr
@@ -159,7 +159,7 @@ def test_a_sigterm_that_lands_in_a_gc_callback_still_ends_the_run() -> None:
     The harness must still unwind, at the latest where the unwinding context ends."""
     import gc
 
-    from harness import runner
+    from aftershock.harness import runner
 
     armed = [True]
 

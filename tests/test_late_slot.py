@@ -51,7 +51,7 @@ def test_a_spare_slot_that_starts_after_the_end_finds_the_job_over(tmp_path: Pat
            **dict([mark.split("=", 1)])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            "--nproc-per-node=3", "--max-restarts=0", "--monitor-interval=0.1",
-           "-m", "reference_impl.trainer", "--recovery=hot_spare", "--spares=1",
+           "-m", "aftershock.reference_impl.trainer", "--recovery=hot_spare", "--spares=1",
            "--replicas=2", "--shards=1", "--steps=20", "--checkpoint-every=0",
            f"--checkpoint-dir={tmp_path / 'ck'}"]
     start = time.monotonic()

@@ -23,7 +23,8 @@ def imports(folder: Path) -> dict[Path, set[str]]:
                 names.update(f"{node.module}.{a.name}" for a in node.names)
             elif isinstance(node, ast.Import):
                 names.update(a.name for a in node.names)
-        found[path] = names
+        # Inside the repository the three folders are the aftershock package's parts.
+        found[path] = {n.removeprefix("aftershock.") for n in names}
     return found
 
 
@@ -34,6 +35,27 @@ def test_the_engine_imports_neither_the_harness_nor_the_reference_systems() -> N
     assert not {p: n for p, n in bad.items() if n}
 
 
+def test_every_import_of_the_project_goes_through_the_aftershock_namespace() -> None:
+    """In a checkout the three folders also import as top-level names; an install has only
+    ``aftershock``, so an import of ``harness``, ``faults`` or ``reference_impl`` would work
+    here and break every user."""
+    bare: dict[str, list[str]] = {}
+    for folder in ("harness", "faults", "reference_impl", "tests", "bench", "examples"):
+        for path in (ROOT / folder).rglob("*.py"):
+            if path.is_relative_to(ROOT / "bench" / "results"):
+                continue  # records of past measurements, kept as they ran
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = ([node.module] if isinstance(node, ast.ImportFrom) and node.module
+                         and not node.level
+                         else [a.name for a in node.names] if isinstance(node, ast.Import)
+                         else [])
+                wrong = [n for n in names
+                         if n.split(".")[0] in ("harness", "faults", "reference_impl")]
+                if wrong:
+                    bare.setdefault(str(path.relative_to(ROOT)), []).extend(wrong)
+    assert not bare
+
+
 def test_the_harness_uses_the_engine_through_its_public_api() -> None:
     private = {str(p.relative_to(ROOT)): sorted(n for n in names
                                                 if n.startswith("faults._"))
@@ -42,55 +64,95 @@ def test_the_harness_uses_the_engine_through_its_public_api() -> None:
 
 
 def test_the_probe_and_the_in_process_engine_import_only_the_standard_library() -> None:
-    code = ("import sys, harness.probe, faults.inproc, faults.nvml_sim; "
-            "print(sorted({m.split('.')[0] for m in sys.modules} & "
-            "{'pydantic', 'torch', 'yaml', 'rich', 'typer', 'jinja2'}))")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          cwd=ROOT, timeout=60, check=True)
+    code = (
+        "import sys, aftershock.harness.probe, aftershock.faults.inproc, "
+        "aftershock.faults.nvml_sim; "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & "
+        "{'pydantic', 'torch', 'yaml', 'rich', 'typer', 'jinja2'}))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+        check=True,
+    )
     assert done.stdout.strip() == "[]"
 
 
-def loaded(modules: list[str], *, argv: list[str] | None = None,
-           path: Path | None = None) -> set[str]:
+def loaded(
+    modules: list[str], *, argv: list[str] | None = None, path: Path | None = None
+) -> set[str]:
     """Every module a fresh interpreter has loaded after importing ``modules`` (then, with
-    ``argv``, after running ``python -m harness ARGV`` to its exit)."""
+    ``argv``, after running ``python -m aftershock ARGV`` to its exit)."""
     code = "import importlib, runpy, sys\n"
     if path is not None:
         code += f"sys.path.insert(0, {str(path)!r})\n"
     code += f"for name in {modules!r}: importlib.import_module(name)\n"
     if argv is not None:
-        code += (f"sys.argv = ['aftershock', *{argv!r}]\n"
-                 "try:\n    runpy.run_module('harness', run_name='__main__')\n"
-                 "except SystemExit:\n    pass\n")
+        code += (
+            f"sys.argv = ['aftershock', *{argv!r}]\n"
+            "try:\n    runpy.run_module('aftershock', run_name='__main__')\n"
+            "except SystemExit:\n    pass\n"
+        )
     code += "print('modules:', *sorted(sys.modules))"  # the last line, after any help text
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          cwd=ROOT, timeout=60, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+        check=True,
+    )
     last = done.stdout.splitlines()[-1].split()
     assert last[0] == "modules:", done.stdout
     return set(last[1:])
 
 
 def tops(modules: set[str]) -> set[str]:
-    return {m.split(".")[0] for m in modules}
+    return {m.removeprefix("aftershock.").split(".")[0] for m in modules}
 
 
 #: Never needed to start the command line or print its help: each costs tens of milliseconds
 #: of every `aftershock` call, or is an optional extra (bench/results/investigations-2026-12.md,
 #: "What `aftershock run` costs beyond the job").
-NOT_FOR_HELP = {"pydantic", "pydantic_core", "yaml", "faults", "torch", "docker", "hypothesis",
-                "jinja2", "numpy"}
+NOT_FOR_HELP = {
+    "pydantic",
+    "pydantic_core",
+    "yaml",
+    "faults",
+    "torch",
+    "docker",
+    "hypothesis",
+    "jinja2",
+    "numpy",
+}
 #: Not needed to load and run a training scenario: the serving client's HTTP, JUnit's XML,
 #: and what lives behind its own extra.
-NOT_FOR_A_RUN = {"http.client", "ssl", "xml.etree.ElementTree", "torch", "docker",
-                 "hypothesis", "numpy"}
-RUN_PATH = ["harness.cli", "harness.runner", "harness.report", "harness.spec"]
+NOT_FOR_A_RUN = {
+    "http.client",
+    "ssl",
+    "xml.etree.ElementTree",
+    "torch",
+    "docker",
+    "hypothesis",
+    "numpy",
+}
+RUN_PATH = [
+    "aftershock.harness.cli",
+    "aftershock.harness.runner",
+    "aftershock.harness.report",
+    "aftershock.harness.spec",
+]
 
 
 def test_the_command_line_and_its_help_load_no_heavy_module() -> None:
-    for found in (loaded(["harness.cli"]), loaded([], argv=["--help"])):
+    for found in (loaded(["aftershock.harness.cli"]), loaded([], argv=["--help"])):
         heavy = tops(found) & NOT_FOR_HELP
         assert not heavy
-        assert {m for m in found if m.startswith("harness.")} == {"harness.cli"}
+        ours = {m for m in found if m.startswith("aftershock.harness.")}
+        assert ours == {"aftershock.harness.cli"}
 
 
 def test_the_run_path_loads_neither_serving_nor_junit_nor_optional_extras() -> None:

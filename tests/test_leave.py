@@ -1,4 +1,4 @@
-"""Leaving a superseded generation without Gloo's help (``reference_impl._leave``).
+"""Leaving a superseded generation without Gloo's help (``aftershock.reference_impl._leave``).
 
 Real Gloo groups (two ranks on threads of one process) and a real star. A wait on a
 generation's group gives up within a slice once a newer plan superseded the generation,
@@ -24,7 +24,7 @@ from tests._helpers import on_threads
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
-from reference_impl._leave import SLICE_S, Abandonable, Leave, Left  # noqa: E402
+from aftershock.reference_impl._leave import SLICE_S, Abandonable, Leave, Left  # noqa: E402
 
 TIMEOUT_S = 30.0  # what a wait would last without leaving
 
@@ -178,7 +178,7 @@ def _loop(group: Any, rank: int, ended: dict[int, tuple[float, BaseException]]) 
 
 
 def test_the_vote_is_shut_down_when_the_generation_is_superseded() -> None:
-    from reference_impl._star import Star, StarError
+    from aftershock.reference_impl._star import Star, StarError
 
     store = dist.HashStore()
     stars = on_threads(2, lambda rank: Star.connect(store, rank, 2, TIMEOUT_S))
@@ -204,7 +204,7 @@ def test_the_vote_is_shut_down_when_the_generation_is_superseded() -> None:
 
 
 def test_a_plan_that_came_while_the_generation_was_built_shuts_its_vote_at_once() -> None:
-    from reference_impl._star import Star, StarError
+    from aftershock.reference_impl._star import Star, StarError
 
     store = dist.HashStore()
     stars = on_threads(2, lambda rank: Star.connect(store, rank, 2, TIMEOUT_S))

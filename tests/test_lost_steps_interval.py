@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from harness import metrics
-from harness.checks import Outcome, evaluate
-from harness.records import CheckResult, Event, FaultRecord
-from harness.spec import CountBudget, Expect
+from aftershock.harness import metrics
+from aftershock.harness.checks import Outcome, evaluate
+from aftershock.harness.records import CheckResult, Event, FaultRecord
+from aftershock.harness.spec import CountBudget, Expect
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,4 +1,5 @@
-"""The independent oracle (harness.oracle): a restatement of the reference trainer's math.
+"""The independent oracle (aftershock.harness.oracle): a restatement of the reference trainer's
+math.
 
 Its pieces are checked bitwise against the reference model here (init, data, one replica's
 gradients); the whole, against real runs: the shipped elastic scenario's faulted run
@@ -18,12 +19,12 @@ import torch
 import torch.nn.functional as F
 from _helpers import ROOT
 
-from harness import oracle
-from harness.oracle import Generation, trainer_math
-from harness.runner import NullObserver, replay_digests
-from harness.spec import LoadedScenario, TrainerSystem, parse_scenario
-from reference_impl import model as reference_model
-from reference_impl.trainer import TrainConfig
+from aftershock.harness import oracle
+from aftershock.harness.oracle import Generation, trainer_math
+from aftershock.harness.runner import NullObserver, replay_digests
+from aftershock.harness.spec import LoadedScenario, TrainerSystem, parse_scenario
+from aftershock.reference_impl import model as reference_model
+from aftershock.reference_impl.trainer import TrainConfig
 
 pytestmark = pytest.mark.timeout(120)
 

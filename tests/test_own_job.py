@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 from _helpers import cli
 
-from harness.errors import SpecError
-from harness.runner import run_scenario
-from harness.spec import load_scenario
-from harness.target import interpreter_bin
+from aftershock.harness.errors import SpecError
+from aftershock.harness.runner import run_scenario
+from aftershock.harness.spec import load_scenario
+from aftershock.harness.target import interpreter_bin
 
 #: Records what the job saw of its launch in $JOB_OUT, and whether a snapshot from an
 #: earlier run was where it stands.
@@ -86,7 +86,7 @@ def test_a_command_is_found_as_in_an_activated_environment(
 
 
 def test_a_missing_program_says_where_it_was_looked_for(tmp_path: Path) -> None:
-    from harness.errors import RunFailed
+    from aftershock.harness.errors import RunFailed
     path = scenario(tmp_path, command="[no-such-program-xyz, job.py]")
     with pytest.raises(RunFailed, match=r"not found in .*this interpreter's bin folder"):
         run_scenario(load_scenario(path), run_dir=tmp_path / "run")
@@ -293,7 +293,7 @@ expect: {{completes: true}}
 # ---------------------------------------------------------------- the Python API
 
 def test_the_python_api_loads_runs_and_checks(tmp_path: Path) -> None:
-    from harness import api
+    from aftershock.harness import api
     (tmp_path / "job.py").write_text(JOB)
     scenario = api.from_dict({
         "name": "from-python",
@@ -344,7 +344,7 @@ def test_restarts_pids_and_exit_are_seen_from_the_launcher(tmp_path: Path) -> No
 
     from rich.console import Console
 
-    from harness.report import LiveObserver
+    from aftershock.harness.report import LiveObserver
 
     (tmp_path / "restarting.py").write_text(RESTARTING)
     path = tmp_path / "restart.yaml"
@@ -357,7 +357,7 @@ system:
 expect: {{completes: true}}
 """)
     loaded = load_scenario(path)
-    from harness import systems
+    from aftershock.harness import systems
     assert systems.of(loaded.spec.system).steps(loaded.spec.system) == 8  # the progress bar
     view = LiveObserver(Console(file=StringIO(), width=120))
     result = run_scenario(loaded, run_dir=tmp_path / "run", observer=view)

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from harness import systems
-from harness.errors import SpecError
-from harness.runner import _storage_root
-from harness.spec import parse_scenario
+from aftershock.harness import systems
+from aftershock.harness.errors import SpecError
+from aftershock.harness.runner import _storage_root
+from aftershock.harness.spec import parse_scenario
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from reference_impl.phases import ENV, EVENT, Laps, parse
+from aftershock.reference_impl.phases import ENV, EVENT, Laps, parse
 
 
 def _spin(seconds: float) -> None:

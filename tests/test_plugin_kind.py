@@ -62,7 +62,7 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def aftershock(*args: str, site: Path | None, cwd: Path) -> subprocess.CompletedProcess[str]:
     path = [str(site)] if site is not None else []
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([*path, str(ROOT)])}
-    return subprocess.run([sys.executable, "-m", "harness", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "aftershock", *args], capture_output=True,
                           text=True, timeout=120, cwd=cwd, env=env)
 
 
@@ -129,7 +129,7 @@ def test_an_installed_package_adds_a_system_kind(site: Path, tmp_path: Path) -> 
         "{kind: collective.error, target: {rank: 0}, at: {step: 1}}"))
     refused = aftershock("validate", str(inside), site=site, cwd=tmp_path)
     assert refused.returncode == 2
-    assert "a plain script does not call harness.probe.install()" in refused.stderr
+    assert "a plain script does not call aftershock.harness.probe.install()" in refused.stderr
     listed = aftershock("faults", "--system", "script", "--json", site=site, cwd=tmp_path)
     kinds = {entry["kind"] for entry in json.loads(listed.stdout)}
     assert {"process.kill", "preempt.notice"} <= kinds

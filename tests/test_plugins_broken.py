@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from _helpers import ROOT
 
-from faults import CAPABILITIES
+from aftershock.faults import CAPABILITIES
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -49,7 +49,7 @@ def aftershock(*args: str, site: Path, cwd: Path, no_plugins: bool = False
     env["PYTHONPATH"] = os.pathsep.join([str(site), str(ROOT)])
     if no_plugins:
         env["AFTERSHOCK_NO_PLUGINS"] = "1"
-    return subprocess.run([sys.executable, "-m", "harness", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "aftershock", *args], capture_output=True,
                           text=True, timeout=100, cwd=cwd, env=env)
 
 
@@ -63,8 +63,8 @@ def uses(path: Path, fault: str) -> Path:
 
 
 KINDS = """\
-from faults import Applied, KindInfo
-from faults.params import FaultParams
+from aftershock.faults import Applied, KindInfo
+from aftershock.faults.params import FaultParams
 
 
 class _Kind:
@@ -164,22 +164,28 @@ def test_a_misspelt_acts_a_capability_and_missing_params_are_refused_saying_what
     assert problems["TYPO"].endswith(
         "`acts` is 'outsde'; allowed: 'outside', 'inside', 'either'")
     assert problems["BARE"].endswith(
-        "fault kind bare.kind: no `params` (a faults.params.FaultParams model; `params = "
-        "FaultParams` for a kind without parameters), so no scenario can use it")
+        "fault kind bare.kind: no `params` (an aftershock.faults.params.FaultParams "
+        "model; `params = "
+        "FaultParams` for a kind without parameters), so no scenario can use it"
+    )
     assert "item 1: fault kind gpus.kind: `needs` is" in problems["SEVERAL"]
-    assert (f"`needs` is frozenset({{'gpus'}}), not a frozenset of "
-            f"{', '.join(CAPABILITIES)}") in problems["SEVERAL"]
+    assert (
+        f"`needs` is frozenset({{'gpus'}}), not a frozenset of {', '.join(CAPABILITIES)}"
+    ) in problems["SEVERAL"]
 
     # A kind without `params` is named as such where it is used, not as "unknown kind".
     used = uses(tmp_path / "bare.yaml", "{kind: bare.kind, at: {time: 1s}}")
     refused = aftershock("validate", str(used), site=site, cwd=tmp_path)
     assert refused.returncode == 3
     assert "unknown kind" not in refused.stderr
-    assert f"{used}:5:12: faults.0.kind: plug-in skipped: aftershock-sloppy 1.0, entry point " \
-        "aftershock.faults: bare = broken_kinds:BARE: fault kind bare.kind: no `params`" in (
-            refused.stderr)
-    good = uses(tmp_path / "good.yaml",
-                "{kind: good.kind, target: {role: launcher}, at: {time: 1s}}")
+    assert (
+        f"{used}:5:12: faults.0.kind: plug-in skipped: aftershock-sloppy 1.0, entry point "
+        "aftershock.faults: bare = broken_kinds:BARE: fault kind bare.kind: no `params`"
+        in (refused.stderr)
+    )
+    good = uses(
+        tmp_path / "good.yaml", "{kind: good.kind, target: {role: launcher}, at: {time: 1s}}"
+    )
     assert aftershock("validate", str(good), site=site, cwd=tmp_path).returncode == 0
 
 
@@ -198,21 +204,28 @@ HALF = Half()
 
 
 def test_a_broken_system_kind_and_a_preset_that_cannot_be_imported_are_named(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     site = tmp_path / "site"
-    install(site, "aftershock-more", "2.1",
-            "[aftershock.systems]\nscript = broken_systems:HALF\n"
-            "[aftershock.presets]\nmyframe = not_there.presets:MYFRAME\n",
-            {"broken_systems": SYSTEMS})
+    install(
+        site,
+        "aftershock-more",
+        "2.1",
+        "[aftershock.systems]\nscript = broken_systems:HALF\n"
+        "[aftershock.presets]\nmyframe = not_there.presets:MYFRAME\n",
+        {"broken_systems": SYSTEMS},
+    )
     plain = tmp_path / "plain.yaml"
     plain.write_text(PLAIN)
     checked = aftershock("validate", str(plain), site=site, cwd=tmp_path)
     assert checked.returncode == 0, checked.stderr
     # The preset group is loaded only when a scenario asks for a preset.
     (system,) = warnings_of(checked)
-    assert system.startswith(f"{WARNING}aftershock-more 2.1, entry point aftershock.systems: "
-                             "script = broken_systems:HALF: system kind script: ")
-    assert "no `model` (a pydantic model (harness.schema.Strict))" in system
+    assert system.startswith(
+        f"{WARNING}aftershock-more 2.1, entry point aftershock.systems: "
+        "script = broken_systems:HALF: system kind script: "
+    )
+    assert "no `model` (a pydantic model (aftershock.harness.schema.Strict))" in system
     assert "no `launch` (a method)" in system
 
     script = tmp_path / "script.yaml"
@@ -222,24 +235,34 @@ def test_a_broken_system_kind_and_a_preset_that_cannot_be_imported_are_named(
     assert f"{script}:2:9: system: plug-in skipped: aftershock-more 2.1" in refused.stderr
 
     preset = tmp_path / "preset.yaml"
-    preset.write_text(PLAIN.replace("faults: []", "faults: []").replace(
-        "  command:", "  preset: myframe\n  command:"))
+    preset.write_text(
+        PLAIN.replace("faults: []", "faults: []").replace(
+            "  command:", "  preset: myframe\n  command:"
+        )
+    )
     refused = aftershock("validate", str(preset), site=site, cwd=tmp_path)
     assert refused.returncode == 3, refused.stderr
-    assert (f"{preset}:3:11: system.preset: plug-in skipped: aftershock-more 2.1, entry point "
-            "aftershock.presets: myframe = not_there.presets:MYFRAME: cannot be imported: "
-            "ModuleNotFoundError: No module named 'not_there'") in refused.stderr
+    assert (
+        f"{preset}:3:11: system.preset: plug-in skipped: aftershock-more 2.1, entry point "
+        "aftershock.presets: myframe = not_there.presets:MYFRAME: cannot be imported: "
+        "ModuleNotFoundError: No module named 'not_there'"
+    ) in refused.stderr
 
 
 def test_no_plugins_loads_no_entry_point_at_all(tmp_path: Path) -> None:
     site = tmp_path / "site"
     marker = tmp_path / "imported"
-    install(site, "aftershock-preempt-notice", "0.1.0",
-            "[aftershock.faults]\npreempt_notice = aftershock_preempt_notice:NOTICE\n"
-            "loud = loud:KIND\n",
-            {"loud": f"import pathlib\npathlib.Path({str(marker)!r}).write_text('x')\nKIND = 1\n"})
-    shutil.copy(ROOT / "tests" / "fixtures" / "plugin_package" / "aftershock_preempt_notice.py",
-                site)
+    install(
+        site,
+        "aftershock-preempt-notice",
+        "0.1.0",
+        "[aftershock.faults]\npreempt_notice = aftershock_preempt_notice:NOTICE\n"
+        "loud = loud:KIND\n",
+        {"loud": f"import pathlib\npathlib.Path({str(marker)!r}).write_text('x')\nKIND = 1\n"},
+    )
+    shutil.copy(
+        ROOT / "tests" / "fixtures" / "plugin_package" / "aftershock_preempt_notice.py", site
+    )
     notice = uses(tmp_path / "notice.yaml", "{kind: preempt.notice, at: {time: 1s}}")
 
     off = aftershock("faults", "--json", site=site, cwd=tmp_path, no_plugins=True)
@@ -259,5 +282,6 @@ def test_no_plugins_loads_no_entry_point_at_all(tmp_path: Path) -> None:
     assert loud.endswith(
         "loud = loud:KIND: fault kind (a int): no `info` (a faults.KindInfo with a dotted "
         "lower-case `kind`, a `summary` and `caused_by`); no `inject` (a method: "
-        "inject(target, params, journal)); no `revert` (a method: revert(undo))")
+        "inject(target, params, journal)); no `revert` (a method: revert(undo))"
+    )
     assert aftershock("validate", str(notice), site=site, cwd=tmp_path).returncode == 0

@@ -1,6 +1,6 @@
 """The plug-in protocols, checked when a kind registers (faults/plugins.py): what a fault
 kind and a system kind must and may declare, the optional hooks read in one place
-(faults.registry.Hooks), and which broken plug-in a scenario's name may be asking for."""
+(aftershock.faults.registry.Hooks), and which broken plug-in a scenario's name may be asking for."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 from _helpers import ROOT
 
-import faults
-from faults import Applied, KindInfo, plugins, registry
-from faults.params import FaultParams
-from harness import systems
+from aftershock import faults
+from aftershock.faults import Applied, KindInfo, plugins, registry
+from aftershock.faults.params import FaultParams
+from aftershock.harness import systems
 
 
 class _Kind:
@@ -44,19 +44,30 @@ def test_the_optional_hooks_are_read_once_typed_and_defaulted() -> None:
     assert faults.hooks(faults.get("storage.lose_unsynced")).check is not None
 
 
-@pytest.mark.parametrize(("attrs", "problem"), [
-    ({"acts": "outsde"}, "`acts` is 'outsde'; allowed: 'outside', 'inside', 'either'"),
-    ({"needs": frozenset({"gpu"})}, "`needs` is frozenset({'gpu'}), not a frozenset of "
-     + ", ".join(faults.CAPABILITIES)),
-    ({"preflight": "yes"}, "`preflight` is 'yes', not a method: preflight(params)"),
-    ({"params": dict}, "`params` is <class 'dict'>, not a faults.params.FaultParams model"),
-    ({"acts": "either"}, "`acts` is 'either' but it gives no `inside(params, phase)`"),
-    ({"info": KindInfo(kind="Preempt", summary="s", caused_by="c")},
-     "`info` is KindInfo(kind='Preempt'"),
-    ({"default_target": "launcher"}, "`default_target` is 'launcher', not a mapping or None"),
-])
+@pytest.mark.parametrize(
+    ("attrs", "problem"),
+    [
+        ({"acts": "outsde"}, "`acts` is 'outsde'; allowed: 'outside', 'inside', 'either'"),
+        (
+            {"needs": frozenset({"gpu"})},
+            "`needs` is frozenset({'gpu'}), not a frozenset of " + ", ".join(faults.CAPABILITIES),
+        ),
+        ({"preflight": "yes"}, "`preflight` is 'yes', not a method: preflight(params)"),
+        (
+            {"params": dict},
+            "`params` is <class 'dict'>, not an aftershock.faults.params.FaultParams model",
+        ),
+        ({"acts": "either"}, "`acts` is 'either' but it gives no `inside(params, phase)`"),
+        (
+            {"info": KindInfo(kind="Preempt", summary="s", caused_by="c")},
+            "`info` is KindInfo(kind='Preempt'",
+        ),
+        ({"default_target": "launcher"}, "`default_target` is 'launcher', not a mapping or None"),
+    ],
+)
 def test_a_kind_the_protocol_does_not_allow_is_refused_saying_what_is_wrong(
-        attrs: dict[str, Any], problem: str) -> None:
+    attrs: dict[str, Any], problem: str
+) -> None:
     kind = type("Bad", (_Kind,), attrs)()
     with pytest.raises(ValueError, match=re.escape(problem)):
         registry.register(kind)
@@ -74,7 +85,8 @@ def test_a_kind_without_its_required_parts_names_each_one() -> None:
         "no `info` (a faults.KindInfo with a dotted lower-case `kind`, a `summary` and "
         "`caused_by`); "
         "no `inject` (a method: inject(target, params, journal)); "
-        "no `revert` (a method: revert(undo))")
+        "no `revert` (a method: revert(undo))"
+    )
 
 
 def test_a_system_kind_is_checked_against_its_protocol() -> None:
@@ -84,8 +96,11 @@ def test_a_system_kind_is_checked_against_its_protocol() -> None:
         name, model, tag, shape, order = "half", built_in.model, ("half", None), "`half`", 9
         family, golden = "train", "digests"
 
-    with pytest.raises(ValueError, match=r"system kind half: `family` is 'train'; allowed: "
-                       r"'training', 'serving'; no `launch` \(a method\); no `target`"):
+    with pytest.raises(
+        ValueError,
+        match=r"system kind half: `family` is 'train'; allowed: "
+        r"'training', 'serving'; no `launch` \(a method\); no `target`",
+    ):
         systems.register(Half())  # type: ignore[arg-type]
     assert "half" not in systems._registry
     assert systems.unresolved(built_in) is not None  # the command kind's optional hook
@@ -108,10 +123,13 @@ def test_no_other_module_looks_a_kinds_hooks_up_by_name() -> None:
     # kinds' in harness/systems/__init__.py; a `getattr(kind, "hook")` elsewhere is a second
     # reading of the protocol that validation at registration would not cover.
     lookup = re.compile(r"getattr\(\s*(kind|k|fault_kind|faults\.get\([^)]*\))\s*,")
-    found = [f"{path.relative_to(ROOT)}:{number}"
-             for folder in ("faults", "harness") for path in sorted((ROOT / folder).rglob("*.py"))
-             if path.name not in ("registry.py", "plugins.py")
-             and path.relative_to(ROOT).as_posix() != "harness/systems/__init__.py"
-             for number, line in enumerate(path.read_text().splitlines(), 1)
-             if lookup.search(line)]
+    found = [
+        f"{path.relative_to(ROOT)}:{number}"
+        for folder in ("faults", "harness")
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        if path.name not in ("registry.py", "plugins.py")
+        and path.relative_to(ROOT).as_posix() != "harness/systems/__init__.py"
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if lookup.search(line)
+    ]
     assert found == []

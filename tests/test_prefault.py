@@ -1,4 +1,5 @@
-"""Memory made ready before a recovery needs it (reference_impl._memory): what the spare and
+"""Memory made ready before a recovery needs it (aftershock.reference_impl._memory): what the spare
+and
 the standbys prefault is the size of the state they will receive, and it spares them the
 page faults of their first allocations."""
 
@@ -11,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from reference_impl import _memory, resilient
-from reference_impl.model import Layout, ModelConfig, ParallelMLP, shard_numels
+from aftershock.reference_impl import _memory, resilient
+from aftershock.reference_impl.model import Layout, ModelConfig, ParallelMLP, shard_numels
 
 CONFIGS = [ModelConfig(), ModelConfig(d_model=128, hidden=1024, blocks=2),
            ModelConfig(d_model=32, hidden=96, blocks=3, d_out=5)]
@@ -58,8 +59,8 @@ from types import SimpleNamespace
 import torch
 torch.set_num_threads(1)
 torch.use_deterministic_algorithms(True)
-from reference_impl import resilient
-from reference_impl.model import ModelConfig
+from aftershock.reference_impl import resilient
+from aftershock.reference_impl.model import ModelConfig
 
 cfg = SimpleNamespace(model_config=lambda: ModelConfig(d_model=128, hidden=1024, blocks=2),
                       replicas=2, shards=2, seed=3, lr=1e-3)
@@ -112,7 +113,7 @@ def test_prefault_touches_at_most_its_limit_and_keeps_it() -> None:
     assert _memory.prefault(0) == 0  # nothing to do, and no setting changed
     code = """
 import os
-from reference_impl import _memory
+from aftershock.reference_impl import _memory
 def resident():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

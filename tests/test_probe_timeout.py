@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 from _helpers import cli, read_events
 
-from harness import presets
-from harness.checks import Outcome, evaluate
-from harness.logprobe import (
+from aftershock.harness import presets
+from aftershock.harness.checks import Outcome, evaluate
+from aftershock.harness.logprobe import (
     PROBE_LINE_CHARS,
     PROBE_LINE_S,
     LogProbe,
@@ -29,8 +29,8 @@ from harness.logprobe import (
     compile_probes,
     line_events,
 )
-from harness.records import CheckResult, Event
-from harness.spec import Expect
+from aftershock.harness.records import CheckResult, Event
+from aftershock.harness.spec import Expect
 
 HOSTILE = LogProbe(pattern="(?P<cause>(a+)+b)", event="failure_detected")
 STEP = LogProbe(pattern=r"step (?P<step>\d+)", event="step")
@@ -87,7 +87,7 @@ def test_a_reader_writes_nothing_once_closed_and_numbers_each_stream() -> None:
 
 
 def _judged(names: dict[str, bool], *holes: Event) -> dict[str, CheckResult]:
-    from harness.logprobe import unread
+    from aftershock.harness.logprobe import unread
 
     results = [CheckResult(n, ok, None, None, "as judged") for n, ok in names.items()]
     return {c.name: c for c in unread(results, list(holes))}
@@ -269,7 +269,7 @@ def test_what_a_reader_left_in_the_pipe_is_counted() -> None:
     # the pipe: they were never read, and log_unread counts them.
     import os
 
-    from harness.target import _pending
+    from aftershock.harness.target import _pending
 
     read, write = os.pipe()
     with os.fdopen(read, "rb") as stream:

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-import faults
-from faults._proc import ProcessRef, processes_with_env, state
-from faults.heal import heal_journal, heal_orphans
-from faults.journal import Journal, pending
+from aftershock import faults
+from aftershock.faults._proc import ProcessRef, processes_with_env, state
+from aftershock.faults.heal import heal_journal, heal_orphans
+from aftershock.faults.journal import Journal, pending
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -95,11 +95,10 @@ def test_a_reused_pid_is_never_signalled() -> None:
 
 HARNESS = """
 import os, subprocess, sys, time
-from faults._proc import ProcessRef
-from faults.heal import start_reaper
-from faults.journal import Journal
-import faults
-
+from aftershock.faults._proc import ProcessRef
+from aftershock.faults.heal import start_reaper
+from aftershock.faults.journal import Journal
+from aftershock import faults
 journal = Journal.create("crashy")
 start_reaper(journal.path)
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],

@@ -46,8 +46,9 @@ def test_scenarios_are_collected_and_checked(pytester: pytest.Pytester) -> None:
 
 def test_plugin_module_imports_nothing_heavy() -> None:
     code = (
-        "import sys, _aftershock_pytestplugin; "
-        "heavy = [m for m in ('torch', 'pydantic', 'rich', 'yaml', 'harness', 'typer') "
+        "import sys, aftershock.pytest_plugin; "
+        "heavy = [m for m in ('torch', 'pydantic', 'rich', 'yaml', 'aftershock.harness', "
+        "'aftershock.faults', 'typer') "
         "if m in sys.modules]; print(heavy)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -3,7 +3,8 @@
 The shipped kill_rank_elastic scenario, run against a deliberately broken elastic trainer
 (tests/broken/sitecustomize.py, `full_average`: while a replica is missing, the survivors still
 divide the gradient sum by the configured replica count). Recomputing the membership log with
-the same trainer code would repeat the bug and pass; harness.oracle recomputes it from the
+the same trainer code would repeat the bug and pass; aftershock.harness.oracle recomputes it from
+the
 model's math alone and must see the parameters differ. The passing side is the shipped
 scenario itself (tests/test_shipped_scenarios.py).
 """

@@ -12,9 +12,9 @@ import pytest
 from _helpers import RANKS_JOB, cli
 from rich.console import Console
 
-from harness.records import CheckResult, Event
-from harness.report import LiveObserver, render_result
-from harness.rundir import load_run, read_result
+from aftershock.harness.records import CheckResult, Event
+from aftershock.harness.report import LiveObserver, render_result
+from aftershock.harness.rundir import load_run, read_result
 
 RECORDED = Path(__file__).parent / "fixtures" / "recorded"
 

@@ -55,7 +55,7 @@ def test_a_failed_undo_stays_in_the_journal_and_is_not_called_healed(tmp_path: P
     state, runs = tmp_path / "state", tmp_path / "runs"
     env = {**os.environ, "AFTERSHOCK_STATE_DIR": str(state)}
     done = subprocess.run(
-        [sys.executable, "-m", "harness", "run", str(scenario), "--run-dir", str(runs),
+        [sys.executable, "-m", "aftershock", "run", str(scenario), "--run-dir", str(runs),
          "--plain"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=100)
     assert done.returncode == 3, done.stdout + done.stderr
     assert "could not revert" in done.stdout + done.stderr
@@ -66,7 +66,7 @@ def test_a_failed_undo_stays_in_the_journal_and_is_not_called_healed(tmp_path: P
     assert (runs.glob("**/work/step_1.pt").__next__().read_bytes()
             == b"saved again by the system")
     # The entry is still pending: heal finds it, refuses it again and keeps the backup.
-    healed = subprocess.run([sys.executable, "-m", "harness", "heal"], capture_output=True,
+    healed = subprocess.run([sys.executable, "-m", "aftershock", "heal"], capture_output=True,
                             text=True, env=env, cwd=ROOT, timeout=60)
     assert healed.returncode != 0, healed.stdout + healed.stderr
     assert "storage.corrupt" in healed.stdout + healed.stderr

@@ -18,7 +18,7 @@ from _helpers import quick_scenario
 
 
 def _start(scenario: Path, run_dir: Path, out: Path) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "harness", "run", str(scenario),
+    return subprocess.Popen([sys.executable, "-m", "aftershock", "run", str(scenario),
                              "--run-dir", str(run_dir), "--json", str(out), "--plain"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -36,7 +36,7 @@ def test_a_second_run_in_a_held_run_folder_is_refused(tmp_path: Path) -> None:
         assert time.monotonic() < deadline, "the first run never started its job"
         time.sleep(0.05)
     before = events.read_bytes()
-    second = subprocess.run([sys.executable, "-m", "harness", "run", str(scenario),
+    second = subprocess.run([sys.executable, "-m", "aftershock", "run", str(scenario),
                              "--run-dir", str(runs), "--json", str(tmp_path / "second.json"),
                              "--plain"], capture_output=True, text=True, timeout=60)
     assert second.returncode == 2, second.stdout + second.stderr
@@ -51,7 +51,7 @@ def test_a_second_run_in_a_held_run_folder_is_refused(tmp_path: Path) -> None:
     assert record["passed"]
     assert record["run_dir"] == str(runs / "held")
     # Once the first has ended, the folder is free again.
-    third = subprocess.run([sys.executable, "-m", "harness", "run", str(scenario),
+    third = subprocess.run([sys.executable, "-m", "aftershock", "run", str(scenario),
                             "--run-dir", str(runs), "--plain"], capture_output=True,
                            text=True, timeout=90)
     assert third.returncode == 0, third.stdout + third.stderr

@@ -15,15 +15,15 @@ from typing import Any
 
 import pytest
 
-from harness.oracle.serving_journal import (
+from aftershock.harness.oracle.serving_journal import (
     JOURNAL_CHECKED,
     acknowledged_durable,
     judge,
     parse,
 )
-from harness.records import Event
-from reference_impl.serving.journal import Journal, request_record, tokens_record
-from reference_impl.serving.router import (
+from aftershock.harness.records import Event
+from aftershock.reference_impl.serving.journal import Journal, request_record, tokens_record
+from aftershock.reference_impl.serving.router import (
     ApiError,
     Router,
     RouterConfig,
@@ -249,8 +249,8 @@ def test_a_client_that_never_resubmits_loses_a_request_the_server_forgot(tmp_pat
     resumed (``resume: true``); a 404 to that is the request lost, at once, not retried."""
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from harness.loadgen import Load, LoadGenerator
-    from harness.timeline import Timeline, read_events
+    from aftershock.harness.loadgen import Load, LoadGenerator
+    from aftershock.harness.timeline import Timeline, read_events
 
     bodies: list[dict[str, Any]] = []
 

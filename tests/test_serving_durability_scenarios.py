@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from harness.records import RunResult
-from harness.runner import run_scenario
-from harness.spec import LoadedScenario, load_scenario
-from harness.timeline import read_events
+from aftershock.harness.records import RunResult
+from aftershock.harness.runner import run_scenario
+from aftershock.harness.spec import LoadedScenario, load_scenario
+from aftershock.harness.timeline import read_events
 
 pytestmark = [pytest.mark.scenarios, pytest.mark.timeout(600)]
 

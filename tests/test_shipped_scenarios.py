@@ -31,12 +31,12 @@ from typing import Any
 import pytest
 from _helpers import ROOT, cli, read_events
 
-from faults import docker_engine
-from harness import oracle
-from harness.errors import PreflightError
-from harness.runner import preflight
-from harness.spec import TrainerSystem, load_scenario
-from harness.systems.nodes import NodesSystem
+from aftershock.faults import docker_engine
+from aftershock.harness import oracle
+from aftershock.harness.errors import PreflightError
+from aftershock.harness.runner import preflight
+from aftershock.harness.spec import TrainerSystem, load_scenario
+from aftershock.harness.systems.nodes import NodesSystem
 
 # The scenario that goes through the pytest plugin instead of the CLI: a cheap one.
 VIA_PYTEST = ROOT / "scenarios" / "faults" / "process_term_restart.yaml"

@@ -55,7 +55,7 @@ print("returned", check())
 CASES = {
     # The server's handler, interrupted by itself.
     "stop_request": """
-from reference_impl.serving._lifetime import StopRequest
+from aftershock.reference_impl.serving._lifetime import StopRequest
 quiet = []
 stop = StopRequest()
 stop.also(lambda: quiet.append(1))
@@ -65,7 +65,7 @@ check = lambda: (stop.requested, len(quiet) > 1)
 """,
     # The server's handler while the main thread waits for it.
     "stop_request_wait": """
-from reference_impl.serving._lifetime import StopRequest
+from aftershock.reference_impl.serving._lifetime import StopRequest
 stop = StopRequest()
 target = stop.on_signal
 first = lambda: stop.wait(0.2)
@@ -73,7 +73,7 @@ check = lambda: stop.requested
 """,
     # The launcher's handler (no router running).
     "launcher": """
-from reference_impl.serving.server import Launcher
+from aftershock.reference_impl.serving.server import Launcher
 launcher = Launcher(None, [], None, None)
 target = launcher.on_signal
 first = lambda: launcher.on_signal(signal.SIGTERM, None)
@@ -82,7 +82,7 @@ check = lambda: launcher.stop.requested
     # The trainer's and the bench DDP's handlers report the failure through the probe,
     # interrupting the probe's own writes.
     "probe": """
-from harness import probe
+from aftershock.harness import probe
 target = lambda signum, frame: probe.detected(cause="terminated: SIGTERM")
 first = lambda: probe.emit("step", step=1)
 check = lambda: sum(1 for _ in open(os.environ["AFTERSHOCK_EVENTS"]))

@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from faults import slurm_cli as _slurm
-from faults.heal import validate_launch
-from faults.journal import UndoContext, UndoRefused
-from harness.checks import Outcome, evaluate
-from harness.errors import SpecError
-from harness.nodes.slurm_witness import slurm_witness
-from harness.records import Event
-from harness.spec import parse_scenario
-from harness.systems import slurm as kind
+from aftershock.faults import slurm_cli as _slurm
+from aftershock.faults.heal import validate_launch
+from aftershock.faults.journal import UndoContext, UndoRefused
+from aftershock.harness.checks import Outcome, evaluate
+from aftershock.harness.errors import SpecError
+from aftershock.harness.nodes.slurm_witness import slurm_witness
+from aftershock.harness.records import Event
+from aftershock.harness.spec import parse_scenario
+from aftershock.harness.systems import slurm as kind
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAINER = """\
@@ -152,10 +152,10 @@ def test_without_a_cluster_the_slurm_tests_skip_unless_required(
 
 
 def test_slurm_faults_act_only_on_a_job_named_for_their_run(tmp_path: Path) -> None:
-    from faults import ProcessRef
-    from faults import slurm as kinds
-    from faults._errors import FaultUnavailable
-    from faults.journal import Journal
+    from aftershock.faults import ProcessRef
+    from aftershock.faults import slurm as kinds
+    from aftershock.faults._errors import FaultUnavailable
+    from aftershock.faults.journal import Journal
 
     journal = Journal.create("runA", folders=[tmp_path])
     try:
@@ -185,7 +185,7 @@ def test_slurm_faults_act_only_on_a_job_named_for_their_run(tmp_path: Path) -> N
 
 
 def test_a_heal_resumes_only_a_slurm_node_of_its_own_run(tmp_path: Path) -> None:
-    from faults import slurm as kinds
+    from aftershock.faults import slurm as kinds
 
     context = UndoContext(run_id="abc", folders=(), state=tmp_path)
     kinds.NODE_DOWN.validate({"node": "node1", "run": "abc", "job": "7"}, context)
@@ -206,7 +206,7 @@ def test_slurm_faults_need_a_slurm_system() -> None:
 
 
 def test_a_heal_starts_only_slurmd_itself_again(tmp_path: Path) -> None:
-    from faults import slurm as kinds
+    from aftershock.faults import slurm as kinds
 
     context = UndoContext(run_id="abc", folders=(), state=tmp_path)
     good = {"node": "node1", "run": "abc", "container": "f" * 64,

@@ -10,7 +10,7 @@ from contextlib import closing
 
 import pytest
 
-from reference_impl import _snapshots
+from aftershock.reference_impl import _snapshots
 
 
 def eventually(check: Callable[[], bool], timeout: float = 5.0) -> None:

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from harness._duration import parse_duration
-from harness.errors import SpecError
-from harness.spec import (
+from aftershock.harness._duration import parse_duration
+from aftershock.harness.errors import SpecError
+from aftershock.harness.spec import (
     CommandSystem,
     ProcessFreeze,
     TrainerSystem,

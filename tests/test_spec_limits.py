@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from _helpers import bounded_cli
 
-from harness.errors import SpecError
-from harness.spec import MAX_FILE_BYTES, TrainerSystem, load_scenario, parse_scenario
+from aftershock.harness.errors import SpecError
+from aftershock.harness.spec import MAX_FILE_BYTES, TrainerSystem, load_scenario, parse_scenario
 
 BASE = "name: x\nsystem: {reference: trainer}\n"
 

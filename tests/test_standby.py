@@ -29,7 +29,7 @@ pytest.importorskip("torch")
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
-from reference_impl.resilient import STANDBY_AFTER_S  # noqa: E402
+from aftershock.reference_impl.resilient import STANDBY_AFTER_S  # noqa: E402
 
 SLOT = 1  # a training slot without the controller: its supervisor forks only its worker
 
@@ -91,7 +91,7 @@ def _run(tmp_path: Path, standby_dies: str = "never"
            "AFTERSHOCK_EVENTS": str(events), **dict([mark.split("=", 1)])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            "--nproc-per-node=3", "--max-restarts=0", "--monitor-interval=0.1",
-           "-m", "reference_impl.trainer", "--recovery=hot_spare", "--spares=1",
+           "-m", "aftershock.reference_impl.trainer", "--recovery=hot_spare", "--spares=1",
            "--replicas=2", "--shards=1", "--steps=300", "--step-sleep=0.02",
            "--checkpoint-every=0", f"--checkpoint-dir={tmp_path / 'ck'}"]
     log = tmp_path / "job.log"

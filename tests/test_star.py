@@ -25,7 +25,7 @@ def _store() -> Any:
 
 
 def _stars(size: int, timeout: float = 30.0, store: Any = None) -> list[Any]:
-    from reference_impl._star import Star
+    from aftershock.reference_impl._star import Star
 
     store = _store() if store is None else store
     stars = on_threads(size, lambda rank: Star.connect(store, rank, size, timeout))
@@ -42,7 +42,7 @@ def _close_all(stars: list[Any]) -> None:
 def _votes_failing(stars: list[Any], odd: int, instead: Callable[[], None]) -> list[Any]:
     """Every rank but ``odd`` votes and must fail (``StarError``): (seconds it took, the
     error's text) for each; ``odd`` runs ``instead`` of voting."""
-    from reference_impl._star import StarError
+    from aftershock.reference_impl._star import StarError
 
     def vote(rank: int) -> Any:
         if rank == odd:
@@ -161,7 +161,7 @@ def test_a_message_of_another_size_fails_at_once_as_a_protocol_error() -> None:
     """A peer that sends two elements where rank 0 expects one (the ranks disagree on whether
     fingerprints ride in this vote) must fail the call at once, never sum the wrong bytes or
     wait for the rest until the timeout."""
-    from reference_impl._star import StarError
+    from aftershock.reference_impl._star import StarError
 
     stars = _stars(2, timeout=30.0)
     try:
@@ -187,7 +187,7 @@ def test_strangers_are_refused_and_the_star_still_forms() -> None:
     """Rank 0 counts only hellos with the token it published, a rank in range and the group's
     size: a stray connection, a wrong token, a wrong size and a rank out of range are closed
     and not counted, and the real ranks still make a star that sums."""
-    from reference_impl._star import HELLO, MAGIC, Star
+    from aftershock.reference_impl._star import HELLO, MAGIC, Star
 
     size, store = 3, _store()
     zero: list[Any] = []
@@ -229,7 +229,7 @@ def test_strangers_are_refused_and_the_star_still_forms() -> None:
 def test_a_rank_that_never_comes_fails_the_rendezvous_at_the_timeout() -> None:
     """The star forms within the timeout or fails naming who did not come; a rank whose
     rank 0 never published waits no longer than the timeout either."""
-    from reference_impl._star import Star, StarError
+    from aftershock.reference_impl._star import Star, StarError
 
     store = _store()
     results = on_threads(2, lambda rank: Star.connect(store, rank, 3, 0.5))
@@ -244,7 +244,7 @@ def test_a_rank_that_never_comes_fails_the_rendezvous_at_the_timeout() -> None:
 
 
 def test_a_foreign_value_under_the_key_is_named_not_trusted() -> None:
-    from reference_impl._star import Star, StarError
+    from aftershock.reference_impl._star import Star, StarError
 
     store = _store()
     store.set("star", "not an address")
@@ -253,7 +253,7 @@ def test_a_foreign_value_under_the_key_is_named_not_trusted() -> None:
 
 
 def test_the_address_follows_gloo_socket_ifname(monkeypatch: Any) -> None:
-    from reference_impl._star import StarError, reachable_host
+    from aftershock.reference_impl._star import StarError, reachable_host
 
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
     assert reachable_host() == "127.0.0.1"

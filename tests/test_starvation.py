@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from harness import _load
-from harness.checks import Outcome
-from harness.records import Event
-from harness.runner import assess, run_scenario
-from harness.spec import load_scenario, parse_scenario
+from aftershock.harness import _load
+from aftershock.harness.checks import Outcome
+from aftershock.harness.records import Event
+from aftershock.harness.runner import assess, run_scenario
+from aftershock.harness.spec import load_scenario, parse_scenario
 
 
 def _sample(t: float, **fields: float) -> Event:

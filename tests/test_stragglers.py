@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from faults import _cgroup
-from faults._proc import ProcessRef
-from faults.journal import Journal
-from faults.straggle import STRAGGLE
-from reference_impl import trainer
+from aftershock.faults import _cgroup
+from aftershock.faults._proc import ProcessRef
+from aftershock.faults.journal import Journal
+from aftershock.faults.straggle import STRAGGLE
+from aftershock.reference_impl import trainer
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -59,7 +59,7 @@ def test_without_a_window_the_ratio_alone_decides() -> None:
 # CPU), then prints how long the work took and the busy seconds the trainer counted meanwhile.
 WAITER = """
     import sys, threading, time
-    from reference_impl import trainer
+    from aftershock.reference_impl import trainer
 
     go, done = threading.Event(), threading.Event()
 
@@ -126,7 +126,7 @@ def test_rank_0_reads_the_others_figures_at_its_next_vote_not_right_after_its_ow
     import torch
     import torch.distributed as dist
 
-    from reference_impl._star import Star
+    from aftershock.reference_impl._star import Star
     from tests._helpers import on_threads
 
     events = tmp_path / "events.jsonl"

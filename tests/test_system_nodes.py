@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from harness import systems
-from harness.errors import SpecError
-from harness.spec import parse_scenario, unreachable
-from harness.systems.nodes import NodesLaunch
+from aftershock.harness import systems
+from aftershock.harness.errors import SpecError
+from aftershock.harness.spec import parse_scenario, unreachable
+from aftershock.harness.systems.nodes import NodesLaunch
 
 TRAINER = "  nodes: 2\n  trainer: {steps: 30, checkpoint_every: 5, step_sleep: 50ms}\n"
 
@@ -49,7 +49,7 @@ def test_hot_spare_puts_the_spares_on_node_0_after_its_ranks(tmp_path: Path) -> 
     assert "--nproc-per-node=4" in launch.node0_argv
     assert "--nproc-per-node=2" in launch.argv
     for argv in (launch.argv, launch.node0_argv):
-        for flag in ("harness.nodes.launcher", "--recovery=hot_spare", "--spares=2",
+        for flag in ("aftershock.harness.nodes.launcher", "--recovery=hot_spare", "--spares=2",
                      "--first-spare=2", "--replicas=2", "--shards=2"):
             assert flag in argv, flag
     restart = parse_scenario(scenario(TRAINER)).system
@@ -111,7 +111,7 @@ def test_a_local_target_has_no_nodes(tmp_path: Path) -> None:
     spec = parse_scenario("name: x\nsystem: {command: [echo]}\n")
     kind = systems.of(spec.system)
     launch = kind.launch(spec.system, run_dir=tmp_path, scenario_dir=tmp_path, seed=0)
-    from harness.timeline import Timeline
+    from aftershock.harness.timeline import Timeline
 
     target = kind.target(launch, run_dir=tmp_path, run_id="0" * 32,
                          timeline=Timeline(tmp_path / "events.jsonl"))
@@ -129,7 +129,7 @@ def test_a_relative_run_folder_is_the_same_absolute_path_in_every_node(
     launch = kind.launch(spec.system, run_dir=Path("r"), scenario_dir=tmp_path, seed=0)
     assert f"--checkpoint-dir={tmp_path}/r/checkpoints" in launch.argv
     assert f"--log-dir={tmp_path}/r/logs/torchrun" in launch.argv
-    from harness.timeline import Timeline
+    from aftershock.harness.timeline import Timeline
 
     target = kind.target(launch, run_dir=Path("r"), run_id="0" * 32,
                          timeline=Timeline(tmp_path / "events.jsonl"))

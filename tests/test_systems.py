@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from _helpers import RANKS_JOB, ROOT, cli
 
-from harness import systems
-from harness.errors import SpecError
-from harness.spec import parse_scenario
+from aftershock.harness import systems
+from aftershock.harness.errors import SpecError
+from aftershock.harness.spec import parse_scenario
 
 PROBE_JOB = ROOT / "tests" / "fixtures" / "probe_job.py"
 #: Everything the run loop, the baseline cache, goldens, the CLI and the spec ask a kind.

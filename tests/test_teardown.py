@@ -22,11 +22,11 @@ from pathlib import Path
 import pytest
 from _helpers import cli, read_events
 
-from faults import _cgroup
-from faults._proc import all_pids
-from harness import target as target_module
-from harness.runner import NullObserver, execute
-from harness.spec import load_scenario
+from aftershock.faults import _cgroup
+from aftershock.faults._proc import all_pids
+from aftershock.harness import target as target_module
+from aftershock.harness.runner import NullObserver, execute
+from aftershock.harness.spec import load_scenario
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -178,7 +178,7 @@ def test_reaper_and_heal_end_a_run_group_a_killed_harness_left(
     path = scenario(tmp_path, f"env -i setsid sleep {marker} & echo step 1; sleep {marker}",
                     timeout="90s")
     harness = subprocess.Popen(
-        [sys.executable, "-m", "harness", "run", str(path), "--run-dir", str(tmp_path / "r"),
+        [sys.executable, "-m", "aftershock", "run", str(path), "--run-dir", str(tmp_path / "r"),
          "--plain"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     try:
         deadline = time.monotonic() + 30
@@ -190,7 +190,7 @@ def test_reaper_and_heal_end_a_run_group_a_killed_harness_left(
                 cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
             except OSError:
                 continue
-            if b"faults.heal" in cmdline and str(harness.pid).encode() in cmdline:
+            if b"aftershock.faults.heal" in cmdline and str(harness.pid).encode() in cmdline:
                 os.kill(pid, signal.SIGKILL)
     finally:
         harness.kill()
@@ -202,7 +202,7 @@ def test_reaper_and_heal_end_a_run_group_a_killed_harness_left(
     assert group.name == f"{_cgroup.RUN_PREFIX}{record['undo']['value']}"
     assert group.exists()
     assert daemons(marker)
-    healed = subprocess.run([sys.executable, "-m", "harness", "heal"], capture_output=True,
+    healed = subprocess.run([sys.executable, "-m", "aftershock", "heal"], capture_output=True,
                             text=True, timeout=60, env=env)
     assert healed.returncode == 0, healed.stderr
     assert "launch" in healed.stdout
@@ -220,7 +220,7 @@ def test_reaper_ends_the_run_group_of_a_killed_harness(tmp_path: Path, marker: s
     path = scenario(tmp_path, f"env -i setsid sleep {marker} & echo step 1; sleep {marker}",
                     timeout="90s")
     harness = subprocess.Popen(
-        [sys.executable, "-m", "harness", "run", str(path), "--run-dir", str(tmp_path / "r"),
+        [sys.executable, "-m", "aftershock", "run", str(path), "--run-dir", str(tmp_path / "r"),
          "--plain"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         env={**os.environ, "AFTERSHOCK_STATE_DIR": str(state)})
     try:

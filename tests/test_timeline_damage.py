@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from _helpers import cli
 
-from harness.errors import HarnessError
-from harness.timeline import DamagedTimeline, read_events
+from aftershock.harness.errors import HarnessError
+from aftershock.harness.timeline import DamagedTimeline, read_events
 
 LINES = [json.dumps({"t": float(i), "event": "step", "step": i}) for i in range(1, 5)]
 

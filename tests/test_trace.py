@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from _helpers import read_events
 
-from harness.errors import SpecError
-from harness.rundir import load_run
-from harness.trace import write_trace
+from aftershock.harness.errors import SpecError
+from aftershock.harness.rundir import load_run
+from aftershock.harness.trace import write_trace
 
 RUNS = Path(__file__).parent / "fixtures" / "recorded"
 TRAINING = RUNS / "train-kill-rank-hot-spare"

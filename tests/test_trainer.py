@@ -23,7 +23,7 @@ pytest.importorskip("torch")
 
 
 def _fake_save(root: Path, step: int, *, commit: bool = True) -> Path:
-    from reference_impl import checkpoint
+    from aftershock.reference_impl import checkpoint
 
     path = checkpoint.step_dir(root, step)
     path.mkdir(parents=True)
@@ -38,7 +38,7 @@ def _fake_save(root: Path, step: int, *, commit: bool = True) -> Path:
 
 @pytest.mark.timeout(30)
 def test_verify_accepts_intact_and_names_what_is_wrong(tmp_path: Path) -> None:
-    from reference_impl.checkpoint import verify
+    from aftershock.reference_impl.checkpoint import verify
 
     path = _fake_save(tmp_path, 10)
     assert verify(path, 0, {"seed": 0}) == (b"state of step 10", "")
@@ -53,7 +53,7 @@ def test_verify_accepts_intact_and_names_what_is_wrong(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(30)
 def test_prune_keeps_newest_committed_and_drops_stale_timelines(tmp_path: Path) -> None:
-    from reference_impl.checkpoint import committed_steps, prune
+    from aftershock.reference_impl.checkpoint import committed_steps, prune
 
     for step in (10, 20, 30, 40):
         _fake_save(tmp_path, step)
@@ -72,14 +72,14 @@ def test_prune_keeps_newest_committed_and_drops_stale_timelines(tmp_path: Path) 
 
 
 def _held(gen: int, steps: int, pending: int = -1) -> object:
-    from reference_impl.resilient import Held
+    from aftershock.reference_impl.resilient import Held
 
     return Held(gen, steps, pending)
 
 
 @pytest.mark.timeout(30)
 def test_the_start_resumes_from_the_seeded_init_and_fresh_spares_never_do_later() -> None:
-    from reference_impl.resilient import ready_at
+    from aftershock.reference_impl.resilient import ready_at
 
     fresh = {r: _held(-1, 0) for r in range(4)}
     assert ready_at(fresh, fresh_is_step_0=True) == (0, {0, 1, 2, 3})
@@ -92,7 +92,7 @@ def test_the_start_resumes_from_the_seeded_init_and_fresh_spares_never_do_later(
 
 @pytest.mark.timeout(30)
 def test_a_dropped_replica_never_counts_whatever_its_step() -> None:
-    from reference_impl.resilient import ready_at
+    from aftershock.reference_impl.resilient import ready_at
 
     # Replica 0 was dropped at step 25 (lineage 0); replica 1 trained on alone to 27.
     rejoin = {0: _held(0, 25), 1: _held(-1, 0), 2: _held(1, 27), 3: _held(1, 27)}
@@ -104,7 +104,7 @@ def test_a_dropped_replica_never_counts_whatever_its_step() -> None:
 
 @pytest.mark.timeout(30)
 def test_a_member_that_lost_the_vote_rolls_forward_in_its_generation_only() -> None:
-    from reference_impl.resilient import ready_at
+    from aftershock.reference_impl.resilient import ready_at
 
     # Generation 4 committed step 30 on rank 0; ranks 1 and 2 averaged it, rank 1's vote
     # failed (still at 29, lineage 3: its last commit was in generation 3).

@@ -20,7 +20,7 @@ import pytest
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
-from reference_impl import checkpoint, health, trainer  # noqa: E402
+from aftershock.reference_impl import checkpoint, health, trainer  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -129,7 +129,7 @@ def test_xid_monitor_logs_harmless_xids_and_fails_on_the_others(events: Path) ->
 def test_watcher_sees_a_simulated_xid_on_its_local_gpu(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from faults import nvml_sim
+    from aftershock.faults import nvml_sim
 
     folder = tmp_path / "nvml"
     monkeypatch.setenv(nvml_sim.NVML_DIR_ENV, str(folder))

@@ -38,10 +38,24 @@ def test_ranks_whose_launchers_count_restarts_differently_agree_on_the_newest(
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                "TORCHELASTIC_RESTART_COUNT": str(restarts), "AFTERSHOCK_EVENTS": str(events),
                "AFTERSHOCK_OUTPUT_DIR": str(tmp_path / "output"), "PYTHONPATH": str(ROOT)}
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "reference_impl.trainer", "--replicas=2", "--shards=1",
-             "--steps=2", f"--checkpoint-dir={tmp_path / 'ckpt'}", "--device=cpu"],
-            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "aftershock.reference_impl.trainer",
+                    "--replicas=2",
+                    "--shards=1",
+                    "--steps=2",
+                    f"--checkpoint-dir={tmp_path / 'ckpt'}",
+                    "--device=cpu",
+                ],
+                env=env,
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )
+        )
     try:
         outputs = [p.communicate(timeout=100)[0].decode(errors="replace") for p in procs]
     finally:

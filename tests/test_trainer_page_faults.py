@@ -5,7 +5,7 @@ once copied into the flat buffer; the optimizer's temporaries). With glibc's def
 memory went back to the kernel at each free and came back as page faults at the next
 allocation: hundreds per step and rank with a model of a few million parameters, a few
 percent of the step (bench/results/history-2026-12.md, "Page faults every step"). The
-trainer keeps what it frees (``reference_impl._memory.keep_freed``). A real one-rank job
+trainer keeps what it frees (``aftershock.reference_impl._memory.keep_freed``). A real one-rank job
 (a Gloo group over env://, no torchrun) runs twice, short and long; the difference is what
 the extra steps faulted, read from the kernel's accounting of the finished process (``wait4``)."""
 
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from reference_impl import _memory
+from aftershock.reference_impl import _memory
 from tests._helpers import ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -46,10 +46,23 @@ def _minor_faults(steps: int, tmp_path: Path) -> int:
     log = tmp_path / f"steps-{steps}.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "reference_impl.trainer", "--replicas=1", "--shards=1",
-             *SHAPE, f"--steps={steps}", "--checkpoint-every=0", "--device=cpu",
-             f"--checkpoint-dir={tmp_path / f'ckpt-{steps}'}"],
-            env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "aftershock.reference_impl.trainer",
+                "--replicas=1",
+                "--shards=1",
+                *SHAPE,
+                f"--steps={steps}",
+                "--checkpoint-every=0",
+                "--device=cpu",
+                f"--checkpoint-dir={tmp_path / f'ckpt-{steps}'}",
+            ],
+            env=env,
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     try:
         _, status, usage = os.wait4(proc.pid, 0)
     finally:

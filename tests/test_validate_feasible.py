@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from _helpers import RANKS_JOB, ROOT, cli
 
-from harness import systems
-from harness.errors import SpecError
-from harness.spec import load_scenario, parse_scenario
+from aftershock.harness import systems
+from aftershock.harness.errors import SpecError
+from aftershock.harness.spec import load_scenario, parse_scenario
 
 PROBE_JOB = ROOT / "tests" / "fixtures" / "probe_job.py"
 
@@ -42,7 +42,7 @@ def scenario(job: Path, extra: str = "") -> str:
 def test_an_in_process_fault_on_a_job_without_the_probe_is_refused(tmp_path: Path) -> None:
     (problem,) = problems(tmp_path, scenario(RANKS_JOB))
     assert problem.startswith(f"{tmp_path / 's.yaml'}:5:5: faults.0: collective.hang")
-    assert "harness.probe.install()" in problem
+    assert "aftershock.harness.probe.install()" in problem
     assert str(RANKS_JOB) in problem  # what was read
     assert "in_process_probe: true" in problem  # and how to say it is called elsewhere
 
@@ -52,7 +52,7 @@ def test_a_job_that_calls_the_probe_is_accepted(tmp_path: Path) -> None:
     path.write_text(scenario(PROBE_JOB))
     assert load_scenario(path).spec.faults[0].kind == "collective.hang"
     # From the command line itself (python -c), too.
-    inline = f'name: x\nsystem:\n  command: [{sys.executable}, -c, "from harness import ' \
+    inline = f'name: x\nsystem:\n  command: [{sys.executable}, -c, "from aftershock import ' \
         'probe; probe.install()"]\nfaults:\n  - {kind: process.hang, target: {rank: 0}, ' \
         'at: {step: 1}}\n'
     assert parse_scenario(inline).faults[0].kind == "process.hang"
@@ -89,7 +89,7 @@ def test_validate_exits_2_and_names_the_cause(tmp_path: Path) -> None:
     proc = cli("validate", str(path))
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "collective.hang" in proc.stderr
-    assert "harness.probe.install()" in proc.stderr
+    assert "aftershock.harness.probe.install()" in proc.stderr
 
 
 def test_a_step_probe_without_a_step_group_is_refused() -> None:

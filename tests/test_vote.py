@@ -22,7 +22,7 @@ torch = pytest.importorskip("torch")
 
 @pytest.mark.parametrize("world", [1, 2, 4, 7, 1000, 100_000])
 def test_every_mix_of_flags_over_the_world_decodes_to_their_or(world: int) -> None:
-    from reference_impl.resilient import decode_vote, encode_vote
+    from aftershock.reference_impl.resilient import decode_vote, encode_vote
 
     ranks = range(min(world, 4))
     for flags in itertools.product([False, True], repeat=3 * len(ranks)):
@@ -40,7 +40,7 @@ def test_every_mix_of_flags_over_the_world_decodes_to_their_or(world: int) -> No
 def test_a_corrupted_vote_decodes_as_the_three_float_vote_did() -> None:
     """``collective.corrupt`` can hit the vote itself: NaN raised no flag and +inf every one
     in the three-float vote (each compared ``> 0``), and so here."""
-    from reference_impl.resilient import decode_vote
+    from aftershock.reference_impl.resilient import decode_vote
 
     assert decode_vote(torch.tensor([math.nan], dtype=torch.float64), 4) == (False,) * 3
     assert decode_vote(torch.tensor([math.inf], dtype=torch.float64), 4) == (True,) * 3
@@ -71,7 +71,7 @@ def _gloo_world(size: int, timeout_s: float = 30.0) -> list[Any]:
 
 
 def _star(group: Any, rank: int, size: int, value: Any) -> None:
-    from reference_impl.model import sum_through_root
+    from aftershock.reference_impl.model import sum_through_root
 
     sum_through_root(value, rank, size, send=lambda t, peer: group.send([t], peer, 0),
                      recv=lambda t, peer: group.recv([t], peer, 0))
@@ -81,7 +81,7 @@ def _star(group: Any, rank: int, size: int, value: Any) -> None:
 def test_the_vote_through_rank_0_gives_every_rank_the_exact_sum(size: int) -> None:
     """The vote's sum goes through rank 0 over real Gloo point-to-point calls; every rank ends
     with the same exact sum, for every mix of flags, call after call on the same groups."""
-    from reference_impl.resilient import decode_vote, encode_vote
+    from aftershock.reference_impl.resilient import decode_vote, encode_vote
 
     groups = _gloo_world(size)
     mixes = list(itertools.product([False, True], repeat=3))
@@ -141,7 +141,7 @@ def test_fingerprints_ride_in_the_vote_and_every_rank_reads_every_one(size: int)
     rank's fingerprint exactly, and the flags as before."""
     import random
 
-    from reference_impl.resilient import (
+    from aftershock.reference_impl.resilient import (
         decode_fingerprints,
         decode_vote,
         encode_fingerprint,
@@ -166,7 +166,7 @@ def test_fingerprints_ride_in_the_vote_and_every_rank_reads_every_one(size: int)
 
 
 def test_a_fingerprint_a_corrupted_vote_cannot_hold_is_read_as_none() -> None:
-    from reference_impl.resilient import decode_fingerprints, encode_fingerprint
+    from aftershock.reference_impl.resilient import decode_fingerprints, encode_fingerprint
 
     total = encode_fingerprint(-5, 0, 3) + encode_fingerprint(12345, 1, 3) \
         + encode_fingerprint(2**40, 2, 3)
@@ -178,7 +178,7 @@ def test_a_fingerprint_a_corrupted_vote_cannot_hold_is_read_as_none() -> None:
 
 
 def test_the_odd_replicas_are_outside_the_majority_and_unreadable_ones_never_agree() -> None:
-    from reference_impl.resilient import disagreeing_shards
+    from aftershock.reference_impl.resilient import disagreeing_shards
 
     # 3 replicas x 2 shards: ranks 0..5, shard = rank % 2, replica = rank // 2.
     members = [0, 1, 2, 3, 4, 5]
@@ -198,7 +198,7 @@ def test_the_odd_replicas_are_outside_the_majority_and_unreadable_ones_never_agr
 def test_a_kept_buffer_is_reused_only_once_nothing_holds_it() -> None:
     """The snapshot sender may still be sending a kept state when the loop takes its next
     copy: that copy must go to another buffer, or the snapshot would be torn."""
-    from reference_impl.resilient import KeptStates
+    from aftershock.reference_impl.resilient import KeptStates
 
     kept = KeptStates()
     state = [torch.arange(4, dtype=torch.float32), torch.ones(2)]
@@ -232,8 +232,8 @@ def _judge(tmp_path: Any, monkeypatch: Any, fingerprints: list[int | None]) -> A
     import queue
     from types import SimpleNamespace
 
-    from harness.probe import EVENTS_ENV
-    from reference_impl.resilient import Groups, KeptStates, Worker
+    from aftershock.harness.probe import EVENTS_ENV
+    from aftershock.reference_impl.resilient import Groups, KeptStates, Worker
 
     monkeypatch.setenv(EVENTS_ENV, str(tmp_path / "events.jsonl"))
     worker = Worker.__new__(Worker)  # no store, no threads: the decision alone
@@ -296,7 +296,7 @@ def test_every_flipped_bit_of_the_parameters_changes_the_fingerprint() -> None:
     is, and only the parameters count (the optimizer state after them in the flat copy may
     differ between two equal replicas' copies taken at different moments: it does not); the
     value fits the vote's signed 64-bit slots."""
-    from reference_impl.resilient import Worker
+    from aftershock.reference_impl.resilient import Worker
 
     worker = Worker.__new__(Worker)  # the fingerprint alone: no store, no threads
     worker.model = torch.nn.Linear(16, 8)

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from _helpers import ROOT
 
-from harness.checks import Outcome, evaluate
-from harness.records import Event
-from harness.runner import run_scenario
-from harness.spec import Expect, LoadedScenario, parse_scenario
+from aftershock.harness.checks import Outcome, evaluate
+from aftershock.harness.records import Event
+from aftershock.harness.runner import run_scenario
+from aftershock.harness.spec import Expect, LoadedScenario, parse_scenario
 
 XID_79 = ROOT / "scenarios" / "serving" / "xid_79_worker.yaml"
 ANNOUNCE_ONLY = ROOT / "tests" / "fixtures" / "broken" / "xid_announce_only"

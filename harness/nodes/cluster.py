@@ -28,11 +28,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from faults import ProcessRef, all_pids, contract, kill_all, processes_with_env
-from faults import docker_engine as _docker
-from faults import process_environ as environ
-from harness import probe
-from harness.nodes import image
+from aftershock.faults import ProcessRef, all_pids, contract, kill_all, processes_with_env
+from aftershock.faults import docker_engine as _docker
+from aftershock.faults import process_environ as environ
+from aftershock.harness import probe
+from aftershock.harness.nodes import image
 
 # 198.18.0.0/15 is reserved for benchmarking networks between devices (RFC 2544): never a
 # real destination, and the network is `internal`, so nothing is routed off this machine.
@@ -65,9 +65,9 @@ def torchrun_argv(*, nodes: int, nproc: int, rdzv_host: str, run_id: str, max_re
     ``rdzv_conf`` is torchrun's ``--rdzv-conf`` (e.g. ``keep_alive_interval=1``): how soon
     the survivors' agents give up on a lost node's agent. ``exit_barrier_s``: how long an
     agent whose ranks finished waits for the other agents (torchrun: 300 s, no flag), through
-    ``harness.nodes.launcher``."""
+    ``aftershock.harness.nodes.launcher``."""
     launcher = ["torch.distributed.run"] if exit_barrier_s is None else \
-        ["harness.nodes.launcher", f"--exit-barrier={exit_barrier_s:g}"]
+        ["aftershock.harness.nodes.launcher", f"--exit-barrier={exit_barrier_s:g}"]
     return [
         sys.executable, "-m", *launcher,
         f"--nnodes={nodes}",

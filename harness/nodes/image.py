@@ -20,10 +20,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from aftershock._root import ROOT
+
 # Bump the tag when the layout below changes: an older base is then rebuilt, not reused.
 BASE_IMAGE = "aftershock/base:2"
 IMAGE_LABEL = "aftershock.image"
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
+PROJECT_ROOT = ROOT  # the folder holding the aftershock package: nodes import this copy
 # /etc files a process of the host's userland reads: users and groups (whoami, Python's pwd),
 # name service order, the dynamic loader's cache (torch's libraries are found through it).
 _ETC = ("passwd", "group", "nsswitch.conf", "ld.so.cache", "ld.so.conf", "host.conf")
@@ -112,14 +114,15 @@ def host_mounts() -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m harness.nodes.image``: build the base image (CI's engine step)."""
+    """``python -m aftershock.harness.nodes.image``: build the base image (CI's engine step)."""
     import argparse
     import contextlib
 
-    parser = argparse.ArgumentParser(prog="python -m harness.nodes.image", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m aftershock.harness.nodes.image",
+                                     description=__doc__)
     parser.add_argument("--rebuild", action="store_true", help="import it even if present")
     args = parser.parse_args(argv)
-    from faults import docker_engine as _docker
+    from aftershock.faults import docker_engine as _docker
 
     problem = _docker.engine_problem()
     if problem is not None:

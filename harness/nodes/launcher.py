@@ -1,4 +1,5 @@
-"""torchrun with a bounded exit barrier: ``python -m harness.nodes.launcher --exit-barrier=S
+"""torchrun with a bounded exit barrier: ``python -m aftershock.harness.nodes.launcher
+--exit-barrier=S
 <torchrun's arguments>``, run inside a node.
 
 An agent whose ranks finished waits in torchrun's exit barrier for every other agent of the
@@ -18,8 +19,10 @@ from typing import Any
 
 def main(argv: list[str]) -> None:
     if not argv or not argv[0].startswith("--exit-barrier="):
-        raise SystemExit("usage: python -m harness.nodes.launcher --exit-barrier=SECONDS "
-                         "<torchrun arguments>")
+        raise SystemExit(
+            "usage: python -m aftershock.harness.nodes.launcher --exit-barrier=SECONDS "
+            "<torchrun arguments>"
+        )
     seconds = float(argv[0].split("=", 1)[1])
     from torch.distributed import run
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent

@@ -3,7 +3,7 @@
 One container runs ``slurmctld`` (hostname ``slurmctld``) and N more run ``slurmd``
 (hostnames ``node0``, ``node1``, ...), each with its own network namespace and address on an
 ``internal`` network of its own (a /24 of 198.18.0.0/15, as the run's nodes get:
-:class:`harness.nodes.cluster.Cluster`), made from the same base image with the host's
+:class:`aftershock.harness.nodes.cluster.Cluster`), made from the same base image with the host's
 programs mounted read-only (``/usr`` holds Debian's slurm-wlm and munge). Every container
 runs its own ``munged`` with one shared key, and so does the host, so ``sinfo``, ``squeue``,
 ``sbatch``, ``srun``, ``scontrol`` and ``scancel`` work from the host as from a login node:
@@ -23,7 +23,7 @@ write to are mounted read-write at the same path in every node (``AFTERSHOCK_SLU
 on a real cluster. ``down`` removes the containers, the network, the host's munged, the
 link in ``/etc/slurm`` and ``STATE``.
 
-Usage: ``python -m harness.nodes.slurm_cluster up|down|status [--nodes N]``.
+Usage: ``python -m aftershock.harness.nodes.slurm_cluster up|down|status [--nodes N]``.
 """
 
 from __future__ import annotations
@@ -41,10 +41,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from faults import docker_engine as _docker
-from faults import slurm_cli as _slurm
-from harness.nodes import image
-from harness.nodes.cluster import Cluster
+from aftershock.faults import docker_engine as _docker
+from aftershock.faults import slurm_cli as _slurm
+from aftershock.harness.nodes import image
+from aftershock.harness.nodes.cluster import Cluster
 
 #: The run label every container and the network carry (faults/_docker.py removes by it);
 #: never a run's id, so a run's heal never touches the cluster.
@@ -353,7 +353,7 @@ def status() -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m harness.nodes.slurm_cluster",
+    parser = argparse.ArgumentParser(prog="python -m aftershock.harness.nodes.slurm_cluster",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("action", choices=("up", "down", "status"))
     parser.add_argument("--nodes", type=int, default=2, help="slurmd nodes (default 2)")

@@ -1,4 +1,4 @@
-"""A Slurm job as the run loop drives it (a :class:`harness.target.Target`).
+"""A Slurm job as the run loop drives it (a :class:`aftershock.harness.target.Target`).
 
 ``start`` writes the batch script into the run folder and submits it with ``sbatch``; the
 job is named ``aftershock-<run id>`` (faults/slurm_cli.py), which the heal journal records
@@ -24,12 +24,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
-from faults import ProcessRef, processes_with_env
-from faults import process_environ as environ
-from faults import slurm_cli as slurm
-from harness import probe
-from harness.errors import TargetError
-from harness.logprobe import (
+from aftershock.faults import ProcessRef, processes_with_env
+from aftershock.faults import process_environ as environ
+from aftershock.faults import slurm_cli as slurm
+from aftershock.harness import probe
+from aftershock.harness.errors import TargetError
+from aftershock.harness.logprobe import (
     LOG_UNREAD,
     TAILED_TIMES,
     CompiledProbes,
@@ -38,9 +38,9 @@ from harness.logprobe import (
     compile_probes,
     file_fields,
 )
-from harness.nodes.cluster import end_run_processes, node_env
-from harness.records import Event
-from harness.target import (
+from aftershock.harness.nodes.cluster import end_run_processes, node_env
+from aftershock.harness.records import Event
+from aftershock.harness.target import (
     DRAIN_S,
     LINE_LIMIT,
     STOP_GRACE_S,
@@ -49,7 +49,7 @@ from harness.target import (
     _Tailer,
     interpreter_bin,
 )
-from harness.timeline import Timeline
+from aftershock.harness.timeline import Timeline
 
 POLL_S = 0.5  # how often Slurm is asked for the job's state (each ask is a command)
 #: How long stop waits for Slurm to end the job after scancel: the cluster's KillWait

@@ -1,6 +1,8 @@
-"""The nodes of a multi-node run as the run loop drives them (a :class:`harness.target.Target`).
+"""The nodes of a multi-node run as the run loop drives them (a
+:class:`aftershock.harness.target.Target`).
 
-Each node is a container of the local engine (:class:`harness.nodes.cluster.Cluster`) running
+Each node is a container of the local engine (:class:`aftershock.harness.nodes.cluster.Cluster`)
+running
 the same launcher (torchrun, meeting the others at node 0's rendezvous). The nodes share the
 host's kernel, so their processes are this host's processes (``faults.ProcessRef`` works on
 them: signals, memory) and every fault that acts from outside reaches them; their network is
@@ -18,15 +20,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
-from faults import ProcessRef, contract
-from faults import docker_engine as _docker
-from faults import parent_pid as _parent
-from harness import probe
-from harness.errors import TargetError
-from harness.nodes.cluster import Cluster, end_run_processes, node_env
-from harness.records import Event
-from harness.target import STOP_GRACE_S, Launch, Teardown, reported_ranks
-from harness.timeline import Timeline
+from aftershock.faults import ProcessRef, contract
+from aftershock.faults import docker_engine as _docker
+from aftershock.faults import parent_pid as _parent
+from aftershock.harness import probe
+from aftershock.harness.errors import TargetError
+from aftershock.harness.nodes.cluster import Cluster, end_run_processes, node_env
+from aftershock.harness.records import Event
+from aftershock.harness.target import STOP_GRACE_S, Launch, Teardown, reported_ranks
+from aftershock.harness.timeline import Timeline
 
 #: What a node's processes get from the harness's own environment (a node starts from an
 #: empty one): the code under test as the harness imports it, and the vector ISA torch's CPU

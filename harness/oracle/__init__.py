@@ -2,7 +2,8 @@
 
 A check that compares a run with a second run of the same code (a replay, a fault-free twin)
 cannot see a bug both share. An oracle here restates the reference trainer's math from its
-specification (``harness.oracle.trainer_math``; it imports nothing from ``reference_impl``)
+specification (``aftershock.harness.oracle.trainer_math``; it imports nothing from
+``reference_impl``)
 and recomputes the final parameters a run must end with.
 
 Why in the harness: an oracle is part of the judge. It knows the reference trainer only as a
@@ -23,10 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from harness import _files
+from aftershock._root import ROOT
+from aftershock.harness import _files
 
 if TYPE_CHECKING:
-    from harness.systems.trainer import TrainerSystem
+    from aftershock.harness.systems.trainer import TrainerSystem
 
 #: The math takes ~1 s for 60 steps on a 2-core machine; this only bounds a hang.
 TIMEOUT_S = 300.0
@@ -125,13 +127,19 @@ def trainer_digests(system: TrainerSystem, *, seed: int, schedule: list[Generati
         "schedule": [[g.first_step, list(g.replicas)] for g in schedule],
     }
     # The interpreter that runs the harness, with this copy of the harness first on the path.
-    root = str(Path(__file__).resolve().parent.parent.parent)
+    root = str(ROOT)
     child = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join(
         p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "harness.oracle.trainer_math"], input=json.dumps(request),
-            capture_output=True, text=True, timeout=TIMEOUT_S, env=child, check=False)
+            [sys.executable, "-m", "aftershock.harness.oracle.trainer_math"],
+            input=json.dumps(request),
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT_S,
+            env=child,
+            check=False,
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
         return Expected(None, f"not observed: the independent oracle did not run ({exc})")
     if proc.returncode != 0:

@@ -1,7 +1,7 @@
 """The serving oracle's judge: a server twin's tokens against the model's math, run apart.
 
 ``judge_outputs`` sends the load's prompts (drawn from the seed, as the load generator draws
-them) and the twin's tokens to ``python -m harness.oracle.serving_math``, a fresh process
+them) and the twin's tokens to ``python -m aftershock.harness.oracle.serving_math``, a fresh process
 that imports nothing from ``reference_impl`` and recomputes greedy decoding with one plain
 forward pass per sequence (no engine, KV cache or batching). This module stays torch-free.
 """
@@ -14,17 +14,17 @@ import subprocess
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from harness.loadgen import plan
+from aftershock._root import ROOT
+from aftershock.harness.loadgen import plan
 
 if TYPE_CHECKING:
-    from harness.systems.server import ServerSystem
+    from aftershock.harness.systems.server import ServerSystem
 
 #: ~0.5 s of math for 60 requests after torch's import; this only bounds a hang.
 TIMEOUT_S = 300.0
-NAME = "the serving oracle (harness.oracle.serving)"
+NAME = "the serving oracle (aftershock.harness.oracle.serving)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,14 +59,20 @@ def judge_outputs(system: ServerSystem, *, seed: int, outputs: Mapping[str, Any]
     body = {"model_seed": system.model_seed, "requests": [
         {"id": r.id, "prompt": list(r.prompt.encode("utf-8")), "max_tokens": r.max_tokens,
          "tokens": tokens_of(outputs[r.id])} for r in requests]}
-    root = str(Path(__file__).resolve().parent.parent.parent)
+    root = str(ROOT)
     child = {**os.environ, **(env or {})}
     child["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", ""))
                                           if p)
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "harness.oracle.serving_math"], input=json.dumps(body),
-            capture_output=True, text=True, timeout=TIMEOUT_S, env=child, check=False)
+            [sys.executable, "-m", "aftershock.harness.oracle.serving_math"],
+            input=json.dumps(body),
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT_S,
+            env=child,
+            check=False,
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
         return Judgement(None, "", f"{NAME} did not run ({exc})")
     if proc.returncode != 0:
@@ -83,8 +89,11 @@ def judge_outputs(system: ServerSystem, *, seed: int, outputs: Mapping[str, Any]
     tie_note = f"; {ties} near-tied tokens taken as the twin chose" if ties else ""
     if disagree:
         first = disagree[0]
-        return Judgement(False, observed,
-                         f"{len(disagree)} requests differ from greedy decoding, first "
-                         f"{first.get('id')} at token {first.get('index')}: "
-                         f"{first.get('why')}{tie_note}")
+        return Judgement(
+            False,
+            observed,
+            f"{len(disagree)} requests differ from greedy decoding, first "
+            f"{first.get('id')} at token {first.get('index')}: "
+            f"{first.get('why')}{tie_note}",
+        )
     return Judgement(True, observed, f"every token is greedy decoding's{tie_note}")

@@ -29,8 +29,8 @@ rounding may break either way; the oracle then follows the twin's choice, as tea
 does). The logits digests of the twin are bits of float32 kernels, which only a golden of the
 same rounding key can witness.
 
-Run as ``python -m harness.oracle.serving_math`` with a JSON request on stdin (what
-``harness.oracle.serving.judge_outputs`` sends).
+Run as ``python -m aftershock.harness.oracle.serving_math`` with a JSON request on stdin (what
+``aftershock.harness.oracle.serving.judge_outputs`` sends).
 """
 
 from __future__ import annotations

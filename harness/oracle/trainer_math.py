@@ -29,7 +29,8 @@ What is restated, and what the restatement must reproduce bit for bit:
   created at step 0. The optimizer is torch's, like the matmul kernels: the trainer's choice of
   it and of every hyperparameter is restated here, its implementation is not under test.
 
-Supported layouts (``harness.oracle.unsupported`` says why a layout is not): the bits of a sum
+Supported layouts (``aftershock.harness.oracle.unsupported`` says why a layout is not): the bits of
+a sum
 depend on the order of its terms, and a sum of two floats is the same in either order
 (``a + b == b + a`` in IEEE arithmetic) while a sum of three is not (Gloo's ring all_reduce
 picks the order). So every collective sum must have at most two terms: ``shards`` in {1, 2}
@@ -39,8 +40,9 @@ reductions, and CUDA kernels, are out of reach of a CPU restatement; one NCCL ra
 kernels (``"device": "cuda"`` in the request). Anything else is "not observed", never a
 pass.
 
-Run as ``python -m harness.oracle.trainer_math`` with a JSON request on stdin (what
-``harness.oracle.trainer_digests`` sends): a fresh process, one thread, like a trainer rank.
+Run as ``python -m aftershock.harness.oracle.trainer_math`` with a JSON request on stdin (what
+``aftershock.harness.oracle.trainer_digests`` sends): a fresh process, one thread, like a trainer
+rank.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from harness.oracle import Generation, unsupported
+from aftershock.harness.oracle import Generation, unsupported
 
 #: The reference trainer's fixed hyperparameters (TrainConfig defaults; scenarios cannot
 #: change them). Restated, not imported: tests/test_oracle.py checks they still agree.

@@ -24,15 +24,15 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from faults import plugins
+from aftershock.faults import plugins
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
 
-    from harness.logprobe import LogProbe
-    from harness.records import Event
-    from harness.target import Launch, Target
-    from harness.timeline import Timeline
+    from aftershock.harness.logprobe import LogProbe
+    from aftershock.harness.records import Event
+    from aftershock.harness.target import Launch, Target
+    from aftershock.harness.timeline import Timeline
 
 ENTRY_POINT_GROUP = "aftershock.systems"
 
@@ -108,12 +108,13 @@ class SystemKind(Protocol):
         ...
 
     def capabilities(self, system: Any | None) -> frozenset[str]:
-        """What its target lets faults act through (faults.registry.CAPABILITIES), known
+        """What its target lets faults act through (aftershock.faults.registry.CAPABILITIES), known
         before anything runs (``system`` None: one as its defaults make it)."""
         ...
 
     def probe(self, system: Any | None, scenario_dir: Path | None) -> str | None:
-        """None if its job calls harness.probe.install() (in-process faults reach it), else
+        """None if its job calls aftershock.harness.probe.install() (in-process faults reach it),
+        else
         why it is not known to (for the error that refuses an in-process fault; ``system``
         None: a plain one, as `aftershock faults --system` asks)."""
         ...
@@ -208,7 +209,7 @@ _METHODS = ("launch", "target", "capabilities", "probe", "world", "steps", "defa
 #: and :class:`Unresolves`, optional).
 PROTOCOL: tuple[plugins.Attr, ...] = (
     plugins.required("name", "a name (a str without spaces)", _is_name),
-    plugins.required("model", "a pydantic model (harness.schema.Strict)", _is_model),
+    plugins.required("model", "a pydantic model (aftershock.harness.schema.Strict)", _is_model),
     plugins.required("tag", "a (key, value or None) tuple", _is_tag),
     plugins.required("shape", "a str", plugins.is_str),
     plugins.required("order", "an int", lambda v: isinstance(v, int) and not isinstance(v, bool)),

@@ -11,7 +11,7 @@ def fingerprint(patterns: tuple[str, ...]) -> str:
     """A digest of reference_impl's source files matching ``patterns`` (found without
     importing it), so that editing the reference code invalidates cached twins."""
     digest = hashlib.sha256()
-    found = importlib.util.find_spec("reference_impl")
+    found = importlib.util.find_spec("aftershock.reference_impl")
     for folder in found.submodule_search_locations or [] if found else []:
         for pattern in patterns:
             for path in sorted(Path(folder).glob(pattern)):

@@ -17,12 +17,12 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from harness import presets
-from harness.logprobe import LogProbe
-from harness.schema import MAX_STEPS, MAX_WORLD, Duration, Strict
-from harness.systems import Driver, register
-from harness.target import SERVED_STOP_GRACE_S, Launch, LocalTarget, Target
-from harness.timeline import Timeline
+from aftershock.harness import presets
+from aftershock.harness.logprobe import LogProbe
+from aftershock.harness.schema import MAX_STEPS, MAX_WORLD, Duration, Strict
+from aftershock.harness.systems import Driver, register
+from aftershock.harness.target import SERVED_STOP_GRACE_S, Launch, LocalTarget, Target
+from aftershock.harness.timeline import Timeline
 
 
 class CommandSystem(Strict):
@@ -73,7 +73,8 @@ class CommandSystem(Strict):
         "load was served, before SIGKILL (`completes` wants exit 0 within it; Kubernetes' "
         "terminationGracePeriodSeconds). A run stopped early (its timeout, Ctrl-C) gives 3 s")
     in_process_probe: bool | None = Field(
-        None, description="whether the job calls harness.probe.install(), which in-process "
+        None,
+        description="whether the job calls aftershock.harness.probe.install(), which in-process "
         "faults need (collective.*, process.hang, memory.* with `tensor`, process.kill with "
         "`at.phase`); default: whether the command line, a file it names or an `inputs` "
         "file calls it",
@@ -98,8 +99,9 @@ class CommandSystem(Strict):
         scenario are then passed as absolute paths: :func:`absolute_args`). A ``cwd``
         inside the run folder is not known before the run: the scenario's folder then."""
         if self.cwd and "${run_dir}" not in self.cwd:
-            return (scenario_dir / expand(self.cwd, {"scenario_dir": str(
-                scenario_dir.resolve())})).resolve()
+            return (
+                scenario_dir / expand(self.cwd, {"scenario_dir": str(scenario_dir.resolve())})
+            ).resolve()
         return scenario_dir.resolve()
 
     def input_files(self, scenario_dir: Path) -> tuple[list[Path], list[int]]:
@@ -110,13 +112,20 @@ class CommandSystem(Strict):
         missing: list[int] = []
         for index, pattern in enumerate(self.inputs):
             if any(c in pattern for c in "*?["):
-                root, relative = (Path(base.anchor), pattern.lstrip("/")) \
-                    if Path(pattern).is_absolute() else (base, pattern)
+                root, relative = (
+                    (Path(base.anchor), pattern.lstrip("/"))
+                    if Path(pattern).is_absolute()
+                    else (base, pattern)
+                )
                 found = list(root.glob(relative))
             else:
                 found = [base / pattern]
-            found = [f for p in found for f in (sorted(p.rglob("*")) if p.is_dir() else [p])
-                     if f.is_file()]
+            found = [
+                f
+                for p in found
+                for f in (sorted(p.rglob("*")) if p.is_dir() else [p])
+                if f.is_file()
+            ]
             if not found:
                 missing.append(index)
             files.update(found)
@@ -136,8 +145,7 @@ def expand(text: str, values: dict[str, str]) -> str:
 def uses(system: CommandSystem, name: str) -> bool:
     """Whether ``${name}`` appears in the command line, an env value or the cwd."""
     marker = "${" + name + "}"
-    return any(marker in text for text in [*system.command, *system.env.values(),
-                                           system.cwd or ""])
+    return any(marker in text for text in [*system.command, *system.env.values(), system.cwd or ""])
 
 
 def free_port() -> int:
@@ -203,9 +211,10 @@ def command_files(system: CommandSystem, scenario_dir: Path) -> list[Path]:
     return sorted(named)
 
 
-#: A file that uses the probe (`from harness import probe`, `harness.probe.…`) and calls an
-#: `install(`: what in-process faults need.
-_USES_PROBE = re.compile(r"harness\.probe|from\s+harness\s+import\s[^\n]*\bprobe\b")
+#: A file that uses the probe (`from aftershock import probe`, `aftershock.harness.probe.…`)
+#: and calls an `install(`: what in-process faults need.
+_USES_PROBE = re.compile(
+    r"(harness|aftershock)\.probe|from\s+aftershock(\.harness)?\s+import\s[^\n]*\bprobe\b")
 _INSTALLS = re.compile(r"\binstall\s*\(")
 _READ_LIMIT = 1 << 20  # bytes of one file looked at: scripts, not data
 
@@ -235,19 +244,28 @@ def _module_files(system: CommandSystem, base: Path | None) -> list[Path]:
 
 
 def probe_reason(system: CommandSystem, scenario_dir: Path | None) -> str | None:
-    """None if the job calls harness.probe.install(), as declared or as its command line and
+    """None if the job calls aftershock.harness.probe.install(), as declared or as its command line
+    and
     the files it names show; else why it is not known to."""
     if system.in_process_probe is not None:
-        return None if system.in_process_probe else "the scenario says it does not " \
-            "(`in_process_probe: false`)"
+        return (
+            None
+            if system.in_process_probe
+            else "the scenario says it does not (`in_process_probe: false`)"
+        )
     if any(_calls_install(arg) for arg in system.command):
         return None
     if scenario_dir is not None:
         files = command_files(system, scenario_dir)
         base: Path | None = system.workdir(scenario_dir)
     else:  # parsed from text: only what the command names absolutely can be read
-        files = sorted({Path(a).resolve() for a in system.command
-                        if Path(a).is_absolute() and Path(a).is_file()})
+        files = sorted(
+            {
+                Path(a).resolve()
+                for a in system.command
+                if Path(a).is_absolute() and Path(a).is_file()
+            }
+        )
         base = None
     read: list[Path] = []
     for path in [*files, *_module_files(system, base)]:
@@ -262,9 +280,12 @@ def probe_reason(system: CommandSystem, scenario_dir: Path | None) -> str | None
         if _calls_install(data.decode(errors="replace")):
             return None
     shown = ", ".join(str(p) for p in read[:4]) + (" ..." if len(read) > 4 else "")
-    return ("neither its command line nor a file it names calls harness.probe.install()"
-            + (f" (read: {shown})" if read else "") + "; if it calls it from a file the "
-            "harness cannot see, say so with `in_process_probe: true`")
+    return (
+        "neither its command line nor a file it names calls aftershock.harness.probe.install()"
+        + (f" (read: {shown})" if read else "")
+        + "; if it calls it from a file the "
+        "harness cannot see, say so with `in_process_probe: true`"
+    )
 
 
 class Command:
@@ -276,10 +297,20 @@ class Command:
     family: Literal["training"] = "training"
     golden = None
 
-    def launch(self, system: CommandSystem, *, run_dir: Path, scenario_dir: Path, seed: int,
-               extra_args: tuple[str, ...] = ()) -> Launch:
-        values = {"run_dir": str(run_dir), "scenario_dir": str(scenario_dir.resolve()),
-                  "seed": str(seed)}
+    def launch(
+        self,
+        system: CommandSystem,
+        *,
+        run_dir: Path,
+        scenario_dir: Path,
+        seed: int,
+        extra_args: tuple[str, ...] = (),
+    ) -> Launch:
+        values = {
+            "run_dir": str(run_dir),
+            "scenario_dir": str(scenario_dir.resolve()),
+            "seed": str(seed),
+        }
         if uses(system, "port"):
             values["port"] = str(free_port())
         if system.cwd:
@@ -296,8 +327,13 @@ class Command:
             # `python -m pkg.main` finds its module from the scenario's folder, as it would
             # from the folder it runs in (and as `validate` found it).
             env["PYTHONPATH"] = os.pathsep.join(
-                p for p in (values["scenario_dir"],
-                            env.get("PYTHONPATH", os.environ.get("PYTHONPATH"))) if p)
+                p
+                for p in (
+                    values["scenario_dir"],
+                    env.get("PYTHONPATH", os.environ.get("PYTHONPATH")),
+                )
+                if p
+            )
         return Launch(
             [expand(arg, values) for arg in absolute_args(system, scenario_dir)],
             cwd,
@@ -308,8 +344,7 @@ class Command:
             values,
         )
 
-    def target(self, launch: Launch, *, run_dir: Path, run_id: str,
-               timeline: Timeline) -> Target:
+    def target(self, launch: Launch, *, run_dir: Path, run_id: str, timeline: Timeline) -> Target:
         return LocalTarget(launch, run_dir=run_dir, run_id=run_id, timeline=timeline)
 
     def capabilities(self, system: CommandSystem | None) -> frozenset[str]:
@@ -325,10 +360,15 @@ class Command:
         are its processes' RANK, or what the job reports of itself: through the in-process
         probe's hello (``probed``) or a log probe's ``event: hello`` line, whose groups say
         which coordinates it reports."""
-        if (target.rank is not None and system.world is not None
-                and not 0 <= target.rank < system.world):
-            return (f"the system's `world: {system.world}` has ranks 0-{system.world - 1}; "
-                    "give a rank of the world, or correct `world`")
+        if (
+            target.rank is not None
+            and system.world is not None
+            and not 0 <= target.rank < system.world
+        ):
+            return (
+                f"the system's `world: {system.world}` has ranks 0-{system.world - 1}; "
+                "give a rank of the world, or correct `world`"
+            )
         reported = {"rank", "pid"} if probed else set()
         for p in system.all_probes():
             if p.event == "hello":
@@ -342,11 +382,13 @@ class Command:
             needs = ["role"]
         if not needs:
             return None
-        return (f"this command's processes have no {needs[0]}: only the job can say which "
-                f"process has one, and it says so neither through harness.probe.install() "
-                f"nor a log probe with `event: hello` and a (?P<{needs[0]}>...) group. Name "
-                "the processes by what they have instead: `env: {REPLICA_GROUP_ID: '1'}`, "
-                "`cmdline: ...`, `role: agent|worker` (docs/own-job.md)")
+        return (
+            f"this command's processes have no {needs[0]}: only the job can say which "
+            f"process has one, and it says so neither through aftershock.harness.probe.install() "
+            f"nor a log probe with `event: hello` and a (?P<{needs[0]}>...) group. Name "
+            "the processes by what they have instead: `env: {REPLICA_GROUP_ID: '1'}`, "
+            "`cmdline: ...`, `role: agent|worker` (docs/own-job.md)"
+        )
 
     def world(self, system: CommandSystem) -> int | None:
         return system.world
@@ -397,13 +439,18 @@ class Command:
     def replays(self, system: CommandSystem) -> bool:
         return False
 
-    def file_problems(self, system: CommandSystem, scenario_dir: Path
-                      ) -> list[tuple[tuple[str | int, ...], str]]:
+    def file_problems(
+        self, system: CommandSystem, scenario_dir: Path
+    ) -> list[tuple[tuple[str | int, ...], str]]:
         _, missing = system.input_files(scenario_dir)
-        return [(("inputs", index),
-                 f"nothing matches {system.inputs[index]!r} in {system.workdir(scenario_dir)} "
-                 "(an input the command reads must exist: its content keys the fault-free twin)")
-                for index in missing]
+        return [
+            (
+                ("inputs", index),
+                f"nothing matches {system.inputs[index]!r} in {system.workdir(scenario_dir)} "
+                "(an input the command reads must exist: its content keys the fault-free twin)",
+            )
+            for index in missing
+        ]
 
     def problems(self, scenario: Any) -> list[str]:
         system: CommandSystem = scenario.system
@@ -411,18 +458,24 @@ class Command:
         probed = {p.event for p in system.all_probes()}
         problems: list[str] = []
         if expect.params_match and "params" not in probed:
-            problems.append("expect.params_match on a command needs a log probe with "
-                            "`event: params` and a `(?P<digest>...)` group")
+            problems.append(
+                "expect.params_match on a command needs a log probe with "
+                "`event: params` and a `(?P<digest>...)` group"
+            )
         missing = [e for e in ("checkpoint_saved", "checkpoint_loaded") if e not in probed]
         if expect.checkpoint_durable and missing:
-            problems.append("expect.checkpoint_durable on a command needs log probes with "
-                            + " and ".join(f"`event: {e}`" for e in missing)
-                            + " (and a `(?P<step>...)` group)")
+            problems.append(
+                "expect.checkpoint_durable on a command needs log probes with "
+                + " and ".join(f"`event: {e}`" for e in missing)
+                + " (and a `(?P<step>...)` group)"
+            )
         if "stop_grace" in system.model_fields_set and scenario.load is None:
-            problems.append("system.stop_grace is how long a server gets to exit once its "
-                            "`load:` was served; without a `load:` the command ends by itself "
-                            "(or at its `timeout`, with 3 s to exit): remove stop_grace, or add "
-                            "a `load:` block")
+            problems.append(
+                "system.stop_grace is how long a server gets to exit once its "
+                "`load:` was served; without a `load:` the command ends by itself "
+                "(or at its `timeout`, with 3 s to exit): remove stop_grace, or add "
+                "a `load:` block"
+            )
         return problems
 
 

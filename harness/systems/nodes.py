@@ -13,15 +13,15 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from harness.logprobe import LogProbe
-from harness.nodes.cluster import torchrun_argv
-from harness.nodes.image import PROJECT_ROOT
-from harness.schema import MAX_STEPS, MAX_WORLD, Duration, Strict
-from harness.systems import Driver, register
-from harness.systems._reference import fingerprint
-from harness.systems.trainer import TrainerSystem, World, trainer_program
-from harness.target import Launch, Target
-from harness.timeline import Timeline
+from aftershock.harness.logprobe import LogProbe
+from aftershock.harness.nodes.cluster import torchrun_argv
+from aftershock.harness.nodes.image import PROJECT_ROOT
+from aftershock.harness.schema import MAX_STEPS, MAX_WORLD, Duration, Strict
+from aftershock.harness.systems import Driver, register
+from aftershock.harness.systems._reference import fingerprint
+from aftershock.harness.systems.trainer import TrainerSystem, World, trainer_program
+from aftershock.harness.target import Launch, Target
+from aftershock.harness.timeline import Timeline
 
 MAX_NODES = 8  # containers of one run; each costs a torchrun agent and its ranks' start-up
 #: torchrun's rendezvous id: one per run is enough, since every run's nodes are on a network
@@ -33,7 +33,8 @@ EXIT_BARRIER_S = 10.0
 
 
 class NodeTrainer(Strict):
-    """The reference trainer on every rank of every node (``reference_impl.trainer``), its
+    """The reference trainer on every rank of every node (``aftershock.reference_impl.trainer``),
+    its
     world the nodes' ranks: ``nodes × per_node`` = replicas × ``shards``; under ``hot_spare``
     node 0 runs ``spares`` more processes."""
 
@@ -195,7 +196,7 @@ class Nodes:
 
     def target(self, launch: Launch, *, run_dir: Path, run_id: str,
                timeline: Timeline) -> Target:
-        from harness.nodes.target import NodesTarget
+        from aftershock.harness.nodes.target import NodesTarget
 
         assert isinstance(launch, NodesLaunch), "a nodes system's launch comes from launch()"
         return NodesTarget(launch, run_dir=run_dir, run_id=run_id, timeline=timeline,
@@ -204,7 +205,7 @@ class Nodes:
                            node0_argv=launch.node0_argv, node_loss_ok=launch.node_loss_ok)
 
     def capabilities(self, system: NodesSystem | None) -> frozenset[str]:
-        from harness.nodes.target import NodesTarget
+        from aftershock.harness.nodes.target import NodesTarget
 
         return NodesTarget.capabilities
 

@@ -1,4 +1,5 @@
-"""``reference: server``: the reference LLM serving stack (reference_impl.serving.server),
+"""``reference: server``: the reference LLM serving stack
+(aftershock.reference_impl.serving.server),
 a router and worker processes, driven by the built-in load generator."""
 
 from __future__ import annotations
@@ -10,18 +11,18 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from harness.loadgen import Load, LoadDriver
-from harness.loadgen import twin_key as load_key
-from harness.logprobe import LogProbe
-from harness.schema import MAX_SEED, Duration, Strict
-from harness.systems import Driver, register
-from harness.systems._reference import fingerprint
-from harness.target import Launch, LocalTarget, Target
-from harness.timeline import Timeline
+from aftershock.harness.loadgen import Load, LoadDriver
+from aftershock.harness.loadgen import twin_key as load_key
+from aftershock.harness.logprobe import LogProbe
+from aftershock.harness.schema import MAX_SEED, Duration, Strict
+from aftershock.harness.systems import Driver, register
+from aftershock.harness.systems._reference import fingerprint
+from aftershock.harness.target import Launch, LocalTarget, Target
+from aftershock.harness.timeline import Timeline
 
 
 class ServerSystem(Strict):
-    """The reference LLM serving stack (``reference_impl.serving.server``): a router and
+    """The reference LLM serving stack (``aftershock.reference_impl.serving.server``): a router and
     worker processes, driven by the built-in load generator."""
 
     reference: Literal["server"]
@@ -49,7 +50,8 @@ class ServerSystem(Strict):
     )
     args: list[str] = Field(
         default_factory=list,
-        description="extra server options (python -m reference_impl.serving.server --help)",
+        description="extra server options "
+        "(python -m aftershock.reference_impl.serving.server --help)",
     )
     load: Load = Load()
     timeout: Duration = Field(timedelta(minutes=5), description="limit for the whole run")
@@ -59,13 +61,19 @@ class ServerSystem(Strict):
 def server_argv(system: ServerSystem) -> list[str]:
     """The reference server's launcher (router + workers); it says where it listens
     through the probe's ``serving_ready`` event."""
+
     def seconds(value: timedelta) -> str:
         return f"{value.total_seconds():g}"
 
-    flags = [("--no-journal", not system.journal), ("--no-checksums", not system.checksums),
-             ("--no-batch-invariant", not system.batch_invariant)]
+    flags = [
+        ("--no-journal", not system.journal),
+        ("--no-checksums", not system.checksums),
+        ("--no-batch-invariant", not system.batch_invariant),
+    ]
     return [
-        sys.executable, "-m", "reference_impl.serving.server",
+        sys.executable,
+        "-m",
+        "aftershock.reference_impl.serving.server",
         f"--workers={system.workers}",
         f"--seed={system.model_seed}",
         f"--max-batch={system.max_batch}",
@@ -81,8 +89,16 @@ def server_argv(system: ServerSystem) -> list[str]:
 
 #: Settings that never change a fault-free run's tokens (the model, the kernels and the load
 #: do; of the load, harness.loadgen.LOAD_TIMING says what does not).
-TIMING = ("step_sleep", "timeout", "heartbeat", "dead_after", "wedged_after", "recovery",
-          "journal", "checksums")
+TIMING = (
+    "step_sleep",
+    "timeout",
+    "heartbeat",
+    "dead_after",
+    "wedged_after",
+    "recovery",
+    "journal",
+    "checksums",
+)
 
 
 class Server:
@@ -94,13 +110,20 @@ class Server:
     family: Literal["serving"] = "serving"
     golden: Literal["outputs"] = "outputs"
 
-    def launch(self, system: ServerSystem, *, run_dir: Path, scenario_dir: Path, seed: int,
-               extra_args: tuple[str, ...] = ()) -> Launch:
-        return Launch([*server_argv(system), *extra_args], Path.cwd(), dict(system.env),
-                      system.workers, ())
+    def launch(
+        self,
+        system: ServerSystem,
+        *,
+        run_dir: Path,
+        scenario_dir: Path,
+        seed: int,
+        extra_args: tuple[str, ...] = (),
+    ) -> Launch:
+        return Launch(
+            [*server_argv(system), *extra_args], Path.cwd(), dict(system.env), system.workers, ()
+        )
 
-    def target(self, launch: Launch, *, run_dir: Path, run_id: str,
-               timeline: Timeline) -> Target:
+    def target(self, launch: Launch, *, run_dir: Path, run_id: str, timeline: Timeline) -> Target:
         return LocalTarget(launch, run_dir=run_dir, run_id=run_id, timeline=timeline)
 
     def capabilities(self, system: ServerSystem | None) -> frozenset[str]:
@@ -143,8 +166,9 @@ class Server:
         # server says where it listens and the run ends when the last request has.
         # Where the server keeps its journal (reference_impl/serving/server.py's default,
         # under the run's output folder): read after the load, against what clients saw.
-        journal = (timeline.path.parent / "output" / "journal" / "journal.wal"
-                   if system.journal else None)
+        journal = (
+            timeline.path.parent / "output" / "journal" / "journal.wal" if system.journal else None
+        )
         return LoadDriver(system.load, seed=seed, timeline=timeline, journal=journal)
 
     def log_probes(self, system: ServerSystem) -> list[LogProbe]:
@@ -153,8 +177,9 @@ class Server:
     def replays(self, system: ServerSystem) -> bool:
         return False
 
-    def file_problems(self, system: ServerSystem, scenario_dir: Path
-                      ) -> list[tuple[tuple[str | int, ...], str]]:
+    def file_problems(
+        self, system: ServerSystem, scenario_dir: Path
+    ) -> list[tuple[tuple[str | int, ...], str]]:
         return []
 
     def problems(self, scenario: Any) -> list[str]:

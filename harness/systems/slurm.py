@@ -22,17 +22,17 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from harness import presets
-from harness.logprobe import LogProbe
-from harness.nodes.cluster import RDZV_PORT
-from harness.nodes.image import PROJECT_ROOT
-from harness.schema import MAX_WORLD, Duration, Strict
-from harness.systems import Driver, register
-from harness.systems._reference import fingerprint
-from harness.systems.nodes import NodeTrainer
-from harness.systems.trainer import TrainerSystem, World, trainer_program
-from harness.target import Launch, Target
-from harness.timeline import Timeline
+from aftershock.harness import presets
+from aftershock.harness.logprobe import LogProbe
+from aftershock.harness.nodes.cluster import RDZV_PORT
+from aftershock.harness.nodes.image import PROJECT_ROOT
+from aftershock.harness.schema import MAX_WORLD, Duration, Strict
+from aftershock.harness.systems import Driver, register
+from aftershock.harness.systems._reference import fingerprint
+from aftershock.harness.systems.nodes import NodeTrainer
+from aftershock.harness.systems.trainer import TrainerSystem, World, trainer_program
+from aftershock.harness.target import Launch, Target
+from aftershock.harness.timeline import Timeline
 
 MAX_NODES = 64
 _NAME = r"^[A-Za-z0-9_.\-]+$"  # partition, account, qos names: passed to sbatch as they are
@@ -223,13 +223,13 @@ class Slurm:
 
     def target(self, launch: Launch, *, run_dir: Path, run_id: str,
                timeline: Timeline) -> Target:
-        from harness.nodes.slurm_target import SlurmTarget
+        from aftershock.harness.nodes.slurm_target import SlurmTarget
 
         assert isinstance(launch, SlurmLaunch), "a slurm system's launch comes from launch()"
         return SlurmTarget(launch, run_dir=run_dir, run_id=run_id, timeline=timeline)
 
     def capabilities(self, system: SlurmSystem | None) -> frozenset[str]:
-        from harness.nodes.slurm_target import SlurmTarget
+        from aftershock.harness.nodes.slurm_target import SlurmTarget
 
         return SlurmTarget.capabilities
 

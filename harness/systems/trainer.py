@@ -1,4 +1,4 @@
-"""``reference: trainer``: the reference fault-tolerant trainer (reference_impl.trainer)
+"""``reference: trainer``: the reference fault-tolerant trainer (aftershock.reference_impl.trainer)
 under torchrun, as local processes."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from harness.logprobe import LogProbe
-from harness.schema import MAX_STEPS, MAX_WORLD, Duration, Strict
-from harness.systems import Driver, register
-from harness.systems._reference import fingerprint
-from harness.target import Launch, LocalTarget, Target
-from harness.timeline import Timeline
+from aftershock.harness.logprobe import LogProbe
+from aftershock.harness.schema import MAX_STEPS, MAX_WORLD, Duration, Strict
+from aftershock.harness.systems import Driver, register
+from aftershock.harness.systems._reference import fingerprint
+from aftershock.harness.target import Launch, LocalTarget, Target
+from aftershock.harness.timeline import Timeline
 
 
 class World(Strict):
@@ -37,7 +37,8 @@ class World(Strict):
 
 
 class TrainerSystem(Strict):
-    """The reference fault-tolerant trainer (``reference_impl.trainer``) under torchrun."""
+    """The reference fault-tolerant trainer (``aftershock.reference_impl.trainer``) under
+    torchrun."""
 
     reference: Literal["trainer"]
     world: World = World()
@@ -95,7 +96,7 @@ def trainer_program(system: TrainerSystem, run_dir: Path, seed: int) -> list[str
         extra.append(f"--snapshot-every={system.snapshot_every}")
     return [
         "-m",
-        "reference_impl.trainer",
+        "aftershock.reference_impl.trainer",
         f"--replicas={system.world.replicas}",
         f"--shards={system.world.shards}",
         f"--steps={system.steps}",

@@ -10,14 +10,15 @@ same operation, which is why they all give the same tokens. A step computes at m
 prefill): 16 new 1000-token prompts take steps of 0.2 s on a small CPU, not one of 1.6 s.
 
 Batch invariance (``EngineConfig.batch_invariant``, the default) comes from the kernel,
-:meth:`reference_impl.serving.model.GPT.forward_tiles`: every position is computed in the
+:meth:`aftershock.reference_impl.serving.model.GPT.forward_tiles`: every position is computed in the
 fixed tile of ``EngineConfig.tile`` positions it belongs to, with shapes that depend only on
 the tile's index, never on the other sequences of the step. A request's tokens and logits
 are then bitwise the same alone or in any batch, for a given ``tile`` and ``block_size``.
 With ``batch_invariant=False`` the step runs as one batched matmul per layer with a
 batch-dependent split-K, like throughput-tuned servers, and outputs depend on the batch.
 
-Memory. Blocks come from :class:`reference_impl.serving.kvcache.PagedKVCache`. When the pool
+Memory. Blocks come from :class:`aftershock.reference_impl.serving.kvcache.PagedKVCache`. When the
+pool
 runs out, the most recently admitted running sequence is preempted: its blocks are released
 (its full ones stay in the prefix cache while nobody needs the space) and it waits at the
 head of the queue to recompute from its tokens.
@@ -31,7 +32,8 @@ checksummed when it fills; a flip in the partly filled last block of a sequence 
 
 ``"read"`` is the default. ``"hit"`` only catches a corrupt shared block when the next request
 wants it, after the requests already reading it have used it for their tokens; ``"read"``
-catches it before the next step. Measured with ``python -m reference_impl.serving.engine``
+catches it before the next step. Measured with ``python -m
+aftershock.reference_impl.serving.engine``
 (16 requests, 64-token prompts sharing 48 tokens, 32 new tokens each, one CPU thread),
 checksums took 0.2% of the engine's time with ``"hit"`` and 1.3% with ``"read"`` (1.9% with the
 faster, non-invariant kernel). The cost of ``"read"`` grows with the context the batch holds:
@@ -61,8 +63,8 @@ from typing import Literal
 
 import torch
 
-from reference_impl.serving.kvcache import PagedKVCache, chain_hashes
-from reference_impl.serving.model import GPT, ModelConfig, Segment, Tile, model_id
+from aftershock.reference_impl.serving.kvcache import PagedKVCache, chain_hashes
+from aftershock.reference_impl.serving.model import GPT, ModelConfig, Segment, Tile, model_id
 
 Verify = Literal["off", "hit", "read"]
 

@@ -32,7 +32,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from reference_impl.serving.model import ModelConfig, model_id
+from aftershock.reference_impl.serving.model import ModelConfig, model_id
 
 _GAP = 8  # blocks between two checksum runs that are summed through rather than skipped
 _MAX_SPANS = 32  # more runs than this: gather the blocks instead

@@ -24,7 +24,7 @@ Two forward passes share the weights:
   additions then depends on how many rows the step has, so a request's logits (and sometimes
   its tokens) depend on which other requests share its batch.
 
-The KV pool layout, shared with :mod:`reference_impl.serving.kvcache`, is
+The KV pool layout, shared with :mod:`aftershock.reference_impl.serving.kvcache`, is
 ``[num_blocks, n_layer, 2 (K, V), n_head, block_size, head_dim]``.
 """
 

@@ -31,7 +31,8 @@ Health. A worker is declared failed, with ``cause``:
   on the machine at hand. Only a busy worker can be wedged: an idle one makes no progress
   by design;
 - ``xid``: the worker's GPU reported an Xid whose NVIDIA action is not ``none``
-  (``reference_impl.health.XidWatcher``); the worker reports it and exits. Xids with action
+  (``aftershock.reference_impl.health.XidWatcher``); the worker reports it and exits. Xids with
+  action
   ``none`` (63, 92, ...) are only logged by the worker. For ``drain_node`` (Xid 79: the GPU
   fell off the bus) the worker index is *drained*: the keeper does not respawn it and the
   router never assigns work to it again; in a real cluster that GPU needs a reboot or RMA,
@@ -104,11 +105,11 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Protocol
 
-from faults.contract import COMMANDS_ENV
-from harness import probe
-from reference_impl.serving import _wire
-from reference_impl.serving._streams import Pump, Stream
-from reference_impl.serving.journal import (
+from aftershock.faults.contract import COMMANDS_ENV
+from aftershock.harness import probe
+from aftershock.reference_impl.serving import _wire
+from aftershock.reference_impl.serving._streams import Pump, Stream
+from aftershock.reference_impl.serving.journal import (
     Journal,
     Replay,
     finish_record,
@@ -278,7 +279,8 @@ class _Slot:
 
 
 class FaultPoints(Protocol):
-    """The harness's in-process fault engine (``faults.inproc.Engine``), as the router uses it."""
+    """The harness's in-process fault engine (``aftershock.faults.inproc.Engine``), as the router
+    uses it."""
 
     def at_point(self, step: int, phase: str) -> None: ...
 
@@ -290,7 +292,7 @@ def fault_points() -> FaultPoints | None:
     path = os.environ.get(COMMANDS_ENV)
     if not probe.enabled() or not path:
         return None
-    from faults import inproc
+    from aftershock.faults import inproc
 
     engine: FaultPoints = inproc.Engine(inproc.Inbox(path), rank=lambda: None, emit=probe.emit)
     return engine

@@ -1,4 +1,4 @@
-"""The reference server's launcher: ``python -m reference_impl.serving.server``.
+"""The reference server's launcher: ``python -m aftershock.reference_impl.serving.server``.
 
 Two levels of supervision, so that any part of the server can crash and come back:
 
@@ -44,10 +44,11 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from harness import probe
-from reference_impl.serving._lifetime import StopRequest, die_with_parent
-from reference_impl.serving.journal import Journal
-from reference_impl.serving.router import (
+from aftershock._root import ROOT
+from aftershock.harness import probe
+from aftershock.reference_impl.serving._lifetime import StopRequest, die_with_parent
+from aftershock.reference_impl.serving.journal import Journal
+from aftershock.reference_impl.serving.router import (
     RECOVERIES,
     Router,
     RouterConfig,
@@ -60,12 +61,12 @@ READY_LINE = "AFTERSHOCK_SERVING_READY"
 # A dead worker's replacement waits at most this long for the requests moved off it to
 # stream again on the healthy workers (WorkerKeeper._held).
 RESPAWN_HOLD_S = 2.0
-_REPO = Path(__file__).resolve().parents[2]  # so `-m reference_impl...` works from any cwd
+_REPO = ROOT  # so `-m aftershock.reference_impl...` works from any cwd
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m reference_impl.serving.server",
+        prog="python -m aftershock.reference_impl.serving.server",
         description="Aftershock's reference LLM server: a router with an OpenAI-style API in "
         "front of engine worker processes, with failure detection, request migration and a "
         "write-ahead journal.",
@@ -208,11 +209,16 @@ class WorkerKeeper:
                    LOCAL_WORLD_SIZE=str(self.args.workers))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_REPO), env.get("PYTHONPATH"))
                                             if p)
-        argv = [sys.executable, "-m", "reference_impl.serving.worker", f"--worker={index}",
-                f"--generation={generation}", *self._common]
+        argv = [
+            sys.executable,
+            "-m",
+            "aftershock.reference_impl.serving.worker",
+            f"--worker={index}",
+            f"--generation={generation}",
+            *self._common,
+        ]
         # Worker stdout goes to our stderr: our stdout carries only the READY line.
-        proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL,
-                                stdout=sys.stderr.fileno())
+        proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=sys.stderr.fileno())
         with self._lock:
             self._procs[index] = proc
         self._started_at[index] = time.monotonic()
@@ -225,8 +231,7 @@ class WorkerKeeper:
         self.router.worker_exited(index, code)
         lived = time.monotonic() - self._started_at.get(index, 0.0)
         # A worker that keeps dying at start must not spin: back off up to 5 s.
-        self._backoff[index] = 0.0 if lived > 10 else min(max(self._backoff[index] * 2, 0.25),
-                                                          5.0)
+        self._backoff[index] = 0.0 if lived > 10 else min(max(self._backoff[index] * 2, 0.25), 5.0)
         self._respawn_at[index] = time.monotonic() + self._backoff[index]
         self._hold_until[index] = time.monotonic() + RESPAWN_HOLD_S
 
@@ -264,10 +269,14 @@ class WorkerKeeper:
                     self._reap(index, proc, code)
             now = time.monotonic()
             for index in range(self.args.workers):
-                if (index not in self._procs and now >= self._respawn_at[index]
-                        and not self._held(index, now)
-                        and not self._restart_all.is_set()  # it respawns them all itself
-                        and not self._stop.is_set() and not self.router.drained(index)):
+                if (
+                    index not in self._procs
+                    and now >= self._respawn_at[index]
+                    and not self._held(index, now)
+                    and not self._restart_all.is_set()  # it respawns them all itself
+                    and not self._stop.is_set()
+                    and not self.router.drained(index)
+                ):
                     self._spawn(index)
             self._stop.wait(0.02)
 
@@ -314,24 +323,36 @@ def serve(args: argparse.Namespace) -> int:
     probe.hello(world=args.workers, generation=generation, role="router")
     path = _journal(args)
     journal, replayed = Journal.open(path) if path else (None, None)
-    print(f"[server] router generation {generation} (pid {os.getpid()}), journal: "
-          f"{path or 'off'}", file=sys.stderr, flush=True)
-    config = RouterConfig(workers=args.workers, dead_after=args.dead_after,
-                          wedged_after=args.wedged_after, recovery=args.recovery)
+    print(
+        f"[server] router generation {generation} (pid {os.getpid()}), journal: {path or 'off'}",
+        file=sys.stderr,
+        flush=True,
+    )
+    config = RouterConfig(
+        workers=args.workers,
+        dead_after=args.dead_after,
+        wedged_after=args.wedged_after,
+        recovery=args.recovery,
+    )
     keeper: WorkerKeeper | None = None
-    router = Router(config, journal, replayed,
-                    process_gone=lambda i: keeper is None or keeper.process_gone(i),
-                    kill=lambda i: keeper.kill(i) if keeper else None,
-                    restart_all=lambda: keeper.restart_all() if keeper else None,
-                    faults=fault_points())
+    router = Router(
+        config,
+        journal,
+        replayed,
+        process_gone=lambda i: keeper is None or keeper.process_gone(i),
+        kill=lambda i: keeper.kill(i) if keeper else None,
+        restart_all=lambda: keeper.restart_all() if keeper else None,
+        faults=fault_points(),
+    )
     stop.also(router.quiesce)
     link = router.listen("127.0.0.1")
     http = http_server(router, sock=socket.socket(fileno=args.http_fd))
     host, port = http.server_address[:2]
     assert isinstance(host, str)  # an AF_INET socket: its address is text
     url = f"http://{host}:{port}"
-    serving = threading.Thread(target=http.serve_forever, kwargs={"poll_interval": 0.1},
-                               name="http", daemon=True)
+    serving = threading.Thread(
+        target=http.serve_forever, kwargs={"poll_interval": 0.1}, name="http", daemon=True
+    )
     serving.start()
     keeper = WorkerKeeper(args, router, link)
     stop.also(keeper.quiesce)
@@ -341,11 +362,13 @@ def serve(args: argparse.Namespace) -> int:
         while not stop.requested:
             if not announced and router.ready.wait(0.1):
                 announced = True
-                probe.emit("serving_ready", url=url, workers=args.workers,
-                           generation=generation)
+                probe.emit("serving_ready", url=url, workers=args.workers, generation=generation)
                 if generation:
-                    probe.recovered(role="router", generation=generation,
-                                    resumed=router.stats()["requests"]["resumed_from_journal"])
+                    probe.recovered(
+                        role="router",
+                        generation=generation,
+                        resumed=router.stats()["requests"]["resumed_from_journal"],
+                    )
                 print(f"{READY_LINE} {url}", flush=True)
             elif announced:
                 stop.wait(0.5)
@@ -368,8 +391,12 @@ def serve(args: argparse.Namespace) -> int:
         stats = router.stats()
         probe.emit("serving_stats", **flat_stats(stats))
         parts = ", ".join(f"{name} {seconds:.2f} s" for name, seconds in took.items())
-        print(f"[server] stopped ({parts}): {stats['requests']}, {stats['migrations']} "
-              f"migrations, {stats['failures']} failures", file=sys.stderr, flush=True)
+        print(
+            f"[server] stopped ({parts}): {stats['requests']}, {stats['migrations']} "
+            f"migrations, {stats['failures']} failures",
+            file=sys.stderr,
+            flush=True,
+        )
     return 0
 
 
@@ -382,8 +409,13 @@ class Launcher:
     is immediate, since clients are waiting.
     """
 
-    def __init__(self, args: argparse.Namespace, argv: Sequence[str], sock: socket.socket,
-                 journal: str | None) -> None:
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        argv: Sequence[str],
+        sock: socket.socket,
+        journal: str | None,
+    ) -> None:
         self.args = args
         self.argv = list(argv)
         self.sock = sock
@@ -402,13 +434,19 @@ class Launcher:
 
     def _spawn(self, generation: int) -> subprocess.Popen[bytes]:
         fd = self.sock.fileno()
-        argv = [sys.executable, "-m", "reference_impl.serving.server", *self.argv,
-                "--router-process", f"--http-fd={fd}", f"--router-generation={generation}",
-                f"--parent-pid={os.getpid()}",
-                *([f"--journal={self.journal}"] if self.journal else ["--no-journal"])]
+        argv = [
+            sys.executable,
+            "-m",
+            "aftershock.reference_impl.serving.server",
+            *self.argv,
+            "--router-process",
+            f"--http-fd={fd}",
+            f"--router-generation={generation}",
+            f"--parent-pid={os.getpid()}",
+            *([f"--journal={self.journal}"] if self.journal else ["--no-journal"]),
+        ]
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_REPO), env.get("PYTHONPATH"))
-                                            if p)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_REPO), env.get("PYTHONPATH")) if p)
         return subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, pass_fds=(fd,))
 
     def run(self) -> int:
@@ -421,11 +459,15 @@ class Launcher:
             code = proc.wait()
             if self.stop.requested:
                 return code
-            probe.detected("router_exit", role="router", pid=proc.pid, generation=generation,
-                           returncode=code)
-            print(f"[server] router generation {generation} (pid {proc.pid}) exited with "
-                  f"{code}; restarting it on the same socket and journal", file=sys.stderr,
-                  flush=True)
+            probe.detected(
+                "router_exit", role="router", pid=proc.pid, generation=generation, returncode=code
+            )
+            print(
+                f"[server] router generation {generation} (pid {proc.pid}) exited with "
+                f"{code}; restarting it on the same socket and journal",
+                file=sys.stderr,
+                flush=True,
+            )
             if time.monotonic() - started > 10:
                 self._backoff = 0.0
             if self.stop.wait(self._backoff):

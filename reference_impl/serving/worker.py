@@ -1,6 +1,6 @@
 """An engine worker: runs one ``Engine`` and serves the router over one TCP link.
 
-``python -m reference_impl.serving.worker --router HOST:PORT --worker I ...``; the router
+``python -m aftershock.reference_impl.serving.worker --router HOST:PORT --worker I ...``; the router
 process (``server.WorkerKeeper``) starts it. Threads and what each may touch:
 
 - the main thread owns the engine: it applies the router's messages between steps, calls
@@ -17,7 +17,7 @@ process (``server.WorkerKeeper``) starts it. Threads and what each may touch:
   (a ``TorchFunctionMode``, ~1000 calls per step) cost a few percent of throughput, and
   sampling the engine thread's innermost frame gave false alarms (a freed frame's address
   is reused by the next call of the same function);
-- the Xid watcher (``reference_impl.health.XidWatcher``, real NVML or the simulation):
+- the Xid watcher (``aftershock.reference_impl.health.XidWatcher``, real NVML or the simulation):
   an Xid whose action is not ``none`` is reported to the router, then the process exits.
 
 When the link breaks, or the router sends ``Reset``, the worker drops every request (the
@@ -39,10 +39,10 @@ import threading
 import time
 from collections.abc import Sequence
 
-from harness import probe
-from reference_impl import health
-from reference_impl.serving import _wire
-from reference_impl.serving._lifetime import die_with_parent
+from aftershock.harness import probe
+from aftershock.reference_impl import health
+from aftershock.reference_impl.serving import _wire
+from aftershock.reference_impl.serving._lifetime import die_with_parent
 
 
 def _log(worker: int, message: str) -> None:
@@ -53,8 +53,8 @@ class Worker:
     def __init__(self, args: argparse.Namespace) -> None:
         import torch
 
-        from reference_impl.serving.engine import Engine, EngineConfig
-        from reference_impl.serving.model import ModelConfig
+        from aftershock.reference_impl.serving.engine import Engine, EngineConfig
+        from aftershock.reference_impl.serving.model import ModelConfig
 
         if args.threads:
             torch.set_num_threads(args.threads)
@@ -245,7 +245,7 @@ class Worker:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m reference_impl.serving.worker",
+        prog="python -m aftershock.reference_impl.serving.worker",
         description="One engine worker of the reference server (started by its router "
         "process).")
     parser.add_argument("--router", required=True, help="HOST:PORT of the router's link socket")

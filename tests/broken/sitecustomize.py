@@ -25,7 +25,7 @@ BUG_ENV = "AFTERSHOCK_TEST_BUG"
 
 
 def _announce(name: str) -> None:
-    from harness import probe
+    from aftershock.harness import probe
 
     probe.emit("test_bug", bug=name)
 
@@ -340,22 +340,27 @@ def fresh_after_requeue(checkpoint: ModuleType) -> None:
 
 
 BUGS: dict[str, tuple[str, Callable[[ModuleType], None]]] = {
-    "fresh_after_requeue": ("reference_impl.checkpoint", fresh_after_requeue),
-    "prune_before_commit": ("reference_impl.checkpoint", prune_before_commit),
-    "quarantine_on_failed_agreement": ("reference_impl.checkpoint",
-                                       quarantine_on_failed_agreement),
-    "lineage_per_sync": ("reference_impl.resilient", lineage_per_sync),
-    "vote_alone": ("reference_impl.trainer", vote_alone),
-    "stale_snapshot": ("reference_impl.resilient", stale_snapshot),
-    "full_average": ("reference_impl.resilient", full_average),
-    "snapshot_without_optimizer": ("reference_impl.resilient", snapshot_without_optimizer),
-    "fence_by_pid": ("reference_impl.controller", fence_by_pid),
-    "vote_before_average": ("reference_impl.resilient", vote_before_average),
-    "vote_digits_base_world": ("reference_impl.resilient", vote_digits_base_world),
-    "survivors_keep_state": ("reference_impl.resilient", survivors_keep_state),
-    "own_newest_snapshot": ("reference_impl.resilient", own_newest_snapshot),
-    "switch_unless_unanimous": ("reference_impl.resilient", switch_unless_unanimous),
-    "older_common_snapshot": ("reference_impl.resilient", older_common_snapshot),
+    "fresh_after_requeue": ("aftershock.reference_impl.checkpoint", fresh_after_requeue),
+    "prune_before_commit": ("aftershock.reference_impl.checkpoint", prune_before_commit),
+    "quarantine_on_failed_agreement": (
+        "aftershock.reference_impl.checkpoint",
+        quarantine_on_failed_agreement,
+    ),
+    "lineage_per_sync": ("aftershock.reference_impl.resilient", lineage_per_sync),
+    "vote_alone": ("aftershock.reference_impl.trainer", vote_alone),
+    "stale_snapshot": ("aftershock.reference_impl.resilient", stale_snapshot),
+    "full_average": ("aftershock.reference_impl.resilient", full_average),
+    "snapshot_without_optimizer": (
+        "aftershock.reference_impl.resilient",
+        snapshot_without_optimizer,
+    ),
+    "fence_by_pid": ("aftershock.reference_impl.controller", fence_by_pid),
+    "vote_before_average": ("aftershock.reference_impl.resilient", vote_before_average),
+    "vote_digits_base_world": ("aftershock.reference_impl.resilient", vote_digits_base_world),
+    "survivors_keep_state": ("aftershock.reference_impl.resilient", survivors_keep_state),
+    "own_newest_snapshot": ("aftershock.reference_impl.resilient", own_newest_snapshot),
+    "switch_unless_unanimous": ("aftershock.reference_impl.resilient", switch_unless_unanimous),
+    "older_common_snapshot": ("aftershock.reference_impl.resilient", older_common_snapshot),
 }
 
 
@@ -396,8 +401,9 @@ def _install() -> None:
     if not name:
         return
     if name not in BUGS:
-        raise SystemExit(f"{BUG_ENV}={name!r}: no such broken variant "
-                         f"(known: {', '.join(sorted(BUGS))})")
+        raise SystemExit(
+            f"{BUG_ENV}={name!r}: no such broken variant (known: {', '.join(sorted(BUGS))})"
+        )
     module, patch = BUGS[name]
     sys.meta_path.insert(0, _PatchOnImport(name, module, patch))
 

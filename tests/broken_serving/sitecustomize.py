@@ -63,8 +63,8 @@ def redo_after_crash(router: ModuleType) -> None:
 
 
 PATCHES: dict[str, dict[str, Callable[[ModuleType], None]]] = {
-    "reference_impl.serving.journal": {"shown_before_durable": shown_before_durable},
-    "reference_impl.serving.router": {"redo_after_crash": redo_after_crash},
+    "aftershock.reference_impl.serving.journal": {"shown_before_durable": shown_before_durable},
+    "aftershock.reference_impl.serving.router": {"redo_after_crash": redo_after_crash},
 }
 
 

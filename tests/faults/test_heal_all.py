@@ -18,27 +18,32 @@ from typing import Any
 
 import pytest
 
-import faults.net
-import faults.storage
-import faults.straggle
-from faults import _cgroup, _nft, registry
-from faults._proc import ProcessRef, state
-from faults.heal import heal_orphans
-from faults.journal import pending, state_dir
+import aftershock.faults.net
+import aftershock.faults.storage
+import aftershock.faults.straggle
+from aftershock.faults import _cgroup, _nft, registry
+from aftershock.faults._proc import ProcessRef, state
+from aftershock.faults.heal import heal_orphans
+from aftershock.faults.journal import pending, state_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 # Imported so that heal_orphans in this process knows these kinds.
-HEALED_KINDS = (faults.net.PARTITION, faults.storage.FULL, faults.straggle.STRAGGLE)
+HEALED_KINDS = (
+    aftershock.faults.net.PARTITION,
+    aftershock.faults.storage.FULL,
+    aftershock.faults.straggle.STRAGGLE,
+)
 
 # A harness-like parent: journals and applies four faults to children it started,
 # prints what it did, then waits to be killed.
 PARENT = """
     import json, os, subprocess, sys, time
     from pathlib import Path
-    import faults.net, faults.process, faults.storage, faults.straggle
-    from faults._proc import ProcessRef
-    from faults.heal import start_reaper
-    from faults.journal import Journal
+    import aftershock.faults.net, aftershock.faults.process
+    import aftershock.faults.storage, aftershock.faults.straggle
+    from aftershock.faults._proc import ProcessRef
+    from aftershock.faults.heal import start_reaper
+    from aftershock.faults.journal import Journal
 
     root, use_reaper = Path(sys.argv[1]), sys.argv[2] == "reaper"
     # Like the harness: the journal names the run's folder, its children carry the run id.
@@ -63,10 +68,10 @@ PARENT = """
     (root / "ckpt").mkdir()
     (root / "ckpt" / "step_1.pt").write_bytes(b"w" * 5000)
     applied = [
-        faults.net.PARTITION.inject(refs[0], {}, journal),
-        faults.process.FREEZE.inject(refs[1], {}, journal),
-        faults.storage.FULL.inject(me, {"root": str(root), "dir": "ckpt"}, journal),
-        faults.straggle.STRAGGLE.inject(refs[2], {"factor": 4}, journal),
+        aftershock.faults.net.PARTITION.inject(refs[0], {}, journal),
+        aftershock.faults.process.FREEZE.inject(refs[1], {}, journal),
+        aftershock.faults.storage.FULL.inject(me, {"root": str(root), "dir": "ckpt"}, journal),
+        aftershock.faults.straggle.STRAGGLE.inject(refs[2], {"factor": 4}, journal),
     ]
     print(json.dumps({"journal": str(journal.path), "pids": [r.pid for r in refs],
                       "undo": {a.kind: dict(a.undo) for a in applied}}), flush=True)
@@ -169,17 +174,21 @@ def test_heal_orphans_undoes_everything_after_sigkill(harness_factory: Any) -> N
 @pytest.mark.timeout(60)
 def test_reaper_heals_when_the_harness_is_killed(harness_factory: Any) -> None:
     _need_everything()
-    missing = {"faults.net", "faults.storage", "faults.straggle"} - set(registry._BUILTIN_MODULES)
+    missing = {
+        "aftershock.faults.net",
+        "aftershock.faults.storage",
+        "aftershock.faults.straggle",
+    } - set(registry._BUILTIN_MODULES)
     if missing:
         # The reaper is a fresh `python -m faults.heal`: it knows only the built-in kinds.
-        pytest.skip(f"add {sorted(missing)} to faults.registry._BUILTIN_MODULES")
+        pytest.skip(f"add {sorted(missing)} to aftershock.faults.registry._BUILTIN_MODULES")
     harness = harness_factory("reaper")
     assert len(harness.leftovers()) == 5
     os.kill(harness.proc.pid, signal.SIGKILL)
     harness.proc.wait()
     deadline = time.monotonic() + 20
     while harness.leftovers() or harness.journal.exists():
-        assert time.monotonic() < deadline, f"reaper left {harness.leftovers()}"
+        assert time.monotonic() < deadline, f"reaper left {aftershock.harness.leftovers()}"
         time.sleep(0.1)
 
 

@@ -27,12 +27,19 @@ from typing import Any
 
 import pytest
 
-from faults import _procmem, registry
-from faults._proc import ProcessRef, state
-from faults.heal import heal_journal, heal_orphans
-from faults.journal import Journal, UndoContext, UndoRefused, UnsafeFolder, pending, state_dir
-from faults.registry import Applied, KindInfo
-from faults.storage import CORRUPT
+from aftershock.faults import _procmem, registry
+from aftershock.faults._proc import ProcessRef, state
+from aftershock.faults.heal import heal_journal, heal_orphans
+from aftershock.faults.journal import (
+    Journal,
+    UndoContext,
+    UndoRefused,
+    UnsafeFolder,
+    pending,
+    state_dir,
+)
+from aftershock.faults.registry import Applied, KindInfo
+from aftershock.faults.storage import CORRUPT
 
 ROOT = Path(__file__).resolve().parents[2]
 NOBODY = 65534
@@ -357,7 +364,7 @@ def test_a_kind_without_validate_is_refused_and_never_reverted(tmp_path: Path) -
 
 
 def _heal_cli(timeout: float = 30) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "harness", "heal"], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "aftershock", "heal"], capture_output=True,
                           text=True, timeout=timeout, cwd=ROOT, env=dict(os.environ))
 
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from faults import _inotify, file_writers
-from faults._errors import FaultUnavailable
-from faults._inotify import FileWatch, matches
+from aftershock.faults import _inotify, file_writers
+from aftershock.faults._errors import FaultUnavailable
+from aftershock.faults._inotify import FileWatch, matches
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from faults import inproc
+from aftershock.faults import inproc
 
 torch = pytest.importorskip("torch")
 

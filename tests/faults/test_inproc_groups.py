@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from faults import inproc
-from harness import probe
+from aftershock.faults import inproc
+from aftershock.harness import probe
 
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")

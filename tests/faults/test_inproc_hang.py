@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from faults import inproc
+from aftershock.faults import inproc
 
 
 def test_a_hang_blocks_only_the_loop_that_reaches_its_point(tmp_path: Path) -> None:

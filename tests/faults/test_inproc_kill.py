@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from faults import inproc
-from harness.errors import SpecError
-from harness.spec import in_process, parse_scenario
+from aftershock.faults import inproc
+from aftershock.harness.errors import SpecError
+from aftershock.harness.spec import in_process, parse_scenario
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.timeout(60)
 # fault points of a checkpoint save. It must die at the armed point and nowhere else.
 RANK = textwrap.dedent("""\
     import json, sys
-    from faults import inproc
+    from aftershock.faults import inproc
     commands, events, rank = sys.argv[1], sys.argv[2], int(sys.argv[3])
 
     def emit(event, **fields):

@@ -21,9 +21,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from faults import lazyfs
-from faults._inotify import FileWatch
-from faults.lazyfs import LazyTree, Node
+from aftershock.faults import lazyfs
+from aftershock.faults._inotify import FileWatch
+from aftershock.faults.lazyfs import LazyTree, Node
 
 # ------------------------------------------------------------------------------ the model
 
@@ -405,7 +405,7 @@ def test_the_server_unmounts_itself_when_its_harness_goes(tmp_path: Path) -> Non
     name = lazyfs.SOURCE_PREFIX + "orphan" + os.urandom(3).hex()
     parent = subprocess.Popen(
         [sys.executable, "-c",
-         "import sys, time; from pathlib import Path; from faults import lazyfs\n"
+         "import sys, time; from pathlib import Path; from aftershock.faults import lazyfs\n"
          f"p = lazyfs.launch(Path({str(folder)!r}), {name!r})\n"
          f"lazyfs.mount_now(p, Path({str(folder)!r}), {name!r})\n"
          "print(p.pid, flush=True); time.sleep(60)"],

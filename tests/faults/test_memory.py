@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from faults import _procmem
-from faults._proc import ProcessRef
-from faults.journal import Journal, pending
-from faults.memory import BITFLIP, INF, NAN, ZERO, flip_heap_bits, poison_tensor
-from faults.registry import get
+from aftershock.faults import _procmem
+from aftershock.faults._proc import ProcessRef
+from aftershock.faults.journal import Journal, pending
+from aftershock.faults.memory import BITFLIP, INF, NAN, ZERO, flip_heap_bits, poison_tensor
+from aftershock.faults.registry import get
 
 torch = pytest.importorskip("torch")
 

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from faults import _cgroup, _nft
-from faults._proc import ProcessRef
-from faults.journal import Journal, pending
-from faults.net import PARTITION, RESET
+from aftershock.faults import _cgroup, _nft
+from aftershock.faults._proc import ProcessRef
+from aftershock.faults.journal import Journal, pending
+from aftershock.faults.net import PARTITION, RESET
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -12,18 +12,18 @@ from pathlib import Path
 
 import pytest
 
-from faults import nvml_sim
-from faults._proc import ProcessRef
-from faults.heal import heal_journal
-from faults.journal import Journal, pending
-from faults.xid import GPU_XID
+from aftershock.faults import nvml_sim
+from aftershock.faults._proc import ProcessRef
+from aftershock.faults.heal import heal_journal
+from aftershock.faults.journal import Journal, pending
+from aftershock.faults.xid import GPU_XID
 
 ROOT = Path(__file__).resolve().parents[2]
 
 CONSUMER = textwrap.dedent(
     """
     import json, sys
-    import faults.nvml_sim as pynvml
+    import aftershock.faults.nvml_sim as pynvml
 
     def say(**kw):
         print(json.dumps(kw), flush=True)

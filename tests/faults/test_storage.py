@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 from _helpers import quick_scenario
 
-from faults import lazyfs
-from faults._errors import FaultUnavailable
-from faults._proc import ProcessRef, all_pids
-from faults.journal import Journal, pending
-from faults.storage import CORRUPT, DELETE, FULL, LOSE_UNSYNCED, TRUNCATE
+from aftershock.faults import lazyfs
+from aftershock.faults._errors import FaultUnavailable
+from aftershock.faults._proc import ProcessRef, all_pids
+from aftershock.faults.journal import Journal, pending
+from aftershock.faults.storage import CORRUPT, DELETE, FULL, LOSE_UNSYNCED, TRUNCATE
 
 ME = ProcessRef(os.getpid(), 0)  # storage faults act on files, not on the process
 
@@ -233,7 +233,7 @@ def test_lose_unsynced_is_undone_from_its_journal_record_alone(tmp_path: Path) -
 def heal_journal_with(kind: object, path: Path) -> list[str | None]:
     """heal_journal, with a fresh instance of the kind standing in for the registry's (as
     in a reaper process, which never started the server)."""
-    from faults import heal, registry
+    from aftershock.faults import heal, registry
 
     original = registry._registry["storage.lose_unsynced"]
     registry._registry["storage.lose_unsynced"] = kind  # type: ignore[assignment]
@@ -270,7 +270,7 @@ faults:
 """, duration=60))
     runs = tmp_path / "runs"
     harness = subprocess.Popen(
-        [sys.executable, "-m", "harness", "run", str(scenario), "--run-dir", str(runs),
+        [sys.executable, "-m", "aftershock", "run", str(scenario), "--run-dir", str(runs),
          "--plain"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True,
         env={**os.environ, "AFTERSHOCK_STATE_DIR": str(tmp_path / "state")},
@@ -313,12 +313,12 @@ def test_heal_cleans_up_a_mount_when_no_reaper_ran(tmp_path: Path) -> None:
     for pid in all_pids():  # the reaper first (as a `kill -9` of the session might), then us
         with contextlib.suppress(OSError):
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-            if b"faults.heal" in cmdline and str(harness.pid).encode() in cmdline:
+            if b"aftershock.faults.heal" in cmdline and str(harness.pid).encode() in cmdline:
                 os.kill(pid, signal.SIGKILL)
     harness.kill()
     harness.wait()
     healed = subprocess.run(
-        [sys.executable, "-m", "harness", "heal"], capture_output=True, text=True, timeout=60,
+        [sys.executable, "-m", "aftershock", "heal"], capture_output=True, text=True, timeout=60,
         env={**os.environ, "AFTERSHOCK_STATE_DIR": str(tmp_path / "state")},
     )
     assert healed.returncode == 0, healed.stderr

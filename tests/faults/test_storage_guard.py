@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from faults._proc import ProcessRef
-from faults.journal import Journal
-from faults.storage import (
+from aftershock.faults._proc import ProcessRef
+from aftershock.faults.journal import Journal
+from aftershock.faults.storage import (
     CORRUPT,
     DELETE,
     FULL,

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from faults import _cgroup
-from faults._proc import ProcessRef
-from faults.journal import Journal
-from faults.straggle import STRAGGLE
+from aftershock.faults import _cgroup
+from aftershock.faults._proc import ProcessRef
+from aftershock.faults.journal import Journal
+from aftershock.faults.straggle import STRAGGLE
 
 # Prints how many loop iterations it did in each 100 ms of wall time.
 SPINNER = """

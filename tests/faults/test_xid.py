@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from faults import nvml_sim
-from faults._proc import ProcessRef
-from faults.journal import Journal, pending
-from faults.registry import get
-from faults.xid import CATALOG, GPU_XID, Action, Effect, kernel_log_line
-from faults.xid import get as get_xid
+from aftershock.faults import nvml_sim
+from aftershock.faults._proc import ProcessRef
+from aftershock.faults.journal import Journal, pending
+from aftershock.faults.registry import get
+from aftershock.faults.xid import CATALOG, GPU_XID, Action, Effect, kernel_log_line
+from aftershock.faults.xid import get as get_xid
 
 REQUIRED = (13, 31, 43, 45, 48, 63, 64, 74, 79, 92, 94, 95, 119, 120, 154)
 NVIDIA_BUCKETS = re.compile(

@@ -18,7 +18,7 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 @pytest.fixture(scope="session")
 def engine() -> None:
-    from faults import _docker
+    from aftershock.faults import _docker
 
     problem = _docker.engine_problem()
     if problem is None:
@@ -31,7 +31,7 @@ def engine() -> None:
 @pytest.fixture
 def udp_nodes(engine: None, tmp_path: Path) -> Iterator[Any]:
     """A factory of clusters whose nodes run udp_node.py; every one is removed afterwards."""
-    from harness.nodes.cluster import Cluster
+    from aftershock.harness.nodes.cluster import Cluster
 
     made: list[Cluster] = []
 

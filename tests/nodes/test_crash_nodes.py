@@ -68,7 +68,7 @@ def test_a_killed_harness_leaves_no_paused_or_partitioned_node(
         if reaper == "killed":
             time.sleep(0.5)
             assert len(_left(api, run_id)) == 3, "something was healed with no one to heal it"
-            healed = subprocess.run([sys.executable, "-m", "harness", "heal"], cwd=ROOT,
+            healed = subprocess.run([sys.executable, "-m", "aftershock", "heal"], cwd=ROOT,
                                     env=env, capture_output=True, text=True, timeout=90)
             assert healed.returncode == 0, healed.stdout + healed.stderr
         # The reaper removes the nodes first and its journal last: wait for both.
@@ -85,7 +85,7 @@ def test_a_killed_harness_leaves_no_paused_or_partitioned_node(
             harness.wait(timeout=30)
         if harness.stdout is not None:
             harness.stdout.close()
-        subprocess.run([sys.executable, "-m", "harness", "heal"], cwd=ROOT, env=env,
+        subprocess.run([sys.executable, "-m", "aftershock", "heal"], cwd=ROOT, env=env,
                        capture_output=True, timeout=90, check=False)
         api.close()
 
@@ -116,7 +116,7 @@ def test_aftershock_run_killed_on_nodes_leaves_nothing(engine: None, tmp_path: P
     scenario.write_text(CRASH_SCENARIO)
     state = tmp_path / "state"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "AFTERSHOCK_STATE_DIR": str(state)}
-    harness = subprocess.Popen([sys.executable, "-m", "harness", "run", str(scenario),
+    harness = subprocess.Popen([sys.executable, "-m", "aftershock", "run", str(scenario),
                                 "--run-dir", str(tmp_path / "r")], cwd=ROOT, env=env,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     run_id = None

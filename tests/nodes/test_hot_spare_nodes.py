@@ -25,8 +25,8 @@ import torch.distributed as dist
 from _broken import checks, run_broken
 from _helpers import ROOT, killed, read_events
 
-from reference_impl import controller
-from reference_impl.trainer import TrainConfig
+from aftershock.reference_impl import controller
+from aftershock.reference_impl.trainer import TrainConfig
 
 SCENARIO = ROOT / "scenarios" / "nodes" / "kill_node_hot_spare.yaml"
 T = 3.0  # collective timeout, and so the heartbeat timeout
@@ -150,7 +150,7 @@ def test_the_node_scenario_catches_a_broken_hot_spare(
 def test_a_node_lost_for_good_fails_the_job_only_where_no_spare_covers_it(
         codes: tuple[int, int], loss_ok: bool, job: int, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from harness.nodes.cluster import Cluster, NodeState
+    from aftershock.harness.nodes.cluster import Cluster, NodeState
 
     cluster = Cluster(run_id="x", run_dir=tmp_path, nodes=2, env={}, cwd=tmp_path,
                       restart="no", node_loss_ok=loss_ok)

@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 
-from faults.journal import Journal
-from faults.node import KILL
-from harness.oracle import full_membership, trainer_digests
-from harness.spec import TrainerSystem
+from aftershock.faults.journal import Journal
+from aftershock.faults.node import KILL
+from aftershock.harness.oracle import full_membership, trainer_digests
+from aftershock.harness.spec import TrainerSystem
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 STEPS, KILL_AT = 30, 10
@@ -67,7 +67,7 @@ def test_the_kills_detection_is_the_first_after_the_kill_not_an_earlier_one() ->
 @pytest.mark.filterwarnings("always:failures detected before the kill:UserWarning")
 def test_a_killed_node_comes_back_and_the_job_ends_bitwise_right(
         engine: None, tmp_path: Path) -> None:
-    from harness.nodes.cluster import Cluster, node_env, torchrun_argv
+    from aftershock.harness.nodes.cluster import Cluster, node_env, torchrun_argv
 
     run_id = uuid.uuid4().hex
     run_dir = tmp_path / "run"
@@ -77,22 +77,45 @@ def test_a_killed_node_comes_back_and_the_job_ends_bitwise_right(
     cluster = Cluster(run_id=run_id, run_dir=run_dir, nodes=2, env=node_env(run_dir, run_id),
                       cwd=Path.cwd(), restart="on-failure", max_restarts=2)
     journal.intend("nodes", cluster.tracking(), op="launch")
-    program = ["-m", "reference_impl.trainer", "--replicas=2", "--shards=1", f"--steps={STEPS}",
-               "--seed=0", "--checkpoint-every=5", f"--checkpoint-dir={run_dir / 'ckpt'}",
-               "--collective-timeout=5", "--recovery=restart", "--backend=gloo",
-               "--step-sleep=0.05", "--device=cpu"]
+    program = [
+        "-m",
+        "aftershock.reference_impl.trainer",
+        "--replicas=2",
+        "--shards=1",
+        f"--steps={STEPS}",
+        "--seed=0",
+        "--checkpoint-every=5",
+        f"--checkpoint-dir={run_dir / 'ckpt'}",
+        "--collective-timeout=5",
+        "--recovery=restart",
+        "--backend=gloo",
+        "--step-sleep=0.05",
+        "--device=cpu",
+    ]
     events = run_dir / "events.jsonl"
     started = time.monotonic()
     try:
         cluster.make_network()
-        cluster.start([torchrun_argv(
-            nodes=2, nproc=1, rdzv_host=cluster.address(0), run_id=run_id, max_restarts=3,
-            log_dir=run_dir / "logs" / "torchrun", program=program)] * 2)
+        cluster.start(
+            [
+                torchrun_argv(
+                    nodes=2,
+                    nproc=1,
+                    rdzv_host=cluster.address(0),
+                    run_id=run_id,
+                    max_restarts=3,
+                    log_dir=run_dir / "logs" / "torchrun",
+                    program=program,
+                )
+            ]
+            * 2
+        )
         killed_at, kill_started = None, 0.0
         while (code := cluster.poll()) is None:
             assert time.monotonic() - started < 240, "the job never ended"
-            if killed_at is None and any(e.get("event") == "step" and e.get("step", 0) >= KILL_AT
-                                         for e in _events(events)):
+            if killed_at is None and any(
+                e.get("event") == "step" and e.get("step", 0) >= KILL_AT for e in _events(events)
+            ):
                 victim = cluster.processes(1)
                 assert victim, "node 1 has no process"
                 kill_started = time.monotonic()
@@ -107,20 +130,25 @@ def test_a_killed_node_comes_back_and_the_job_ends_bitwise_right(
     assert [s.restarts for s in states] == [0, 1], states
     timeline = _events(events)
     finals = {e["rank"]: e["digest"] for e in timeline if e.get("event") == "params"}
-    system = TrainerSystem(reference="trainer", world={"replicas": 2, "shards": 1},
-                           steps=STEPS, recovery="restart")
+    system = TrainerSystem(
+        reference="trainer", world={"replicas": 2, "shards": 1}, steps=STEPS, recovery="restart"
+    )
     expected = trainer_digests(system, seed=0, schedule=full_membership(system))
     assert expected.digests is not None, expected.detail
     assert finals == expected.digests
     # One clock for every node: each node's events are on the harness's CLOCK_MONOTONIC.
     detected, earlier = _kill_detection(timeline, kill_started)
     if earlier:
-        warnings.warn(f"failures detected before the kill (not the kill's): {earlier}; node 0's "
-                      f"log ends: {(run_dir / 'logs' / 'node0.log').read_text()[-2000:]}",
-                      stacklevel=1)
+        warnings.warn(
+            f"failures detected before the kill (not the kill's): {earlier}; node 0's "
+            f"log ends: {(run_dir / 'logs' / 'node0.log').read_text()[-2000:]}",
+            stacklevel=1,
+        )
     assert detected is not None, "nobody detected the node's death"
     resumed = min(e["t"] for e in timeline if e.get("event") == "step" and e["t"] > detected)
     assert detected < killed_at + 10.0, (detected - killed_at, earlier)
-    print(f"start-up {cluster.timings}; detected {detected - killed_at:.2f}s after the kill, "
-          f"first step again {resumed - killed_at:.2f}s after; whole run "
-          f"{time.monotonic() - started:.1f}s")
+    print(
+        f"start-up {cluster.timings}; detected {detected - killed_at:.2f}s after the kill, "
+        f"first step again {resumed - killed_at:.2f}s after; whole run "
+        f"{time.monotonic() - started:.1f}s"
+    )

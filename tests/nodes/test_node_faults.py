@@ -16,12 +16,12 @@ from typing import Any
 
 import pytest
 
-from faults import _docker
-from faults._errors import FaultUnavailable
-from faults._proc import ProcessRef, state
-from faults.heal import heal_journal
-from faults.journal import Journal
-from faults.node import FREEZE, KILL, PARTITION, RESTART
+from aftershock.faults import _docker
+from aftershock.faults._errors import FaultUnavailable
+from aftershock.faults._proc import ProcessRef, state
+from aftershock.faults.heal import heal_journal
+from aftershock.faults.journal import Journal
+from aftershock.faults.node import FREEZE, KILL, PARTITION, RESTART
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -201,7 +201,7 @@ def test_net_partition_of_one_process_in_a_node_cuts_only_its_sockets(udp_nodes:
     """net.partition on a process inside a container: its TCP connections to the other node
     go silent, while the node itself (its UDP, not marked) still talks: a process's partition,
     not the node's. Reverted, the same connections carry data again."""
-    from faults.net import PARTITION as NET_PARTITION
+    from aftershock.faults.net import PARTITION as NET_PARTITION
 
     cluster = udp_nodes()
     now = time.monotonic()
@@ -220,7 +220,7 @@ def test_net_partition_of_one_process_in_a_node_cuts_only_its_sockets(udp_nodes:
 
 
 def test_net_reset_of_a_process_in_a_node_resets_its_connections(udp_nodes: Any) -> None:
-    from faults.net import RESET
+    from aftershock.faults.net import RESET
 
     cluster = udp_nodes()
     now = time.monotonic()
@@ -241,7 +241,7 @@ def test_removing_a_run_that_another_remover_is_removing_finishes(engine: None) 
     docker-py's inspect of it must not make the remover fail (as it did: NotFound)."""
     import threading
 
-    from harness.nodes.image import BASE_IMAGE, ensure_base
+    from aftershock.harness.nodes.image import BASE_IMAGE, ensure_base
 
     api = _docker.client()
     ensure_base(api)

@@ -16,15 +16,15 @@ from dataclasses import dataclass, field, replace
 import pytest
 import torch
 
-from reference_impl.serving.engine import (
+from aftershock.reference_impl.serving.engine import (
     Engine,
     EngineConfig,
     Verify,
     generate,
     logits_digest,
 )
-from reference_impl.serving.kvcache import PagedKVCache, chain_hashes
-from reference_impl.serving.model import GPT, ModelConfig, decode, encode, model_id
+from aftershock.reference_impl.serving.kvcache import PagedKVCache, chain_hashes
+from aftershock.reference_impl.serving.model import GPT, ModelConfig, decode, encode, model_id
 
 MODEL = ModelConfig()
 SMALL = EngineConfig(num_blocks=64)  # the default kernel (block 16, tile 4), a smaller pool
@@ -600,9 +600,9 @@ def test_model_weights_follow_the_seed_and_tokens_are_bytes() -> None:
 def test_the_engine_bench_runs_both_workloads_and_says_what_read_costs(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """`python -m reference_impl.serving.engine` (bench/results/serving-notes-2026-12.md
+    """`python -m aftershock.reference_impl.serving.engine` (bench/results/serving-notes-2026-12.md
     quotes it): each workload, each mode, and verify=read against off."""
-    from reference_impl.serving.engine import _bench
+    from aftershock.reference_impl.serving.engine import _bench
 
     threads = torch.get_num_threads()
     try:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from reference_impl.serving.journal import (
+from aftershock.reference_impl.serving.journal import (
     Journal,
     bench,
     finish_record,
@@ -22,7 +22,7 @@ from reference_impl.serving.journal import (
     stall_bench,
     tokens_record,
 )
-from reference_impl.serving.router import (
+from aftershock.reference_impl.serving.router import (
     ApiError,
     Chunk,
     End,

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from reference_impl.serving import _wire
-from reference_impl.serving import journal as journal_module
-from reference_impl.serving.journal import Journal, replay
-from reference_impl.serving.router import (
+from aftershock.reference_impl.serving import _wire
+from aftershock.reference_impl.serving import journal as journal_module
+from aftershock.reference_impl.serving.journal import Journal, replay
+from aftershock.reference_impl.serving.router import (
     Chunk,
     End,
     Router,
@@ -291,7 +291,7 @@ def test_the_router_is_resuming_while_a_moved_request_awaits_its_first_token(wor
 def test_a_replacement_waits_for_the_moved_requests_but_not_for_ever() -> None:
     import argparse
 
-    from reference_impl.serving import server
+    from aftershock.reference_impl.serving import server
 
     class Resuming:
         resuming_now = True

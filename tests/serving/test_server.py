@@ -82,7 +82,7 @@ def wait_for(predicate: Any, timeout: float, what: str, every: float = 0.05) -> 
 
 
 class Server:
-    """``python -m reference_impl.serving.server`` as a test fixture."""
+    """``python -m aftershock.reference_impl.serving.server`` as a test fixture."""
 
     def __init__(self, folder: Path, *args: str, journal: Path | None = None,
                  marker: str | None = None, broken: str | None = None) -> None:
@@ -98,7 +98,7 @@ class Server:
             env.update(PYTHONPATH=f"{BROKEN}:{REPO}", AFTERSHOCK_INJECT_BROKEN_SERVING=broken)
         self._log = self.log_path.open("wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "reference_impl.serving.server",
+            [sys.executable, "-m", "aftershock.reference_impl.serving.server",
              f"--journal={self.journal}", *args],
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=self._log,
             start_new_session=True,
@@ -275,8 +275,8 @@ def _ground_truth(prompt: str, max_tokens: int) -> tuple[list[int], list[str]]:
 
     import torch
 
-    from reference_impl.serving.engine import generate
-    from reference_impl.serving.model import ModelConfig, encode
+    from aftershock.reference_impl.serving.engine import generate
+    from aftershock.reference_impl.serving.model import ModelConfig, encode
 
     torch.set_num_threads(1)  # 2 cores, shared with the server under test
     key = (prompt, max_tokens)

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from harness import metrics
-from harness.metrics import Output
-from harness.records import RunResult
-from harness.runner import baseline_key, run_scenario
-from harness.spec import LoadedScenario, load_scenario, parse_scenario
-from harness.timeline import read_events
+from aftershock.harness import metrics
+from aftershock.harness.metrics import Output
+from aftershock.harness.records import RunResult
+from aftershock.harness.runner import baseline_key, run_scenario
+from aftershock.harness.spec import LoadedScenario, load_scenario, parse_scenario
+from aftershock.harness.timeline import read_events
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

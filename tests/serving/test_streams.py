@@ -16,8 +16,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from reference_impl.serving import _wire
-from reference_impl.serving.router import Chunk, Router, _Request, http_server
+from aftershock.reference_impl.serving import _wire
+from aftershock.reference_impl.serving.router import Chunk, Router, _Request, http_server
 from tests.serving.test_router import PROMPT, Worker, start
 
 pytestmark = pytest.mark.timeout(60)

@@ -21,7 +21,7 @@ def require(problem: str | None) -> None:
 @pytest.fixture(scope="session")
 def slurm() -> None:
     """Any Slurm cluster that Slurm's clients here reach (SLURM_CONF): a site's will do."""
-    from faults import slurm_cli as _slurm
+    from aftershock.faults import slurm_cli as _slurm
 
     require(_slurm.problem())
 
@@ -29,6 +29,6 @@ def slurm() -> None:
 @pytest.fixture(scope="session")
 def test_cluster(slurm: None) -> None:
     """The test cluster of ``make slurm-cluster`` itself (its nodes are containers here)."""
-    from harness.nodes import slurm_cluster
+    from aftershock.harness.nodes import slurm_cluster
 
     require(slurm_cluster.status())

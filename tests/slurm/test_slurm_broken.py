@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from harness import api
-from harness.spec import LoadedScenario, load_scenario
-from harness.systems.slurm import SlurmSystem
+from aftershock.harness import api
+from aftershock.harness.spec import LoadedScenario, load_scenario
+from aftershock.harness.systems.slurm import SlurmSystem
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(500)]
 ROOT = Path(__file__).resolve().parents[2]

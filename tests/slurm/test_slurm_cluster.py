@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from faults import slurm_cli as _slurm
+from aftershock.faults import slurm_cli as _slurm
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(180)]
 
@@ -51,7 +51,7 @@ def test_sbatch_squeue_scancel_from_this_host(test_cluster: None, tmp_path: Path
 
 
 def test_up_again_keeps_the_cluster_and_is_fast(test_cluster: None) -> None:
-    from harness.nodes import slurm_cluster
+    from aftershock.harness.nodes import slurm_cluster
 
     before = slurm_cluster.container_ids()
     took = slurm_cluster.up()
@@ -64,8 +64,8 @@ def test_down_leaves_nothing_and_up_comes_back_in_well_under_a_minute(
         test_cluster: None) -> None:
     import contextlib
 
-    from faults import _docker
-    from harness.nodes import slurm_cluster
+    from aftershock.faults import _docker
+    from aftershock.harness.nodes import slurm_cluster
 
     slurm_cluster.down()
     try:

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from faults import FaultUnavailable, ProcessRef, slurm_cli
-from faults.journal import Journal, UndoContext, UndoRefused
-from faults.node import FREEZE, KILL, PARTITION
+from aftershock.faults import FaultUnavailable, ProcessRef, slurm_cli
+from aftershock.faults.journal import Journal, UndoContext, UndoRefused
+from aftershock.faults.node import FREEZE, KILL, PARTITION
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(120)]
 

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from faults import slurm_cli as _slurm
-from harness import api
+from aftershock.faults import slurm_cli as _slurm
+from aftershock.harness import api
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(500)]
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from faults import slurm_cli as _slurm
+from aftershock.faults import slurm_cli as _slurm
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(400)]
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,7 +45,7 @@ def test_a_run_that_ends_early_leaves_no_job_in_the_queue(
     scenario = tmp_path / "sleeper.yaml"
     scenario.write_text(SLEEPER)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    harness = subprocess.Popen([sys.executable, "-m", "harness", "run", str(scenario),
+    harness = subprocess.Popen([sys.executable, "-m", "aftershock", "run", str(scenario),
                                 "--run-dir", str(tmp_path / "r")], cwd=ROOT, env=env,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -72,7 +72,7 @@ def test_a_run_that_ends_early_leaves_no_job_in_the_queue(
         if how == "harness-and-reaper-killed":
             time.sleep(1)
             assert _ours(), "the job was cancelled with no one to cancel it"
-            healed = subprocess.run([sys.executable, "-m", "harness", "heal"], cwd=ROOT,
+            healed = subprocess.run([sys.executable, "-m", "aftershock", "heal"], cwd=ROOT,
                                     env=env, capture_output=True, text=True, timeout=120)
             assert healed.returncode == 0, healed.stdout + healed.stderr
         deadline = time.monotonic() + 90
@@ -89,7 +89,7 @@ def test_a_run_that_ends_early_leaves_no_job_in_the_queue(
         if harness.poll() is None:
             harness.kill()
             harness.wait(timeout=30)
-        subprocess.run([sys.executable, "-m", "harness", "heal"], cwd=ROOT, env=env,
+        subprocess.run([sys.executable, "-m", "aftershock", "heal"], cwd=ROOT, env=env,
                        capture_output=True, timeout=120, check=False)
 
 
@@ -117,7 +117,7 @@ def test_a_killed_harness_leaves_no_node_drained(test_cluster: None, tmp_path: P
     scenario = tmp_path / "drainer.yaml"
     scenario.write_text(DRAINER)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    harness = subprocess.Popen([sys.executable, "-m", "harness", "run", str(scenario),
+    harness = subprocess.Popen([sys.executable, "-m", "aftershock", "run", str(scenario),
                                 "--run-dir", str(tmp_path / "r")], cwd=ROOT, env=env,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -137,7 +137,7 @@ def test_a_killed_harness_leaves_no_node_drained(test_cluster: None, tmp_path: P
         if harness.poll() is None:
             harness.kill()
             harness.wait(timeout=30)
-        subprocess.run([sys.executable, "-m", "harness", "heal"], cwd=ROOT, env=env,
+        subprocess.run([sys.executable, "-m", "aftershock", "heal"], cwd=ROOT, env=env,
                        capture_output=True, timeout=120, check=False)
 
 
@@ -165,7 +165,7 @@ def test_slurm_signal_reaches_every_task_of_the_job(test_cluster: None, tmp_path
     """Each task exits 0 on SIGUSR1 and 3 after two minutes without it; the signal is sent
     once both have their handler (each then writes output/ready.<task>): the job completes
     only if Slurm delivered it to the tasks on both nodes."""
-    from harness import api
+    from aftershock.harness import api
 
     scenario = tmp_path / "signalled.yaml"
     scenario.write_text(SIGNALLED.replace("PYTHON", sys.executable))

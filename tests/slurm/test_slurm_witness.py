@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from harness import api
+from aftershock.harness import api
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(300)]
 JOB = Path(__file__).with_name("witness_job.py")

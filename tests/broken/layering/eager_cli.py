@@ -8,5 +8,5 @@ from __future__ import annotations
 import http.client  # noqa: F401
 from xml.etree import ElementTree  # noqa: F401
 
-import harness.cli
-import harness.spec  # noqa: F401
+import aftershock.harness.cli
+import aftershock.harness.spec  # noqa: F401

@@ -104,7 +104,7 @@ def ignore_offset(router: ModuleType) -> None:
 
 
 def reprefill_not_invariant(engine: ModuleType) -> None:
-    from reference_impl.serving.model import Segment
+    from aftershock.reference_impl.serving.model import Segment
 
     original = engine.Engine._forward_invariant
 
@@ -136,12 +136,12 @@ def unverified_hits(engine: ModuleType) -> None:
 
 
 PATCHES: dict[str, dict[str, Callable[[ModuleType], None]]] = {
-    "reference_impl.serving.router": {
+    "aftershock.reference_impl.serving.router": {
         "drop_inflight": drop_inflight, "replay_from_zero": replay_from_zero,
         "no_fencing": no_fencing, "resume_from_zero": resume_from_zero,
         "ignore_offset": ignore_offset,
     },
-    "reference_impl.serving.engine": {
+    "aftershock.reference_impl.serving.engine": {
         "reprefill_not_invariant": reprefill_not_invariant, "unverified_hits": unverified_hits,
     },
 }

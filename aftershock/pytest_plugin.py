@@ -1,7 +1,7 @@
 """pytest plugin: scenario YAML files are test items.
 
-Kept outside the ``harness`` package and importing only the standard library and
-pytest at import time, so that installing Aftershock costs every pytest run
+Importing only the standard library and pytest at import time (not ``aftershock.harness``),
+so that installing Aftershock costs every pytest run
 nothing; the harness is imported when a scenario item actually runs.
 """
 
@@ -21,10 +21,10 @@ class AftershockHooks:
     """Hooks other plugins may implement."""
 
     def pytest_aftershock_result(self, item: pytest.Item, result: Any) -> None:
-        """Called with each scenario's RunResult (harness.records) after it ran."""
+        """Called with each scenario's RunResult (aftershock.harness.records) after it ran."""
 
     def pytest_aftershock_exploration(self, item: pytest.Item, exploration: Any) -> None:
-        """Called with each scenario's Exploration (harness.explore) after
+        """Called with each scenario's Exploration (aftershock.harness.explore) after
         ``--aftershock-explore`` searched it."""
 
 
@@ -70,7 +70,7 @@ def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Col
 
 
 class AftershockFixture:
-    """What the ``aftershock`` fixture gives a test: harness.api, with each run in the
+    """What the ``aftershock`` fixture gives a test: aftershock.harness.api, with each run in the
     test's own temporary folder and the command line's --aftershock-* options applied."""
 
     def __init__(self, root: Path, config: pytest.Config) -> None:
@@ -79,17 +79,17 @@ class AftershockFixture:
         self._runs = 0
 
     def load(self, path: str | Path) -> Any:
-        from harness import api
+        from aftershock.harness import api
         return api.load(path)
 
     def loads(self, text: str, *, folder: str | Path = ".") -> Any:
-        from harness import api
+        from aftershock.harness import api
         return api.loads(text, folder=folder)
 
     def run(self, scenario: Any, *, seed: int | None = None, check: bool = False) -> Any:
         """Run a scenario (a file, or what ``load``/``loads`` gave) into ``root/run-N``;
         ``check``: fail the test with the check table unless it passed."""
-        from harness import api
+        from aftershock.harness import api
         self._runs += 1
         option = self._config.getoption("--aftershock-seed")
         result = api.run(scenario, run_dir=self.root / f"run-{self._runs}",
@@ -123,10 +123,10 @@ class ScenarioFailed(Exception):
 class ScenarioItem(pytest.Item):
     def runtest(self) -> None:
         __tracebackhide__ = True
-        from harness.errors import AftershockError, SpecError
-        from harness.report import check_table_text
-        from harness.runner import run_scenario
-        from harness.spec import load_scenario
+        from aftershock.harness.errors import AftershockError, SpecError
+        from aftershock.harness.report import check_table_text
+        from aftershock.harness.runner import run_scenario
+        from aftershock.harness.spec import load_scenario
 
         config = self.config
         try:
@@ -160,8 +160,8 @@ class ScenarioItem(pytest.Item):
         __tracebackhide__ = True
         import random
 
-        from harness.errors import AftershockError
-        from harness.explore import explore
+        from aftershock.harness.errors import AftershockError
+        from aftershock.harness.explore import explore
 
         config = self.config
         seed = config.getoption("--aftershock-explore-seed")
