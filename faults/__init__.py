@@ -21,12 +21,17 @@ from aftershock.faults import (
 
 # The Docker engine, for nodes (docs/nodes.md); the SDK itself is imported only when used.
 from aftershock.faults import _docker as docker_engine
+
+# JSON-lines files: one encoding, one append, one tail for every writer and follower.
+from aftershock.faults import _jsonl as jsonl
 from aftershock.faults._errors import FaultUnavailable
 from aftershock.faults._inotify import FileWatch
 from aftershock.faults._proc import ProcessRef, all_pids, kill_all, processes_with_env
 from aftershock.faults._proc import command_line as process_command_line
 from aftershock.faults._proc import environ as process_environ
 from aftershock.faults._proc import parent as parent_pid
+from aftershock.faults._proc import start_time as process_start_time
+from aftershock.faults._proc import state as process_state
 from aftershock.faults._proc import writers as file_writers
 from aftershock.faults.journal import UndoContext, UndoRefused
 from aftershock.faults.registry import (
@@ -49,6 +54,6 @@ __all__ = [
     "CAPABILITIES", "Applied", "FaultKind", "FaultUnavailable", "FileWatch", "GroupKind",
     "Hooks", "KindInfo", "PreparedKind", "ProcessRef", "Setting", "UndoContext", "UndoRefused",
     "Validates", "all_pids", "cgroup", "docker_engine", "file_writers", "get", "hooks",
-    "kill_all", "kinds", "parent_pid", "process_command_line", "process_environ",
-    "processes_with_env", "register",
+    "jsonl", "kill_all", "kinds", "parent_pid", "process_command_line", "process_environ",
+    "process_start_time", "process_state", "processes_with_env", "register",
 ]

@@ -14,30 +14,21 @@ import signal
 import time
 from pathlib import Path
 
-
-def _mounts() -> list[tuple[str, str, str]]:
-    """(mountpoint, fs type, options) of each line of /proc/self/mounts."""
-    found: list[tuple[str, str, str]] = []
-    with open("/proc/self/mounts") as handle:
-        for line in handle:
-            cols = line.split()
-            if len(cols) >= 4:
-                found.append((cols[1].replace("\\040", " "), cols[2], cols[3]))
-    return found
+from aftershock.faults._openat import mounts
 
 
 def v1_mount(controller: str) -> Path | None:
     """Where the cgroup v1 hierarchy holding ``controller`` is mounted, if anywhere."""
-    for point, fstype, options in _mounts():
-        if fstype == "cgroup" and controller in options.split(","):
-            return Path(point)
+    for mount in mounts():
+        if mount.fstype == "cgroup" and controller in mount.options:
+            return mount.point
     return None
 
 
 def v2_mount() -> Path | None:
-    for point, fstype, _ in _mounts():
-        if fstype == "cgroup2":
-            return Path(point)
+    for mount in mounts():
+        if mount.fstype == "cgroup2":
+            return mount.point
     return None
 
 

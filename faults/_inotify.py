@@ -279,30 +279,42 @@ class FileWatch:
             wd, mask, _cookie, length = _EVENT.unpack_from(data, offset)
             raw = data[offset + _EVENT.size : offset + _EVENT.size + length]
             offset += _EVENT.size + length
-            name = os.fsdecode(raw.rstrip(b"\0"))
-            if mask & IN_Q_OVERFLOW:
-                raise FaultUnavailable(
-                    "the inotify queue overflowed (fs.inotify.max_queued_events): events were "
-                    "lost, so the trigger's count can no longer be trusted")
-            if self._ancestor is not None and wd == self._ancestor:
-                self._attach(fresh=True)  # something appeared on the way to the root
-                continue
-            if mask & IN_IGNORED:
-                self._dirs.pop(wd, None)  # the folder is gone (or was moved away)
-                continue
-            rel = self._dirs.get(wd)
-            if rel is None or not name:
-                continue
-            child = name if rel == "." else f"{rel}/{name}"
-            scanned = self._scanned.pop((rel, name), None)
-            if mask & (IN_CREATE | IN_MOVED_TO) and scanned is not None:
-                with contextlib.suppress(OSError):
-                    if os.lstat(self.root / child).st_ino == scanned:
-                        continue  # the scan took this very file in (and followed it)
-            if self.when in ("opened", "modified"):
-                if not mask & IN_ISDIR and matches(self.pattern, child):
-                    (self._opened if self.when == "opened" else self._modified)(child, mask)
-            elif mask & MASKS[self.when]:
-                self._count(child)
-            if mask & IN_ISDIR and mask & (IN_CREATE | IN_MOVED_TO) and self._deeper(rel):
-                self._watch_tree(child, fresh=True)
+            self._event(wd, mask, os.fsdecode(raw.rstrip(b"\0")))
+
+    def _event(self, wd: int, mask: int, name: str) -> None:
+        """One inotify event: watch bookkeeping first, then what it means for the trigger."""
+        if mask & IN_Q_OVERFLOW:
+            raise FaultUnavailable(
+                "the inotify queue overflowed (fs.inotify.max_queued_events): events were "
+                "lost, so the trigger's count can no longer be trusted")
+        if self._ancestor is not None and wd == self._ancestor:
+            self._attach(fresh=True)  # something appeared on the way to the root
+            return
+        if mask & IN_IGNORED:
+            self._dirs.pop(wd, None)  # the folder is gone (or was moved away)
+            return
+        rel = self._dirs.get(wd)
+        if rel is None or not name:
+            return
+        child = name if rel == "." else f"{rel}/{name}"
+        if self._already_scanned(rel, name, child, mask):
+            return  # the scan took this very file in (and followed it)
+        self._observe(rel, child, mask)
+
+    def _observe(self, rel: str, child: str, mask: int) -> None:
+        """What an event on ``child`` (in folder ``rel``) means for the trigger."""
+        if self.when in ("opened", "modified"):
+            if not mask & IN_ISDIR and matches(self.pattern, child):
+                (self._opened if self.when == "opened" else self._modified)(child, mask)
+        elif mask & MASKS[self.when]:
+            self._count(child)
+        if mask & IN_ISDIR and mask & (IN_CREATE | IN_MOVED_TO) and self._deeper(rel):
+            self._watch_tree(child, fresh=True)
+
+    def _already_scanned(self, rel: str, name: str, child: str, mask: int) -> bool:
+        """Whether a created or moved-in ``child`` is the very file the scan counted."""
+        scanned = self._scanned.pop((rel, name), None)
+        if mask & (IN_CREATE | IN_MOVED_TO) and scanned is not None:
+            with contextlib.suppress(OSError):
+                return os.lstat(self.root / child).st_ino == scanned
+        return False

@@ -128,6 +128,7 @@ class Mount:
     point: Path  # where it is mounted now
     fstype: str
     source: str
+    options: tuple[str, ...] = ()  # the mount's own options, then its filesystem's
 
 
 def _unescape(field: str) -> str:
@@ -155,7 +156,8 @@ def mounts() -> list[Mount]:
                 major, minor = cols[2].split(":")
                 found.append(Mount(int(cols[0]), os.makedev(int(major), int(minor)),
                                    Path(_unescape(cols[4])), cols[sep + 1],
-                                   _unescape(cols[sep + 2])))
+                                   _unescape(cols[sep + 2]),
+                                   (*cols[5].split(","), *cols[sep + 3].split(","))))
             except (ValueError, IndexError):
                 continue  # not a line this parser knows: not one of ours either
     return found

@@ -47,6 +47,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from aftershock.faults import _jsonl
 from aftershock.faults._proc import ProcessRef, environ
 from aftershock.faults.contract import COMMANDS_ENV, FAULT_INJECTED
 from aftershock.faults.journal import Journal, UndoContext, UndoRefused
@@ -82,12 +83,7 @@ GROUP_METHODS = {
 
 
 def send(path: str, command: Mapping[str, Any]) -> None:
-    line = (json.dumps(dict(command), separators=(",", ":")) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, line)
-    finally:
-        os.close(fd)
+    _jsonl.append(path, _jsonl.encode(dict(command)))
 
 
 def commands_path(target: ProcessRef, params: Mapping[str, Any]) -> str:
@@ -143,21 +139,16 @@ class Inbox:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._offset = 0
-        self._partial = b""
+        self._tail = _jsonl.Tail()
 
     def poll(self) -> list[dict[str, Any]]:
         try:
-            if os.stat(self.path).st_size <= self._offset:
+            if os.stat(self.path).st_size <= self._tail.offset:
                 return []
             with open(self.path, "rb") as handle:
-                handle.seek(self._offset)
-                chunk = handle.read()
+                lines = self._tail.read(handle)
         except OSError:
             return []
-        self._offset += len(chunk)
-        lines = (self._partial + chunk).split(b"\n")
-        self._partial = lines.pop()
         out = []
         for line in lines:
             with contextlib.suppress(ValueError):
@@ -249,22 +240,9 @@ class Engine:
             self.step, self.phase = step, phase
             self.refresh()
             for command in list(self.armed.values()):
-                kind = command["kind"]
-                if not (kind.startswith("memory.") or kind in ("process.hang", "process.kill")):
+                if not self._due_at_point(command, phase):
                     continue
-                if not self._mine(command):
-                    continue
-                params = command["params"]
-                if not self._step_ok(params):
-                    continue
-                if params.get("phase") and params["phase"] != phase:
-                    continue
-                if (not params.get("phase") and phase == "forward"
-                        and str(params.get("tensor", "")).startswith("grad:")):
-                    # Before step N's backward the gradients here are step N-1's, which the
-                    # loop drops before computing its own: a NaN there hits nothing. Step
-                    # N's gradient is the one at its next point.
-                    continue
+                kind, params = command["kind"], command["params"]
                 if kind == "process.kill":
                     kill = signal.Signals[str(params.get("signal", "SIGKILL"))]
                     # Reported (and marked fired, so a restarted process does not repeat it)
@@ -287,6 +265,20 @@ class Engine:
                 time.sleep(0.01)
                 with self._lock:
                     self.refresh()
+
+    def _due_at_point(self, command: dict[str, Any], phase: str) -> bool:
+        """Whether an armed memory fault, hang or kill fires at this point of this rank."""
+        kind, params = command["kind"], command["params"]
+        if not (kind.startswith("memory.") or kind in ("process.hang", "process.kill")):
+            return False
+        if not self._mine(command) or not self._step_ok(params):
+            return False
+        if params.get("phase"):
+            return bool(params["phase"] == phase)
+        # Before step N's backward the gradients here are step N-1's, which the loop drops
+        # before computing its own: a NaN there hits nothing. Step N's gradient is the one
+        # at its next point.
+        return not (phase == "forward" and str(params.get("tensor", "")).startswith("grad:"))
 
     def _poison(self, command: dict[str, Any]) -> None:
         from aftershock.faults.memory import poison_tensor
@@ -315,26 +307,34 @@ class Engine:
         with self._lock:
             self.refresh()
             self.calls[op] += 1
-            chosen = None
-            for command in list(self.armed.values()):
-                params = command["params"]
-                if not command["kind"].startswith("collective.") or not self._mine(command):
-                    continue
-                if params.get("op", "all_reduce") not in (op, "any"):
-                    continue
-                if not self._step_ok(params):
-                    continue
-                # With a phase, only calls made after that fault point of the step count:
-                # `phase: backward` names the gradient all_reduce, not the forward pass's.
-                if params.get("phase") and params["phase"] != self.phase:
-                    continue
-                seen = params.setdefault("_seen", 0) + 1
-                params["_seen"] = seen
-                if seen >= int(params.get("call", 1)):
-                    chosen = command
-                    break
+            chosen = next((c for c in list(self.armed.values()) if self._takes_call(c, op)),
+                          None)
         if chosen is None:
             return call(*args, **kwargs)
+        return self._collective_fault(chosen, op, call, args, kwargs, returns_work=returns_work)
+
+    def _takes_call(self, command: dict[str, Any], op: str) -> bool:
+        """Whether an armed collective fault takes this call of ``op`` (counted if it is of
+        the fault's op, rank, step and phase: the ``call``-th such call is taken)."""
+        params = command["params"]
+        if not command["kind"].startswith("collective.") or not self._mine(command):
+            return False
+        if params.get("op", "all_reduce") not in (op, "any"):
+            return False
+        if not self._step_ok(params):
+            return False
+        # With a phase, only calls made after that fault point of the step count:
+        # `phase: backward` names the gradient all_reduce, not the forward pass's.
+        if params.get("phase") and params["phase"] != self.phase:
+            return False
+        seen = int(params.setdefault("_seen", 0)) + 1
+        params["_seen"] = seen
+        return seen >= int(params.get("call", 1))
+
+    def _collective_fault(self, chosen: dict[str, Any], op: str, call: Callable[..., Any],
+                          args: tuple[Any, ...], kwargs: dict[str, Any], *,
+                          returns_work: bool) -> Any:
+        """The call of ``op`` that the armed fault ``chosen`` takes."""
         kind, params = chosen["kind"], chosen["params"]
         self._fired(chosen, op=op, call=self.calls[op])
         if kind == "collective.error":

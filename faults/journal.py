@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from aftershock.faults import contract
+from aftershock.faults import _jsonl, contract
 from aftershock.faults._proc import ProcessRef, environ, start_time
 
 STATE_ENV = contract.STATE_ENV
@@ -221,6 +221,22 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _pending(op: str, record: dict[str, Any]) -> Pending | str:
+    """The entry a ``fault`` or ``launch`` record opens, or what is wrong with it."""
+    entry_id, kind, undo = record.get("id"), record.get("kind"), record.get("undo")
+    if isinstance(entry_id, str) and entry_id and isinstance(kind, str) and kind \
+            and isinstance(undo, dict):
+        return Pending(entry_id, op, kind, undo)
+    problems = [
+        what for what, bad in (
+            ("no id", not isinstance(entry_id, str) or not entry_id),
+            ("no kind", not isinstance(kind, str) or not kind),
+            ("undo is not an object", not isinstance(undo, dict)),
+        ) if bad
+    ]
+    return f"{op} record with {', '.join(problems)}"
+
+
 def parse(text: str) -> Contents:
     owner: ProcessRef | None = None
     folders: tuple[Path, ...] = ()
@@ -250,19 +266,11 @@ def parse(text: str) -> Contents:
                 owner, folders = found
                 seen_owner = True
         elif op in ("fault", "launch"):
-            entry_id, kind, undo = record.get("id"), record.get("kind"), record.get("undo")
-            if isinstance(entry_id, str) and entry_id and isinstance(kind, str) and kind \
-                    and isinstance(undo, dict):
-                applied[entry_id] = Pending(entry_id, op, kind, undo)
-                continue
-            problems = [
-                what for what, bad in (
-                    ("no id", not isinstance(entry_id, str) or not entry_id),
-                    ("no kind", not isinstance(kind, str) or not kind),
-                    ("undo is not an object", not isinstance(undo, dict)),
-                ) if bad
-            ]
-            malformed.append(f"line {number}: {op} record with {', '.join(problems)}")
+            pending = _pending(op, record)
+            if isinstance(pending, str):
+                malformed.append(f"line {number}: {pending}")
+            else:
+                applied[pending.id] = pending
         elif op == "reverted":
             entry_id = record.get("id")
             if not isinstance(entry_id, str):
@@ -329,7 +337,7 @@ class Journal:
 
     def _append(self, record: dict[str, Any]) -> None:
         record = {"t": time.time(), **record}
-        line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
+        line = _jsonl.encode(record)
         fd = os.open(self.path,
                      os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:

@@ -57,6 +57,8 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, TypeVar
 
+from aftershock.faults._openat import mounts
+
 #: Name prefix of every lazy filesystem's source (the first column of /proc/mounts).
 SOURCE_PREFIX = "aftershock_lazyfs_"
 _TMP_SUFFIX = ".aftershock-lazyfs"  # a file being written into the folder below
@@ -111,6 +113,18 @@ class Loss:
 
 def _fail(code: int, what: str = "") -> OSError:
     return OSError(code, os.strerror(code), what or None)
+
+
+def _may_replace(node: Node, replaced: Node, new: str, flags: int) -> None:
+    """Raise what rename(2) raises where moving ``node`` over ``replaced`` is not allowed."""
+    if flags & _RENAME_NOREPLACE:
+        raise _fail(errno.EEXIST, new)
+    if replaced.is_dir and not node.is_dir:
+        raise _fail(errno.EISDIR, new)
+    if node.is_dir and not replaced.is_dir:
+        raise _fail(errno.ENOTDIR, new)
+    if replaced.is_dir and replaced.entries:
+        raise _fail(errno.ENOTEMPTY, new)
 
 
 class LazyTree:
@@ -233,14 +247,7 @@ class LazyTree:
             src_dir.entries[src_name], dst_dir.entries[dst_name] = replaced, node
         else:
             if replaced is not None and replaced is not node:
-                if flags & _RENAME_NOREPLACE:
-                    raise _fail(errno.EEXIST, new)
-                if replaced.is_dir and not node.is_dir:
-                    raise _fail(errno.EISDIR, new)
-                if node.is_dir and not replaced.is_dir:
-                    raise _fail(errno.ENOTDIR, new)
-                if replaced.is_dir and replaced.entries:
-                    raise _fail(errno.ENOTEMPTY, new)
+                _may_replace(node, replaced, new, flags)
             del src_dir.entries[src_name]
             dst_dir.entries[dst_name] = node
         now = _now()
@@ -639,13 +646,8 @@ def _serve_commands(ops: LazyOperations, name: str) -> socket.socket:
 
 def mounted_source(folder: Path) -> str | None:
     """The source name of the topmost mount on ``folder``, if any."""
-    top = None
-    with open("/proc/self/mounts") as handle:
-        for line in handle:
-            cols = line.split()
-            if len(cols) > 1 and cols[1].replace("\\040", " ") == str(folder):
-                top = cols[0]
-    return top
+    on = [m.source for m in mounts() if m.point == Path(folder)]
+    return on[-1] if on else None
 
 
 def unmount(folder: Path, source: str) -> None:

@@ -426,36 +426,16 @@ def poison_tensor(
     numel = int(tensor.numel())
     if numel == 0:
         raise ValueError("cannot poison an empty tensor")
-    shape = tuple(int(s) for s in tensor.shape)
-    if index is None:
-        flats = sorted(random.Random(seed).sample(range(numel), min(max(count, 1), numel)))
-        positions = [_unravel(f, shape) for f in flats]
-    elif isinstance(index, int):
-        if not -numel <= index < numel:
-            raise IndexError(f"index {index} is out of range for {numel} elements")
-        positions = [_unravel(index % numel, shape)]
-    else:
-        positions = [tuple(int(i) for i in index)]
+    positions = _positions(tuple(int(s) for s in tensor.shape), numel, index, seed, count)
 
     floating = tensor.dtype.is_floating_point or tensor.dtype.is_complex
     if mode in ("nan", "inf") and not floating:
         raise ValueError(f"{mode} needs a floating-point tensor, got {tensor.dtype}")
-    nbits = tensor.element_size() * 8
     used_bit: int | None = None
     ints = None
     mask = 0
     if mode == "bitflip":
-        used_bit = nbits - 2 if bit is None else int(bit)
-        if not 0 <= used_bit < nbits:
-            raise ValueError(f"bit {used_bit} is outside a {nbits}-bit {tensor.dtype} element")
-        int_dtype = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[
-            tensor.element_size()
-        ]
-        # A same-size dtype view works for any strides: the xor lands in the tensor's storage.
-        ints = tensor.view(int_dtype)
-        mask = 1 << used_bit
-        if used_bit == nbits - 1:
-            mask -= 1 << nbits  # the sign bit, as a signed value of the int dtype
+        used_bit, ints, mask = _bit_view(tensor, bit)
 
     before: list[Any] = []
     after: list[Any] = []
@@ -473,6 +453,38 @@ def poison_tensor(
             element.zero_()
         after.append(tensor[position].item())
     return Poisoned(mode, tuple(positions), tuple(before), tuple(after), used_bit)
+
+
+def _positions(shape: tuple[int, ...], numel: int, index: int | Sequence[int] | None,
+               seed: int, count: int) -> list[tuple[int, ...]]:
+    """The elements to poison: ``count`` drawn with ``seed``, or the one ``index`` names."""
+    if index is None:
+        flats = sorted(random.Random(seed).sample(range(numel), min(max(count, 1), numel)))
+        return [_unravel(f, shape) for f in flats]
+    if isinstance(index, int):
+        if not -numel <= index < numel:
+            raise IndexError(f"index {index} is out of range for {numel} elements")
+        return [_unravel(index % numel, shape)]
+    return [tuple(int(i) for i in index)]
+
+
+def _bit_view(tensor: Any, bit: int | None) -> tuple[int, Any, int]:
+    """The bit a bitflip flips, the tensor viewed as same-size integers, and the xor mask."""
+    import torch
+
+    nbits = tensor.element_size() * 8
+    used_bit = nbits - 2 if bit is None else int(bit)
+    if not 0 <= used_bit < nbits:
+        raise ValueError(f"bit {used_bit} is outside a {nbits}-bit {tensor.dtype} element")
+    int_dtype = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[
+        tensor.element_size()
+    ]
+    # A same-size dtype view works for any strides: the xor lands in the tensor's storage.
+    ints = tensor.view(int_dtype)
+    mask = 1 << used_bit
+    if used_bit == nbits - 1:
+        mask -= 1 << nbits  # the sign bit, as a signed value of the int dtype
+    return used_bit, ints, mask
 
 
 def float32_bits(value: float) -> int:

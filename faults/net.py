@@ -299,6 +299,25 @@ def _delete_in_container(container: str, table: str, owner: ProcessRef | None) -
         os.close(netns)
 
 
+def _mark_all(target: ProcessRef, mark: int) -> int:
+    """Mark every socket of ``target`` with ``mark``; how many were marked."""
+    try:
+        # Again until nothing new: a connection accepted by a listener before it was
+        # marked is a socket the first pass did not see.
+        marked = 0
+        for _ in range(3):
+            added = _remark(target, None, mark) if target.alive() else 0
+            marked += added
+            if not added:
+                break
+    except OSError as exc:
+        raise FaultUnavailable(
+            f"cannot mark the sockets of pid {target.pid} ({exc.strerror}): "
+            "needs pidfd_getfd (Linux 5.6) and CAP_SYS_PTRACE and CAP_NET_ADMIN"
+        ) from exc
+    return marked
+
+
 class PartitionParams(FaultParams):
     duration: Duration | None = Field(None, description="heal after this long; default: at "
                                       "the end of the run")
@@ -397,20 +416,7 @@ class Partition:
                 # Move first, then mark: a socket made in between is caught by the cgroup
                 # rule instead of being missed by the marks.
                 _cgroup.move(target.pid, group_dir)
-            try:
-                # Again until nothing new: a connection accepted by a listener before it
-                # was marked is a socket the first pass did not see.
-                marked = 0
-                for _ in range(3):
-                    added = _remark(target, None, mark) if target.alive() else 0
-                    marked += added
-                    if not added:
-                        break
-            except OSError as exc:
-                raise FaultUnavailable(
-                    f"cannot mark the sockets of pid {target.pid} ({exc.strerror}): "
-                    "needs pidfd_getfd (Linux 5.6) and CAP_SYS_PTRACE and CAP_NET_ADMIN"
-                ) from exc
+            marked = _mark_all(target, mark)
             socks = tcp_sockets(target.pid)
             _nft.load(_ruleset(table, mark, cgroup, lo_only=netns is None), netns=netns)
         listening = sorted({s.local_port for s in socks if s.state == LISTEN})

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from aftershock.faults import contract
+from aftershock.faults import _jsonl, contract
 
 NVML_DIR_ENV = contract.NVML_DIR_ENV
 GPU_COUNT_ENV = "AFTERSHOCK_NVML_GPUS"  # how many GPUs a fresh folder simulates (default 1)
@@ -373,12 +373,7 @@ def _boottime_prefix() -> str:
 
 
 def append_kernel_log(folder: str | os.PathLike[str], line: str) -> None:
-    path = Path(folder) / "kern.log"
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, (_boottime_prefix() + line + "\n").encode())
-    finally:
-        os.close(fd)
+    _jsonl.append(Path(folder) / "kern.log", (_boottime_prefix() + line + "\n").encode())
 
 
 def publish_event(
@@ -406,13 +401,8 @@ def _append_event(
         "gpu_instance_id": NO_INSTANCE,
         "compute_instance_id": NO_INSTANCE,
     }
-    line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
     # One write(2) with O_APPEND: a reader never sees two events interleaved.
-    fd = os.open(_events_path(path, gpu_index), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, line)
-    finally:
-        os.close(fd)
+    _jsonl.append(_events_path(path, gpu_index), _jsonl.encode(record))
 
 
 def publish_xid(
@@ -488,7 +478,7 @@ class c_nvmlEventSet_t:
     """An event set: what is registered and how far each GPU's event file was read."""
 
     # device index -> (event type mask, byte offset read so far, partial line)
-    registered: dict[int, tuple[int, int, bytes]] = field(default_factory=dict)
+    registered: dict[int, tuple[int, _jsonl.Tail]] = field(default_factory=dict)
     handles: dict[int, c_nvmlDevice_t] = field(default_factory=dict)
     pending: list[c_nvmlEventData_t] = field(default_factory=list)
     freed: bool = False
@@ -617,24 +607,18 @@ def nvmlDeviceRegisterEvents(
         offset = _events_path(_check_init(), info.index).stat().st_size
     except FileNotFoundError:
         offset = 0
-    mask, old_offset, partial = eventSet.registered.get(info.index, (0, offset, b""))
-    eventSet.registered[info.index] = (mask | int(eventTypes), old_offset, partial)
+    mask, tail = eventSet.registered.get(info.index, (0, _jsonl.Tail(offset=offset)))
+    eventSet.registered[info.index] = (mask | int(eventTypes), tail)
     eventSet.handles[info.index] = handle
 
 
 def _collect(folder: Path, eventSet: c_nvmlEventSet_t) -> None:
-    for index, (mask, offset, partial) in list(eventSet.registered.items()):
+    for index, (mask, tail) in list(eventSet.registered.items()):
         try:
             with open(_events_path(folder, index), "rb") as handle:
-                handle.seek(offset)
-                chunk = handle.read()
+                lines = tail.read(handle)
         except FileNotFoundError:
             continue
-        if not chunk:
-            continue
-        data = partial + chunk
-        *lines, rest = data.split(b"\n")
-        eventSet.registered[index] = (mask, offset + len(chunk), rest)
         for line in lines:
             with contextlib.suppress(json.JSONDecodeError, KeyError):
                 record = json.loads(line)

@@ -312,9 +312,14 @@ def _validate_restore(undo: Mapping[str, Any], context: UndoContext) -> None:
         raise UndoRefused(f"chain {chain!r} is not the identities of the {depth} folder(s) "
                           f"from {root} down to {path.parent}")
     left = undo.get("file")
-    if left is not None and not (isinstance(left, list) and len(left) == 3 and all(
-            isinstance(v, int) and not isinstance(v, bool) for v in left)):
+    if left is not None and not _is_identity(left):
         raise UndoRefused(f"file {left!r} is not a device, inode and type")
+
+
+def _is_identity(value: Any) -> bool:
+    """Whether ``value`` is a recorded file identity: device, inode and type, as ints."""
+    return isinstance(value, list) and len(value) == 3 and all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value)
 
 
 def _keep_times(path: Path) -> tuple[int, int]:

@@ -387,6 +387,31 @@ class XidParams(FaultParams):
         return value
 
 
+def _effect(effect: Effect, target: ProcessRef, gpu: int, p: XidParams,
+            undo: dict[str, Any]) -> str:
+    """Apply the Xid's effect on the process (the device state changed with the event);
+    what was done. A poisoning notes its flips in ``undo``."""
+    if effect is Effect.KILL_PROCESS:
+        return "SIGKILL" if target.signal(signal.SIGKILL) else "process already gone"
+    if effect is Effect.HANG:
+        return "SIGSTOP" if target.signal(signal.SIGSTOP) else "process already gone"
+    if effect is Effect.DEVICE_LOST:
+        return f"GPU {gpu} lost until reset"
+    if effect is Effect.LINK_DOWN:
+        return f"GPU {gpu} NVLinks down until reset"
+    if effect is not Effect.POISON_MEMORY:
+        return "published only"
+    flips = p.bitflips or 0
+    if flips <= 0:
+        return ("published only (poison data with memory.* or "
+                "aftershock.faults.memory.poison_tensor)")
+    from aftershock.faults import memory
+
+    record = memory.flip_heap_bits(target, count=flips, seed=p.seed)
+    undo["flips"] = record
+    return f"{len(record)} bits flipped in anonymous memory"
+
+
 class GpuXid:
     params = XidParams
     acts: Acts = "outside"
@@ -441,28 +466,7 @@ class GpuXid:
             lose_device=effect is Effect.DEVICE_LOST,
             links_down=effect is Effect.LINK_DOWN,
         )
-        done = ""
-        if effect is Effect.KILL_PROCESS:
-            done = "SIGKILL" if target.signal(signal.SIGKILL) else "process already gone"
-        elif effect is Effect.HANG:
-            done = "SIGSTOP" if target.signal(signal.SIGSTOP) else "process already gone"
-        elif effect is Effect.DEVICE_LOST:
-            done = f"GPU {gpu} lost until reset"
-        elif effect is Effect.LINK_DOWN:
-            done = f"GPU {gpu} NVLinks down until reset"
-        elif effect is Effect.POISON_MEMORY:
-            flips = p.bitflips or 0
-            if flips > 0:
-                from aftershock.faults import memory
-
-                record = memory.flip_heap_bits(target, count=flips, seed=p.seed)
-                undo["flips"] = record
-                done = f"{len(record)} bits flipped in anonymous memory"
-            else:
-                done = ("published only (poison data with memory.* or "
-                        "aftershock.faults.memory.poison_tensor)")
-        else:
-            done = "published only"
+        done = _effect(effect, target, gpu, p, undo)
         detail = f"Xid {entry.code} on GPU {gpu} of pid {target.pid}: {done}; {line}"
         return Applied(self.info.kind, entry_id, {**undo, "action": str(action)}, detail)
 

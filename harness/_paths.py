@@ -1,11 +1,14 @@
-"""Where the harness keeps what it may reuse between runs (one definition for every module)."""
+"""Where the harness keeps what it may reuse between runs, and whether a file there is
+believed (one definition for every module)."""
 
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 from aftershock.faults import contract
+from aftershock.faults.journal import unsafe_folder
 
 
 def cache_dir() -> Path:
@@ -16,3 +19,25 @@ def cache_dir() -> Path:
         return Path(explicit)
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "aftershock"
+
+
+def untrusted(path: Path) -> str | None:
+    """Why a cached file cannot be believed, or None: it must be a regular file (not a
+    link) that this user owns and no one else can write, in a folder that passes the heal
+    journal's rules (aftershock.faults.journal.unsafe_folder): otherwise anyone who could write
+    there
+    could have planted a digest that fails a correct run or passes a broken one."""
+    folder_problem = unsafe_folder(path.parent)
+    if folder_problem is not None:
+        return folder_problem
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        return f"{path}: {exc.strerror}"
+    if not stat.S_ISREG(st.st_mode):
+        return f"{path} is not a regular file"
+    if st.st_uid != os.geteuid():
+        return f"{path} is owned by uid {st.st_uid}, not {os.geteuid()}"
+    if st.st_mode & 0o022:
+        return f"{path} is writable by others (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None

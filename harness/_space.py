@@ -269,26 +269,99 @@ def resolve(system: System, explore: Explore | None) -> Space:
     every problem, each with its place under ``explore``."""
     explore = explore or Explore()
     problems: list[Problem] = []
-    layout = layout_of(system)
-    unavailable = families_for(system)
+    families = _families(system, explore, problems)
+    at = _triggers(system, explore, problems)
+    kinds = _kinds(system, explore, families, at.space.phases, problems)
+    _phase_problems(system, at, families, problems)
+    options = _option_draws(system, explore.system, problems)
+    _steps_problems(options, at.steps, problems)
+    if problems:
+        raise SpaceError(problems)
+    return Space(
+        faults=(explore.faults.min, explore.faults.max),
+        kinds=tuple(kinds),
+        layout=layout_of(system),
+        steps=at.steps,
+        phases=tuple(at.space.phases),
+        events=tuple(at.events),
+        files=tuple(at.files),
+        time_ms=at.time_ms,
+        spacing=at.spacing,
+        last_step=system.steps if isinstance(system, TrainerSystem) else None,
+        options=options,
+        steps_at_points=isinstance(system, ServerSystem),
+    )
 
+
+def _families(system: System, explore: Explore, problems: list[Problem]) -> list[str]:
+    """The target families of the search that this system has."""
+    unavailable = families_for(system)
     families = list(explore.targets) if explore.targets is not None else default_targets(system)
     for index, family in enumerate(families):
         if explore.targets is not None and family in unavailable:
             problems.append((("targets", index), f"{family!r}: {unavailable[family]}"))
-    families = sorted({f for f in families if f not in unavailable}, key=FAMILY_ORDER.index)
+    return sorted({f for f in families if f not in unavailable}, key=FAMILY_ORDER.index)
 
+
+@dataclass(frozen=True, slots=True)
+class _At:
+    """The triggers of a search: as declared (or the defaults), and as drawn from."""
+
+    space: TriggerSpace
+    where: tuple[str, ...]  # where they are under `explore` (nothing for the defaults)
+    steps: tuple[int, int] | None
+    events: list[EventChoice]
+    files: list[FileChoice]
+    time_ms: tuple[int, int] | None
+    spacing: tuple[int, int] | None
+
+
+def _triggers(system: System, explore: Explore, problems: list[Problem]) -> _At:
+    """The search's triggers, with the problems of each."""
     at = explore.at if explore.at is not None else default_triggers(system)
-    where_at = ("at",) if explore.at is not None else ()
+    where_at: tuple[str, ...] = ("at",) if explore.at is not None else ()
     steps = (at.step.min, at.step.max) if at.step is not None else None
-    if steps is not None and isinstance(system, TrainerSystem) and steps[1] > system.steps:
-        problems.append(((*where_at, "step", "max"),
-                         f"{steps[1]} is past the run's last step ({system.steps})"))
-    if steps is not None and steps[0] < 1:
-        problems.append(((*where_at, "step", "min"), "steps start at 1 (the first committed "
-                         "step)"))
+    if steps is not None:
+        _step_span_problems(system, steps, where_at, problems)
     if at.count.min < 1:
         problems.append(((*where_at, "count", "min"), "an event's first occurrence is 1"))
+    events, files = _counted_triggers(at, where_at, problems)
+    time_ms = _time_span(system, at, where_at, problems)
+    if steps is None and time_ms is None and not files and all(
+            e.event in AFTER_A_FAILURE for e in events):
+        problems.append((where_at or ("at",), "every trigger waits for a failure, so no "
+                         "schedule can start: add `step`, `time`, `files` or an event that "
+                         "happens without one"))
+    spacing = (explore.spacing.min, explore.spacing.max) if explore.spacing else None
+    if spacing is not None and steps is None:
+        problems.append((("spacing",), "spaces step triggers: needs `at.step`"))
+    return _At(at, where_at, steps, events, files, time_ms, spacing)
+
+
+def _time_span(system: System, at: TriggerSpace, where_at: tuple[str, ...],
+               problems: list[Problem]) -> tuple[int, int] | None:
+    """The time trigger's span in milliseconds, if there is one."""
+    if at.time is None:
+        return None
+    if at.time.max > system.timeout:
+        problems.append(((*where_at, "time", "max"), "is past the run's timeout "
+                         f"({system.timeout.total_seconds():g}s)"))
+    return _ms(at.time.min), _ms(at.time.max)
+
+
+def _step_span_problems(system: System, steps: tuple[int, int], where_at: tuple[str, ...],
+                        problems: list[Problem]) -> None:
+    if isinstance(system, TrainerSystem) and steps[1] > system.steps:
+        problems.append(((*where_at, "step", "max"),
+                         f"{steps[1]} is past the run's last step ({system.steps})"))
+    if steps[0] < 1:
+        problems.append(((*where_at, "step", "min"), "steps start at 1 (the first committed "
+                         "step)"))
+
+
+def _counted_triggers(at: TriggerSpace, where_at: tuple[str, ...], problems: list[Problem]
+                      ) -> tuple[list[EventChoice], list[FileChoice]]:
+    """The event and file triggers, each with its occurrences to draw from."""
     events = []
     for index, trigger in enumerate(at.events):
         count = trigger.count or at.count
@@ -303,83 +376,73 @@ def resolve(system: System, explore: Explore | None) -> Space:
             problems.append(((*where_at, "files", index, "count", "min"),
                              "a file's first occurrence is 1"))
         files.append(FileChoice(watched.file, watched.when, (count.min, count.max)))
-    time_ms = None
-    if at.time is not None:
-        time_ms = (_ms(at.time.min), _ms(at.time.max))
-        if at.time.max > system.timeout:
-            problems.append(((*where_at, "time", "max"), "is past the run's timeout "
-                             f"({system.timeout.total_seconds():g}s)"))
-    if steps is None and time_ms is None and not files and all(
-            e.event in AFTER_A_FAILURE for e in events):
-        problems.append((where_at or ("at",), "every trigger waits for a failure, so no "
-                         "schedule can start: add `step`, `time`, `files` or an event that "
-                         "happens without one"))
-    spacing = (explore.spacing.min, explore.spacing.max) if explore.spacing else None
-    if spacing is not None and steps is None:
-        problems.append((("spacing",), "spaces step triggers: needs `at.step`"))
+    return events, files
 
+
+def _kinds(system: System, explore: Explore, families: list[str], phases: Sequence[str],
+           problems: list[Problem]) -> list[KindChoice]:
+    """The fault kinds of the search, each with the targets it can hit."""
     declared = explore.kinds if explore.kinds is not None else default_kinds(system)
     kinds: list[KindChoice] = []
-    phased_any = False
     for index, space in enumerate(declared):
         where = ("kinds", index) if explore.kinds is not None else ("kinds",)
-        choice = _kind_choice(space, where, families, at.phases, problems)
-        if choice is None:
-            continue
-        if choice.kind == "storage.lose_unsynced" and isinstance(system, ServerSystem):
-            # The power goes under the router's journal and the router, which writes it, dies
-            # with it: a worker alone would leave the router writing past the lost tail.
-            router = ("router",) if "router" in families else ()
-            choice = replace(choice, targeted=True, families=router)
-            if not choice.families:
-                problems.append((where, "storage.lose_unsynced on a server takes its router down "
-                                 "with the power: add `router` to the targets"))
-                continue
-        if choice.targeted and not choice.families:
-            if families:  # (no family at all is the targets' problem, said above)
-                why = ": a fault applied inside the target needs ranks, not roles" \
-                    if choice.in_process else ""
-                problems.append((where, f"{space.kind} cannot hit any of the targets "
-                                 f"({', '.join(families)}){why}"))
-            continue
-        phased_any = phased_any or choice.phased
-        kinds.append(choice)
-    if at.phases and not phased_any and explore.at is not None:
+        choice = _kind_choice(space, where, families, phases, problems)
+        if choice is not None:
+            choice = _aimed(system, choice, where, families, problems)
+        if choice is not None:
+            kinds.append(choice)
+    if phases and not any(k.phased for k in kinds) and explore.at is not None:
         problems.append((("at", "phases"), "no fault kind of this search is applied at a fault "
                          "point (collective.*, process.hang, memory.* with `tensor`)"))
-    router_phases = [p for p in at.phases if p in ROUTER_PHASES]
+    return kinds
+
+
+def _aimed(system: System, choice: KindChoice, where: tuple[Any, ...], families: list[str],
+           problems: list[Problem]) -> KindChoice | None:
+    """A kind with the targets it can hit on this system; None (a problem said) if none."""
+    if choice.kind == "storage.lose_unsynced" and isinstance(system, ServerSystem):
+        # The power goes under the router's journal and the router, which writes it, dies
+        # with it: a worker alone would leave the router writing past the lost tail.
+        router = ("router",) if "router" in families else ()
+        choice = replace(choice, targeted=True, families=router)
+        if not choice.families:
+            problems.append((where, "storage.lose_unsynced on a server takes its router down "
+                             "with the power: add `router` to the targets"))
+            return None
+    if choice.targeted and not choice.families:
+        if families:  # (no family at all is the targets' problem, said above)
+            why = ": a fault applied inside the target needs ranks, not roles" \
+                if choice.in_process else ""
+            problems.append((where, f"{choice.kind} cannot hit any of the targets "
+                             f"({', '.join(families)}){why}"))
+        return None
+    return choice
+
+
+def _phase_problems(system: System, at: _At, families: list[str],
+                    problems: list[Problem]) -> None:
+    """Fault points only the reference server's router has, and a server's steps."""
+    router_phases = [p for p in at.space.phases if p in ROUTER_PHASES]
     if router_phases and not isinstance(system, ServerSystem):
-        problems.append(((*where_at, "phases"), f"{', '.join(router_phases)}: only the reference "
-                         "server's router has these fault points"))
-    elif steps is not None and isinstance(system, ServerSystem) and not (
+        problems.append(((*at.where, "phases"), f"{', '.join(router_phases)}: only the "
+                         "reference server's router has these fault points"))
+    elif at.steps is not None and isinstance(system, ServerSystem) and not (
             router_phases and "router" in families):
         # A server commits no steps: its step is the router's count of token records, seen
         # only at the router's fault points.
-        problems.append(((*where_at, "step"), "a server counts steps only at its router's fault "
-                         f"points: give `phases` among {', '.join(ROUTER_PHASES)} and `router` "
-                         "among the targets"))
-    options = _option_draws(system, explore.system, problems)
+        problems.append(((*at.where, "step"), "a server counts steps only at its router's "
+                         f"fault points: give `phases` among {', '.join(ROUTER_PHASES)} and "
+                         "`router` among the targets"))
+
+
+def _steps_problems(options: Sequence[ParamDraw], steps: tuple[int, int] | None,
+                    problems: list[Problem]) -> None:
+    """A drawn number of steps below the last step a fault may be drawn at."""
     for draw in (d for d in options if d.name == "steps" and steps is not None):
         lowest = min(draw.choices) if draw.choices else draw.low
         if steps is not None and steps[1] > lowest:
             problems.append((("system", "steps"), f"{lowest:g}: fewer steps than the last step "
                              f"a fault may be drawn at ({steps[1]}, `at.step.max`)"))
-    if problems:
-        raise SpaceError(problems)
-    return Space(
-        faults=(explore.faults.min, explore.faults.max),
-        kinds=tuple(kinds),
-        layout=layout,
-        steps=steps,
-        phases=tuple(at.phases),
-        events=tuple(events),
-        files=tuple(files),
-        time_ms=time_ms,
-        spacing=spacing,
-        last_step=system.steps if isinstance(system, TrainerSystem) else None,
-        options=options,
-        steps_at_points=isinstance(system, ServerSystem),
-    )
 
 
 #: System fields a search cannot draw: what the system is, and what is not one value.
@@ -428,57 +491,83 @@ def _option_draws(system: System, declared: dict[str, list[Any] | ParamSpan],
                   problems: list[Problem]) -> tuple[ParamDraw, ...]:
     """``explore.system``: each option a scalar field of the system's model, each value (or
     each end of a range) one that model takes with the system's other settings."""
-    fields = type(system).model_fields
-    draws: list[ParamDraw] = []
-    for name, choices in declared.items():
-        where: tuple[Any, ...] = ("system", name)
-        field = _option_field(system, name)
-        drawable = sorted(n for n, f in fields.items()
-                          if n not in _FIXED_OPTIONS and _scalar(f.annotation))
-        if field is None or name in _FIXED_OPTIONS or not _scalar(field.annotation):
-            why = "not an option of this system" if field is None else \
-                "what the system is" if name in _FIXED_OPTIONS else "not a single value"
-            problems.append((where, f"{name!r}: {why} (drawable: {', '.join(drawable)})"))
-            continue
+    draws = (_option_draw(system, name, choices, problems) for name, choices in declared.items())
+    return tuple(draw for draw in draws if draw is not None)
 
-        def valid(value: Any, at: tuple[Any, ...], name: str = name) -> Any:
-            try:
-                return option_value(with_options(system, {name: value}), name)
-            except ValidationError as exc:
-                message = str(exc.errors()[0]["msg"]).removeprefix("Value error, ")
-                problems.append((at, f"{value!r}: {message}"))
-                return None
 
-        if isinstance(choices, list):
-            values = [valid(v, (*where, i)) for i, v in enumerate(choices)]
-            if not values:
-                problems.append((where, "give at least one value"))
-            if not values or any(v is None for v in values):
-                continue
-            draws.append(ParamDraw(name, choices=tuple(dict.fromkeys(values))))
-            continue
-        if not _scalar(field.annotation, numeric=True):
-            problems.append((where, "a range needs a number or a duration option; give a list "
-                             "of values"))
-            continue
-        low, high = valid(choices.min, (*where, "min")), valid(choices.max, (*where, "max"))
-        if low is None or high is None:
-            continue
-        if isinstance(low, timedelta) and isinstance(high, timedelta):
-            unit, lo, hi = "ms", float(_ms(low)), float(_ms(high))
-        elif isinstance(low, bool) or not isinstance(low, int | float) \
-                or not isinstance(high, int | float):
-            problems.append((where, "a range needs a number or a duration option; give a list "
-                             "of values"))
-            continue
-        else:
-            unit = "int" if isinstance(low, int) and isinstance(high, int) else "float"
-            lo, hi = float(low), float(high)
-        if hi < lo:
-            problems.append((where, "max is below min"))
-            continue
-        draws.append(ParamDraw(name, low=lo, high=hi, unit=unit))
-    return tuple(draws)
+def _option_draw(system: System, name: str, choices: list[Any] | ParamSpan,
+                 problems: list[Problem]) -> ParamDraw | None:
+    """One option of ``explore.system`` as drawn from; None (a problem said) if it is not
+    one, or a value is not one the system takes."""
+    where: tuple[Any, ...] = ("system", name)
+    field = _option_field(system, name)
+    if field is None or name in _FIXED_OPTIONS or not _scalar(field.annotation):
+        problems.append((where, _not_an_option(system, name, field)))
+        return None
+    if isinstance(choices, list):
+        values = [_option_valid(system, name, v, (*where, i), problems)
+                  for i, v in enumerate(choices)]
+        if not values:
+            problems.append((where, "give at least one value"))
+        if not values or any(v is None for v in values):
+            return None
+        return ParamDraw(name, choices=tuple(dict.fromkeys(values)))
+    if not _scalar(field.annotation, numeric=True):
+        problems.append((where, "a range needs a number or a duration option; give a list "
+                         "of values"))
+        return None
+    return _option_range(system, name, choices, where, problems)
+
+
+def _not_an_option(system: System, name: str, field: Any) -> str:
+    """Why ``name`` cannot be drawn, with the options that can."""
+    drawable = sorted(n for n, f in type(system).model_fields.items()
+                      if n not in _FIXED_OPTIONS and _scalar(f.annotation))
+    why = "not an option of this system" if field is None else \
+        "what the system is" if name in _FIXED_OPTIONS else "not a single value"
+    return f"{name!r}: {why} (drawable: {', '.join(drawable)})"
+
+
+def _option_valid(system: System, name: str, value: Any, at: tuple[Any, ...],
+                  problems: list[Problem]) -> Any:
+    """``value`` as the system's model takes it for option ``name``; None (a problem said)
+    if it does not."""
+    try:
+        return option_value(with_options(system, {name: value}), name)
+    except ValidationError as exc:
+        message = str(exc.errors()[0]["msg"]).removeprefix("Value error, ")
+        problems.append((at, f"{value!r}: {message}"))
+        return None
+
+
+def _option_range(system: System, name: str, choices: ParamSpan, where: tuple[Any, ...],
+                  problems: list[Problem]) -> ParamDraw | None:
+    low = _option_valid(system, name, choices.min, (*where, "min"), problems)
+    high = _option_valid(system, name, choices.max, (*where, "max"), problems)
+    if low is None or high is None:
+        return None
+    span = _option_span(low, high)
+    if span is None:
+        problems.append((where, "a range needs a number or a duration option; give a list "
+                         "of values"))
+        return None
+    unit, lo, hi = span
+    if hi < lo:
+        problems.append((where, "max is below min"))
+        return None
+    return ParamDraw(name, low=lo, high=hi, unit=unit)
+
+
+def _option_span(low: Any, high: Any) -> tuple[str, float, float] | None:
+    """An option's range as drawn from (its unit, its ends), or None if it is not one of
+    numbers or durations."""
+    if isinstance(low, timedelta) and isinstance(high, timedelta):
+        return "ms", float(_ms(low)), float(_ms(high))
+    if isinstance(low, bool) or not isinstance(low, int | float) \
+            or not isinstance(high, int | float):
+        return None
+    unit = "int" if isinstance(low, int) and isinstance(high, int) else "float"
+    return unit, float(low), float(high)
 
 
 def _scalar(annotation: Any, *, numeric: bool = False) -> bool:
@@ -528,25 +617,8 @@ def _kind_choice(
     space: KindSpace, where: tuple[Any, ...], families: list[str], phases: Sequence[str],
     problems: list[Problem],
 ) -> KindChoice | None:
-    model = FAULT_MODELS[space.kind]
-    fields = {n: f for n, f in model.model_fields.items() if n not in _NOT_PARAMS}
-    # The first value of every parameter: the values of one are checked with the others'.
-    base: dict[str, Any] = {}
     found = len(problems)
-    for name, choices in space.params.items():
-        if name not in fields:
-            problems.append(((*where, "params", name), f"{space.kind} has no parameter "
-                             f"{name!r} (allowed: {', '.join(sorted(fields))})"))
-            continue
-        if isinstance(choices, ParamSpan) and not _numeric(space.kind, name):
-            problems.append(((*where, "params", name), "a range needs a number or a duration "
-                             "parameter; give a list of values"))
-            continue
-        base[name] = choices[0] if isinstance(choices, list) else choices.min
-    for name, field in fields.items():
-        if field.is_required() and name not in base:
-            problems.append(((*where, "params"), f"{space.kind} needs `{name}`: give its "
-                             f"values, e.g. `params: {{{name}: [...]}}`"))
+    base = _base_params(space, where, problems)
     if len(problems) > found:
         return None
     try:
@@ -562,17 +634,44 @@ def _kind_choice(
     if len(problems) > found:
         return None
     process_side = in_process(sample)
-    phased = False
-    for phase in phases:
-        try:
-            phased = in_process(sample_fault(space.kind, base, phase=phase))
-        except ValidationError:
-            phased = False
-        if phased:
-            break
+    phased = _phased(space.kind, base, phases)
     targeted = not space.kind.startswith("storage.")
     usable = tuple(f for f in families if not (process_side and f in ROLES)) if targeted else ()
     return KindChoice(space.kind, tuple(draws), targeted, process_side, phased, usable)
+
+
+def _base_params(space: KindSpace, where: tuple[Any, ...], problems: list[Problem]
+                 ) -> dict[str, Any]:
+    """The first value of every parameter: the values of one are checked with the others'."""
+    model = FAULT_MODELS[space.kind]
+    fields = {n: f for n, f in model.model_fields.items() if n not in _NOT_PARAMS}
+    base: dict[str, Any] = {}
+    for name, choices in space.params.items():
+        if name not in fields:
+            problems.append(((*where, "params", name), f"{space.kind} has no parameter "
+                             f"{name!r} (allowed: {', '.join(sorted(fields))})"))
+            continue
+        if isinstance(choices, ParamSpan) and not _numeric(space.kind, name):
+            problems.append(((*where, "params", name), "a range needs a number or a duration "
+                             "parameter; give a list of values"))
+            continue
+        base[name] = choices[0] if isinstance(choices, list) else choices.min
+    for name, field in fields.items():
+        if field.is_required() and name not in base:
+            problems.append(((*where, "params"), f"{space.kind} needs `{name}`: give its "
+                             f"values, e.g. `params: {{{name}: [...]}}`"))
+    return base
+
+
+def _phased(kind: str, base: dict[str, Any], phases: Sequence[str]) -> bool:
+    """Whether the kind is applied inside the target at one of the fault points."""
+    for phase in phases:
+        try:
+            if in_process(sample_fault(kind, base, phase=phase)):
+                return True
+        except ValidationError:
+            continue
+    return False
 
 
 def _param_draw(
@@ -598,19 +697,26 @@ def _param_draw(
     low, high = valid(choices.min, (*where, "min")), valid(choices.max, (*where, "max"))
     if low is None or high is None:
         return None
-    if isinstance(low, timedelta) and isinstance(high, timedelta):
-        unit, lo, hi = "ms", float(_ms(low)), float(_ms(high))
-    elif isinstance(low, bool) or isinstance(high, bool) or not (
-            isinstance(low, int | float) and isinstance(high, int | float)):
+    span = _param_span(kind, name, low, high)
+    if span is None:
         problems.append((where, "a range needs numbers or durations; give a list of values"))
         return None
-    else:
-        is_int = model_is_int(kind, name)
-        unit, lo, hi = ("int" if is_int else "float"), float(low), float(high)
+    unit, lo, hi = span
     if hi < lo:
         problems.append((where, "max is below min"))
         return None
     return ParamDraw(name, low=lo, high=hi, unit=unit)
+
+
+def _param_span(kind: str, name: str, low: Any, high: Any) -> tuple[str, float, float] | None:
+    """A parameter's range as drawn from (its unit, its ends), or None if it is not one of
+    numbers or durations."""
+    if isinstance(low, timedelta) and isinstance(high, timedelta):
+        return "ms", float(_ms(low)), float(_ms(high))
+    if isinstance(low, bool) or isinstance(high, bool) or not (
+            isinstance(low, int | float) and isinstance(high, int | float)):
+        return None
+    return ("int" if model_is_int(kind, name) else "float"), float(low), float(high)
 
 
 def _numeric(kind: str, name: str) -> bool:

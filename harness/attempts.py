@@ -197,23 +197,54 @@ def _int(value: object) -> int | None:
 def _workers(events: Sequence[Event]) -> list[_Worker]:
     """Every worker of the run: those the harness saw start (``process_started``), and those
     torchrun's attempt folders show that died before the harness looked."""
-    workers: list[_Worker] = []
-    for event in events:
-        f = event.fields
-        if event.event != "process_started" or f.get("role") != "worker":
-            continue
-        error_file = f.get("error_file") if isinstance(f.get("error_file"), str) else None
-        stderr = f.get("stderr") if isinstance(f.get("stderr"), str) else None
-        workers.append(_Worker(
-            attempt=_int(f.get("generation")), local_rank=_int(f.get("local_rank")),
-            folder=_folder(error_file) or _folder(stderr), pid=_int(f.get("pid")),
-            rank=_int(f.get("rank")), agent=_int(f.get("agent")), stderr=stderr,
-            error_file=error_file, started=event.t))
+    workers = [_started_worker(event) for event in events
+               if event.event == "process_started" and event.fields.get("role") == "worker"]
     seen = {w.folder for w in workers if w.folder is not None}
     # torchrun's run folders: those of the workers seen, and any under a --log-dir that
     # this run wrote (an earlier run's, left in a reused folder, is older than its launch).
     patterns = {os.path.join(glob.escape(os.path.dirname(os.path.dirname(folder))),
                              "attempt_*", "*") for folder in seen}
+    launched = _launch_folders(events, patterns)
+    agents = {os.path.dirname(os.path.dirname(w.folder)): w.agent
+              for w in workers if w.folder is not None}
+    for pattern in sorted(patterns):
+        for folder in sorted(glob.glob(pattern)):
+            worker = _unseen_worker(folder, seen, agents, launched)
+            if worker is not None:
+                seen.add(folder)
+                workers.append(worker)
+    return workers
+
+
+def _unseen_worker(folder: str, seen: set[str], agents: Mapping[str, int | None],
+                   launched: float | None) -> _Worker | None:
+    """The worker of a torchrun attempt folder the harness did not see start, if the folder
+    is one and is this run's (its run folder is a seen worker's, or written since launch)."""
+    found = _ATTEMPT.search(folder)
+    if found is None or folder in seen or not os.path.isdir(folder):
+        return None
+    run = os.path.dirname(os.path.dirname(folder))
+    if run not in agents and not _written_since(folder, launched):
+        return None
+    return _Worker(attempt=int(found["attempt"]), local_rank=int(found["local"]),
+                   folder=folder, agent=agents.get(run))
+
+
+def _started_worker(event: Event) -> _Worker:
+    """The worker a ``process_started`` event of role ``worker`` names."""
+    f = event.fields
+    error_file = f.get("error_file") if isinstance(f.get("error_file"), str) else None
+    stderr = f.get("stderr") if isinstance(f.get("stderr"), str) else None
+    return _Worker(
+        attempt=_int(f.get("generation")), local_rank=_int(f.get("local_rank")),
+        folder=_folder(error_file) or _folder(stderr), pid=_int(f.get("pid")),
+        rank=_int(f.get("rank")), agent=_int(f.get("agent")), stderr=stderr,
+        error_file=error_file, started=event.t)
+
+
+def _launch_folders(events: Sequence[Event], patterns: set[str]) -> float | None:
+    """Add to ``patterns`` the attempt folders under each launch's ``--log-dir``; the
+    last launch's wall-clock time, if it was recorded."""
     launched: float | None = None
     for event in events:
         if event.event == "launch":
@@ -222,21 +253,7 @@ def _workers(events: Sequence[Event]) -> list[_Worker]:
                 launched = event.t + offset
             patterns.update(os.path.join(glob.escape(d), "*", "attempt_*", "*")
                             for d in _log_dirs(event.fields.get("argv")))
-    agents = {os.path.dirname(os.path.dirname(w.folder)): w.agent
-              for w in workers if w.folder is not None}
-    for pattern in sorted(patterns):
-        for folder in sorted(glob.glob(pattern)):
-            found = _ATTEMPT.search(folder)
-            if found is None or folder in seen or not os.path.isdir(folder):
-                continue
-            run = os.path.dirname(os.path.dirname(folder))
-            if run not in agents and not _written_since(folder, launched):
-                continue
-            seen.add(folder)
-            workers.append(_Worker(
-                attempt=int(found["attempt"]), local_rank=int(found["local"]), folder=folder,
-                agent=agents.get(os.path.dirname(os.path.dirname(folder)))))
-    return workers
+    return launched
 
 
 def _written_since(folder: str, launched: float | None) -> bool:
@@ -304,41 +321,16 @@ def _group(worker: _Worker) -> object:
 def _worker_end(worker: _Worker, group: list[_Worker], agent: _Agent,
                 gone: Mapping[int, float], launcher: LauncherExit | None,
                 last_t: float) -> Event | None:
-    evidence: list[str] = []
-    times: list[float] = []
+    evidence, times = _end_seen(worker, group, gone, launcher)
     pid = worker.pid
-    if pid is not None and pid in gone:
-        times.append(gone[pid])
-        evidence.append(GONE)
-    if worker.attempt is not None:
-        later = [w.started for w in group if w.attempt is not None
-                 and w.attempt > worker.attempt and w.started is not None]
-        if later or any(w.attempt is not None and w.attempt > worker.attempt for w in group):
-            times.extend(later)
-            evidence.append(LATER_ATTEMPT)
-    if launcher is not None and launcher.exit_code is not None:
-        times.append(launcher.t)
-        evidence.append(LAUNCHER_EXIT)
     code = agent.codes.get(pid) if pid is not None else None
     sent = agent.sent.get(pid) if pid is not None else None
     if code is not None:
         evidence.append(TORCHRUN_EXIT)
     elif sent is not None:
         evidence.append(TORCHRUN_SIGNAL)
-    raised: Raised | None = None
-    log: str | None = None
-    error_file = worker.error_file or (os.path.join(worker.folder, "error.json")
-                                       if worker.folder is not None else None)
-    if error_file is not None and (raised := error_file_exception(error_file)) is not None:
-        evidence.append(ERROR_FILE)
-        log = error_file
-    stderr = worker.stderr or (os.path.join(worker.folder, "stderr.log")
-                               if worker.folder is not None else None)
-    if raised is None and stderr is not None:
-        raised = last_exception(read_tail(stderr))
-        if raised is not None:
-            evidence.append(LOG)
-            log = stderr
+    raised, log, said = _worker_exception(worker)
+    evidence.extend(said)
     ended = {GONE, LATER_ATTEMPT, LAUNCHER_EXIT, TORCHRUN_EXIT, TORCHRUN_SIGNAL, ERROR_FILE}
     if not ended.intersection(evidence):
         return None  # still running when the run ended: the teardown ended it
@@ -354,6 +346,43 @@ def _worker_end(worker: _Worker, group: list[_Worker], agent: _Agent,
         "evidence": evidence, "root_cause": pid is not None and pid in agent.first}
     return Event(t=min(times), event=EXITED, source="harness",
                  fields={k: v for k, v in fields.items() if v is not None})
+
+
+def _end_seen(worker: _Worker, group: list[_Worker], gone: Mapping[int, float],
+              launcher: LauncherExit | None) -> tuple[list[str], list[float]]:
+    """What shows, apart from torchrun's word, that ``worker`` ended, and when each did:
+    its pid gone, a later attempt of its rank, the launcher's exit."""
+    evidence: list[str] = []
+    times: list[float] = []
+    if worker.pid is not None and worker.pid in gone:
+        times.append(gone[worker.pid])
+        evidence.append(GONE)
+    if worker.attempt is not None:
+        later = [w.started for w in group if w.attempt is not None
+                 and w.attempt > worker.attempt and w.started is not None]
+        if later or any(w.attempt is not None and w.attempt > worker.attempt for w in group):
+            times.extend(later)
+            evidence.append(LATER_ATTEMPT)
+    if launcher is not None and launcher.exit_code is not None:
+        times.append(launcher.t)
+        evidence.append(LAUNCHER_EXIT)
+    return evidence, times
+
+
+def _worker_exception(worker: _Worker) -> tuple[Raised | None, str | None, list[str]]:
+    """The exception ``worker`` raised, the file that says so, and which evidence that is:
+    torchrun's error file first, else the last traceback of its stderr."""
+    error_file = worker.error_file or (os.path.join(worker.folder, "error.json")
+                                       if worker.folder is not None else None)
+    if error_file is not None and (raised := error_file_exception(error_file)) is not None:
+        return raised, error_file, [ERROR_FILE]
+    stderr = worker.stderr or (os.path.join(worker.folder, "stderr.log")
+                               if worker.folder is not None else None)
+    if stderr is not None:
+        raised = last_exception(read_tail(stderr))
+        if raised is not None:
+            return raised, stderr, [LOG]
+    return None, None, []
 
 
 def _launcher_end(launcher: LauncherExit, log: Path) -> Event:
@@ -464,26 +493,33 @@ def crash_loop(ends: Sequence[ProcessEnd],
     for end in ends:
         if end.role == "worker" and end.attempt is not None:
             groups.setdefault(end.agent, {}).setdefault(end.attempt, []).append(end)
+    several = len([a for a in groups if a is not None]) > 1
     lines: list[str] = []
     for agent, attempts in sorted(groups.items(), key=lambda item: item[0] or 0):
-        last = max(attempts)
-        if last < 1:
-            continue
-        causes = {attempt: _cause(attempts.get(attempt, [])) for attempt in range(last + 1)}
-        restarts = [causes[attempt] for attempt in range(1, last + 1)]
-        cause = restarts[0]
-        if cause is None or any(c != cause for c in restarts):
-            continue
-        line = f"{last} restart{'s' if last > 1 else ''}, each ended by {cause}"
-        first = causes[0]
-        if first == cause:
-            line += "; so did the first attempt"
-        elif first is not None:
-            line += f"; the first attempt ended by {first}"
-        several = len([a for a in groups if a is not None]) > 1
-        lines.append(f"torchrun pid {agent}: {line}" if several and agent is not None
-                     else line)
+        line = _loop_line(attempts)
+        if line is not None:
+            lines.append(f"torchrun pid {agent}: {line}" if several and agent is not None
+                         else line)
     return "; ".join(lines) or None
+
+
+def _loop_line(attempts: Mapping[int, Sequence[ProcessEnd]]) -> str | None:
+    """One launcher's crash loop in words, when every restart ended the same way."""
+    last = max(attempts)
+    if last < 1:
+        return None
+    causes = {attempt: _cause(attempts.get(attempt, [])) for attempt in range(last + 1)}
+    restarts = [causes[attempt] for attempt in range(1, last + 1)]
+    cause = restarts[0]
+    if cause is None or any(c != cause for c in restarts):
+        return None
+    line = f"{last} restart{'s' if last > 1 else ''}, each ended by {cause}"
+    first = causes[0]
+    if first == cause:
+        line += "; so did the first attempt"
+    elif first is not None:
+        line += f"; the first attempt ended by {first}"
+    return line
 
 
 def _cause(ends: Sequence[ProcessEnd]) -> str | None:
@@ -510,17 +546,21 @@ def report_lines(ends: Sequence[ProcessEnd]) -> list[str]:
         label = f"attempt {attempt}" if attempt is not None else "worker"
         if len(agents) > 1 and agent is not None:  # several torchruns: say whose
             label += f" (torchrun pid {agent})"
-        # Processes that ended alike share one entry: "ranks 0, 1 (pids 7, 8) exit 1, ...".
-        alike: dict[str, list[ProcessEnd]] = {}
-        for end in members:
-            alike.setdefault(describe(end), []).append(end)
-        lines.append(f"{label}: " + "; ".join(f"{_whom(same)} {said}"
-                                              for said, same in alike.items()))
+        lines.append(f"{label}: {_alike(members)}")
     for end in ends:
         if end.role != "worker" and abnormal(end):
             pid = f" (pid {end.pid})" if end.pid is not None else ""
             lines.append(f"{end.role}{pid}: {describe(end)}")
     return lines
+
+
+def _alike(members: Sequence[ProcessEnd]) -> str:
+    """How an attempt's processes ended; those that ended alike share one entry: "ranks 0,
+    1 (pids 7, 8) exit 1, ..."."""
+    alike: dict[str, list[ProcessEnd]] = {}
+    for end in members:
+        alike.setdefault(describe(end), []).append(end)
+    return "; ".join(f"{_whom(same)} {said}" for said, same in alike.items())
 
 
 def _whom(ends: Sequence[ProcessEnd]) -> str:

@@ -12,17 +12,16 @@ import contextlib
 import hashlib
 import json
 import os
-import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
 from aftershock.faults import contract
-from aftershock.faults.journal import unsafe_folder
 from aftershock.harness import _files, golden, systems
 from aftershock.harness import metrics as _metrics
 from aftershock.harness._paths import cache_dir as cache_dir  # re-exported: runner, recheck
+from aftershock.harness._paths import untrusted
 from aftershock.harness.checks import Outcome
 from aftershock.harness.loadgen import twin_key as load_key
 from aftershock.harness.records import Event
@@ -120,28 +119,6 @@ def read_cached(path: Path, what: str) -> dict[str, Any]:
     data = _files.loads(_files.read_capped(path, CACHED_LIMIT, what="a cached twin"),
                         depth=16)
     return dict(data[what])
-
-
-def untrusted(path: Path) -> str | None:
-    """Why a cached file cannot be believed, or None: it must be a regular file (not a
-    link) that this user owns and no one else can write, in a folder that passes the heal
-    journal's rules (aftershock.faults.journal.unsafe_folder): otherwise anyone who could write
-    there
-    could have planted a digest that fails a correct run or passes a broken one."""
-    folder_problem = unsafe_folder(path.parent)
-    if folder_problem is not None:
-        return folder_problem
-    try:
-        st = os.lstat(path)
-    except OSError as exc:
-        return f"{path}: {exc.strerror}"
-    if not stat.S_ISREG(st.st_mode):
-        return f"{path} is not a regular file"
-    if st.st_uid != os.geteuid():
-        return f"{path} is owned by uid {st.st_uid}, not {os.geteuid()}"
-    if st.st_mode & 0o022:
-        return f"{path} is writable by others (mode {stat.S_IMODE(st.st_mode):04o})"
-    return None
 
 
 def _write_atomically(path: Path, text: str) -> None:

@@ -427,17 +427,12 @@ def explore(
     from hypothesis import HealthCheck, Phase, Verbosity, given, reject, settings
     from hypothesis import seed as hypothesis_seed
     from hypothesis.database import DirectoryBasedExampleDatabase
-    from hypothesis.errors import Flaky, HypothesisException
 
     from aftershock.harness import strategies
 
     observer = observer or NullExploreObserver()
     spec = loaded.spec
-    try:
-        space = strategies.space_of(spec, max_faults=max_faults)
-    except ValueError as exc:
-        raise SpecError([f"{loaded.path}:1:1: explore: {exc}"]) from None
-    space, unavailable = _runnable(space)
+    space, unavailable = _runnable_space(loaded, max_faults)
     exploration = Exploration(spec.name, str(loaded.path), seed, runs, space.faults[1])
     if sink is not None:
         sink.append(exploration)
@@ -476,6 +471,17 @@ def explore(
             raise _Failing(search.key(strategies.with_schedule(spec, schedule,
                                                                system=system)))
 
+    _run_search(attempt, search, exploration)
+    _conclude(search, exploration, confirm=confirm)
+    observer.done(exploration)
+    return exploration
+
+
+def _run_search(attempt: Callable[[], None], search: _Search, exploration: Exploration
+                ) -> None:
+    """Run hypothesis's search to its end, noting why it stopped and the failure found."""
+    from hypothesis.errors import Flaky, HypothesisException
+
     try:
         with _quiet_hypothesis():
             _unmasking_interrupts(attempt)
@@ -498,6 +504,23 @@ def explore(
     finally:
         exploration.elapsed_s = time.monotonic() - exploration.started
 
+
+def _runnable_space(loaded: LoadedScenario, max_faults: int | None
+                    ) -> tuple[Space, list[tuple[str, str]]]:
+    """The scenario's search space less the kinds this machine cannot cause, and those
+    left out with why."""
+    from aftershock.harness import strategies
+
+    try:
+        space = strategies.space_of(loaded.spec, max_faults=max_faults)
+    except ValueError as exc:
+        raise SpecError([f"{loaded.path}:1:1: explore: {exc}"]) from None
+    return _runnable(space)
+
+
+def _conclude(search: _Search, exploration: Exploration, *, confirm: int) -> None:
+    """After the search: shrink, confirm and write the failure found; report a flaky one;
+    refuse a search none of whose schedules ran as drawn."""
     if search.best is not None:
         try:
             _minimize(search)
@@ -516,8 +539,6 @@ def explore(
             f"never landed or could not be applied; the last: "
             f"{exploration.attempts[-1].reason}); narrow `explore:` to what this system and "
             "machine can do")
-    observer.done(exploration)
-    return exploration
 
 
 def _unmasking_interrupts(call: Callable[[], None]) -> None:

@@ -274,31 +274,9 @@ def serving_figure(run: RecordedRun) -> Figure:
     the latency percentiles over time, faults across both."""
     records = _metrics.requests(run.events)
     rows = {r.id: i for i, r in enumerate(records)}
-    queued_x: list[float | None] = []
-    queued_y: list[int | None] = []
-    stream_x: list[float | None] = []
-    stream_y: list[int | None] = []
-    lost_x: list[float | None] = []
-    lost_y: list[int | None] = []
-    token_x, token_y = [], []
-    dots = sum(len(r.times) for r in records) <= MAX_TOKEN_DOTS
-    for i, r in enumerate(records):
-        lost = not r.done or len(r.tokens) < r.max_tokens
-        first = r.times[0] if r.times else None
-        last = r.times[-1] if r.times else None
-        if first is None:
-            end = max(r.sent, run.events[-1].t if run.events else r.sent)
-            lost_x += [_rel(run, r.sent), _rel(run, end), None]
-            lost_y += [i, i, None]
-            continue
-        queued_x += [_rel(run, r.sent), _rel(run, first), None]
-        queued_y += [i, i, None]
-        xs, ys = (lost_x, lost_y) if lost else (stream_x, stream_y)
-        xs += [_rel(run, first), _rel(run, last or first), None]
-        ys += [i, i, None]
-        if dots:
-            token_x += [_rel(run, t) for t in r.times]
-            token_y += [i] * len(r.times)
+    lines = _request_lines(run, records)
+    (queued_x, queued_y), (stream_x, stream_y) = lines["queued"], lines["stream"]
+    (lost_x, lost_y), (token_x, token_y) = lines["lost"], lines["token"]
     migrated = [e for e in run.events if e.event == "request_migrated"
                 and str(e.fields.get("request_id")) in rows]
     line = {"type": "scatter", "mode": "lines", "hoverinfo": "skip", "yaxis": "y"}
@@ -339,6 +317,34 @@ def serving_figure(run: RecordedRun) -> Figure:
     layout["shapes"] = shapes
     layout["annotations"] = notes
     return {"data": data, "layout": layout}
+
+
+def _request_lines(run: RecordedRun, records: list[_metrics.RequestRecord]
+                   ) -> dict[str, tuple[list[float | None], list[int | None]]]:
+    """Each request's row as line segments (x, y; None between two): ``queued`` (sent to
+    first token), ``stream`` (first to last token), ``lost`` (never completed) and its
+    ``token`` dots, unless there are too many to draw."""
+    lines: dict[str, tuple[list[float | None], list[int | None]]] = {
+        name: ([], []) for name in ("queued", "stream", "lost", "token")}
+    dots = sum(len(r.times) for r in records) <= MAX_TOKEN_DOTS
+    for i, r in enumerate(records):
+        lost = not r.done or len(r.tokens) < r.max_tokens
+        first = r.times[0] if r.times else None
+        last = r.times[-1] if r.times else None
+        if first is None:
+            end = max(r.sent, run.events[-1].t if run.events else r.sent)
+            lines["lost"][0].extend([_rel(run, r.sent), _rel(run, end), None])
+            lines["lost"][1].extend([i, i, None])
+            continue
+        lines["queued"][0].extend([_rel(run, r.sent), _rel(run, first), None])
+        lines["queued"][1].extend([i, i, None])
+        xs, ys = lines["lost" if lost else "stream"]
+        xs.extend([_rel(run, first), _rel(run, last or first), None])
+        ys.extend([i, i, None])
+        if dots:
+            lines["token"][0].extend(_rel(run, t) for t in r.times)
+            lines["token"][1].extend([i] * len(r.times))
+    return lines
 
 
 def _request_text(r: _metrics.RequestRecord) -> str:

@@ -55,9 +55,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from aftershock._root import ROOT
+from aftershock._root import child_pythonpath
 from aftershock.harness import _files, systems
-from aftershock.harness._paths import cache_dir
+from aftershock.harness._paths import cache_dir, untrusted
 from aftershock.harness.errors import HarnessError, SpecError
 from aftershock.harness.records import CheckResult
 from aftershock.harness.spec import LoadedScenario, Scenario, TrainerSystem, load_scenario
@@ -224,7 +224,6 @@ def _read_cached(path: Path, key: str) -> Calibration | None:
     """A cached calibration, only if it is one this harness wrote for this key: a regular
     file of this user's, writable by no one else, small, of this format and key, with a
     key of 64 hex digits and a one-line platform. Anything else is asked again."""
-    from aftershock.harness.baseline import untrusted  # baseline imports this module
 
     if untrusted(path) is not None:
         return None
@@ -262,8 +261,16 @@ def _calibrate(executable: str, device: str, threads: int,
         found = _read_cached(cached, key)
         if found is not None:
             return found
-    root = str(ROOT)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    result = _run_battery(executable, device, threads, env)
+    if cached is not None and key is not None:
+        _write_cached(cached, key, result)
+    return result
+
+
+def _run_battery(executable: str, device: str, threads: int, env: dict[str, str]
+                 ) -> Calibration:
+    """The battery's answer from a fresh process of ``executable`` with ``env``."""
+    env["PYTHONPATH"] = child_pythonpath(env.get("PYTHONPATH", ""), executable)
     env["MKL_VERBOSE"] = "1"  # MKL names the code path it dispatched to (mkl_path)
     proc = subprocess.run([executable, "-m", "aftershock.harness._calibrate", device, str(threads)],
                           capture_output=True, text=True, timeout=120, check=False, env=env)
@@ -281,15 +288,18 @@ def _calibrate(executable: str, device: str, threads: int,
     if header is not None:  # before the device: "torch V; x86_64 ISA; MKL path; device"
         head, _, device_part = result.platform.rpartition("; ")
         result = Calibration(result.key, f"{head}; MKL {mkl_path(header)}; {device_part}")
-    if cached is not None:
-        with contextlib.suppress(OSError):
-            cached.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cached.with_name(f".{cached.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({"format": _FORMAT, "cache_key": key, "key": result.key,
-                                       "platform": result.platform}) + "\n")
-            tmp.chmod(0o644)
-            os.replace(tmp, cached)
     return result
+
+
+def _write_cached(cached: Path, key: str, result: Calibration) -> None:
+    """Keep a CPU's calibration under ``key``, whole or not at all (a failure is no loss)."""
+    with contextlib.suppress(OSError):
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_name(f".{cached.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"format": _FORMAT, "cache_key": key, "key": result.key,
+                                   "platform": result.platform}) + "\n")
+        tmp.chmod(0o644)
+        os.replace(tmp, cached)
 
 
 def calibration_of(spec: Scenario) -> Calibration:
@@ -347,11 +357,10 @@ def key_of(spec: Scenario, seed: int) -> Key:
 
 def distrust(path: Path) -> str | None:
     """Why the golden file ``path`` (or, where there is none yet, its folder) cannot be
-    believed, or None: the twin cache's rules (baseline.untrusted, the heal journal's for
+    believed, or None: the twin cache's rules (_paths.untrusted, the heal journal's for
     the folder). Anyone who could write either could plant a golden that fails a correct
     run or passes a broken one."""
     from aftershock.faults.journal import unsafe_folder
-    from aftershock.harness.baseline import untrusted  # baseline imports this module
 
     problem = untrusted(path) if os.path.lexists(path) else unsafe_folder(path.parent)
     if problem is None:
@@ -643,6 +652,8 @@ def update(scenarios: Sequence[LoadedScenario], *, seed: int | None, use_cache: 
     it, or nothing is recorded: a golden is only worth what it was checked against. Entries
     of systems that no scenario of a folder uses any more, and entries without a rounding key
     (an older format), are dropped when the whole folder was updated."""
+    # Running twins is the one step of this module above the runner (runner -> baseline ->
+    # golden at import), so the runner is imported only here.
     from aftershock.harness import runner
 
     observer = observer or runner.NullObserver()
@@ -666,19 +677,7 @@ def update(scenarios: Sequence[LoadedScenario], *, seed: int | None, use_cache: 
                     observer=observer, use_cache=use_cache, what=what)
             except HarnessError as exc:  # this twin cannot run here (no Docker engine, ...)
                 found, note = None, f"the fault-free run could not start: {exc}"
-            checked_by = "not cross-checked: no independent oracle restates this system"
-            if found is not None:
-                key = key_of(loaded.spec, this_seed)
-                witness = oracle_of(loaded, key, what, found)
-                if witness is not None and witness.agrees is None:
-                    checked_by = f"not cross-checked: {witness.note}"
-                elif witness is not None and not witness.agrees:
-                    note = (f"the fault-free run disagrees with {witness.name} "
-                            f"({witness.note}): fix the system or the oracle first")
-                    found, checked_by = None, "refused"
-                elif witness is not None:
-                    checked_by = f"equal to {witness.name}"
-            twins[twin] = (found, note, checked_by)
+            twins[twin] = _cross_checked(loaded, this_seed, what, found, note)
         result, note, checked_by = twins[twin]
         if result is None:
             status = "refused" if checked_by == "refused" else "failed"
@@ -688,6 +687,25 @@ def update(scenarios: Sequence[LoadedScenario], *, seed: int | None, use_cache: 
                                checked_by=checked_by))
     _prune([s for s in scenarios if what_of(s.spec) is not None])
     return results
+
+
+def _cross_checked(loaded: LoadedScenario, seed: int, what: str,
+                   found: Mapping[str, Any] | None, note: str
+                   ) -> tuple[Mapping[str, Any] | None, str, str]:
+    """A twin's result as an independent oracle judges it: kept with what checked it, or
+    refused (None) where the oracle disagrees."""
+    checked_by = "not cross-checked: no independent oracle restates this system"
+    if found is None:
+        return found, note, checked_by
+    witness = oracle_of(loaded, key_of(loaded.spec, seed), what, found)
+    if witness is None:
+        return found, note, checked_by
+    if witness.agrees is None:
+        return found, note, f"not cross-checked: {witness.note}"
+    if not witness.agrees:
+        return None, (f"the fault-free run disagrees with {witness.name} "
+                      f"({witness.note}): fix the system or the oracle first"), "refused"
+    return found, note, f"equal to {witness.name}"
 
 
 def _record(loaded: LoadedScenario, *, seed: int, what: str, found: Mapping[str, Any],

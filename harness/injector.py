@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -67,6 +67,24 @@ class _Chosen:
     ranks: dict[int, ProcessRef]
     chosen: list[int]
     label: str | None
+
+
+def _injected_fields(ranks: Mapping[int, ProcessRef], group: list[int], label: str | None,
+                     file: str | None, state: dict[str, Any] | None) -> dict[str, Any]:
+    """The ``fault_injected`` event's fields naming what was hit: a role, a rank or ranks,
+    and the file with its state at the fault's moment."""
+    fields: dict[str, Any] = {"pid": ranks[group[0]].pid}
+    if label is not None:
+        fields["role"] = label
+    elif len(group) == 1:
+        fields["rank"] = group[0]
+    else:
+        fields.update(ranks=group, pids=[ranks[r].pid for r in group])
+    if file is not None:
+        fields["file"] = file
+    if state is not None:
+        fields.update(state)
+    return fields
 
 
 class Injector:
@@ -243,18 +261,28 @@ class Injector:
             return _Chosen(dict(enumerate(found)), [0], f"node {selector.node}")
         ranks = target.rank_processes()
         if selector.index is not None:
-            claimed = getattr(target, "ambiguous_ranks", dict)().get(selector.index)
-            if claimed:
-                # torchft's replica groups each have RANK=0: "rank 0" is whichever had
-                # the lower pid, which no scenario means.
-                raise ValueError(
-                    f"{len(claimed)} processes say RANK={selector.index} (pids "
-                    f"{', '.join(map(str, claimed))}): `rank` cannot tell them apart; name "
-                    "the one meant by another coordinate (`env: {REPLICA_GROUP_ID: '1'}`, "
-                    "`cmdline`, `role: worker`), or have the job announce its rank "
-                    "(a log probe with `event: hello`, docs/own-job.md)")
+            self._refuse_ambiguous(selector.index)
         if not ranks:
             return None
+        return self._choose_ranks(selector, ranks)
+
+    def _refuse_ambiguous(self, index: int) -> None:
+        """Raise where several processes claim rank ``index``."""
+        claims: dict[int, list[int]] = getattr(self._target, "ambiguous_ranks", dict)()
+        claimed = claims.get(index)
+        if claimed:
+            # torchft's replica groups each have RANK=0: "rank 0" is whichever had the lower
+            # pid, which no scenario means.
+            raise ValueError(
+                f"{len(claimed)} processes say RANK={index} (pids "
+                f"{', '.join(map(str, claimed))}): `rank` cannot tell them apart; name "
+                "the one meant by another coordinate (`env: {REPLICA_GROUP_ID: '1'}`, "
+                "`cmdline`, `role: worker`), or have the job announce its rank "
+                "(a log probe with `event: hello`, docs/own-job.md)")
+
+    def _choose_ranks(self, selector: Any, ranks: dict[int, ProcessRef]) -> _Chosen | None:
+        """The ranks ``selector`` names among those running; None if none is."""
+        target = self._target
         if selector.index is not None:
             if selector.index not in ranks:
                 return None
@@ -356,17 +384,7 @@ class Injector:
                 applied = kind.inject_group([ranks[r] for r in group], params, self._journal)
             else:
                 applied = kind.inject(ranks[rank], params, self._journal)
-            fields: dict[str, Any] = {"pid": ranks[rank].pid}
-            if label is not None:
-                fields["role"] = label
-            elif len(group) == 1:
-                fields["rank"] = rank
-            else:
-                fields.update(ranks=group, pids=[ranks[r].pid for r in group])
-            if file is not None:
-                fields["file"] = file
-            if state is not None:
-                fields.update(state)
+            fields = _injected_fields(ranks, group, label, file, state)
             ev = self._timeline.emit(
                 contract.FAULT_INJECTED, kind=spec.kind, detail=applied.detail, fault=index,
                 at=began, params=params, applied_at=time.monotonic(), **fields,
@@ -376,19 +394,25 @@ class Injector:
                 extra = {"role": label} if label is not None else {"rank": r}
                 self._watched.append((ranks[r], {"pid": ranks[r].pid, "kind": spec.kind,
                                                  "fault": index, **extra}))
-            where = label or ("rank " if len(group) == 1 else "ranks ") + ", ".join(
-                str(r) for r in group)
-            detail = applied.detail
-            if state is not None:
-                detail += f"; {describe_file_state(str(file), state)}"
-            self.records.append(FaultRecord(spec.kind, where, round(ev.t - self._t0, 4), None,
-                                            detail, index))
-            if applied.journal_id is not None:
-                # Counted from the injection, not from the loop's tick: finding the target
-                # can take a while on a loaded machine.
-                heal_at = (time.monotonic() + duration.total_seconds()
-                           if duration is not None else None)
-                self._active.append(_Active(applied, len(self.records) - 1, heal_at))
+            self._note_applied(index, applied, ev, group, label, file, state, duration)
+
+    def _note_applied(self, index: int, applied: faults.Applied, ev: Event, group: list[int],
+                      label: str | None, file: str | None, state: dict[str, Any] | None,
+                      duration: timedelta | None) -> None:
+        """Record an applied fault for the report, and for its heal if it has one."""
+        where = label or ("rank " if len(group) == 1 else "ranks ") + ", ".join(
+            str(r) for r in group)
+        detail = applied.detail
+        if state is not None:
+            detail += f"; {describe_file_state(str(file), state)}"
+        self.records.append(FaultRecord(self._faults[index].kind, where,
+                                        round(ev.t - self._t0, 4), None, detail, index))
+        if applied.journal_id is not None:
+            # Counted from the injection, not from the loop's tick: finding the target can
+            # take a while on a loaded machine.
+            heal_at = (time.monotonic() + duration.total_seconds()
+                       if duration is not None else None)
+            self._active.append(_Active(applied, len(self.records) - 1, heal_at))
 
     def _file_state(self, index: int, file: str) -> dict[str, Any]:
         """The file a trigger named, now: its size (None: gone) and, where the scenario

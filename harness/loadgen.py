@@ -362,14 +362,8 @@ class LoadGenerator:
             conn.close()
 
     def _token(self, request: Request, progress: _Progress, chunk: dict[str, object]) -> None:
-        choices = chunk.get("choices")
-        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-            raise ValueError(f"no choices in {chunk!r:.200}")
-        choice = choices[0]
+        choice, token = _one_token(chunk)
         index = choice.get("token_index")
-        ids = choice.get("token_ids")
-        if not isinstance(ids, list) or len(ids) != 1 or not isinstance(ids[0], int):
-            raise ValueError(f"a chunk needs one token_ids entry: {choice!r:.200}")
         if index is None:
             # Without an index the client can only count tokens in order: a repeated token
             # looks like a new one (no_duplicated_tokens then says "not observed").
@@ -389,7 +383,7 @@ class LoadGenerator:
         progress.offsets.append(where if isinstance(where, int) and where >= 0 else None)
         writer = choice.get("journal_writer")
         progress.writers.append(writer if isinstance(writer, str) and writer else None)
-        progress.tokens.append(int(ids[0]))
+        progress.tokens.append(token)
         progress.times.append(now)
         progress.digests.append(digest if isinstance(digest, str) and digest else None)
         if choice.get("finish_reason"):
@@ -397,6 +391,18 @@ class LoadGenerator:
             progress.finish_reason = str(choice["finish_reason"])
         if len(progress.tokens) == 1:
             self.timeline.emit("first_token", source="client", request=request.id)
+
+
+def _one_token(chunk: dict[str, object]) -> tuple[dict[str, Any], int]:
+    """A streamed chunk's one choice and the one token it carries (ValueError otherwise)."""
+    choices = chunk.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise ValueError(f"no choices in {chunk!r:.200}")
+    choice = choices[0]
+    ids = choice.get("token_ids")
+    if not isinstance(ids, list) or len(ids) != 1 or not isinstance(ids[0], int):
+        raise ValueError(f"a chunk needs one token_ids entry: {choice!r:.200}")
+    return choice, int(ids[0])
 
 
 def fetch_json(url: str, path: str, timeout: float = 2.0) -> dict[str, object] | None:

@@ -371,37 +371,45 @@ def log_event(spec: LogProbe, match: regex.Match[str], line: str, *, read_t: flo
             fields["rank"] = int(prefix.group(1))
     t, clock = read_t, "read"
     if raw_time is not None:
-        wall = wall_time(raw_time, read_t + clock_offset)
-        if wall is not None:
-            # NaN without the run's wall-clock anchor (a timeline recorded before it was).
-            value, kind = wall - clock_offset, "wall-clock"
-        else:
-            try:
-                value = float(raw_time)
-            except ValueError:
-                value = math.nan
-            kind = spec.clock
-            if spec.clock == "unix":
-                value -= clock_offset
-        if not math.isfinite(value):
-            fields["time_rejected"] = (
-                f"a date, but the run recorded no wall-clock anchor: {raw_time!r}"
-                if wall is not None else f"not a number nor a date (ISO 8601, glog): {raw_time!r}")
-        else:
-            own = value
-            if kind != "monotonic":
-                fields["clock_offset"] = clock_offset
-            if own > read_t + LINE_TIME_SLACK_S:
-                fields["time_rejected"] = (f"{raw_time} is {own - read_t:.3g} s after the line "
-                                           f"was read: not {kind} time?")
-            elif own < started - LINE_TIME_SLACK_S:
-                fields["time_rejected"] = (f"{raw_time} is {started - own:.3g} s before the run "
-                                           f"began: not {kind} time?")
-            else:
-                t, clock = min(own, read_t), "line"
+        t, clock = _line_time(spec, raw_time, fields, read_t=read_t, clock_offset=clock_offset,
+                              started=started)
     fields["clock"] = clock
     fields["read_t"] = read_t
     return Event(t=t, event=spec.event, source="log", fields=fields)
+
+
+def _line_time(spec: LogProbe, raw_time: str, fields: dict[str, Any], *, read_t: float,
+               clock_offset: float, started: float) -> tuple[float, str]:
+    """A line's ``time`` group as the event's time and clock (``line``), or the read time
+    (``read``) with the reason it was rejected noted in ``fields``."""
+    wall = wall_time(raw_time, read_t + clock_offset)
+    if wall is not None:
+        # NaN without the run's wall-clock anchor (a timeline recorded before it was).
+        value, kind = wall - clock_offset, "wall-clock"
+    else:
+        try:
+            value = float(raw_time)
+        except ValueError:
+            value = math.nan
+        kind = spec.clock
+        if spec.clock == "unix":
+            value -= clock_offset
+    if not math.isfinite(value):
+        fields["time_rejected"] = (
+            f"a date, but the run recorded no wall-clock anchor: {raw_time!r}"
+            if wall is not None else f"not a number nor a date (ISO 8601, glog): {raw_time!r}")
+        return read_t, "read"
+    if kind != "monotonic":
+        fields["clock_offset"] = clock_offset
+    if value > read_t + LINE_TIME_SLACK_S:
+        fields["time_rejected"] = (f"{raw_time} is {value - read_t:.3g} s after the line "
+                                   f"was read: not {kind} time?")
+    elif value < started - LINE_TIME_SLACK_S:
+        fields["time_rejected"] = (f"{raw_time} is {started - value:.3g} s before the run "
+                                   f"began: not {kind} time?")
+    else:
+        return min(value, read_t), "line"
+    return read_t, "read"
 
 
 #: The dates log lines carry. ISO 8601 (``2026-12-06T05:27:42.123``, Python logging's

@@ -39,6 +39,27 @@ def write_pictures(run_dirs: list[Path], *, html: Path | None, trace: Path | Non
     return problems
 
 
+def _rechecked(path: Path, scenario: Path | None) -> tuple[RecordedRun, list[str]]:
+    """The recorded run at ``path`` judged again, and what the re-check says."""
+    from aftershock.harness.recheck import recheck as judge_again
+
+    again = judge_again(path, scenario=scenario)
+    run = RecordedRun(path=path, result=again.result, events=list(again.events),
+                      scenario_text=again.scenario_text)
+    changed = [f"{name}: {then} -> {now}" for name, then, now in again.changed()]
+    return run, [*again.notes, *(f"re-checked: {c}" for c in changed)]
+
+
+def _print_notes(runs: list[RecordedRun], notes: list[list[str]], out: Console, *,
+                 recheck: bool) -> None:
+    for run, said in zip(runs, notes, strict=True):
+        prefix = f"{run.result.name}: " if len(runs) > 1 else ""
+        for line in said:
+            out.print(Text(prefix + line), highlight=False)
+        if recheck and not any(line.startswith("re-checked:") for line in said):
+            out.print(Text(prefix + "re-checked: no verdict changed"), highlight=False)
+
+
 def show_runs(paths: list[Path], *, out: Console, err: Console, recheck: bool,
               scenario: Path | None, html: Path | None, trace: Path | None,
               clock: str) -> bool:
@@ -51,28 +72,14 @@ def show_runs(paths: list[Path], *, out: Console, err: Console, recheck: bool,
     runs: list[RecordedRun] = []
     notes: list[list[str]] = []
     for path in dirs:
-        run = load_run(path)
-        if recheck:
-            from aftershock.harness.recheck import recheck as judge_again
-
-            again = judge_again(path, scenario=scenario)
-            run = RecordedRun(path=path, result=again.result, events=list(again.events),
-                              scenario_text=again.scenario_text)
-            changed = [f"{name}: {then} -> {now}" for name, then, now in again.changed()]
-            notes.append([*again.notes, *(f"re-checked: {c}" for c in changed)])
-        else:
-            notes.append([])
+        run, said = _rechecked(path, scenario) if recheck else (load_run(path), [])
         runs.append(run)
+        notes.append(said)
     if len(runs) == 1:
         render_result(runs[0].result, out)
     else:
         render_comparison(compare([r.result for r in runs]), out)
-    for run, said in zip(runs, notes, strict=True):
-        prefix = f"{run.result.name}: " if len(runs) > 1 else ""
-        for line in said:
-            out.print(Text(prefix + line), highlight=False)
-        if recheck and not any(line.startswith("re-checked:") for line in said):
-            out.print(Text(prefix + "re-checked: no verdict changed"), highlight=False)
+    _print_notes(runs, notes, out, recheck=recheck)
     if trace is not None and clock == "wall":
         from aftershock.harness.errors import SpecError
 

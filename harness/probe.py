@@ -14,18 +14,22 @@ Linux host, so the harness can order events from all ranks on one timeline.
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
 from typing import Any
 
 # The environment the harness gives every process it launches (faults/contract.py).
+from aftershock.faults import jsonl
 from aftershock.faults.contract import COMMANDS_ENV as COMMANDS_ENV
 from aftershock.faults.contract import EVENTS_ENV as EVENTS_ENV
 from aftershock.faults.contract import HELLO, NODE_ENV, STEP, TENSORS
 from aftershock.faults.contract import OUTPUT_ENV as OUTPUT_ENV
 from aftershock.faults.contract import RUN_ID_ENV as RUN_ID_ENV
+
+__all__ = ["checkpoint_loaded", "checkpoint_saved", "checkpoint_skipped", "detected", "emit",
+           "enabled", "fault_point", "hello", "install", "output_dir", "params", "recovered",
+           "set_rank", "step", "wrap_group"]
 
 _lock = threading.RLock()  # re-entrant: a signal handler may report while emit() holds it
 _fd: int | None = None
@@ -73,7 +77,7 @@ def emit(event: str, **fields: Any) -> None:
     if _generation is not None:
         record["generation"] = _generation
     record.update(fields)
-    line = (json.dumps(record, separators=(",", ":"), default=str) + "\n").encode()
+    line = jsonl.encode(record, default=str)
     try:
         with _lock:
             if _fd is None or _fd_path != path:

@@ -21,7 +21,8 @@ from typing import Any
 
 from aftershock.harness import _files, systems
 from aftershock.harness import metrics as _metrics
-from aftershock.harness.baseline import read_cached, untrusted
+from aftershock.harness._paths import untrusted
+from aftershock.harness.baseline import read_cached
 from aftershock.harness.checks import Outcome
 from aftershock.harness.errors import SpecError
 from aftershock.harness.logprobe import (
@@ -70,28 +71,13 @@ def reprobe(run: Path, events: Sequence[Event], probes: Sequence[LogProbe]
     unknown time makes no event: a guessed time could pass a budget the system missed.
     """
     kept = [e for e in events if e.source != "log"]
-    known: dict[str, float] = {}
-    for e in events:
-        line = e.fields.get("line")
-        if e.source == "log" and isinstance(line, str):
-            known[line] = min(e.t, known.get(line, e.t))
+    known = _known_lines(events)
     launch = next((e for e in events if e.event == "launch"), None)
     started = launch.t if launch is not None else -math.inf
     offset = launch.fields.get("wall_offset") if launch is not None else None
     clock_offset = float(offset) if isinstance(offset, int | float) else math.nan
     launcher = {name: run / "logs" / f"launcher.{name}.log" for name in ("stdout", "stderr")}
-    # A line with no capture time is known by the event an earlier probe wrote for it, when
-    # its text is unique in the logs: only such lines are counted (a first pass, streamed).
-    seen: Counter[str] = Counter()
-    for path in launcher.values():
-        for text, t in _lines(run, path):
-            if t is None:
-                seen[text[:LINE_SHOWN]] += 1
-    if seen:
-        for path in launcher.values():
-            for text, t in _lines(run, path):
-                if t is not None and text[:LINE_SHOWN] in seen:
-                    seen[text[:LINE_SHOWN]] += 1
+    seen = _untimed_counts(run, list(launcher.values()))
     rebuilt: list[Event] = []
     untimed = 0
     for name, path in launcher.items():
@@ -118,6 +104,33 @@ def reprobe(run: Path, events: Sequence[Event], probes: Sequence[LogProbe]
                      "were left out (the run kept no logs/*.log.times for them); a check that "
                      "needs them fails as not observed")
     return sorted([*kept, *rebuilt], key=lambda e: e.t), notes
+
+
+def _known_lines(events: Sequence[Event]) -> dict[str, float]:
+    """Each log line an earlier probe matched, with the earliest time it was read."""
+    known: dict[str, float] = {}
+    for e in events:
+        line = e.fields.get("line")
+        if e.source == "log" and isinstance(line, str):
+            known[line] = min(e.t, known.get(line, e.t))
+    return known
+
+
+def _untimed_counts(run: Path, paths: Sequence[Path]) -> Counter[str]:
+    """How often the text of each line with no capture time occurs in the logs at all."""
+    # A line with no capture time is known by the event an earlier probe wrote for it, when
+    # its text is unique in the logs: only such lines are counted (a first pass, streamed).
+    seen: Counter[str] = Counter()
+    for path in paths:
+        for text, t in _lines(run, path):
+            if t is None:
+                seen[text[:LINE_SHOWN]] += 1
+    if seen:
+        for path in paths:
+            for text, t in _lines(run, path):
+                if t is not None and text[:LINE_SHOWN] in seen:
+                    seen[text[:LINE_SHOWN]] += 1
+    return seen
 
 
 def _tailed(run: Path, probes: Sequence[LogProbe], *, clock_offset: float, started: float
@@ -182,7 +195,7 @@ def _comparable(loaded: LoadedScenario) -> dict[str, Any]:
 
 
 def _cached(loaded: LoadedScenario, seed: int, what: str) -> dict[str, Any] | None:
-    """The cached twin's result, only where the run would believe it (baseline.untrusted)."""
+    """The cached twin's result, only where the run would believe it (_paths.untrusted)."""
     key = baseline_key(loaded.spec, seed, scenario_dir=loaded.path.parent)
     path = cache_dir() / "fault_free" / f"{key}.json"
     if not os.path.lexists(path) or untrusted(path) is not None:
@@ -231,9 +244,10 @@ def _probes_of(loaded: LoadedScenario, what: str) -> list[LogProbe]:
     return probes
 
 
-def recheck(run_dir: Path, *, scenario: Path | None = None) -> Recheck:
-    """Judge a recorded run again with the current probes and checks (docs/report.md)."""
-    run = load_run(run_dir)
+def _scenarios(run: RecordedRun, run_dir: Path, scenario: Path | None
+               ) -> tuple[LoadedScenario | None, LoadedScenario]:
+    """The scenario the run recorded (if it kept one) and the one it is judged by now:
+    ``scenario``, else the recorded one. Refused if they differ in what was run."""
     recorded_loaded: LoadedScenario | None = None
     if run.scenario_text is not None:
         recorded_loaded = LoadedScenario(
@@ -252,12 +266,14 @@ def recheck(run_dir: Path, *, scenario: Path | None = None) -> Recheck:
             f"{fixed.path}:1:1: changes what was run ({', '.join(differ)}), not only its "
             "checks or log probes; a re-check re-reads a run, it cannot re-run it "
             "(use `aftershock run`)"])
-    notes: list[str] = []
-    events = run.events
-    probes = systems.of(fixed.spec.system).log_probes(fixed.spec.system)
-    if probes:
-        events, notes = reprobe(run_dir, events, probes)
-    seed = run.result.seed
+    return recorded_loaded, fixed
+
+
+def _baselines(run_dir: Path, fixed: LoadedScenario, recorded_loaded: LoadedScenario | None,
+               seed: int) -> tuple[dict[int, str] | None, dict[str, _metrics.Output] | None,
+                                   str]:
+    """What the checks compare with: the fault-free digests (or the replayed ones), the
+    fault-free outputs, and a note on where they came from or why they are missing."""
     expect = fixed.spec.expect
     baseline: dict[int, str] | None = None
     baseline_outputs: dict[str, _metrics.Output] | None = None
@@ -277,6 +293,20 @@ def recheck(run_dir: Path, *, scenario: Path | None = None) -> Recheck:
                                 {k: _metrics.Output.from_json(v) for k, v in found.items()})
         except (TypeError, ValueError) as exc:
             baseline_outputs, note = None, f"unreadable fault-free outputs ({exc}); {note}"
+    return baseline, baseline_outputs, note
+
+
+def recheck(run_dir: Path, *, scenario: Path | None = None) -> Recheck:
+    """Judge a recorded run again with the current probes and checks (docs/report.md)."""
+    run = load_run(run_dir)
+    recorded_loaded, fixed = _scenarios(run, run_dir, scenario)
+    notes: list[str] = []
+    events = run.events
+    probes = systems.of(fixed.spec.system).log_probes(fixed.spec.system)
+    if probes:
+        events, notes = reprobe(run_dir, events, probes)
+    baseline, baseline_outputs, note = _baselines(run_dir, fixed, recorded_loaded,
+                                                  run.result.seed)
     if note:
         notes.append(note)
     metrics, checks = assess(

@@ -43,7 +43,7 @@ from aftershock.harness.rundir import RESULT_STAGED, claimed, write_result
 from aftershock.harness.schedule import Progress, Schedule
 from aftershock.harness.spec import LoadedScenario, Scenario, in_process
 from aftershock.harness.systems import Driver
-from aftershock.harness.target import SERVED_STOP_GRACE_S, STOP_GRACE_S, Target
+from aftershock.harness.target import SERVED_STOP_GRACE_S, STOP_GRACE_S, Target, Teardown
 from aftershock.harness.timeline import Timeline, read_events
 from aftershock.harness.triggers import FileTriggers
 
@@ -210,27 +210,7 @@ def execute(
         if not timeline.room.note(str(exc.filename or run_dir), exc):
             raise
     finally:
-        errors = injector.heal_all()
-        monitor.stop()
-        triggers.close()
-        if loop.driver is not None:
-            loop.driver.stop()
-        grace = _served_grace(spec) if loop.driven else STOP_GRACE_S
-        teardown = target.stop(grace)
-        if timeline.room.full is not None:
-            timeline.room.full.stopped_s = round(time.monotonic() - t0, 1)
-        # What was set up at launch goes once nothing of the system can still use it.
-        errors.extend(injector.unprepare())
-        if loop.driven:
-            # The system ran until its driver was done (a server's load served); how it then
-            # shut down (SIGTERM, exit 0 expected) is its exit code.
-            loop.exit_code = target.poll()
-        overran: dict[str, Any] = (
-            {"overran": list(teardown.overran), "grace_s": grace} if teardown.overran else {})
-        observer.event(timeline.emit(
-            "teardown", tracking=teardown.tracking, survivors=list(teardown.survivors),
-            logs_open=list(teardown.logs_open), cgroup_removed=teardown.cgroup_removed,
-            **overran))
+        errors, teardown = _stop_all(spec, loop, target, injector, monitor, triggers, t0)
         if teardown.complete:
             journal.done(launch_entry)
         # else the launch stays pending: the reaper, the next run or `aftershock heal`
@@ -255,10 +235,7 @@ def execute(
     # A writer found the disk full after the loop's last look (the job's last lines): what
     # was recorded is not whole, so the run is not judged.
     timeline.room.check()
-    for index in schedule.never_fired():
-        injector.unreached(index)
-    for index, k, n in schedule.missing_repeats():
-        injector.unreached(index, (k, n))
+    _note_unreached(schedule, injector)
     # Judged only whole: a line that is not an event (a fault or a writer that touched the
     # timeline) raises DamagedTimeline, a harness error (exit 3), instead of metrics from
     # what was left; the harness's run_end closed it, so not even a torn last line is fine.
@@ -267,6 +244,44 @@ def execute(
     ended = loop.ended or time.monotonic()
     outcome = Outcome(loop.exit_code, loop.timed_out, round(ended - t0, 3))
     return Execution(events, outcome, injector.in_scenario_order(), run_dir)
+
+
+def _stop_all(spec: Scenario, loop: _Loop, target: Target, injector: Injector,
+              monitor: _load.LoadMonitor, triggers: FileTriggers, t0: float
+              ) -> tuple[list[str], Teardown]:
+    """Heal every fault, stop the load and the system, undo what was set up at launch and
+    put the teardown on the timeline. What could not be reverted, and how the stop went."""
+    timeline, observer = loop.timeline, loop.observer
+    errors = injector.heal_all()
+    monitor.stop()
+    triggers.close()
+    if loop.driver is not None:
+        loop.driver.stop()
+    grace = _served_grace(spec) if loop.driven else STOP_GRACE_S
+    teardown = target.stop(grace)
+    if timeline.room.full is not None:
+        timeline.room.full.stopped_s = round(time.monotonic() - t0, 1)
+    # What was set up at launch goes once nothing of the system can still use it.
+    errors.extend(injector.unprepare())
+    if loop.driven:
+        # The system ran until its driver was done (a server's load served); how it then
+        # shut down (SIGTERM, exit 0 expected) is its exit code.
+        loop.exit_code = target.poll()
+    overran: dict[str, Any] = (
+        {"overran": list(teardown.overran), "grace_s": grace} if teardown.overran else {})
+    observer.event(timeline.emit(
+        "teardown", tracking=teardown.tracking, survivors=list(teardown.survivors),
+        logs_open=list(teardown.logs_open), cgroup_removed=teardown.cgroup_removed,
+        **overran))
+    return errors, teardown
+
+
+def _note_unreached(schedule: Schedule, injector: Injector) -> None:
+    """Record each fault that never fired, and each repeat that did not all happen."""
+    for index in schedule.never_fired():
+        injector.unreached(index)
+    for index, k, n in schedule.missing_repeats():
+        injector.unreached(index, (k, n))
 
 
 def _record_ends(timeline: Timeline, target: Target, loop: _Loop, run_dir: Path,

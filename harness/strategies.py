@@ -47,6 +47,7 @@ from aftershock.harness._space import (
     ROLES,
     ROUTER_PHASES,
     KindChoice,
+    Layout,
     ParamDraw,
     Space,
     System,
@@ -240,6 +241,12 @@ def _targets(
     if family == "majority":
         order = draw(st.permutations(range(ranks)))
         return tuple({"rank": r} for r in sorted(order[: ranks // 2 + 1]))
+    return _group_targets(layout, family, index, inside=inside)
+
+
+def _group_targets(layout: Layout, family: str, index: int, *, inside: bool
+                   ) -> tuple[dict[str, Any], ...]:
+    """A replica's or a shard's target; inside the target, one per rank of it."""
     if family == "replica":
         replica = index % layout.replicas
         if not inside:
@@ -279,13 +286,7 @@ def _drafts(space: Space) -> st.SearchStrategy[_Draft]:
         watched = draw(st.sampled_from(space.files)) if space.files else None
         file_count = draw(st.integers(*watched.count)) if watched else 1
         time_ms = draw(st.integers(*space.time_ms)) if space.time_ms else 0
-        if kind.targeted and family not in kind.families:
-            # A family this kind cannot use (a role, for a fault applied inside the target):
-            # its simplest one instead.
-            family = kind.families[0]
-        if not kind.phased or trigger != "step" or (family in ROLES and not kind.in_process):
-            phase = None  # (a role is not a rank the probe could filter on)
-        family, phase, trigger = _router_points(space, kind, family, phase, trigger, triggers)
+        family, phase, trigger = _fit(space, kind, family, phase, trigger, triggers)
         # A fault point makes a process.kill one the probe applies inside the target.
         inside = kind.in_process or phase is not None
         targets = _targets(draw, space, kind, family, index, inside=inside)
@@ -299,16 +300,36 @@ def _drafts(space: Space) -> st.SearchStrategy[_Draft]:
     return draft()
 
 
+def _fit(space: Space, kind: KindChoice, family: str, phase: str | None, trigger: str,
+         triggers: Sequence[str]) -> tuple[str, str | None, str]:
+    """The drawn family, fault point and trigger family, made ones the kind can take."""
+    if kind.targeted and family not in kind.families:
+        # A family this kind cannot use (a role, for a fault applied inside the target):
+        # its simplest one instead.
+        family = kind.families[0]
+    if not kind.phased or trigger != "step" or (family in ROLES and not kind.in_process):
+        phase = None  # (a role is not a rank the probe could filter on)
+    return _router_points(space, kind, family, phase, trigger, triggers)
+
+
+def _router_phase(kind: KindChoice, family: str, phase: str | None
+                  ) -> tuple[str, str | None]:
+    """A router's fault point takes the fault at the router, or is dropped for a kind the
+    router cannot take (and a router target keeps no other fault point)."""
+    if phase in ROUTER_PHASES and "router" in kind.families:
+        return "router", phase
+    if phase in ROUTER_PHASES or (family == "router" and phase is not None):
+        return family, None
+    return family, phase
+
+
 def _router_points(space: Space, kind: KindChoice, family: str, phase: str | None,
                    trigger: str, triggers: Sequence[str]) -> tuple[str, str | None, str]:
     """Only the server's router reaches its fault points: a drawn one takes the fault there,
     or is dropped for a kind the router cannot take. A server counts steps only at those
     points, so a step trigger left without one takes the first point declared, or else
     the space's next trigger family (its events)."""
-    if phase in ROUTER_PHASES and "router" in kind.families:
-        family = "router"
-    elif phase in ROUTER_PHASES or (family == "router" and phase is not None):
-        phase = None
+    family, phase = _router_phase(kind, family, phase)
     if space.steps_at_points and trigger == "step" and phase is None:
         points = [p for p in space.phases if p in ROUTER_PHASES]
         if family == "router" and kind.phased and points:
@@ -335,15 +356,7 @@ def _assemble(space: Space, drafts: list[_Draft]) -> list[_FaultBase]:
     for d in drafts:
         at: dict[str, Any]
         if d.trigger == "step":
-            assert space.steps is not None
-            step = d.step
-            if d.phase in END_PHASES and space.last_step is not None:
-                step = space.last_step  # (the only step these fault points fire at)
-            else:
-                if space.spacing is not None and previous is not None:
-                    step = min(previous + d.gap, space.steps[1])
-                previous = step
-            at = {"step": step} if d.phase is None else {"step": step, "phase": d.phase}
+            at, previous = _step_at(space, d, previous)
         elif d.trigger == "event":
             at = {"event": d.event} if d.count == 1 else {"event": d.event, "count": d.count}
         elif d.trigger == "file":
@@ -365,6 +378,21 @@ def _assemble(space: Space, drafts: list[_Draft]) -> list[_FaultBase]:
                 # so): such a schedule is not drawn.
                 assume(False)
     return schedule
+
+
+def _step_at(space: Space, d: _Draft, previous: int | None
+             ) -> tuple[dict[str, Any], int | None]:
+    """A step trigger's ``at``, spaced from the previous step fault's; the step the next
+    one is spaced from."""
+    assert space.steps is not None
+    step = d.step
+    if d.phase in END_PHASES and space.last_step is not None:
+        step = space.last_step  # (the only step these fault points fire at)
+    else:
+        if space.spacing is not None and previous is not None:
+            step = min(previous + d.gap, space.steps[1])
+        previous = step
+    return ({"step": step} if d.phase is None else {"step": step, "phase": d.phase}), previous
 
 
 def event_trigger(name: str, low: int = 1, high: int = 1) -> EventTrigger:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import os
 import stat
 import time
@@ -23,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from aftershock.faults import jsonl
 from aftershock.harness import _files
 from aftershock.harness._room import Room
 from aftershock.harness.errors import HarnessError
@@ -66,8 +66,7 @@ class Timeline:
         # Where a full disk under the run folder is noted, by this and every other writer of
         # the run (harness/_room.py); the run loop stops the run when it is.
         self.room = Room(path.parent)
-        self._offset = 0
-        self._partial = b""
+        self._tail = jsonl.Tail(line_limit=LINE_LIMIT)  # a longer unfinished line: no event
 
     def emit(self, event: str, source: str = "harness", *, at: float | None = None,
              **fields: Any) -> Event:
@@ -76,10 +75,10 @@ class Timeline:
         return self.write(Event(t=t, event=event, source=source, fields=fields))
 
     def write(self, record: Event) -> Event:
-        line = json.dumps(record.to_json(), separators=(",", ":"), default=str) + "\n"
+        line = jsonl.encode(record.to_json(), default=str)
         # A full disk is noted, not raised: the writer may be a log thread, or a heal in
         # the teardown, and the run is stopped, never judged, from a timeline missing lines.
-        self.room.write(self._fd, line.encode(), self.path)
+        self.room.write(self._fd, line, self.path)
         return record
 
     def poll(self) -> list[Event]:
@@ -89,14 +88,7 @@ class Timeline:
         with _files.open_regular(self.path) as handle:
             if handle is None:
                 return []
-            handle.seek(self._offset)
-            chunk = handle.read(TOTAL_LIMIT)
-        self._offset += len(chunk)
-        data = self._partial + chunk
-        lines = data.split(b"\n")
-        self._partial = lines.pop()
-        if len(self._partial) > LINE_LIMIT:  # no event; its rest is skipped like any junk
-            self._partial = b""
+            lines = self._tail.read(handle, TOTAL_LIMIT)
         events: list[Event] = []
         for line in lines:
             if not line.strip():

@@ -12,7 +12,7 @@ monotonic clock, or on the wall clock (``clock="wall"``) to line up with other l
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -56,41 +56,18 @@ def trace_events(run: RecordedRun, *, clock: str = "run", offset_pid: int = 0,
         HARNESS: (f"{name}: harness", 0), FAULTS: (f"{name}: faults", 1),
     }
     events = run.events
-
-    def pid_of(e: Event) -> int:
-        pid = e.fields.get("pid")
-        if e.source == "harness":
-            return HARNESS
-        if e.source == "client":
-            return CLIENT
-        if isinstance(pid, int) and 0 < pid < _SYNTHETIC:
-            return pid
-        return LOGS
-
     for e in events:
-        pid = pid_of(e)
+        pid = _pid_of(e)
         if pid == CLIENT:
             names.setdefault(CLIENT, (f"{name}: load generator", 2))
         elif pid == LOGS:
             names.setdefault(LOGS, (f"{name}: log probes", 3))
         elif pid not in names or e.event == "hello":
             names[pid] = (_process_name(name, e, pid), _sort_key(e))
-    # Steps: a slice per committed step, from the rank's previous report to this one.
-    last: dict[tuple[int, int], float] = {}
-    for e in events:
-        step = e.fields.get("step")
-        if e.event != "step" or not isinstance(step, int):
-            continue
-        pid = pid_of(e)
-        key = (pid, e.rank if e.rank is not None else 0)
-        start = last.get(key, e.t)
-        last[key] = e.t
-        out.append({"ph": "X", "name": f"step {step}", "cat": "step", "pid": pid, "tid": key[1],
-                    "ts": ts(start), "dur": round((e.t - start) * 1e6, 1),
-                    "args": _args(e)})
+    out.extend(_step_slices(events, ts))
     for e in events:
         if e.event in _INSTANTS:
-            out.append({"ph": "i", "s": "t", "name": e.event, "cat": e.event, "pid": pid_of(e),
+            out.append({"ph": "i", "s": "t", "name": e.event, "cat": e.event, "pid": _pid_of(e),
                         "tid": e.rank if e.rank is not None else 0, "ts": ts(e.t),
                         "args": _args(e)})
     out.extend(_fault_spans(events, ts))
@@ -104,6 +81,38 @@ def trace_events(run: RecordedRun, *, clock: str = "run", offset_pid: int = 0,
     if offset_pid:
         for item in out:
             item["pid"] = item["pid"] + offset_pid
+    return out
+
+
+def _pid_of(e: Event) -> int:
+    """The trace's process row of an event: the harness's, the load generator's, the
+    process's own, or the log probes'."""
+    pid = e.fields.get("pid")
+    if e.source == "harness":
+        return HARNESS
+    if e.source == "client":
+        return CLIENT
+    if isinstance(pid, int) and 0 < pid < _SYNTHETIC:
+        return pid
+    return LOGS
+
+
+def _step_slices(events: Sequence[Event], ts: Callable[[float], float]
+                 ) -> list[dict[str, Any]]:
+    """A slice per committed step, from the rank's previous report to this one."""
+    out: list[dict[str, Any]] = []
+    last: dict[tuple[int, int], float] = {}
+    for e in events:
+        step = e.fields.get("step")
+        if e.event != "step" or not isinstance(step, int):
+            continue
+        pid = _pid_of(e)
+        key = (pid, e.rank if e.rank is not None else 0)
+        start = last.get(key, e.t)
+        last[key] = e.t
+        out.append({"ph": "X", "name": f"step {step}", "cat": "step", "pid": pid, "tid": key[1],
+                    "ts": ts(start), "dur": round((e.t - start) * 1e6, 1),
+                    "args": _args(e)})
     return out
 
 

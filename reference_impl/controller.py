@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from aftershock.faults import jsonl
 from aftershock.harness import probe
 from aftershock.reference_impl import _snapshots, _store
 
@@ -526,8 +527,7 @@ class Controller:
         self.resumed = self.gen
         if self.log_path:
             line = {"gen": self.gen, "first_step": step + 1, "replicas": self.plan["replicas"]}
-            with self.log_path.open("a") as log:
-                log.write(json.dumps(line) + "\n")
+            jsonl.append(self.log_path, jsonl.encode(line))
         self.maybe_plan()
 
     # -- loop -------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from aftershock.faults import process_start_time
 from aftershock.harness import probe
 from aftershock.reference_impl import _memory, checkpoint, health
 from aftershock.reference_impl import model as model_lib
@@ -152,12 +153,8 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
 
 def _start_time(pid: int) -> str | None:
     """Kernel start time of ``pid`` (field 22 of /proc/PID/stat), to tell a reused pid apart."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # The command name (field 2) may contain spaces; fields after it are plain.
-    return stat.rsplit(")", 1)[-1].split()[19]
+    started = process_start_time(pid)
+    return None if started is None else str(started)
 
 
 class XidFailure(RuntimeError):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from _helpers import ROOT
@@ -165,3 +166,81 @@ def test_the_import_checks_catch_a_command_line_that_imports_eagerly() -> None:
     found = loaded(["eager_cli"], path=BROKEN)
     assert {"pydantic", "yaml", "faults"} <= tops(found) & NOT_FOR_HELP
     assert {"http.client", "xml.etree.ElementTree"} <= found & NOT_FOR_A_RUN
+
+
+def _module_level_imports(tree: ast.Module) -> Iterator[ast.Import | ast.ImportFrom]:
+    """The imports a module runs when it is imported: at its top level, in class bodies and
+    under ``try``/``if``/``with``, but not inside functions nor under ``if TYPE_CHECKING:``."""
+    todo: list[ast.stmt] = list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            yield node
+        elif isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            todo.extend(node.orelse)
+        elif not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            todo.extend(child for child in ast.iter_child_nodes(node)
+                        if isinstance(child, ast.stmt))
+
+
+def import_graph(folders: dict[str, Path]) -> dict[str, set[str]]:
+    """Which of the modules under ``folders`` (package name → folder) each imports at import.
+    ``from p import m`` is an edge to the module ``p.m`` when there is one, else to ``p``."""
+    modules: dict[str, Path] = {}
+    for package, folder in folders.items():
+        for path in folder.rglob("*.py"):
+            parts = path.relative_to(folder).with_suffix("").parts
+            name = ".".join((package, *parts))
+            modules[name.removesuffix(".__init__")] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        edges: set[str] = set()
+        for node in _module_level_imports(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                edges.update(a.name for a in node.names)
+            elif node.module and not node.level:
+                edges.update(f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules
+                             else node.module for a in node.names)
+        graph[name] = {e for e in edges if e in modules and e != name}
+    return graph
+
+
+def cycle_in(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of ``graph`` (its modules in import order, the first again at the
+    end), or None."""
+    done: set[str] = set()
+    for start in sorted(graph):
+        path: list[str] = []
+        stack = [(start, iter(sorted(graph[start])))]
+        on_path = {start}
+        path.append(start)
+        while stack:
+            node, rest = stack[-1]
+            nxt = next(rest, None)
+            if nxt is None:
+                stack.pop()
+                path.pop()
+                on_path.discard(node)
+                done.add(node)
+            elif nxt in on_path:
+                return [*path[path.index(nxt):], nxt]
+            elif nxt not in done:
+                stack.append((nxt, iter(sorted(graph[nxt]))))
+                path.append(nxt)
+                on_path.add(nxt)
+    return None
+
+
+def test_no_module_of_the_package_imports_itself_in_a_cycle_at_import() -> None:
+    """A cycle of module-level imports works only in the order Python happens to meet it,
+    and makes the modules one: none can be read, tested or moved without the others."""
+    graph = import_graph({f"aftershock.{f}": ROOT / f
+                          for f in ("harness", "faults", "reference_impl")})
+    assert cycle_in(graph) is None, " -> ".join(cycle_in(graph) or [])
+
+
+def test_the_cycle_check_names_a_cycle_and_only_module_level_imports_count() -> None:
+    graph = import_graph({"cycle": BROKEN / "cycle"})
+    assert cycle_in(graph) == ["cycle.a", "cycle.b", "cycle.a"]
+    assert graph["cycle.b"] == {"cycle.a"}  # not c: only for types
+    assert graph["cycle.c"] == set()  # b only inside a function

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from aftershock._root import ROOT
+from aftershock._root import child_pythonpath
 from aftershock.harness import _files
 
 if TYPE_CHECKING:
@@ -127,9 +127,7 @@ def trainer_digests(system: TrainerSystem, *, seed: int, schedule: list[Generati
         "schedule": [[g.first_step, list(g.replicas)] for g in schedule],
     }
     # The interpreter that runs the harness, with this copy of the harness first on the path.
-    root = str(ROOT)
-    child = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join(
-        p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
+    child = {**os.environ, **(env or {}), "PYTHONPATH": child_pythonpath()}
     try:
         proc = subprocess.run(
             [sys.executable, "-m", "aftershock.harness.oracle.trainer_math"],

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from aftershock._root import ROOT
+from aftershock._root import child_pythonpath
 from aftershock.harness.loadgen import plan
 
 if TYPE_CHECKING:
@@ -43,6 +43,34 @@ def tokens_of(output: Any) -> list[int]:
     return [int(t) for t in tokens or ()]
 
 
+def _ask(body: Mapping[str, Any], env: Mapping[str, str] | None
+         ) -> tuple[list[Any], int] | str:
+    """The oracle process's answer to ``body``: the requests that disagree and the count
+    of near-tied tokens; or why there is none."""
+    child = {**os.environ, **(env or {})}
+    child["PYTHONPATH"] = child_pythonpath()
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "aftershock.harness.oracle.serving_math"],
+            input=json.dumps(body),
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT_S,
+            env=child,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"{NAME} did not run ({exc})"
+    if proc.returncode != 0:
+        tail = proc.stderr.strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
+        return f"{NAME} failed ({tail[0]})"
+    try:
+        answer = json.loads(proc.stdout)
+        return list(answer["disagree"]), int(answer["ties"])
+    except (ValueError, KeyError, TypeError) as exc:
+        return f"{NAME} said nothing usable ({exc})"
+
+
 def judge_outputs(system: ServerSystem, *, seed: int, outputs: Mapping[str, Any],
                   env: Mapping[str, str] | None = None) -> Judgement:
     """The twin's ``outputs`` (by request id) against the oracle's greedy decoding of the
@@ -59,31 +87,10 @@ def judge_outputs(system: ServerSystem, *, seed: int, outputs: Mapping[str, Any]
     body = {"model_seed": system.model_seed, "requests": [
         {"id": r.id, "prompt": list(r.prompt.encode("utf-8")), "max_tokens": r.max_tokens,
          "tokens": tokens_of(outputs[r.id])} for r in requests]}
-    root = str(ROOT)
-    child = {**os.environ, **(env or {})}
-    child["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", ""))
-                                          if p)
-    try:
-        proc = subprocess.run(
-            [sys.executable, "-m", "aftershock.harness.oracle.serving_math"],
-            input=json.dumps(body),
-            capture_output=True,
-            text=True,
-            timeout=TIMEOUT_S,
-            env=child,
-            check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return Judgement(None, "", f"{NAME} did not run ({exc})")
-    if proc.returncode != 0:
-        tail = proc.stderr.strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
-        return Judgement(None, "", f"{NAME} failed ({tail[0]})")
-    try:
-        answer = json.loads(proc.stdout)
-        disagree = list(answer["disagree"])
-        ties = int(answer["ties"])
-    except (ValueError, KeyError, TypeError) as exc:
-        return Judgement(None, "", f"{NAME} said nothing usable ({exc})")
+    answer = _ask(body, env)
+    if isinstance(answer, str):
+        return Judgement(None, "", answer)
+    disagree, ties = answer
     agree = len(requests) - len(disagree)
     observed = f"{agree}/{len(requests)} requests equal the oracle"
     tie_note = f"; {ties} near-tied tokens taken as the twin chose" if ties else ""

@@ -243,18 +243,8 @@ def _module_files(system: CommandSystem, base: Path | None) -> list[Path]:
     return found
 
 
-def probe_reason(system: CommandSystem, scenario_dir: Path | None) -> str | None:
-    """None if the job calls aftershock.harness.probe.install(), as declared or as its command line
-    and
-    the files it names show; else why it is not known to."""
-    if system.in_process_probe is not None:
-        return (
-            None
-            if system.in_process_probe
-            else "the scenario says it does not (`in_process_probe: false`)"
-        )
-    if any(_calls_install(arg) for arg in system.command):
-        return None
+def _named_files(system: CommandSystem, scenario_dir: Path | None) -> list[Path]:
+    """The files the job's command line names, and the modules it runs with ``-m``."""
     if scenario_dir is not None:
         files = command_files(system, scenario_dir)
         base: Path | None = system.workdir(scenario_dir)
@@ -267,8 +257,13 @@ def probe_reason(system: CommandSystem, scenario_dir: Path | None) -> str | None
             }
         )
         base = None
-    read: list[Path] = []
-    for path in [*files, *_module_files(system, base)]:
+    return [*files, *_module_files(system, base)]
+
+
+def _sources_call_install(paths: list[Path], read: list[Path]) -> bool:
+    """Whether one of the Python sources among ``paths`` calls probe.install(); those read
+    are added to ``read``."""
+    for path in paths:
         try:
             with open(path, "rb") as handle:
                 data = handle.read(_READ_LIMIT)
@@ -278,7 +273,25 @@ def probe_reason(system: CommandSystem, scenario_dir: Path | None) -> str | None
             continue  # the interpreter, a compiled program: no Python source to read
         read.append(path)
         if _calls_install(data.decode(errors="replace")):
-            return None
+            return True
+    return False
+
+
+def probe_reason(system: CommandSystem, scenario_dir: Path | None) -> str | None:
+    """None if the job calls aftershock.harness.probe.install(), as declared or as its command line
+    and
+    the files it names show; else why it is not known to."""
+    if system.in_process_probe is not None:
+        return (
+            None
+            if system.in_process_probe
+            else "the scenario says it does not (`in_process_probe: false`)"
+        )
+    if any(_calls_install(arg) for arg in system.command):
+        return None
+    read: list[Path] = []
+    if _sources_call_install(_named_files(system, scenario_dir), read):
+        return None
     shown = ", ".join(str(p) for p in read[:4]) + (" ..." if len(read) > 4 else "")
     return (
         "neither its command line nor a file it names calls aftershock.harness.probe.install()"

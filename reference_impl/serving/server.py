@@ -44,7 +44,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from aftershock._root import ROOT
+from aftershock._root import child_pythonpath
+from aftershock.faults import process_state
 from aftershock.harness import probe
 from aftershock.reference_impl.serving._lifetime import StopRequest, die_with_parent
 from aftershock.reference_impl.serving.journal import Journal
@@ -61,7 +62,6 @@ READY_LINE = "AFTERSHOCK_SERVING_READY"
 # A dead worker's replacement waits at most this long for the requests moved off it to
 # stream again on the healthy workers (WorkerKeeper._held).
 RESPAWN_HOLD_S = 2.0
-_REPO = ROOT  # so `-m aftershock.reference_impl...` works from any cwd
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -178,11 +178,7 @@ class WorkerKeeper:
             proc = self._procs.get(index)
         if proc is None or proc.returncode is not None:
             return True
-        try:
-            stat = Path(f"/proc/{proc.pid}/stat").read_text()
-        except OSError:
-            return True
-        return stat.rsplit(")", 1)[-1].split()[0] in ("Z", "X")
+        return process_state(proc.pid) in (None, "Z", "X")
 
     def kill(self, index: int) -> None:
         with self._lock:
@@ -207,8 +203,7 @@ class WorkerKeeper:
         # (LOCAL_RANK, for real and simulated NVML and for gpu.xid's default).
         env.update(RANK=str(index), LOCAL_RANK=str(index), WORLD_SIZE=str(self.args.workers),
                    LOCAL_WORLD_SIZE=str(self.args.workers))
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_REPO), env.get("PYTHONPATH"))
-                                            if p)
+        env["PYTHONPATH"] = child_pythonpath(env.get("PYTHONPATH"))
         argv = [
             sys.executable,
             "-m",
@@ -446,7 +441,7 @@ class Launcher:
             *([f"--journal={self.journal}"] if self.journal else ["--no-journal"]),
         ]
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_REPO), env.get("PYTHONPATH")) if p)
+        env["PYTHONPATH"] = child_pythonpath(env.get("PYTHONPATH"))
         return subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, pass_fds=(fd,))
 
     def run(self) -> int:
