@@ -13,9 +13,11 @@ What this package promises to keep (``__all__``; docs/ teach only these names):
   ``LoadedScenario``, ``RunResult``, ``CheckResult``, ``FaultRecord``, ``Observer``;
 - ``probe``: what a job imports to tell the harness its steps, checkpoints and recoveries
   (``from aftershock import probe``; standard library only, cheap in every rank);
-- ``strategies``: hypothesis strategies over fault schedules (the ``explore`` extra);
+- ``strategies``: hypothesis strategies over fault schedules, and ``run_schedule`` to run
+  one (the ``explore`` extra);
 - plug-ins (docs/extending.md): ``FaultKind`` with ``KindInfo``, ``Applied``, ``Setting``,
-  ``FaultParams`` and ``Duration``; ``FaultUnavailable``, ``UndoContext``.
+  ``FaultParams`` and ``Duration``; ``FaultUnavailable``, ``UndoContext``; ``Check`` with
+  ``Run`` and ``CheckParams``.
 
 The implementation lives in ``aftershock.harness``, ``aftershock.faults`` and
 ``aftershock.reference_impl``; nothing there is promised to stay as it is. Names are
@@ -42,13 +44,17 @@ _FROM = {
     "FaultParams": "aftershock.faults.params", "Duration": "aftershock.faults.params",
     "FaultUnavailable": "aftershock.faults._errors",
     "UndoContext": "aftershock.faults.journal",
+    "Check": "aftershock.harness.check_registry", "Run": "aftershock.harness.check_registry",
+    "CheckParams": "aftershock.harness.check_registry",
 }
 #: Public modules.
-_MODULES = {"probe": "aftershock.harness.probe", "strategies": "aftershock.harness.strategies"}
+_MODULES = {"probe": "aftershock.probe", "strategies": "aftershock.strategies"}
 
 __all__ = sorted([*_FROM, *_MODULES, "__version__"])
 
 if TYPE_CHECKING:
+    from aftershock import probe as probe
+    from aftershock import strategies as strategies
     from aftershock.faults._errors import FaultUnavailable as FaultUnavailable
     from aftershock.faults.journal import UndoContext as UndoContext
     from aftershock.faults.params import Duration as Duration
@@ -57,8 +63,6 @@ if TYPE_CHECKING:
     from aftershock.faults.registry import FaultKind as FaultKind
     from aftershock.faults.registry import KindInfo as KindInfo
     from aftershock.faults.registry import Setting as Setting
-    from aftershock.harness import probe as probe
-    from aftershock.harness import strategies as strategies
     from aftershock.harness.api import CheckResult as CheckResult
     from aftershock.harness.api import FaultRecord as FaultRecord
     from aftershock.harness.api import LoadedScenario as LoadedScenario
@@ -70,6 +74,9 @@ if TYPE_CHECKING:
     from aftershock.harness.api import load as load
     from aftershock.harness.api import loads as loads
     from aftershock.harness.api import run as run
+    from aftershock.harness.check_registry import Check as Check
+    from aftershock.harness.check_registry import CheckParams as CheckParams
+    from aftershock.harness.check_registry import Run as Run
 
 
 def __getattr__(name: str) -> Any:

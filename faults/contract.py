@@ -47,3 +47,39 @@ TENSORS = "tensors"
 FAULT_INJECTED = "fault_injected"
 #: A server listens at ``url`` (the load generator starts).
 SERVING_READY = "serving_ready"
+
+# ------------------------------------------------------------- events the checks and metrics read
+# (docs/events.md says who writes each; harness/checks.py and harness/metrics.py judge them)
+
+#: The system noticed a failure (``cause``): time to detect.
+FAILURE_DETECTED = "failure_detected"
+#: The system says it recovered.
+RECOVERY_DONE = "recovery_done"
+#: A world formed or changed: its members, generation (``snapshot_every`` where it snapshots).
+MEMBERSHIP = "membership"
+WORLD_CHANGED = "world_changed"
+#: Checkpoints: saved (``step``, ``path``), resumed from, rejected by the loader.
+CHECKPOINT_SAVED = "checkpoint_saved"
+CHECKPOINT_LOADED = "checkpoint_loaded"
+CHECKPOINT_SKIPPED = "checkpoint_skipped"
+#: A rank's final parameter digest.
+PARAMS = "params"
+#: A process answered an Xid with an action (``code``, ``action``).
+XID_ACTION = "xid_action"
+#: The system named a slow rank (``slow_rank``).
+STRAGGLER_DETECTED = "straggler_detected"
+#: The harness saw a process of the run start, exit, or a log appear.
+PROCESS_STARTED = "process_started"
+TARGET_EXITED = "target_exited"
+LOG_APPEARED = "log_appeared"
+#: The run ended: on its own (``run_end``) or stopped at its timeout.
+RUN_END = "run_end"
+TIMEOUT = "timeout"
+#: The load generator and its requests.
+LOAD_STARTED = "load_started"
+LOAD_NOT_READY = "load_not_ready"
+REQUEST_SENT = "request_sent"
+REQUEST_DONE = "request_done"
+REQUEST_FAILED = "request_failed"
+REQUEST_MIGRATED = "request_migrated"
+SERVING_STATS = "serving_stats"

@@ -1,9 +1,10 @@
 """Plug-ins: entry points loaded once, each object checked against its protocol, and a broken
 one named in one line and skipped, never allowed to break what does not use it.
 
-Aftershock has three entry-point groups (docs/extending.md): ``aftershock.faults`` (fault
-kinds, faults/registry.py), ``aftershock.systems`` (system kinds, harness/systems/) and
-``aftershock.presets`` (log-probe presets, harness/presets.py). Each registry loads its
+Aftershock has four entry-point groups (docs/extending.md): ``aftershock.faults`` (fault
+kinds, faults/registry.py), ``aftershock.systems`` (system kinds, harness/systems/),
+``aftershock.presets`` (log-probe presets, harness/presets.py) and ``aftershock.checks``
+(checks, harness/check_registry.py). Each registry loads its
 group with :func:`load` and checks every object with a table of :class:`Attr` (required
 and optional attributes, their types and allowed values) through :func:`check`. An entry
 point that cannot be imported, or whose object its registry refuses, becomes a

@@ -1,30 +1,34 @@
 """Checks: each `expect:` entry of a scenario, evaluated over the run's timeline.
 
-A check never raises for a bad run; it returns a failed CheckResult that says
-what was observed against what was expected.
+Each built-in check is one declaration at the end of the evaluations (a
+:class:`check_registry.Check`: its name, doc line, evaluation, metric and `expect:` field),
+registered by name; :func:`evaluate` runs the registry, plug-ins' checks included. A check
+never raises for a bad run; it returns a failed CheckResult that says what was observed
+against what was expected.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
+from aftershock.faults import contract
+from aftershock.harness import check_registry
 from aftershock.harness import metrics as _metrics
 from aftershock.harness._duration import format_duration
+from aftershock.harness.check_registry import Check, Run
+from aftershock.harness.check_registry import Outcome as Outcome
 from aftershock.harness.logprobe import unread
 from aftershock.harness.metrics import Output
 from aftershock.harness.records import CheckResult, Event, FaultRecord
-from aftershock.harness.spec import WINDOWED, CountBudget, DetectBudget, Expect
+from aftershock.harness.spec import (
+    WINDOWED,
+    CountBudget,
+    DetectBudget,
+    Expect,
+    Latency,
+    RateFloor,
+)
 from aftershock.harness.triggers import describe_file_state
-
-
-@dataclass(frozen=True, slots=True)
-class Outcome:
-    """How the system under test ended, as the harness saw it."""
-
-    exit_code: int | None
-    timed_out: bool
-    duration_s: float
 
 
 def _budget(name: str, observed: float | None, limit_s: float, what: str) -> CheckResult:
@@ -53,129 +57,195 @@ def evaluate(
     world: int | None = None,
     file_triggers: Mapping[int, str] | None = None,
 ) -> list[CheckResult]:
-    """``world``: the configured world size (for recovery's reason when not observed).
-    ``file_triggers``: fault index -> its `at.when`, for the faults a file triggers."""
+    """Every check ``expect`` asks for, in the registry's order (built-in checks, then the
+    plug-ins' under ``expect.checks``). ``world``: the configured world size (for
+    recovery's reason when not observed). ``file_triggers``: fault index -> its `at.when`,
+    for the faults a file triggers."""
+    run = Run(outcome=outcome, metrics=metrics, faults=faults, digests=digests,
+              baseline=baseline, events=events or (), outputs=outputs or {},
+              baseline_outputs=baseline_outputs, world=world, file_triggers=file_triggers or {})
     results: list[CheckResult] = []
-    if expect.completes:
-        if outcome.timed_out:
-            results.append(
-                CheckResult("completes", False, "timed out", "exit 0",
-                            f"still running after {outcome.duration_s:.1f}s; it was stopped")
-            )
-        else:
-            ok = outcome.exit_code == 0
-            results.append(
-                CheckResult("completes", ok, f"exit {outcome.exit_code}", "exit 0",
-                            "exited 0" if ok else f"exited with code {outcome.exit_code}")
-            )
-    if faults:
-        missed = [f for f in faults if f.injected_at_s is None]
-        results.append(
-            CheckResult(
-                "faults_injected",
-                not missed,
-                f"{len(faults) - len(missed)}/{len(faults)}",
-                f"{len(faults)}/{len(faults)}",
-                "every fault was injected" if not missed else
-                "never injected: " + "; ".join(f"{f.kind} at {f.target} ({f.detail})"
-                                               for f in missed),
-            )
-        )
-    if expect.params_match:
-        results.append(_params_match(digests, baseline, expect.params_match))
-    if expect.time_to_detect:
-        results.append(_time_to_detect(expect.time_to_detect, _f(metrics.get("time_to_detect_s")),
-                                       events or (), world))
-    if expect.time_to_recover:
-        results.append(_time_to_recover(_f(metrics.get("time_to_recover_s")),
-                                        expect.time_to_recover.max.total_seconds(),
-                                        events, world))
-    if expect.lost_steps:
-        results.append(_lost_steps(metrics.get("lost_steps"), expect.lost_steps,
-                                   events or ()))
-    if expect.skipped_steps:
-        skipped = metrics.get("skipped_steps")
-        limit = expect.skipped_steps.max
-        ok = isinstance(skipped, int) and skipped <= limit
-        unseen = _nothing_after_the_fault(events or ())
-        results.append(CheckResult(
-            "skipped_steps", ok and unseen is None, skipped, f"<= {limit}",
-            "not observed: no world was seen committing two consecutive steps, so a gap "
-            "cannot be told from sparse reporting" if skipped is None else
-            unseen or f"{skipped} steps were jumped over (at most {limit})"))
-    if expect.single_history:
-        results.append(_single_history(metrics.get("forked_steps"), events))
-    if expect.step_rate:
-        rate = _f(metrics.get("min_step_rate"))
-        floor = expect.step_rate.min
-        # A job that stopped at its fault (it exited, so its windows end at its last step,
-        # before the fault) made progress only before it: no rate describes the fault.
-        stopped = _nothing_after_the_fault(events or ())
-        ok = rate is not None and rate >= floor and stopped is None
-        results.append(CheckResult(
-            "step_rate", ok, None if rate is None else round(rate, 2), f">= {floor:g}/s",
-            "too short to measure (needs 2 s of steps)" if rate is None else
-            f"{stopped}, so the rate describes the run before the fault only"
-            if stopped is not None else
-            f"slowest 2 s window committed {rate:.2f} steps/s ({'at least' if ok else 'below'} "
-            f"{floor:g})"))
-    if expect.straggler_named:
-        results.append(_straggler_named(events or ()))
-    if expect.xid_action:
-        results.append(_xid_action(events or ()))
-    if expect.checkpoint_durable:
-        results.append(_checkpoint_durable(events or ()))
-    if expect.faults_landed:
-        results.append(_faults_landed(file_triggers or {}, events or ()))
-    if expect.slurm_witness:
-        from aftershock.harness.nodes.slurm_witness import slurm_witness
-
-        results.append(slurm_witness(events or ()))
-    unsent = "no request was sent"
-    if (not_ready := _metrics.load_not_ready(events or ())) is not None:
-        unsent = f"no request was sent: {not_ready}"
-    if expect.no_lost_requests:
-        lost, total = metrics.get("lost_requests"), metrics.get("requests")
-        tokens, never_sent = metrics.get("lost_tokens"), metrics.get("unsent_requests")
-        ok = lost == 0 and bool(total)
-        results.append(CheckResult(
-            "no_lost_requests", ok, lost, 0,
-            f"all {total} requests completed with every token" if ok else
-            unsent if not total else
-            f"{lost} of {total} requests did not complete ({tokens} tokens of those sent "
-            "never arrived" + (f"; {never_sent} were never sent: the run ended before the "
-                               "load generator sent them" if never_sent else "")
-            + _why_lost(events or ()) + ")"))
-    if expect.no_duplicated_tokens:
-        dup = metrics.get("duplicated_tokens")
-        unindexed = metrics.get("unindexed_requests") or 0
-        went_on = _metrics.streamed_after_faults(events or ())
-        ok = dup == 0 and bool(metrics.get("requests")) and not unindexed and went_on
-        results.append(CheckResult(
-            "no_duplicated_tokens", ok, dup, 0,
-            "no client received a token twice" if ok else
-            unsent if not metrics.get("requests") else
-            f"clients received {dup} tokens they already had" if dup else
-            "not observed: no token arrived after the fault, and the load was not served "
-            "whole before it, so no token could have been sent twice by a recovery"
-            if not went_on else
-            f"not observed: the chunks of {unindexed} of {metrics.get('requests')} requests "
-            "carried no token_index, so a token sent twice could not be told from a new one "
-            "(the server must send `token_index` per chunk)"))
-    if expect.outputs_match:
-        results.append(_outputs_match(outputs or {}, baseline_outputs))
-    if expect.acknowledged_durable:
-        from aftershock.harness.oracle.serving_journal import acknowledged_durable
-
-        results.append(acknowledged_durable(events or ()))
-    if expect.latency:
-        for name in ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99"):
-            budget = getattr(expect.latency, name)
-            if budget is not None:
-                results.append(_latency(name, metrics, budget.max.total_seconds()))
+    for check in check_registry.built_ins():
+        asked = getattr(expect, check.field) if check.field else True
+        if asked:
+            results.extend(check_registry.run_one(check, asked, run))
+    for name, asked in expect.checks.items():
+        results.extend(check_registry.run_one(check_registry.plugin(name), asked, run))
     # A line a log probe gave up on, or lines read too late, leave a hole in the timeline:
     # the checks that read what such a line may have said are not observed.
-    return unread(results, events or ())
+    return unread(results, run.events)
+
+
+# --------------------------------------------------------------------------- the declarations
+# One per check, in the order a report lists them. `field` is the `expect:` key that asks
+# for it (docs/metrics.md describes each); `evaluate` gets its value and the run.
+
+
+def _completes(_: bool, run: Run) -> CheckResult:
+    outcome = run.outcome
+    if outcome.timed_out:
+        return CheckResult("completes", False, "timed out", "exit 0",
+                           f"still running after {outcome.duration_s:.1f}s; it was stopped")
+    ok = outcome.exit_code == 0
+    return CheckResult("completes", ok, f"exit {outcome.exit_code}", "exit 0",
+                       "exited 0" if ok else f"exited with code {outcome.exit_code}")
+
+
+def _faults_injected(_: bool, run: Run) -> list[CheckResult]:
+    faults = run.faults
+    if not faults:
+        return []
+    missed = [f for f in faults if f.injected_at_s is None]
+    return [CheckResult(
+        "faults_injected", not missed, f"{len(faults) - len(missed)}/{len(faults)}",
+        f"{len(faults)}/{len(faults)}",
+        "every fault was injected" if not missed else
+        "never injected: " + "; ".join(f"{f.kind} at {f.target} ({f.detail})" for f in missed))]
+
+
+def _skipped_steps(budget: CountBudget, run: Run) -> CheckResult:
+    skipped = run.metrics.get("skipped_steps")
+    limit = budget.max
+    ok = isinstance(skipped, int) and skipped <= limit
+    unseen = _nothing_after_the_fault(run.events)
+    return CheckResult(
+        "skipped_steps", ok and unseen is None, skipped, f"<= {limit}",
+        "not observed: no world was seen committing two consecutive steps, so a gap "
+        "cannot be told from sparse reporting" if skipped is None else
+        unseen or f"{skipped} steps were jumped over (at most {limit})")
+
+
+def _step_rate(floor_: RateFloor, run: Run) -> CheckResult:
+    rate = _f(run.metrics.get("min_step_rate"))
+    floor = floor_.min
+    # A job that stopped at its fault (it exited, so its windows end at its last step,
+    # before the fault) made progress only before it: no rate describes the fault.
+    stopped = _nothing_after_the_fault(run.events)
+    ok = rate is not None and rate >= floor and stopped is None
+    return CheckResult(
+        "step_rate", ok, None if rate is None else round(rate, 2), f">= {floor:g}/s",
+        "too short to measure (needs 2 s of steps)" if rate is None else
+        f"{stopped}, so the rate describes the run before the fault only"
+        if stopped is not None else
+        f"slowest 2 s window committed {rate:.2f} steps/s ({'at least' if ok else 'below'} "
+        f"{floor:g})")
+
+
+def _slurm_witness(_: bool, run: Run) -> CheckResult:
+    from aftershock.harness.nodes.slurm_witness import slurm_witness
+
+    return slurm_witness(run.events)
+
+
+def _unsent(events: Sequence[Event]) -> str:
+    """What a serving check says when no request was sent: why, where the load said."""
+    not_ready = _metrics.load_not_ready(events)
+    return "no request was sent" if not_ready is None else f"no request was sent: {not_ready}"
+
+
+def _no_lost_requests(_: bool, run: Run) -> CheckResult:
+    metrics = run.metrics
+    lost, total = metrics.get("lost_requests"), metrics.get("requests")
+    tokens, never_sent = metrics.get("lost_tokens"), metrics.get("unsent_requests")
+    ok = lost == 0 and bool(total)
+    return CheckResult(
+        "no_lost_requests", ok, lost, 0,
+        f"all {total} requests completed with every token" if ok else
+        _unsent(run.events) if not total else
+        f"{lost} of {total} requests did not complete ({tokens} tokens of those sent "
+        "never arrived" + (f"; {never_sent} were never sent: the run ended before the "
+                           "load generator sent them" if never_sent else "")
+        + _why_lost(run.events) + ")")
+
+
+def _no_duplicated_tokens(_: bool, run: Run) -> CheckResult:
+    metrics = run.metrics
+    dup = metrics.get("duplicated_tokens")
+    unindexed = metrics.get("unindexed_requests") or 0
+    went_on = _metrics.streamed_after_faults(run.events)
+    ok = dup == 0 and bool(metrics.get("requests")) and not unindexed and went_on
+    return CheckResult(
+        "no_duplicated_tokens", ok, dup, 0,
+        "no client received a token twice" if ok else
+        _unsent(run.events) if not metrics.get("requests") else
+        f"clients received {dup} tokens they already had" if dup else
+        "not observed: no token arrived after the fault, and the load was not served "
+        "whole before it, so no token could have been sent twice by a recovery"
+        if not went_on else
+        f"not observed: the chunks of {unindexed} of {metrics.get('requests')} requests "
+        "carried no token_index, so a token sent twice could not be told from a new one "
+        "(the server must send `token_index` per chunk)")
+
+
+def _acknowledged_durable(_: bool, run: Run) -> CheckResult:
+    from aftershock.harness.oracle.serving_journal import acknowledged_durable
+
+    # The oracle stands apart from the harness and types its result loosely.
+    result: CheckResult = acknowledged_durable(run.events)
+    return result
+
+
+def _latencies(latency: Latency, run: Run) -> list[CheckResult]:
+    results = []
+    for name in ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99"):
+        budget = getattr(latency, name)
+        if budget is not None:
+            results.append(_latency(name, run.metrics, budget.max.total_seconds()))
+    return results
+
+
+for _check in (
+    Check("completes", "the system exits 0 within its timeout", _completes,
+          field="completes"),
+    Check("faults_injected", "every fault of the schedule was injected (always, with faults)",
+          _faults_injected),
+    Check("params_match", "final parameters bitwise equal to the fault-free run's (or the "
+          "replay's)", lambda against, run: _params_match(run.digests, run.baseline, against),
+          field="params_match"),
+    Check("time_to_detect", "fault to the system's first failure_detected, within a budget",
+          lambda budget, run: _time_to_detect(budget, _f(run.metrics.get("time_to_detect_s")),
+                                              run.events, run.world),
+          metric="time_to_detect_s", field="time_to_detect"),
+    Check("time_to_recover", "fault to committed progress again, within a budget",
+          lambda budget, run: _time_to_recover(_f(run.metrics.get("time_to_recover_s")),
+                                               budget.max.total_seconds(), run.events,
+                                               run.world),
+          metric="time_to_recover_s", field="time_to_recover"),
+    Check("lost_steps", "steps committed more than once, at most a budget",
+          lambda budget, run: _lost_steps(run.metrics.get("lost_steps"), budget, run.events),
+          metric="lost_steps", field="lost_steps"),
+    Check("skipped_steps", "steps the history jumped over, at most a budget", _skipped_steps,
+          metric="skipped_steps", field="skipped_steps"),
+    Check("single_history", "no step committed by two worlds after the fault",
+          lambda _, run: _single_history(run.metrics.get("forked_steps"), run.events),
+          metric="forked_steps", field="single_history"),
+    Check("step_rate", "the slowest 2 s of the run commits at least a floor of steps/s",
+          _step_rate, metric="min_step_rate", field="step_rate"),
+    Check("straggler_named", "the system names the slowed rank, and no other",
+          lambda _, run: _straggler_named(run.events), field="straggler_named"),
+    Check("xid_action", "each Xid answered with NVIDIA's recommended action, and taken",
+          lambda _, run: _xid_action(run.events), field="xid_action"),
+    Check("checkpoint_durable", "a resume from a checkpoint at least as new as the last "
+          "saved before the fault, none rejected",
+          lambda _, run: _checkpoint_durable(run.events), field="checkpoint_durable"),
+    Check("faults_landed", "each file-triggered fault landed while its file was open",
+          lambda _, run: _faults_landed(run.file_triggers, run.events),
+          field="faults_landed"),
+    Check("slurm_witness", "Slurm's own record agrees with the job's reports", _slurm_witness,
+          field="slurm_witness"),
+    Check("no_lost_requests", "every request sent completed with all its tokens",
+          _no_lost_requests, metric="lost_requests", field="no_lost_requests"),
+    Check("no_duplicated_tokens", "no client received a token index twice",
+          _no_duplicated_tokens, metric="duplicated_tokens", field="no_duplicated_tokens"),
+    Check("outputs_match", "every request's tokens and logits equal the fault-free run's",
+          lambda _, run: _outputs_match(run.outputs, run.baseline_outputs),
+          field="outputs_match"),
+    Check("acknowledged_durable", "every token a client received is in the server's journal",
+          _acknowledged_durable, field="acknowledged_durable"),
+    Check("latency", "TTFT / TPOT percentiles (ttft_p50_s ... tpot_p99_s) within their "
+          "budgets", _latencies, field="latency"),
+):
+    check_registry.built_in(_check)
 
 
 def _latency(name: str, metrics: Mapping[str, float | int | None], limit_s: float
@@ -221,10 +291,10 @@ def _snapshot_restores(events: Sequence[Event]) -> tuple[int | None, int]:
     restored: set[object] = set()
     for event in events:
         value = event.fields.get("snapshot_every")
-        if event.event == "membership" and isinstance(value, int) \
+        if event.event == contract.MEMBERSHIP and isinstance(value, int) \
                 and not isinstance(value, bool) and value >= 1:
             interval = max(interval or value, value)
-        elif event.event == "checkpoint_loaded":
+        elif event.event == contract.CHECKPOINT_LOADED:
             generation = event.fields.get("generation")
             restored.add(generation if generation is not None
                          else ("step", event.fields.get("step")))
@@ -288,35 +358,42 @@ def _time_to_detect(budget: DetectBudget, observed: float | None,
                        f"{result.message}, by {cause}")
 
 
+def _which_fault(found: Sequence[_metrics.FaultDetection], i: int) -> str:
+    kind = found[i].fault.fields.get("kind")
+    return f"fault {i + 1} of {len(found)}" + (f" ({kind})" if kind else "")
+
+
+def _undetected(found: Sequence[_metrics.FaultDetection]) -> str | None:
+    """Why detection of several faults is not observed, or None."""
+    missing = [i for i, f in enumerate(found) if f.detected is None and not f.rode_through]
+    if missing:
+        return (f"not observed: {_which_fault(found, missing[0])} was never followed by a "
+                "failure_detected, and the system did not ride through it")
+    if all(f.detected is None for f in found):
+        return "not observed: the system rode through every fault; nothing was detected"
+    return None
+
+
 def _each_detected(budget: DetectBudget, found: Sequence[_metrics.FaultDetection]
                    ) -> CheckResult:
-    n = len(found)
-
     def which(i: int) -> str:
-        kind = found[i].fault.fields.get("kind")
-        return f"fault {i + 1} of {n}" + (f" ({kind})" if kind else "")
+        return _which_fault(found, i)
 
     wanted = " or ".join(budget.cause) if budget.cause is not None else None
     expected = f"<= {format_duration(budget.max.total_seconds())}" + (
         f" by {wanted}" if wanted else "") + " after each fault"
-    missing = [i for i, f in enumerate(found) if f.detected is None and not f.rode_through]
-    if missing:
-        return CheckResult("time_to_detect", False, None, expected,
-                           f"not observed: {which(missing[0])} was never followed by a "
-                           "failure_detected, and the system did not ride through it")
+    unseen = _undetected(found)
+    if unseen is not None:
+        return CheckResult("time_to_detect", False, None, expected, unseen)
     taken = [(f.detected.t - f.fault.t, i, str(f.detected.fields.get("cause")))
              for i, f in enumerate(found) if f.detected is not None]
-    if not taken:
-        return CheckResult("time_to_detect", False, None, expected,
-                           "not observed: the system rode through every fault; nothing was "
-                           "detected")
-    if budget.cause is not None:
-        for seconds, i, cause in taken:
-            if not budget.admits(cause):
-                return CheckResult("time_to_detect", False,
-                                   f"{format_duration(seconds)} by {cause}", expected,
-                                   f"{which(i)} was detected by {cause} after "
-                                   f"{format_duration(seconds)}, not by {wanted}")
+    other = [(s, i, c) for s, i, c in taken if not budget.admits(c)]
+    if other:
+        seconds, i, cause = other[0]
+        return CheckResult("time_to_detect", False,
+                           f"{format_duration(seconds)} by {cause}", expected,
+                           f"{which(i)} was detected by {cause} after "
+                           f"{format_duration(seconds)}, not by {wanted}")
     seconds, i, cause = max(taken)
     rode = [j + 1 for j, f in enumerate(found) if f.rode_through]
     result = _budget("time_to_detect", seconds, budget.max.total_seconds(),
@@ -363,21 +440,9 @@ def _nothing_after_the_fault(events: Sequence[Event]) -> str | None:
 def _single_history(forked: float | int | None, events: Sequence[Event] | None
                     ) -> CheckResult:
     expected = "no step committed by two worlds after the fault"
-    if forked is None:
-        several = _metrics.one_launcher(events or ())
-        steps_from_torchrun = any("attempt" in e.fields for e in events or ())
-        why = f" ({several})" if several and steps_from_torchrun else ""
-        return CheckResult("single_history", False, None, expected,
-                           "not observed: steps after the fault name no world (generation)"
-                           f"{why}, so two worlds cannot be told apart; a framework preset "
-                           "(`preset: torchft`) or a (?P<generation>...) group names it")
-    if not any(e.event == "fault_injected" for e in events or ()):
-        return CheckResult("single_history", False, None, expected,
-                           "not observed: no fault was injected, so there was no failure "
-                           "for two worlds to split at")
-    if forked == 0 and (unseen := _nothing_after_the_fault(events or ())) is not None:
-        return CheckResult("single_history", False, 0, expected,
-                           f"{unseen}, so no second history could have formed")
+    unseen = _no_second_history(forked, events or ())
+    if unseen is not None:
+        return CheckResult("single_history", False, unseen[0], expected, unseen[1])
     if forked == 0:
         return CheckResult("single_history", True, 0, expected,
                            "every step after the fault was committed by one history")
@@ -390,6 +455,25 @@ def _single_history(forked: float | int | None, events: Sequence[Event] | None
     return CheckResult("single_history", False, forked, expected,
                        f"split brain: {forked} steps were committed after the fault by two "
                        f"worlds that both went on{detail}")
+
+
+def _no_second_history(forked: float | int | None, events: Sequence[Event]
+                       ) -> tuple[int | None, str] | None:
+    """Why single_history is not observed (what could not have split, or could not be
+    seen splitting), with what it shows as observed; None when it is."""
+    if forked is None:
+        several = _metrics.one_launcher(events)
+        steps_from_torchrun = any("attempt" in e.fields for e in events)
+        why = f" ({several})" if several and steps_from_torchrun else ""
+        return None, ("not observed: steps after the fault name no world (generation)"
+                      f"{why}, so two worlds cannot be told apart; a framework preset "
+                      "(`preset: torchft`) or a (?P<generation>...) group names it")
+    if not any(e.event == contract.FAULT_INJECTED for e in events):
+        return None, ("not observed: no fault was injected, so there was no failure "
+                      "for two worlds to split at")
+    if forked == 0 and (unseen := _nothing_after_the_fault(events)) is not None:
+        return 0, f"{unseen}, so no second history could have formed"
+    return None
 
 
 def _outputs_match(outputs: Mapping[str, Output],
@@ -413,10 +497,7 @@ def _outputs_match(outputs: Mapping[str, Output],
         if got.tokens != want.tokens:
             tokens_differ.append((rid, _first_difference(got.tokens, want.tokens)))
             continue
-        pairs = [(_at(got.digests, k), _at(want.digests, k)) for k in range(len(got.tokens))]
-        wrong = [k for k, (a, b) in enumerate(pairs) if a is not None and b is not None
-                 and a != b]
-        unknown = [k for k, (a, b) in enumerate(pairs) if a is None or b is None]
+        wrong, unknown = _digests_compared(got, want)
         if wrong:
             logits_differ.append((rid, wrong[0]))
         elif unknown:
@@ -444,6 +525,15 @@ def _outputs_match(outputs: Mapping[str, Output],
     return CheckResult("outputs_match", False, observed, expected, "; ".join(parts))
 
 
+def _digests_compared(got: Output, want: Output) -> tuple[list[int], list[int]]:
+    """For two equal token lists: the tokens whose logits digests differ, and those whose
+    digest either run lacks."""
+    pairs = [(_at(got.digests, k), _at(want.digests, k)) for k in range(len(got.tokens))]
+    wrong = [k for k, (a, b) in enumerate(pairs) if a is not None and b is not None and a != b]
+    unknown = [k for k, (a, b) in enumerate(pairs) if a is None or b is None]
+    return wrong, unknown
+
+
 def _at(digests: Sequence[str | None], k: int) -> str | None:
     return digests[k] if k < len(digests) else None
 
@@ -465,44 +555,20 @@ def _xid_action(events: Sequence[Event]) -> CheckResult:
     """
     from aftershock.faults.xid import CATALOG
 
-    injected = [e for e in events if e.event == "fault_injected" and e.fields.get("kind")
-                == "gpu.xid"]
-    expected, observed, wrong = [], [], []
-    has_steps = any(e.event == "step" for e in events)
+    injected = [e for e in events if e.event == contract.FAULT_INJECTED
+                and e.fields.get("kind") == "gpu.xid"]
+    expected: list[str] = []
+    observed: list[str] = []
+    wrong: list[str] = []
+    has_steps = any(e.event == contract.STEP for e in events)
     used: set[int] = set()  # each answer answers one Xid: two Xids need two
     for fault in injected:
         code = _xid_code(fault)
         want = str(CATALOG[code].action) if code is not None and code in CATALOG else "?"
         expected.append(f"{code}:{want}")
-        pid = fault.fields.get("pid")
-        reply = next((a for a in events if a.event == "xid_action" and a.t >= fault.t
-                      and id(a) not in used and a.fields.get("code") == code
-                      and a.fields.get("pid") in (pid, None)), None)
-        if reply is not None:
-            used.add(id(reply))
-        got = str(reply.fields.get("action")) if reply else "none reported"
-        if reply is None or got != want:
-            observed.append(f"{code}:{got}")
-            wrong.append(f"Xid {code}: expected {want}, got {got}")
-            continue
-        steps = [e for e in events if e.event == "step" and e.t > reply.t
-                 and e.fields.get("pid") == pid]
-        exited = next((e for e in events if e.event == "target_exited" and e.t >= fault.t
-                       and e.fields.get("pid") == pid), None)
-        if want == "none":
-            kept_on = bool(steps) if has_steps else exited is None
-            observed.append(f"{code}:{got}, {'went on' if kept_on else 'stopped'}")
-            if not kept_on:
-                wrong.append(f"Xid {code}: action none, but pid {pid} " + (
-                    "committed no step after it" if has_steps else "exited"))
-            continue
-        observed.append(f"{code}:{got}, {'exited' if exited else 'still running'}")
-        if len(steps) > 1:
-            wrong.append(f"Xid {code}: announced {got}, but pid {pid} committed "
-                         f"{len(steps)} more steps")
-        if exited is None:
-            wrong.append(f"Xid {code}: announced {got}, but pid {pid} never exited while "
-                         "the run went on (it kept its GPU)")
+        seen, problems = _xid_answered(fault, code, want, events, used, has_steps)
+        observed.append(seen)
+        wrong.extend(problems)
     ok = bool(injected) and not wrong
     message = ("every Xid got NVIDIA's recommended action, and the process hit took it" if ok
                else "; ".join(wrong) or "no gpu.xid fault was injected")
@@ -510,10 +576,77 @@ def _xid_action(events: Sequence[Event]) -> CheckResult:
                        ", ".join(expected) or "an Xid", message)
 
 
+def _xid_reply(fault: Event, code: int | None, events: Sequence[Event], used: set[int]
+               ) -> Event | None:
+    """The first ``xid_action`` answering ``fault`` not taken by another Xid (marked used)."""
+    pid = fault.fields.get("pid")
+    reply = next((a for a in events if a.event == contract.XID_ACTION and a.t >= fault.t
+                  and id(a) not in used and a.fields.get("code") == code
+                  and a.fields.get("pid") in (pid, None)), None)
+    if reply is not None:
+        used.add(id(reply))
+    return reply
+
+
+def _of_pid(events: Sequence[Event], kind: str, pid: object) -> list[Event]:
+    return [e for e in events if e.event == kind and e.fields.get("pid") == pid]
+
+
+def _xid_went_on(code: int | None, pid: object, steps: list[Event], exited: Event | None,
+                 has_steps: bool) -> tuple[str, list[str]]:
+    """Action ``none``: the process went on working (a step after its answer; a system
+    without steps: no exit)."""
+    kept_on = bool(steps) if has_steps else exited is None
+    return f"{code}:none, {'went on' if kept_on else 'stopped'}", [] if kept_on else [
+        f"Xid {code}: action none, but pid {pid} "
+        + ("committed no step after it" if has_steps else "exited")]
+
+
+def _xid_answered(fault: Event, code: int | None, want: str, events: Sequence[Event],
+                  used: set[int], has_steps: bool) -> tuple[str, list[str]]:
+    """What the process hit by one Xid said and did (for ``observed``), and what is wrong."""
+    reply = _xid_reply(fault, code, events, used)
+    got = str(reply.fields.get("action")) if reply else "none reported"
+    if reply is None or got != want:
+        return f"{code}:{got}", [f"Xid {code}: expected {want}, got {got}"]
+    pid = fault.fields.get("pid")
+    steps = [e for e in _of_pid(events, contract.STEP, pid) if e.t > reply.t]
+    exited = next((e for e in _of_pid(events, contract.TARGET_EXITED, pid) if e.t >= fault.t),
+                  None)
+    if want == "none":
+        return _xid_went_on(code, pid, steps, exited, has_steps)
+    wrong = []
+    if len(steps) > 1:
+        wrong.append(f"Xid {code}: announced {got}, but pid {pid} committed "
+                     f"{len(steps)} more steps")
+    if exited is None:
+        wrong.append(f"Xid {code}: announced {got}, but pid {pid} never exited while "
+                     "the run went on (it kept its GPU)")
+    return f"{code}:{got}, {'exited' if exited else 'still running'}", wrong
+
+
 def _xid_code(event: Event) -> int | None:
     params = event.fields.get("params")
     code = params.get("code") if isinstance(params, dict) else None
     return code if isinstance(code, int) else None
+
+
+def _landing_problem(index: int, when: str, found: Event | None) -> str | None:
+    """What is wrong with how file-triggered fault ``index`` landed (``found``: its
+    harness ``fault_injected``), or None: it landed inside the write."""
+    if found is None:
+        return f"fault {index} ({when}) was never injected: not observed"
+    if "file_open" not in found.fields:
+        return (f"fault {index} ({when}) has no record of its file at the fault's "
+                "moment: not observed")
+    state = describe_file_state(str(found.fields["file"]), found.fields)
+    if not isinstance(found.fields["file_open"], bool):
+        return f"fault {index} ({when}): {state}: not observed"
+    if not found.fields["file_open"]:
+        return (f"fault {index} ({when}) missed its window: {state}, so the write "
+                "was over before the fault landed (the writer outran the trigger; "
+                "trigger earlier, e.g. `when: opened`, or on a slower save)")
+    return None
 
 
 def _faults_landed(file_triggers: Mapping[int, str], events: Sequence[Event]) -> CheckResult:
@@ -525,26 +658,11 @@ def _faults_landed(file_triggers: Mapping[int, str], events: Sequence[Event]) ->
     first: dict[int, Event] = {}
     for ev in events:
         index = ev.fields.get("fault")
-        if (ev.event == "fault_injected" and ev.source == "harness" and "file" in ev.fields
+        if (ev.event == contract.FAULT_INJECTED and ev.source == "harness" and "file" in ev.fields
                 and isinstance(index, int)):
             first.setdefault(index, ev)
-    problems: list[str] = []
-    for index in judged:
-        found = first.get(index)
-        when = file_triggers[index]
-        if found is None:
-            problems.append(f"fault {index} ({when}) was never injected: not observed")
-        elif "file_open" not in found.fields:
-            problems.append(f"fault {index} ({when}) has no record of its file at the fault's "
-                            "moment: not observed")
-        elif not isinstance(found.fields["file_open"], bool):
-            state = describe_file_state(str(found.fields["file"]), found.fields)
-            problems.append(f"fault {index} ({when}): {state}: not observed")
-        elif not found.fields["file_open"]:
-            state = describe_file_state(str(found.fields["file"]), found.fields)
-            problems.append(f"fault {index} ({when}) missed its window: {state}, so the write "
-                            "was over before the fault landed (the writer outran the trigger; "
-                            "trigger earlier, e.g. `when: opened`, or on a slower save)")
+    problems = [p for i in judged
+                if (p := _landing_problem(i, file_triggers[i], first.get(i))) is not None]
     landed = len(judged) - len(problems)
     if not judged:
         return CheckResult("faults_landed", False, None, "in_window",
@@ -573,38 +691,48 @@ def _checkpoint_durable(events: Sequence[Event]) -> CheckResult:
     an older one, or from scratch, still ends bitwise equal.)
     """
     name = "checkpoint_durable"
-    fault = next((e for e in events if e.event == "fault_injected"), None)
+    fault = next((e for e in events if e.event == contract.FAULT_INJECTED), None)
     if fault is None:
         return CheckResult(name, False, None, "a fault", "not observed: no fault landed")
-    saved = [(e.t, e.fields["step"]) for e in events if e.event == "checkpoint_saved"
-             and e.t < fault.t and isinstance(e.fields.get("step"), int)]
+    saves = [(e.t, e.fields["step"]) for e in _with_step(events, contract.CHECKPOINT_SAVED)]
+    saved = [(t, step) for t, step in saves if t < fault.t]
     if not saved:
         return CheckResult(name, False, None, "a checkpoint saved before the fault",
                            "not observed: the system reported no checkpoint saved before the "
                            "fault, so none had to survive it")
-    faults = [e.t for e in events if e.event == "fault_injected"]
-    saves = [(e.t, e.fields["step"]) for e in events if e.event == "checkpoint_saved"
-             and isinstance(e.fields.get("step"), int)]
-
-    def owed(t: float) -> tuple[float, int, float]:
-        """What a resume at ``t`` must keep: the newest checkpoint saved before the last
-        fault before it (its time, its step), and that fault's time."""
-        before = max(f for f in faults if f < t)
-        when, step = max(((w, s) for w, s in saves if w < before), key=lambda item: item[1])
-        return when, step, before
-
-    loads = [e for e in events if e.event == "checkpoint_loaded" and e.t > fault.t
-             and isinstance(e.fields.get("step"), int)]
-    last = max(step for _, step in saved)
+    loads = [e for e in _with_step(events, contract.CHECKPOINT_LOADED) if e.t > fault.t]
     if not loads:
+        last = max(step for _, step in saved)
         return CheckResult(name, False, "no resume", f"resume from step >= {last}, none "
                            "rejected", "not observed: the system reported no "
                            "checkpoint_loaded after the fault (it started over, or never "
                            "restarted)")
+    return _resumes_kept(events, fault, loads, saves)
+
+
+def _with_step(events: Sequence[Event], kind: str) -> list[Event]:
+    return [e for e in events if e.event == kind and isinstance(e.fields.get("step"), int)]
+
+
+def _owed(t: float, faults: Sequence[float], saves: Sequence[tuple[float, int]]
+          ) -> tuple[float, int, float]:
+    """What a resume at ``t`` must keep: the newest checkpoint saved before the last fault
+    before it (its time, its step), and that fault's time."""
+    before = max(f for f in faults if f < t)
+    when, step = max(((w, s) for w, s in saves if w < before), key=lambda item: item[1])
+    return when, step, before
+
+
+def _resumes_kept(events: Sequence[Event], fault: Event, loads: Sequence[Event],
+                  saves: Sequence[tuple[float, int]]) -> CheckResult:
+    """checkpoint_durable, once there are resumes after the fault to judge."""
+    name = "checkpoint_durable"
+    faults = [e.t for e in events if e.event == contract.FAULT_INJECTED]
     # Each resume against the fault it followed: what was saved before a second fault must
     # survive that one too, not only what was saved before the first.
-    short = [(e, *owed(e.t)) for e in loads if e.fields["step"] < owed(e.t)[1]]
-    last = max(owed(e.t)[1] for e in loads)
+    short = [(e, *_owed(e.t, faults, saves)) for e in loads
+             if e.fields["step"] < _owed(e.t, faults, saves)[1]]
+    last = max(_owed(e.t, faults, saves)[1] for e in loads)
     expected = f"resume from step >= {last}, none rejected"
     oldest = min(loads, key=lambda e: e.fields["step"])
     step = oldest.fields["step"]
@@ -617,7 +745,7 @@ def _checkpoint_durable(events: Sequence[Event]) -> CheckResult:
             f"{who} resumed from step {load.fields['step']}, older than step {owed_step}, "
             f"which the system reported saved {before - saved_t:.2f}s before the fault: a "
             "checkpoint it called committed did not survive")
-    rejected = [e for e in events if e.event == "checkpoint_skipped" and e.t > fault.t]
+    rejected = [e for e in events if e.event == contract.CHECKPOINT_SKIPPED and e.t > fault.t]
     if rejected:
         first = rejected[0]
         by = f"rank {first.rank}" if first.rank is not None else first.source
@@ -631,28 +759,32 @@ def _checkpoint_durable(events: Sequence[Event]) -> CheckResult:
                        f"resumed from step {step} ({which}: {last}), none rejected")
 
 
-def _straggler_named(events: Sequence[Event]) -> CheckResult:
-    """Every slowed rank named as the straggler (``straggler_detected``) after it was
-    slowed, and no rank named that was not: a naming before the slowdown proves nothing
-    about it, and a system that names every rank singles out none."""
-    slowed: dict[int, float] = {}  # rank -> when it was first slowed
+def _slowed(events: Sequence[Event]) -> dict[int, float]:
+    """Rank -> when a ``process.straggle`` fault first slowed it."""
+    slowed: dict[int, float] = {}
     for e in events:
-        if e.event == "fault_injected" and e.fields.get("kind") == "process.straggle":
+        if e.event == contract.FAULT_INJECTED and e.fields.get("kind") == "process.straggle":
             listed = e.fields.get("ranks")
             group = listed if isinstance(listed, list) else [e.fields.get("rank")]
             for rank in group:
                 if isinstance(rank, int):
                     slowed.setdefault(rank, e.t)
+    return slowed
+
+
+def _named_slow(events: Sequence[Event]) -> dict[int, list[float]]:
+    """Rank -> when the system named it the straggler (``straggler_detected``)."""
     named: dict[int, list[float]] = {}
     for e in events:
         rank = e.fields.get("slow_rank")
-        if e.event == "straggler_detected" and isinstance(rank, int):
+        if e.event == contract.STRAGGLER_DETECTED and isinstance(rank, int):
             named.setdefault(rank, []).append(e.t)
-    shown = ", ".join(f"rank {r}" for r in sorted(named)) or None
-    expected = ", ".join(f"rank {r}" for r in sorted(slowed)) or "a straggled rank"
-    if not slowed:
-        return CheckResult("straggler_named", False, shown, expected,
-                           "not observed: no process.straggle fault was injected")
+    return named
+
+
+def _misnamed(slowed: Mapping[int, float], named: Mapping[int, list[float]]) -> list[str]:
+    """What straggler_named finds wrong: slowed ranks never named, or named only before
+    they were slowed, and ranks named that were not slowed."""
     wrong = []
     unnamed = [r for r in sorted(slowed) if r not in named]
     early = [r for r in sorted(slowed) if r in named and max(named[r]) < slowed[r]]
@@ -663,6 +795,20 @@ def _straggler_named(events: Sequence[Event]) -> CheckResult:
     if others := sorted(set(named) - set(slowed)):
         wrong.append(f"the system also named {_metrics.ranks_text(others)}, which "
                      + ("was" if len(others) == 1 else "were") + " not slowed")
+    return wrong
+
+
+def _straggler_named(events: Sequence[Event]) -> CheckResult:
+    """Every slowed rank named as the straggler (``straggler_detected``) after it was
+    slowed, and no rank named that was not: a naming before the slowdown proves nothing
+    about it, and a system that names every rank singles out none."""
+    slowed, named = _slowed(events), _named_slow(events)
+    shown = ", ".join(f"rank {r}" for r in sorted(named)) or None
+    expected = ", ".join(f"rank {r}" for r in sorted(slowed)) or "a straggled rank"
+    if not slowed:
+        return CheckResult("straggler_named", False, shown, expected,
+                           "not observed: no process.straggle fault was injected")
+    wrong = _misnamed(slowed, named)
     return CheckResult("straggler_named", not wrong, shown, expected,
                        "; ".join(wrong) or "the system named the slowed rank, after it was "
                        "slowed, and no other")

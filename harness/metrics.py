@@ -7,17 +7,19 @@ hand-written timelines.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from aftershock.faults import contract
 from aftershock.harness.records import Event
 
 
 def first_fault_time(events: Sequence[Event]) -> float | None:
-    return next((e.t for e in events if e.event == "fault_injected"), None)
+    return next((e.t for e in events if e.event == contract.FAULT_INJECTED), None)
 
 
 def fault_landed(events: Sequence[Event], last: bool = False) -> float | None:
@@ -26,7 +28,8 @@ def fault_landed(events: Sequence[Event], last: bool = False) -> float | None:
     fault's moment is when applying it began, so that a fast reaction is not measured
     short; a step committed in between may still precede the fault's effect and proves
     nothing."""
-    faults = (e for e in (reversed(events) if last else events) if e.event == "fault_injected")
+    faults = (e for e in (reversed(events) if last else events)
+              if e.event == contract.FAULT_INJECTED)
     fault = next(faults, None)
     if fault is None:
         return None
@@ -47,7 +50,7 @@ def committed_after_faults(events: Sequence[Event] | Reading) -> bool | None:
     if not times:
         return None
     landed = fault_landed(reading.events, last=True)
-    finished = any(e.event == "params" and e.t < over for e in reading.events)
+    finished = any(e.event == contract.PARAMS and e.t < over for e in reading.events)
     return landed is None or max(times) > landed or finished
 
 
@@ -55,7 +58,7 @@ def run_over(events: Sequence[Event]) -> float:
     """When the harness stopped observing: its timeout, else the end of the run. After it,
     the harness heals every fault (a frozen rank is thawed) and stops the system, so what
     the system does then is no evidence of anything it did by itself."""
-    return next((e.t for e in events if e.event in ("timeout", "run_end")), math.inf)
+    return next((e.t for e in events if e.event in (contract.TIMEOUT, contract.RUN_END)), math.inf)
 
 
 def detection(events: Sequence[Event]) -> Event | None:
@@ -63,7 +66,8 @@ def detection(events: Sequence[Event]) -> Event | None:
     t_fault = first_fault_time(events)
     if t_fault is None:
         return None
-    return next((e for e in events if e.event == "failure_detected" and e.t >= t_fault), None)
+    return next((e for e in events if e.event == contract.FAILURE_DETECTED and e.t >= t_fault),
+                None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,30 +90,34 @@ def detections(events: Sequence[Event], world: int | None = None) -> list[FaultD
     its stall over before the next fault). Such a fault does not take the next fault's
     detection as its own."""
     ordered = sorted(events, key=lambda e: e.t)
-    found = [e for e in ordered if e.event == "failure_detected"]
-    faults = [e for e in ordered if e.event == "fault_injected"]
+    found = [e for e in ordered if e.event == contract.FAILURE_DETECTED]
+    faults = [e for e in ordered if e.event == contract.FAULT_INJECTED]
     serving = is_serving(ordered)
     reading = None if serving else Reading.of(ordered)
     records = requests(ordered) if serving else []
     size = None if serving else full_world(ordered, world)
     over = run_over(ordered)
     out = []
-    for i, fault in enumerate(faults):
-        nxt = faults[i + 1].t if i + 1 < len(faults) else over
+    for fault, nxt in zip(faults, [f.t for f in faults[1:]] + [over], strict=True):
         detected = next((d for d in found if d.t >= fault.t), None)
         if detected is not None and detected.t < nxt:
             out.append(FaultDetection(fault, detected, False))
             continue
-        applied = fault.fields.get("applied_at")
-        landed = max(fault.t, float(applied)) if isinstance(applied, int | float) else fault.t
-        if serving:
-            taken = serving_time_to_recover(records, fault.t)
-            rode = taken is not None and fault.t + taken < nxt
-        else:
-            assert reading is not None
-            rode = _rode_through(reading, fault.t, landed, nxt, size)
+        rode = _rode(fault, nxt, reading, records, size)
         out.append(FaultDetection(fault, None if rode else detected, rode))
     return out
+
+
+def _rode(fault: Event, nxt: float, reading: Reading | None,
+          records: Sequence[RequestRecord], size: int | None) -> bool:
+    """Whether the system rode through ``fault`` before ``nxt`` (``reading``: the training
+    timeline; None: serving, judged from the clients' ``records``)."""
+    if reading is None:
+        taken = serving_time_to_recover(records, fault.t)
+        return taken is not None and fault.t + taken < nxt
+    applied = fault.fields.get("applied_at")
+    landed = max(fault.t, float(applied)) if isinstance(applied, int | float) else fault.t
+    return _rode_through(reading, fault.t, landed, nxt, size)
 
 
 def _rode_through(reading: Reading, t_fault: float, landed: float, until: float,
@@ -144,7 +152,7 @@ def full_world(events: Sequence[Event], configured: int | None) -> int | None:
     ranks = {
         rank
         for e, rank in zip(ordered, _member_ranks(ordered), strict=True)
-        if e.event == "step" and rank is not None and (t_fault is None or e.t < t_fault)
+        if e.event == contract.STEP and rank is not None and (t_fault is None or e.t < t_fault)
     }
     return len(ranks) or None
 
@@ -190,7 +198,7 @@ def log_files_appeared(events: Iterable[Event]) -> dict[str, float]:
     found: dict[str, float] = {}
     for e in events:
         where, absent = e.fields.get("path"), e.fields.get("absent_at")
-        if e.event == "log_appeared" and isinstance(where, str) \
+        if e.event == contract.LOG_APPEARED and isinstance(where, str) \
                 and isinstance(absent, int | float) and not isinstance(absent, bool):
             found[where] = float(absent)
     return found
@@ -234,35 +242,50 @@ class Reading:
         found: list[Commit] = []
         appeared = log_files_appeared(ordered)
         for e, rank in zip(ordered, ranks, strict=True):
-            world = _identity(e.fields.get("generation"))
-            process: tuple[object, ...]
-            if e.source != "log":
-                pid = e.fields.get("pid")
-                process = ("pid", pid) if isinstance(pid, int) else ("source", e.source, rank)
-                if world is not None and e.event in ("hello", "step"):
-                    declared[process] = world
-                elif world is None:
-                    world = declared.get(process)
-            else:
-                # One process's lines: its own file, or its name in a shared stream.
-                process = ("log", e.fields.get("stream"), e.fields.get("replica_id"), rank)
-                if world is not None and e.event in ("hello", "step", "world_changed"):
-                    declared[process] = world
-                elif world is None:
-                    world = declared.get(process)
-                if world is None and attempts_are_worlds:
-                    world = _identity(e.fields.get("attempt"))
+            world = _world_of(e, rank, declared, attempts_are_worlds)
             worlds.append(world)
-            step = e.fields.get("step")
-            if e.event == "step" and isinstance(step, int) and not isinstance(step, bool):
-                stream = e.fields.get("stream") if e.source == "log" else None
-                after = [a for a in (appeared.get(stream) if isinstance(stream, str) else None,
-                                     e.fields.get("written_after"))
-                         if isinstance(a, int | float) and not isinstance(a, bool)]
-                found.append(Commit(e.t, step, rank if rank is not None else 0, world,
-                                    proven_time(e), max(after) if after else None,
-                                    _launcher(e)))
+            commit = _commit_of(e, rank, world, appeared)
+            if commit is not None:
+                found.append(commit)
         return cls(ordered, ranks, worlds, found)
+
+
+def _world_of(e: Event, rank: int | None, declared: dict[tuple[object, ...], World],
+              attempts_are_worlds: bool) -> World | None:
+    """The world ``e`` was in (see :class:`Reading`); ``declared`` holds, and is updated
+    with, the world each process last named."""
+    world = _identity(e.fields.get("generation"))
+    process: tuple[object, ...]
+    names: tuple[str, ...]  # the events in which a process names its world
+    if e.source != "log":
+        pid = e.fields.get("pid")
+        process = ("pid", pid) if isinstance(pid, int) else ("source", e.source, rank)
+        names = (contract.HELLO, contract.STEP)
+    else:
+        # One process's lines: its own file, or its name in a shared stream.
+        process = ("log", e.fields.get("stream"), e.fields.get("replica_id"), rank)
+        names = (contract.HELLO, contract.STEP, contract.WORLD_CHANGED)
+    if world is not None and e.event in names:
+        declared[process] = world
+    elif world is None:
+        world = declared.get(process)
+    if world is None and e.source == "log" and attempts_are_worlds:
+        world = _identity(e.fields.get("attempt"))
+    return world
+
+
+def _commit_of(e: Event, rank: int | None, world: World | None,
+               appeared: Mapping[str, float]) -> Commit | None:
+    """The step ``e`` reports committed, if it is a step report."""
+    step = e.fields.get("step")
+    if e.event != contract.STEP or not isinstance(step, int) or isinstance(step, bool):
+        return None
+    stream = e.fields.get("stream") if e.source == "log" else None
+    after = [a for a in (appeared.get(stream) if isinstance(stream, str) else None,
+                         e.fields.get("written_after"))
+             if isinstance(a, int | float) and not isinstance(a, bool)]
+    return Commit(e.t, step, rank if rank is not None else 0, world, proven_time(e),
+                  max(after) if after else None, _launcher(e))
 
 
 def _launcher(event: Event) -> str | None:
@@ -301,7 +324,7 @@ def launchers(events: Iterable[Event]) -> tuple[set[int], set[str]]:
     folders: set[str] = set()
     for e in events:
         agent, folder = e.fields.get("agent"), e.fields.get("launcher")
-        if e.event == "process_started" and isinstance(agent, int):
+        if e.event == contract.PROCESS_STARTED and isinstance(agent, int):
             agents.add(agent)
         if e.source == "log" and isinstance(folder, str):
             folders.add(folder)
@@ -349,10 +372,10 @@ class _Worlds:
         members: dict[World | None, set[int]] = defaultdict(set)
         moves: list[tuple[float, int, World | None]] = []
         for e, rank, world in zip(reading.events, reading.ranks, reading.worlds, strict=True):
-            if e.event not in ("hello", "step"):
+            if e.event not in (contract.HELLO, contract.STEP):
                 continue
             first_seen.setdefault(world, e.t)
-            if e.event == "step":
+            if e.event == contract.STEP:
                 rank = 0 if rank is None else rank
                 members[world].add(rank)
             elif rank is None:
@@ -441,10 +464,33 @@ def recovery(events: Sequence[Event] | Reading, world: int | None) -> Recovery:
     if not size:
         return Recovery(None, reason="the world's size is unknown (no rank reported a step "
                         "before the fault)")
+    several = sum(1 for e in ordered if e.event == contract.FAULT_INJECTED) > 1
+    named = _named_after(reading, t_fault, several)
+    if isinstance(named, Recovery):
+        return named
+    # Each rank's first commit of each step in each world; the step is whole once `size`
+    # ranks of that world committed it.
+    first: dict[tuple[World | None, int], dict[int, float]] = defaultdict(dict)
+    # The earliest each of those commits can have been: its own time, else when its
+    # writer's log file was last seen absent.
+    earliest: dict[tuple[World | None, int], dict[int, float]] = defaultdict(dict)
+    for c in named:
+        first[(c.world, c.step)].setdefault(c.rank, c.t)
+        earliest[(c.world, c.step)].setdefault(
+            c.rank, c.t if c.proven or c.written_after is None else c.written_after)
+    whole = sorted((max(by_rank.values()), w, s) for (w, s), by_rank in first.items()
+                   if len(by_rank) >= size)
+    return (_lasting(reading, whole, earliest, t_fault, several)
+            or _closest(first, size, several))
+
+
+def _named_after(reading: Reading, t_fault: float, several: bool) -> list[Commit] | Recovery:
+    """The commits that can prove a recovery: after the last fault landed, before the
+    harness stopped observing, proven after it, naming their world; or why there are none."""
+    ordered = reading.events
     # After every fault: a world whole between two faults, that the second one then froze
     # without replacing it or making it report a failure, recovered from the first only.
     landed, over = fault_landed(ordered, last=True) or t_fault, run_over(ordered)
-    several = sum(1 for e in ordered if e.event == "fault_injected") > 1
     after = [c for c in reading.commits if landed < c.t < over]
     if not after:
         return Recovery(None, reason="no step was reported after the "
@@ -462,50 +508,73 @@ def recovery(events: Sequence[Event] | Reading, world: int | None) -> Recovery:
         return Recovery(None, reason="the steps committed after the fault name no world (a "
                         "generation in the probe's hello, or a (?P<generation>...) group in the "
                         "step probe), so one world's step cannot be told from another's")
-    # Each rank's first commit of each step in each world; the step is whole once `size`
-    # ranks of that world committed it.
-    first: dict[tuple[World | None, int], dict[int, float]] = defaultdict(dict)
-    # The earliest each of those commits can have been: its own time, else when its
-    # writer's log file was last seen absent.
-    earliest: dict[tuple[World | None, int], dict[int, float]] = defaultdict(dict)
-    for c in named:
-        first[(c.world, c.step)].setdefault(c.rank, c.t)
-        earliest[(c.world, c.step)].setdefault(
-            c.rank, c.t if c.proven or c.written_after is None else c.written_after)
-    whole = sorted((max(by_rank.values()), w, s) for (w, s), by_rank in first.items()
-                   if len(by_rank) >= size)
-    known = _Worlds.of(reading)
-    failed_at: dict[World | None, float] = {}  # each world's last reported failure
-    for e, w in zip(ordered, reading.worlds, strict=True):
-        if e.event == "failure_detected":
-            failed_at[w] = e.t
-    end = next((e for e in reversed(ordered) if e.event == "run_end"), None)
-    ended_badly = end is not None and end.fields.get("exit_code") not in (0, None) and \
-        not end.fields.get("timed_out")
-    newest = max(known.first_seen, key=lambda w: known.first_seen[w], default=None)
+    return named
+
+
+def _lasting(reading: Reading, whole: Sequence[tuple[float, World | None, int]],
+             earliest: Mapping[tuple[World | None, int], Mapping[int, float]],
+             t_fault: float, several: bool) -> Recovery | None:
+    """The first whole world (``whole``: when, which, at what step) that lasted: neither
+    replaced nor failed; why none did; None when no world was whole."""
+    fates = _Fates.of(reading)
     doomed: list[str] = []
     for t, w, s in whole:
         whole_at = (f"{_name(w)} was whole at step {s} {t - t_fault:.3f} s after the "
                     + ("first fault" if several else "fault"))
-        moved, failed = known.left(w, t), failed_at.get(w)
+        why = fates.doomed(w, t)
+        if why is not None:
+            doomed.append(f"{whole_at}, but {why}")
+            continue
+        low = max(earliest[(w, s)].values()) - t_fault
+        exact = low >= t - t_fault
+        return Recovery(t - t_fault, w, s, at_least=t - t_fault if exact else low,
+                        proof=PROOF_OWN_CLOCK if exact else PROOF_WRITER_STARTED)
+    return Recovery(None, reason="; ".join(doomed[:2])) if doomed else None
+
+
+@dataclass(frozen=True, slots=True)
+class _Fates:
+    """What can undo a whole world: its members turning up elsewhere, a failure it
+    reported (each world's last), and the run ending in failure (``ended``: its exit code,
+    None when it did not) while it was the newest world."""
+
+    known: _Worlds
+    failed_at: dict[World | None, float]
+    ended: object
+    newest: World | None
+
+    @classmethod
+    def of(cls, reading: Reading) -> _Fates:
+        failed_at: dict[World | None, float] = {}
+        for e, w in zip(reading.events, reading.worlds, strict=True):
+            if e.event == contract.FAILURE_DETECTED:
+                failed_at[w] = e.t
+        end = next((e for e in reversed(reading.events) if e.event == contract.RUN_END), None)
+        ended_badly = end is not None and end.fields.get("exit_code") not in (0, None) and \
+            not end.fields.get("timed_out")
+        known = _Worlds.of(reading)
+        newest = max(known.first_seen, key=lambda w: known.first_seen[w], default=None)
+        return cls(known, failed_at, end.fields.get("exit_code") if end and ended_badly
+                   else None, newest)
+
+    def doomed(self, w: World | None, t: float) -> str | None:
+        """Why world ``w``, whole at ``t``, did not last, or None."""
+        moved, failed = self.known.left(w, t), self.failed_at.get(w)
         if moved is not None:
             when, rank, other = moved
-            doomed.append(f"{whole_at}, but was replaced: rank {rank} turned up in "
-                          f"{_name(other)} {when - t:.3f} s later")
-        elif failed is not None and failed > t:
-            doomed.append(f"{whole_at}, but reported a failure {failed - t:.3f} s later")
-        elif ended_badly and w == newest:
-            assert end is not None
-            doomed.append(f"{whole_at}, but the run ended in failure "
-                          f"(exit {end.fields.get('exit_code')})")
-        else:
-            low = max(earliest[(w, s)].values()) - t_fault
-            exact = low >= t - t_fault
-            return Recovery(t - t_fault, w, s, at_least=t - t_fault if exact else low,
-                            proof=PROOF_OWN_CLOCK if exact else PROOF_WRITER_STARTED)
-    if doomed:
-        return Recovery(None, reason="; ".join(doomed[:2]))
-    # The world that came closest: the most ranks committing one step after the fault.
+            return (f"was replaced: rank {rank} turned up in {_name(other)} "
+                    f"{when - t:.3f} s later")
+        if failed is not None and failed > t:
+            return f"reported a failure {failed - t:.3f} s later"
+        if self.ended is not None and w == self.newest:
+            return f"the run ended in failure (exit {self.ended})"
+        return None
+
+
+def _closest(first: Mapping[tuple[World | None, int], Mapping[int, float]], size: int,
+             several: bool) -> Recovery:
+    """No world recovered: the one that came closest, the most ranks committing one step
+    after the fault."""
     (w, s), by_rank = max(first.items(), key=lambda item: (len(item[1]), -min(item[1].values())))
     missing = set(range(size)) - set(by_rank)
     lacking = ranks_text(missing) if missing else f"{size - len(by_rank)} more ranks"
@@ -604,15 +673,18 @@ def forks(events: Sequence[Event] | Reading) -> list[Fork] | None:
     per_step: dict[int, list[Commit]] = defaultdict(list)
     for c in found:
         per_step[c.step].append(c)
-    forked = []
-    for step, done in sorted(per_step.items()):
-        # `done` is in time order: in each pair `a` came first.
-        pairs = [(a, b) for a, b in itertools.combinations(done, 2)
-                 if b.t > t_fault and a.world != b.world and a.world is not None]
-        if any(lines.progresses_after(a, b.t) or (lines.completes(a) and lines.completes(b))
-               for a, b in pairs):
-            forked.append(Fork(step, tuple(dict.fromkeys(c.world for c in done))))
-    return forked
+    return [Fork(step, tuple(dict.fromkeys(c.world for c in done)))
+            for step, done in sorted(per_step.items()) if _forks(done, t_fault, lines)]
+
+
+def _forks(done: Sequence[Commit], t_fault: float, lines: _Lines) -> bool:
+    """Whether the commits of one step (in time order) hold two worlds that both went on,
+    the second commit after the fault."""
+    # In each pair `a` came first.
+    pairs = [(a, b) for a, b in itertools.combinations(done, 2)
+             if b.t > t_fault and a.world != b.world and a.world is not None]
+    return any(lines.progresses_after(a, b.t) or (lines.completes(a) and lines.completes(b))
+               for a, b in pairs)
 
 
 def forked_steps(events: Sequence[Event] | Reading) -> int | None:
@@ -646,7 +718,7 @@ def step_unit(events: Sequence[Event]) -> str:
     """What one step of ``lost_steps`` and ``skipped_steps`` is: the step numbers the job's
     step reports count, which the harness cannot convert (an epoch for a job that reports
     epochs, torchft's Manager step for the ``torchft`` preset)."""
-    first = next((e for e in events if e.event == "step"), None)
+    first = next((e for e in events if e.event == contract.STEP), None)
     if first is None:
         return "steps as the job numbers them"
     line = first.fields.get("line")
@@ -679,28 +751,37 @@ def skipped_steps(events: Sequence[Event] | Reading) -> int | None:
     skipped: set[int] = set()
     for a, b in pairs:
         skipped.update(range(a + 1, b))
+    return len(skipped | _skipped_at_starts(reading))
+
+
+def _skipped_at_starts(reading: Reading) -> set[int]:
+    """The steps each new world jumped over as it started: from where it resumed (its
+    ``checkpoint_loaded``/``recovery_done`` step, else the newest step committed before
+    it, if that is below) to its first step."""
+    found = reading.commits
     resumed: dict[World | None, list[tuple[float, int]]] = defaultdict(list)
     for e, w in zip(reading.events, reading.worlds, strict=True):
         step = e.fields.get("step")
-        if e.event in ("checkpoint_loaded", "recovery_done") and isinstance(step, int):
+        if e.event in (contract.CHECKPOINT_LOADED, contract.RECOVERY_DONE) \
+                and isinstance(step, int):
             resumed[w].append((e.t, step))
     starts: dict[World | None, Commit] = {}
     for c in found:
         starts.setdefault(c.world, c)
+    skipped: set[int] = set()
     for start in list(starts.values())[1:]:  # the first world starts where the job does
         points = [s for t, s in resumed.get(start.world, []) if t <= start.t]
+        below = [c.step for c in found if c.t < start.t and c.step < start.step]
         if points:
             skipped.update(range(points[0] + 1, start.step))
-            continue
-        below = [c.step for c in found if c.t < start.t and c.step < start.step]
-        if below:
+        elif below:
             skipped.update(range(max(below) + 1, start.step))
-    return len(skipped)
+    return skipped
 
 
 def steps_committed(events: Sequence[Event]) -> int | None:
     steps = [e.fields["step"] for e in events
-             if e.event == "step" and isinstance(e.fields.get("step"), int)]
+             if e.event == contract.STEP and isinstance(e.fields.get("step"), int)]
     return max(steps) if steps else None
 
 
@@ -719,7 +800,7 @@ def final_digests(events: Sequence[Event] | Reading) -> dict[int, str]:
     final = final_world(reading)
     digests: dict[int, str] = {}
     for e, rank, w in zip(reading.events, reading.ranks, reading.worlds, strict=True):
-        if e.event == "params" and isinstance(e.fields.get("digest"), str) and w == final:
+        if e.event == contract.PARAMS and isinstance(e.fields.get("digest"), str) and w == final:
             digests[rank if rank is not None else 0] = e.fields["digest"]
     return digests
 
@@ -728,12 +809,12 @@ def generations(events: Sequence[Event]) -> int:
     """New generations after the first: world restarts under `restart` (torchrun's
     restart count), membership changes under hot_spare and elastic; for a job without
     ``hello``, the restart counts of the workers its launcher started."""
-    seen = {e.fields.get("generation") for e in events if e.event == "hello"}
+    seen = {e.fields.get("generation") for e in events if e.event == contract.HELLO}
     seen.discard(None)
     if not seen:
         # A job that says nothing of itself: the restart counts of the workers its launcher
         # started, as the harness saw them in the process tree (process_started).
-        seen = {e.fields.get("generation") for e in events if e.event == "process_started"}
+        seen = {e.fields.get("generation") for e in events if e.event == contract.PROCESS_STARTED}
         seen.discard(None)
     return max(len(seen) - 1, 0)
 
@@ -746,24 +827,27 @@ def min_step_rate(events: Sequence[Event], window_s: float = 2.0) -> float | Non
     first: dict[int, float] = {}
     for e in events:
         step = e.fields.get("step")
-        if e.event == "step" and isinstance(step, int) and step not in first:
-            first[step] = e.t
+        if e.event == contract.STEP and isinstance(step, int):
+            first.setdefault(step, e.t)
     times = sorted(first.values())
     if len(times) < 2:
         return None
-    stopped = next((e.t for e in events if e.event == "timeout"), None)
+    stopped = next((e.t for e in events if e.event == contract.TIMEOUT), None)
     end = times[-1] if stopped is None else max(times[-1], stopped)
     if end - times[0] < window_s:
         return None
+    return _slowest_window(times, end, window_s)
+
+
+def _slowest_window(times: Sequence[float], end: float, window_s: float) -> float | None:
+    """The fewest of ``times`` (sorted) in any window of ``window_s`` from the first to
+    ``end``, per second, the windows a quarter window apart."""
     slowest = None
     lo = 0
     start = times[0]
     while start + window_s <= end:
-        while lo < len(times) and times[lo] < start:
-            lo += 1
-        hi = lo
-        while hi < len(times) and times[hi] < start + window_s:
-            hi += 1
+        lo = bisect.bisect_left(times, start, lo)
+        hi = bisect.bisect_left(times, start + window_s, lo)
         rate = (hi - lo) / window_s
         slowest = rate if slowest is None else min(slowest, rate)
         start += window_s / 4
@@ -806,12 +890,12 @@ class RequestRecord:
         listed = given if isinstance(given, list) else []
         digests = tuple(d if isinstance(d, str) and d else None for d in listed[: len(tokens)])
         digests += (None,) * (len(tokens) - len(digests))
-        return cls(str(f.get("request")), event.event == "request_done",
+        return cls(str(f.get("request")), event.event == contract.REQUEST_DONE,
                    float(f.get("sent", event.t)), tuple(int(x) for x in tokens),
                    tuple(float(x) for x in times), int(f.get("max_tokens") or len(tokens)),
                    int(f.get("duplicates") or 0), digests, bool(f.get("unindexed")),
                    str(f["finish_reason"]) if f.get("finish_reason") else None,
-                   str(f["error"]) if event.event == "request_failed" and f.get("error")
+                   str(f["error"]) if event.event == contract.REQUEST_FAILED and f.get("error")
                    else None)
 
 
@@ -821,9 +905,9 @@ def requests(events: Sequence[Event]) -> list[RequestRecord]:
     ended: dict[str, RequestRecord] = {}
     sent: dict[str, float] = {}
     for e in events:
-        if e.event == "request_sent" and e.source == "client":
+        if e.event == contract.REQUEST_SENT and e.source == "client":
             sent[str(e.fields.get("request"))] = e.t
-        elif e.event in ("request_done", "request_failed") and e.source == "client":
+        elif e.event in (contract.REQUEST_DONE, contract.REQUEST_FAILED) and e.source == "client":
             record = RequestRecord.of(e)
             if record is not None:
                 ended[record.id] = record
@@ -879,7 +963,7 @@ def serving_recovery(records: Sequence[RequestRecord], events: Sequence[Event]
     requests one of them hit never streamed again, or one of them hit no request: a
     recovery from the first fault alone is no recovery of the run when a later one froze
     what was left."""
-    times = [e.t for e in events if e.event == "fault_injected"]
+    times = [e.t for e in events if e.event == contract.FAULT_INJECTED]
     if not times:
         return None
     ends = []
@@ -950,7 +1034,7 @@ def ended_early(records: Sequence[RequestRecord]) -> list[RequestRecord]:
 
 def planned_requests(events: Sequence[Event]) -> int | None:
     """How many requests the load generator planned to send (``load_started``)."""
-    started = next((e for e in events if e.event == "load_started"), None)
+    started = next((e for e in events if e.event == contract.LOAD_STARTED), None)
     planned = started.fields.get("requests") if started is not None else None
     return planned if isinstance(planned, int) and not isinstance(planned, bool) else None
 
@@ -962,21 +1046,7 @@ def serving(events: Sequence[Event]) -> dict[str, float | int | None]:
     # first token; counting only the requests sent would pass a server that died between
     # two arrivals with everything it had been sent finished.
     unsent = max((planned_requests(events) or 0) - len(records), 0)
-    # Over every request, not only the ones that got a token: a request that never got its
-    # first token, or whose tokens stopped before it finished, waited longer than any budget,
-    # and counts as such (math.inf). A percentile that lands on one is no value (None), and
-    # the latency check says how many requests it was.
-    never = sum(1 for r in records if not r.times and r.max_tokens > 0) + unsent
-    stalled = sum(1 for r in records if r.times and not r.done)
-    ttft = [r.times[0] - r.sent for r in records if r.times] + [math.inf] * never
-    tpot = [b - a for r in records for a, b in itertools.pairwise(r.times)] \
-        + [math.inf] * stalled
-    stats = next((e.fields for e in reversed(events) if e.event == "serving_stats"), {})
-
-    def stat(name: str) -> float | int | None:
-        value = stats.get(name)
-        return value if isinstance(value, int | float) else None
-
+    stats = next((e.fields for e in reversed(events) if e.event == contract.SERVING_STATS), {})
     lost = [r for r in records if not r.done or len(r.tokens) < r.max_tokens]
     return {
         "time_to_detect_s": time_to_detect(events),
@@ -988,9 +1058,30 @@ def serving(events: Sequence[Event]) -> dict[str, float | int | None]:
         "ended_early_requests": len(ended_early(records)),
         "duplicated_tokens": sum(r.duplicates for r in records),
         "unindexed_requests": sum(1 for r in records if r.unindexed),
-        "migrated_requests": sum(1 for e in events if e.event == "request_migrated"),
-        "recomputed_tokens": stat("recomputed_tokens"),
-        "prefix_hit_rate": stat("prefix_hit_rate"),
+        "migrated_requests": sum(1 for e in events if e.event == contract.REQUEST_MIGRATED),
+        "recomputed_tokens": _number(stats.get("recomputed_tokens")),
+        "prefix_hit_rate": _number(stats.get("prefix_hit_rate")),
+        **_latencies(records, unsent),
+    }
+
+
+def _number(value: object) -> float | int | None:
+    return value if isinstance(value, int | float) else None
+
+
+def _latencies(records: Sequence[RequestRecord], unsent: int
+               ) -> dict[str, float | int | None]:
+    """TTFT and TPOT percentiles, and the requests that count as waits over any budget."""
+    # Over every request, not only the ones that got a token: a request that never got its
+    # first token, or whose tokens stopped before it finished, waited longer than any budget,
+    # and counts as such (math.inf). A percentile that lands on one is no value (None), and
+    # the latency check says how many requests it was.
+    never = sum(1 for r in records if not r.times and r.max_tokens > 0) + unsent
+    stalled = sum(1 for r in records if r.times and not r.done)
+    ttft = [r.times[0] - r.sent for r in records if r.times] + [math.inf] * never
+    tpot = [b - a for r in records for a, b in itertools.pairwise(r.times)] \
+        + [math.inf] * stalled
+    return {
         "requests_without_first_token": never,
         "requests_stalled": stalled,
         "ttft_p50_s": _finite(percentile(ttft, 50)),
@@ -1005,12 +1096,12 @@ def _finite(value: float | None) -> float | None:
 
 
 def is_serving(events: Sequence[Event]) -> bool:
-    return any(e.event in ("load_started", "load_not_ready") for e in events)
+    return any(e.event in (contract.LOAD_STARTED, contract.LOAD_NOT_READY) for e in events)
 
 
 def load_not_ready(events: Sequence[Event]) -> str | None:
     """Why the load never started (the server never became ready), or None."""
-    return next((str(e.fields.get("error")) for e in events if e.event == "load_not_ready"),
+    return next((str(e.fields.get("error")) for e in events if e.event == contract.LOAD_NOT_READY),
                 None)
 
 

@@ -37,7 +37,7 @@ from aftershock.faults import contract, registry
 from aftershock.faults.params import relative_glob
 from aftershock.faults.plugins import Broken
 from aftershock.harness import _own_records as own_records
-from aftershock.harness import systems
+from aftershock.harness import check_registry, systems
 from aftershock.harness.errors import PluginError, SpecError
 
 # The system kinds' models and the log probe live with their kinds (harness/systems/,
@@ -182,14 +182,7 @@ class Target(_Strict):
 
     def describe(self) -> str:
         if self.filters:
-            parts = [f"{k}={v}" for k, v in (self.env or {}).items()]
-            if self.cmdline is not None:
-                parts.append(f"cmdline /{self.cmdline}/")
-            if self.role is not None:
-                parts.append(f"role {self.role}")
-            if self.pick == "random":
-                parts.append("(one, seeded)")
-            return " ".join(parts)
+            return self._describe_filters()
         if self.rank is not None:
             return f"rank {self.rank}"
         if self.worker is not None:
@@ -201,6 +194,16 @@ class Target(_Strict):
         if self.node is not None:
             return f"node {self.node}"
         return f"role {self.role}" if self.role is not None else f"pick {self.pick}"
+
+    def _describe_filters(self) -> str:
+        parts = [f"{k}={v}" for k, v in (self.env or {}).items()]
+        if self.cmdline is not None:
+            parts.append(f"cmdline /{self.cmdline}/")
+        if self.role is not None:
+            parts.append(f"role {self.role}")
+        if self.pick == "random":
+            parts.append("(one, seeded)")
+        return " ".join(parts)
 
 
 #: Fault points of the reference systems (``harness.probe.fault_point``): a training step's
@@ -509,6 +512,29 @@ class Expect(_Strict):
         "first run starts fresh, and a run after a requeue resumes from the checkpoint it "
         "had saved (docs/scale-out.md)"
     )
+    checks: dict[str, Any] = Field(
+        default_factory=dict, description="checks other packages add "
+        "(the aftershock.checks entry points, docs/extending.md): NAME: its arguments, or true"
+    )
+
+    @field_validator("checks")
+    @classmethod
+    def _plugin_checks(cls, value: dict[str, Any]) -> dict[str, Any]:
+        # Each by its own model, so a typo in a plug-in check's arguments is a scenario error.
+        parsed: dict[str, Any] = {}
+        for name, args in value.items():
+            if name in cls.model_fields:
+                raise ValueError(f"{name} is a built-in check: write it as `expect: {{{name}: "
+                                 "...}`, not under `checks`")
+            try:
+                parsed[name] = check_registry.parse_args(name, args)
+            except KeyError as exc:
+                raise ValueError(exc.args[0]) from None
+            except ValidationError as exc:
+                raise ValueError(f"checks.{name}: " + "; ".join(
+                    f"{'.'.join(map(str, e['loc'])) or 'value'}: {e['msg']}"
+                    for e in exc.errors())) from None
+        return parsed
 
     @field_validator("time_to_detect", mode="before")
     @classmethod
@@ -722,6 +748,25 @@ class Scenario(_Strict):
 
     @model_validator(mode="after")
     def _checks_are_possible(self) -> Scenario:
+        self._fault_checks_are_possible()
+        kind = systems.of(self.system)
+        self._load_is_possible(kind)
+        self._family_checks_are_possible(kind)
+        if self.expect.params_match == "replay" and not kind.replays(self.system):
+            raise ValueError("expect.params_match: replay needs the reference trainer with "
+                             "`recovery: elastic` (the only system that records membership)")
+        for problem in kind.problems(self):
+            raise ValueError(problem)
+        setting = faults.Setting(kind.name, kind.root_is_run_folder(self.system))
+        for name in sorted({str(f.kind) for f in self.faults}):
+            check = registry.hooks(faults.get(name)).check
+            if check is not None:
+                for problem in check([f for f in self.faults if f.kind == name], setting):
+                    raise ValueError(problem)
+        return self
+
+    def _fault_checks_are_possible(self) -> None:
+        """Checks about a fault need one, and ``faults_landed`` one that can land."""
         if not self.faults:
             for name in ("time_to_detect", "time_to_recover", "single_history",
                          "checkpoint_durable"):
@@ -733,8 +778,9 @@ class Scenario(_Strict):
                 "expect.faults_landed needs a fault triggered inside a write: `at: {file: "
                 "GLOB, when: opened}` (or `modified`, `created`); `closed` and `deleted` come "
                 "after the write, so they have no window to land in")
-        kind = systems.of(self.system)
-        self._load_is_possible(kind)
+
+    def _family_checks_are_possible(self, kind: systems.SystemKind) -> None:
+        """A serving check needs a server and a load, a training check a trainer."""
         for name in Expect.TRAINING if kind.family == "serving" else Expect.SERVING:
             if getattr(self.expect, name) in (None, False):
                 continue
@@ -748,18 +794,6 @@ class Scenario(_Strict):
                     "run `reference: server`")
             shapes = [k.shape.strip("`") for k in systems.kinds() if k.family == "training"]
             raise ValueError(f"expect.{name} needs a training system (`{'` or `'.join(shapes)}`)")
-        if self.expect.params_match == "replay" and not kind.replays(self.system):
-            raise ValueError("expect.params_match: replay needs the reference trainer with "
-                             "`recovery: elastic` (the only system that records membership)")
-        for problem in kind.problems(self):
-            raise ValueError(problem)
-        setting = faults.Setting(kind.name, kind.root_is_run_folder(self.system))
-        for name in sorted({str(f.kind) for f in self.faults}):
-            check = registry.hooks(faults.get(name)).check
-            if check is not None:
-                for problem in check([f for f in self.faults if f.kind == name], setting):
-                    raise ValueError(problem)
-        return self
 
     def _load_is_possible(self, kind: systems.SystemKind) -> None:
         if self.load is None:
@@ -1146,34 +1180,81 @@ def unreachable(spec: Scenario, scenario_dir: Path | None) -> list[tuple[int, st
     return found
 
 
-def _broken_plugins(data: dict[str, Any]) -> list[tuple[tuple[str | int, ...], Broken]]:
+_Where = tuple[str | int, ...]
+
+
+def _broken_plugins(data: dict[str, Any]) -> list[tuple[_Where, Broken]]:
     """The plug-ins skipped as broken (faults/plugins.py) that a scenario which failed to
     validate names, each with where it names it: such a scenario is not what is wrong."""
+    return [*_broken_in_system(data.get("system")), *_broken_kinds(data),
+            *_broken_checks(data.get("expect"))]
+
+
+def _broken_in_system(system: Any) -> list[tuple[_Where, Broken]]:
+    """A broken system kind or preset the ``system:`` block names."""
     from aftershock.harness import presets
 
-    found: list[tuple[tuple[str | int, ...], Broken]] = []
-    system = data.get("system")
-    if isinstance(system, dict):
-        skipped = systems.broken_for(system)
-        if skipped is not None:
-            found.append((("system",), skipped))
-        chosen = system.get("preset")
-        for name in [chosen] if isinstance(chosen, str) else (
-                chosen if isinstance(chosen, list) else []):
-            if isinstance(name, str) and (skipped := presets.broken_for(name)) is not None:
-                found.append((("system", "preset"), skipped))
+    if not isinstance(system, dict):
+        return []
+    found: list[tuple[_Where, Broken]] = []
+    skipped = systems.broken_for(system)
+    if skipped is not None:
+        found.append((("system",), skipped))
+    chosen = system.get("preset")
+    names = [chosen] if isinstance(chosen, str) else chosen if isinstance(chosen, list) else []
+    for name in names:
+        if isinstance(name, str) and (skipped := presets.broken_for(name)) is not None:
+            found.append((("system", "preset"), skipped))
+    return found
+
+
+def _broken_kinds(data: dict[str, Any]) -> list[tuple[_Where, Broken]]:
+    """Broken fault kinds the ``faults:`` list or an ``explore:`` block's kinds name (as
+    ``- kind`` or ``- {kind: kind, params: ...}``)."""
+    found: list[tuple[_Where, Broken]] = []
     listed = data.get("faults")
     for index, fault in enumerate(listed if isinstance(listed, list) else []):
         kind = fault.get("kind") if isinstance(fault, dict) else None
         if isinstance(kind, str) and (skipped := registry.broken_kind(kind)) is not None:
             found.append((("faults", index, "kind"), skipped))
+    space = data.get("explore")
+    kinds = space.get("kinds") if isinstance(space, dict) else None
+    for index, entry in enumerate(kinds if isinstance(kinds, list) else []):
+        where: _Where = ("explore", "kinds", index)
+        kind = entry.get("kind") if isinstance(entry, dict) else entry
+        if isinstance(kind, str) and (skipped := registry.broken_kind(kind)) is not None:
+            found.append(((*where, "kind") if isinstance(entry, dict) else where, skipped))
     return found
+
+
+def _broken_checks(expect: Any) -> list[tuple[_Where, Broken]]:
+    """Broken plug-in checks ``expect: checks:`` asks for."""
+    asked = expect.get("checks") if isinstance(expect, dict) else None
+    return [(("expect", "checks", name), skipped)
+            for name in (asked if isinstance(asked, dict) else {})
+            if isinstance(name, str) and (skipped := check_registry.broken_for(name)) is not None]
 
 
 def parse_scenario(text: str, file: str = "<string>", *, folder: Path | None = None) -> Scenario:
     """Parse and validate scenario YAML; raise SpecError with every problem found.
     ``folder``: where its relative file names point (default: the folder of ``file``, if it
     is a file)."""
+    _check_text(text, file)
+    data, marks = _load_yaml(text, file)
+    spec = _validated(data, marks, file)
+    if spec.explore is not None:
+        problems = _explore_problems(spec, marks, file)
+        if problems:
+            raise SpecError(problems)
+    base = folder if folder is not None else Path(file).parent if Path(file).is_file() else None
+    problems = _file_problems(spec, base, marks, file)
+    if problems:
+        raise SpecError(problems)
+    return spec
+
+
+def _check_text(text: str, file: str) -> None:
+    """Refuse a scenario too long to be one, or with a control character YAML refuses."""
     if len(text) > MAX_FILE_BYTES:
         raise SpecError([f"{file}:1:1: the scenario is longer than {MAX_FILE_BYTES // 1024} "
                          "KiB, the limit for a scenario file"])
@@ -1183,6 +1264,10 @@ def parse_scenario(text: str, file: str = "<string>", *, folder: Path | None = N
         hint = " (is the file UTF-16? scenarios are UTF-8)" if bad.group() == "\0" else ""
         raise SpecError([f"{file}:{line}:{col}: control character U+{ord(bad.group()):04X} "
                          f"is not allowed in YAML{hint}"])
+
+
+def _load_yaml(text: str, file: str) -> tuple[dict[Any, Any], _Marks]:
+    """The scenario's YAML as data, with where each key and value is in the file."""
     problems: list[str] = []
     loader = _Loader(text)
     try:
@@ -1210,8 +1295,17 @@ def parse_scenario(text: str, file: str = "<string>", *, folder: Path | None = N
         raise SpecError(
             [f"{file}:1:1: a scenario must be a mapping with `name`, `system`, `faults`, `expect`"]
         )
+    return data, marks
+
+
+def _validated(data: dict[Any, Any], marks: _Marks, file: str) -> Scenario:
+    """The scenario model of ``data``; SpecError names each problem where it is in the file
+    (PluginError where it uses a plug-in that was skipped)."""
+    # Check plug-ins load here, not when first asked for: a broken one is reported by every
+    # command that reads a scenario, as a broken fault kind is.
+    check_registry.from_plugins()
     try:
-        spec = Scenario.model_validate(data)
+        return Scenario.model_validate(data)
     except ValidationError as exc:
         used = _broken_plugins(data)
         if used:
@@ -1220,6 +1314,7 @@ def parse_scenario(text: str, file: str = "<string>", *, folder: Path | None = N
                     file, *(marks.values.get(where) or marks.keys.get(where) or (1, 1)),
                     ".".join(map(str, where)), skipped.line())
                 for where, skipped in used]) from None
+        problems: list[str] = []
         for error in exc.errors():
             path = _data_path(tuple(error["loc"]), data)
             lookup = marks.keys if error["type"] == "extra_forbidden" else marks.values
@@ -1233,24 +1328,35 @@ def parse_scenario(text: str, file: str = "<string>", *, folder: Path | None = N
                     probe = probe[:-1]
             problems.append(f"{file}:{position[0]}:{position[1]}: {_describe(error, path, data)}")
         raise SpecError(problems) from None
-    if spec.explore is not None:
-        from aftershock.harness._space import SpaceError, resolve
 
-        try:
-            resolve(spec.system, spec.explore)
-        except SpaceError as exc:
-            for where, message in exc.problems:
-                path = ("explore", *where)
-                probe = path
-                position = None
-                while position is None and probe:
-                    position = marks.values.get(probe) or marks.keys.get(probe)
-                    probe = probe[:-1]
-                line, col = position or (1, 1)
-                name = ".".join(str(p) for p in path)
-                problems.append(f"{file}:{line}:{col}: {name}: {message}")
-            raise SpecError(problems) from None
-    base = folder if folder is not None else Path(file).parent if Path(file).is_file() else None
+
+def _explore_problems(spec: Scenario, marks: _Marks, file: str) -> list[str]:
+    """What is wrong with the scenario's search space, each where it is in the file."""
+    # The space is built on the models of this module: resolving it is the one step of a
+    # parse that needs it, so it is imported here (aftershock.harness._space imports spec).
+    from aftershock.harness._space import SpaceError, resolve
+
+    try:
+        resolve(spec.system, spec.explore)
+    except SpaceError as exc:
+        problems: list[str] = []
+        for where, message in exc.problems:
+            path = ("explore", *where)
+            probe = path
+            position = None
+            while position is None and probe:
+                position = marks.values.get(probe) or marks.keys.get(probe)
+                probe = probe[:-1]
+            line, col = position or (1, 1)
+            name = ".".join(str(p) for p in path)
+            problems.append(f"{file}:{line}:{col}: {name}: {message}")
+        return problems
+    return []
+
+
+def _file_problems(spec: Scenario, base: Path | None, marks: _Marks, file: str) -> list[str]:
+    """What the scenario names that is missing, unreachable or the run's own records."""
+    problems: list[str] = []
     if base is not None:
         for where, problem in systems.of(spec.system).file_problems(spec.system, base):
             line, col = marks.values.get(("system", *where), (1, 1))
@@ -1264,9 +1370,7 @@ def parse_scenario(text: str, file: str = "<string>", *, folder: Path | None = N
                      or marks.values.get(("faults", index, "root"))
                      or marks.values.get(("faults", index), (1, 1)))
         problems.append(f"{file}:{line}:{col}: faults.{index}.{field}: {problem}")
-    if problems:
-        raise SpecError(problems)
-    return spec
+    return problems
 
 
 _FILE_KINDS = {
