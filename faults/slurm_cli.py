@@ -125,3 +125,18 @@ def cancel_named(name: str, *, patience_s: float = 60.0) -> None:
             raise SlurmError(f"jobs {live_jobs(name)} named {name} outlived scancel by "
                              f"{patience_s:g}s")
         time.sleep(0.5)
+
+
+def job_steps(job_id: str) -> list[dict[str, str]] | None:
+    """Each step of job ``job_id`` as Slurm's accounting recorded it (``sacct``: step id,
+    state, exit code, nodes), or None where the cluster keeps no accounting (no slurmdbd:
+    ``sacct`` says so, as on the test cluster)."""
+    fields = ("JobID", "State", "ExitCode", "NodeList")
+    try:
+        text = run(["sacct", "--jobs", job_id, "--noheader", "--parsable2", "--duplicates",
+                    f"--format={','.join(fields)}"])
+    except SlurmError:
+        return None  # "Slurm accounting storage is disabled", or sacct is not installed
+    rows = [dict(zip(fields, line.split("|"), strict=False)) for line in text.splitlines()
+            if line.strip()]
+    return [row for row in rows if "." in row.get("JobID", "")] or None

@@ -7,6 +7,7 @@ Exit codes (DESIGN.md): 0 all checks hold, 1 a check failed, 2 invalid input,
 
 from __future__ import annotations
 
+import enum
 import gc
 import json
 import sys
@@ -109,6 +110,13 @@ def validate(
         raise _fail_invalid([f"{p}:1:1: no scenario files (*.yaml, *.yml) found" for p in paths])
 
 
+class Executor(enum.StrEnum):
+    """Where ``aftershock run`` runs its scenarios."""
+
+    local = "local"
+    slurm = "slurm"
+
+
 @app.command()
 def run(
     # readable=False here and below: typer's own check answers an unreadable path with a
@@ -140,18 +148,51 @@ def run(
     trace: Annotated[
         Path | None, typer.Option(help="write a Chrome trace-event file (Perfetto) here")
     ] = None,
+    executor: Annotated[Executor, typer.Option(
+        help="where the runs run: here, one after another (local), or each as a task of "
+             "one Slurm array job (slurm; docs/scale-out.md)")] = Executor.local,
 ) -> None:
     """Run scenarios: launch, inject faults, check recovery, report."""
-    from aftershock.harness import systems
-    from aftershock.harness.errors import (
-        AftershockError,
-        HarnessError,
-        RunDirBusy,
-        RunFailed,
-        SpecError,
-    )
-    from aftershock.harness.report import LiveObserver, PlainObserver
-    from aftershock.harness.runner import Interrupted, Observer, RunInterrupted, run_scenario
+    loaded = _load_all(paths)
+    # Before anything runs: a record that cannot be written is lost after the whole run.
+    unusable = _check_outputs(json_out=json_out, junit=junit, run_dir=run_dir, html=html,
+                              trace=trace)
+    if unusable:
+        raise _fail_invalid(unusable)
+
+    # Progress goes to stderr when the JSON record goes to stdout.
+    console = err if json_out == "-" else out
+    results: list[Any] = []
+    try:
+        if executor is Executor.slurm:
+            from aftershock.harness.nodes.slurm_campaign import run_campaign
+
+            results.extend(run_campaign(loaded, run_dir=run_dir, seed=seed, repeat=repeat,
+                                        use_cache=not no_cache,
+                                        say=lambda line: console.print(line, markup=False)))
+        else:
+            _run_here(loaded, results, run_dir=run_dir, seed=seed, repeat=repeat,
+                      use_cache=not no_cache, console=console,
+                      live=console.is_terminal and not plain)
+    except BaseException as exc:
+        code = _run_stopped(exc, results)
+        if code is None:
+            raise
+        raise typer.Exit(code) from None
+    finally:
+        _write_records(results, json_out, junit, html)
+        _write_pictures(results, html=html, trace=trace)
+
+    failed = [r for r in results if not r.passed]
+    summary = f"{len(results) - len(failed)} passed, {len(failed)} failed"
+    console.print(summary, style="red" if failed else "green")
+    raise typer.Exit(EXIT_FAILED if failed else EXIT_OK)
+
+
+def _load_all(paths: list[Path]) -> list[Any]:
+    """Every scenario under ``paths``, validated; exit 2 (3 for a broken plug-in) naming
+    every problem of every file otherwise."""
+    from aftershock.harness.errors import SpecError
     from aftershock.harness.spec import discover, load_scenario
 
     try:
@@ -171,68 +212,70 @@ def run(
             raise _fail_invalid(problems, broken=broken)
     except SpecError as exc:
         raise _fail_invalid(exc.problems) from None
-    # Before anything runs: a record that cannot be written is lost after the whole run.
-    unusable = _check_outputs(json_out=json_out, junit=junit, run_dir=run_dir, html=html,
-                              trace=trace)
-    if unusable:
-        raise _fail_invalid(unusable)
+    return loaded
 
-    # Progress goes to stderr when the JSON record goes to stdout.
-    console = err if json_out == "-" else out
-    live = console.is_terminal and not plain
-    results = []
-    try:
-        for scenario in loaded:
-            for attempt in range(repeat):
-                this_dir = None
-                if run_dir is not None:
-                    suffix = f"-{attempt + 1}" if repeat > 1 else ""
-                    this_dir = run_dir / f"{scenario.spec.name}{suffix}"
-                this_seed = (seed if seed is not None else scenario.spec.seed) + attempt
-                total = systems.of(scenario.spec.system).steps(scenario.spec.system)
-                if live:
-                    with LiveObserver(console, total_steps=total) as view:
-                        result = run_scenario(scenario, run_dir=this_dir, seed=this_seed,
-                                              observer=view, use_cache=not no_cache)
-                else:
-                    observer: Observer = PlainObserver(console)
+
+def _run_here(loaded: list[Any], results: list[Any], *, run_dir: Path | None,
+              seed: int | None, repeat: int, use_cache: bool, console: Console,
+              live: bool) -> None:
+    """Each scenario ``repeat`` times on this machine, one after another, each result
+    appended to ``results`` as it ends (so an interrupted campaign still reports them)."""
+    from aftershock.harness import systems
+    from aftershock.harness.report import LiveObserver, PlainObserver
+    from aftershock.harness.runner import Observer, run_scenario
+
+    for scenario in loaded:
+        for attempt in range(repeat):
+            this_dir = None
+            if run_dir is not None:
+                suffix = f"-{attempt + 1}" if repeat > 1 else ""
+                this_dir = run_dir / f"{scenario.spec.name}{suffix}"
+            this_seed = (seed if seed is not None else scenario.spec.seed) + attempt
+            total = systems.of(scenario.spec.system).steps(scenario.spec.system)
+            if live:
+                with LiveObserver(console, total_steps=total) as view:
                     result = run_scenario(scenario, run_dir=this_dir, seed=this_seed,
-                                          observer=observer, use_cache=not no_cache)
-                results.append(result)
-    except KeyboardInterrupt as exc:
+                                          observer=view, use_cache=use_cache)
+            else:
+                observer: Observer = PlainObserver(console)
+                result = run_scenario(scenario, run_dir=this_dir, seed=this_seed,
+                                      observer=observer, use_cache=use_cache)
+            results.append(result)
+
+
+def _run_stopped(exc: BaseException, results: list[Any]) -> int | None:
+    """The exit code for a campaign that ``exc`` stopped, said on stderr (a run it
+    carries joins ``results``); None for an exception that is not the campaign's to end
+    (typer's own Exit, SystemExit)."""
+    from aftershock.harness.errors import AftershockError, HarnessError, RunDirBusy, RunFailed
+    from aftershock.harness.runner import Interrupted, RunInterrupted
+
+    if isinstance(exc, KeyboardInterrupt):
         if isinstance(exc, RunInterrupted):
             results.append(exc.result)
         err.print("interrupted: every fault was healed and every process of the run ended")
         # The shell's convention: 128 + the signal number (SIGINT 2, SIGTERM 15).
-        code = (exc.exit_code if isinstance(exc, RunInterrupted)
+        return (exc.exit_code if isinstance(exc, RunInterrupted)
                 else 143 if isinstance(exc, Interrupted) else 130)
-        raise typer.Exit(code) from None
-    except RunFailed as exc:
+    if not isinstance(exc, Exception):
+        return None
+    if isinstance(exc, RunFailed):
         results.append(exc.result)
+    if isinstance(exc, RunFailed | HarnessError):
         err.print(f"aftershock: harness error: {exc}", markup=False)
-        raise typer.Exit(EXIT_HARNESS) from None
-    except HarnessError as exc:
-        err.print(f"aftershock: harness error: {exc}", markup=False)
-        raise typer.Exit(EXIT_HARNESS) from None
-    except RunDirBusy as exc:
+        return EXIT_HARNESS
+    if isinstance(exc, RunDirBusy):
         err.print(f"aftershock: {exc}", markup=False)
-        raise typer.Exit(EXIT_INVALID) from None
-    except AftershockError as exc:
+        return EXIT_INVALID
+    if isinstance(exc, AftershockError):
         err.print(f"aftershock: {exc}", markup=False)
-        raise typer.Exit(EXIT_HARNESS) from None
-    except Exception as exc:
-        # Exit 1 means "a check failed": a bug of the harness must never read as a verdict.
-        err.print(f"aftershock: harness error: unexpected {type(exc).__name__}: {exc} "
-                  f"(traceback: {_save_traceback()})", markup=False)
-        raise typer.Exit(EXIT_HARNESS) from None
-    finally:
-        _write_records(results, json_out, junit, html)
-        _write_pictures(results, html=html, trace=trace)
-
-    failed = [r for r in results if not r.passed]
-    summary = f"{len(results) - len(failed)} passed, {len(failed)} failed"
-    console.print(summary, style="red" if failed else "green")
-    raise typer.Exit(EXIT_FAILED if failed else EXIT_OK)
+        return EXIT_HARNESS
+    if isinstance(exc, typer.Exit):
+        return None
+    # Exit 1 means "a check failed": a bug of the harness must never read as a verdict.
+    err.print(f"aftershock: harness error: unexpected {type(exc).__name__}: {exc} "
+              f"(traceback: {_save_traceback()})", markup=False)
+    return EXIT_HARNESS
 
 
 @app.command()
@@ -273,26 +316,66 @@ def explore(
 
     Exit 0: the budget ran out and nothing failed (a flaky schedule is reported, not a
     failure); 1: a failing schedule was found, shrunk and written; 2: invalid input; 3: the
-    harness failed; 130/143: interrupted (what was found so far is written).
+    harness failed, or a scenario uses a broken plug-in; 130/143: interrupted (what was found
+    so far is written).
     """
     import secrets
 
     _need_extra("hypothesis", "explore", "aftershock explore")
-    from aftershock.harness._duration import parse_duration
-    from aftershock.harness.errors import AftershockError, HarnessError, SpecError
     from aftershock.harness.explore import Exploration, sigterm_unwinds
-    from aftershock.harness.explore import explore as explore_scenario
-    from aftershock.harness.report import ExploreLiveObserver, ExplorePlainObserver
-    from aftershock.harness.runner import Interrupted, RunInterrupted
-    from aftershock.harness.spec import discover, load_scenario
 
     problems: list[str] = []
-    limit_s: float | None = None
-    if time_limit is not None:
-        try:
-            limit_s = parse_duration(time_limit).total_seconds()
-        except ValueError as exc:
-            problems.append(f"--time {time_limit}: {exc}")
+    limit_s = _time_limit(time_limit, problems)
+    loaded, broken = _explorable(paths, problems)
+    problems += _check_outputs(json_out=json_out, junit=None, run_dir=out_dir)
+    database = None if no_db else (db or Path(".aftershock") / "hypothesis")
+    if database is not None:
+        from aftershock.harness.explore import database_problems
+        problems += database_problems(database)
+    if problems:
+        raise _fail_invalid(problems, broken=broken)
+    search_seed = seed if seed is not None else secrets.randbelow(2**32)
+    console = err if json_out == "-" else out
+    done: list[Exploration] = []
+    code = EXIT_OK
+    try:
+        with sigterm_unwinds():
+            _explore_each(loaded, console, live=console.is_terminal and not plain, kwargs=dict(
+                runs=runs, time_limit_s=limit_s, seed=search_seed, max_faults=max_faults,
+                out=out_dir, shrink_runs=shrink_runs, confirm=confirm, use_cache=not no_cache,
+                database=database, sink=done))
+    except (KeyboardInterrupt, Exception) as exc:
+        code = _explore_stopped(exc, done)
+    finally:
+        if json_out is not None:
+            _write_json(json_out, [e.to_json() for e in done])
+    if code == EXIT_OK and any(e.failed for e in done):
+        code = EXIT_FAILED
+    if seed is None:
+        console.print(f"search seed {search_seed} (repeat with --seed {search_seed})",
+                      markup=False, highlight=False)
+    raise typer.Exit(code)
+
+
+def _time_limit(time_limit: str | None, problems: list[str]) -> float | None:
+    """``--time`` in seconds (None without it); a problem noted if it is no duration."""
+    from aftershock.harness._duration import parse_duration
+
+    if time_limit is None:
+        return None
+    try:
+        return parse_duration(time_limit).total_seconds()
+    except ValueError as exc:
+        problems.append(f"--time {time_limit}: {exc}")
+        return None
+
+
+def _explorable(paths: list[Path], problems: list[str]) -> tuple[list[Any], bool]:
+    """The scenarios under ``paths``, loaded, with what is wrong with them (each must have
+    an `explore:` block) added to ``problems``; and whether one uses a broken plug-in."""
+    from aftershock.harness.errors import SpecError
+    from aftershock.harness.spec import discover, load_scenario
+
     loaded = []
     broken = False
     try:
@@ -312,64 +395,58 @@ def explore(
             loaded.append(scenario)
     except SpecError as exc:
         problems.extend(exc.problems)
-    problems += _check_outputs(json_out=json_out, junit=None, run_dir=out_dir)
-    database = None if no_db else (db or Path(".aftershock") / "hypothesis")
-    if database is not None:
-        from aftershock.harness.explore import database_problems
-        problems += database_problems(database)
-    if problems:
-        raise _fail_invalid(problems, broken=broken)
-    search_seed = seed if seed is not None else secrets.randbelow(2**32)
-    console = err if json_out == "-" else out
-    done: list[Exploration] = []
-    code = EXIT_OK
-    try:
-        with sigterm_unwinds():
-            for scenario in loaded:
-                kwargs: dict[str, Any] = dict(
-                    runs=runs, time_limit_s=limit_s, seed=search_seed, max_faults=max_faults,
-                    out=out_dir, shrink_runs=shrink_runs, confirm=confirm, use_cache=not no_cache,
-                    database=database, sink=done)
-                if console.is_terminal and not plain:
-                    with ExploreLiveObserver(console) as view:
-                        explore_scenario(scenario, observer=view, **kwargs)
-                else:
-                    explore_scenario(scenario, observer=ExplorePlainObserver(console), **kwargs)
-    except KeyboardInterrupt as exc:
+    return loaded, broken
+
+
+def _explore_each(loaded: list[Any], console: Console, *, live: bool,
+                  kwargs: dict[str, Any]) -> None:
+    """Search each scenario in turn, shown live on a terminal, else as plain lines."""
+    from aftershock.harness.explore import explore as explore_scenario
+    from aftershock.harness.report import ExploreLiveObserver, ExplorePlainObserver
+
+    for scenario in loaded:
+        if live:
+            with ExploreLiveObserver(console) as view:
+                explore_scenario(scenario, observer=view, **kwargs)
+        else:
+            explore_scenario(scenario, observer=ExplorePlainObserver(console), **kwargs)
+
+
+def _explore_stopped(exc: BaseException, done: list[Any]) -> int:
+    """Say why the search stopped early; its exit code."""
+    from aftershock.harness.errors import AftershockError, HarnessError, SpecError
+    from aftershock.harness.runner import Interrupted, RunInterrupted
+
+    if isinstance(exc, KeyboardInterrupt):
         written = [f.file for e in done for f in e.findings]
         err.print("interrupted: every fault was healed and every process ended; "
                   + (f"what was found so far is written: {', '.join(written)}" if written
                      else "no run had failed yet, so nothing was written"), markup=False)
-        code = (exc.exit_code if isinstance(exc, RunInterrupted)
+        return (exc.exit_code if isinstance(exc, RunInterrupted)
                 else 143 if isinstance(exc, Interrupted) else 130)
-    except SpecError as exc:
+    if isinstance(exc, SpecError):
         for problem in exc.problems:
             err.print(problem, markup=False, highlight=False)
-        code = EXIT_INVALID
-    except HarnessError as exc:
+        return EXIT_INVALID
+    if isinstance(exc, HarnessError):
         err.print(f"aftershock: harness error: {exc}", markup=False)
-        code = EXIT_HARNESS
-    except AftershockError as exc:
+        return EXIT_HARNESS
+    if isinstance(exc, AftershockError):
         err.print(f"aftershock: {exc}", markup=False)
-        code = EXIT_HARNESS
-    except Exception as exc:
-        # Exit 1 means "a failing schedule": a bug of the harness must never read as one.
-        err.print(f"aftershock: harness error: unexpected {type(exc).__name__}: {exc} "
-                  f"(traceback: {_save_traceback()})", markup=False)
-        code = EXIT_HARNESS
-    finally:
-        if json_out is not None:
-            text = json.dumps([e.to_json() for e in done], indent=2) + "\n"
-            if json_out == "-":
-                sys.stdout.write(text)
-            else:
-                Path(json_out).write_text(text)
-    if code == EXIT_OK and any(e.failed for e in done):
-        code = EXIT_FAILED
-    if seed is None:
-        console.print(f"search seed {search_seed} (repeat with --seed {search_seed})",
-                      markup=False, highlight=False)
-    raise typer.Exit(code)
+        return EXIT_HARNESS
+    # Exit 1 means "a failing schedule": a bug of the harness must never read as one.
+    err.print(f"aftershock: harness error: unexpected {type(exc).__name__}: {exc} "
+              f"(traceback: {_save_traceback()})", markup=False)
+    return EXIT_HARNESS
+
+
+def _write_json(json_out: str, data: list[Any]) -> None:
+    """``data`` as JSON to ``json_out``, or to stdout for ``-``."""
+    text = json.dumps(data, indent=2) + "\n"
+    if json_out == "-":
+        sys.stdout.write(text)
+    else:
+        Path(json_out).write_text(text)
 
 
 def _save_traceback() -> str:
@@ -529,23 +606,12 @@ def faults(
 
     `aftershock faults xid` prints NVIDIA's Xid table as the simulation uses it.
     """
-    from aftershock import faults as engine
-    from aftershock.faults import catalogue, registry
+    from aftershock.faults import catalogue
 
     if kind == "xid":
         _xid_table(as_json)
         return
-    kinds = [k for k in engine.kinds() if registry.declared(k)]
-    if kind is not None:
-        kinds = [k for k in kinds if k.info.kind == kind or k.info.kind.startswith(kind + ".")]
-        skipped = registry.broken_kind(kind)
-        if not kinds and skipped is not None:
-            err.print(f"aftershock: {skipped.line()}", markup=False, highlight=False)
-            raise typer.Exit(EXIT_HARNESS)
-        if not kinds:
-            known = ", ".join(k.info.kind for k in engine.kinds())
-            err.print(f"unknown fault kind {kind!r} (known: {known})", markup=False)
-            raise typer.Exit(EXIT_INVALID)
+    kinds = _kinds_named(kind)
     offered = _offered(system, for_file)
     if offered is not None:
         kinds = [k for k in kinds if catalogue.applicable(k, offered)]
@@ -565,6 +631,27 @@ def faults(
         table.add_row(k.info.kind, k.info.summary, catalogue.where(k), params,
                       k.info.caused_by, k.info.reverted_by)
     out.print(table)
+
+
+def _kinds_named(kind: str | None) -> list[Any]:
+    """The declared fault kinds ``kind`` names (itself, or a family: ``net``); all without
+    one. Exits 3 for a kind whose plug-in is broken, 2 for an unknown one."""
+    from aftershock import faults as engine
+    from aftershock.faults import registry
+
+    kinds = [k for k in engine.kinds() if registry.declared(k)]
+    if kind is None:
+        return kinds
+    kinds = [k for k in kinds if k.info.kind == kind or k.info.kind.startswith(kind + ".")]
+    skipped = registry.broken_kind(kind)
+    if not kinds and skipped is not None:
+        err.print(f"aftershock: {skipped.line()}", markup=False, highlight=False)
+        raise typer.Exit(EXIT_HARNESS)
+    if not kinds:
+        known = ", ".join(k.info.kind for k in engine.kinds())
+        err.print(f"unknown fault kind {kind!r} (known: {known})", markup=False)
+        raise typer.Exit(EXIT_INVALID)
+    return kinds
 
 
 def _offered(system: str | None, for_file: Path | None) -> frozenset[str] | None:

@@ -50,8 +50,8 @@ def test_the_trainer_runs_one_torchrun_agent_per_node_meeting_at_the_batch_host(
     assert isinstance(system, kind.SlurmSystem)
     launch = kind.SLURM.launch(system, run_dir=tmp_path, scenario_dir=tmp_path, seed=3)
     assert isinstance(launch, kind.SlurmLaunch)
-    srun = launch.script.splitlines()[-1]
-    assert srun.startswith("exec srun --ntasks-per-node=1 ")
+    (srun,) = [line for line in launch.script.splitlines() if line.startswith("srun ")]
+    assert srun.startswith("srun --ntasks-per-node=1 ")
     assert "--nnodes=$SLURM_JOB_NUM_NODES" in srun
     assert "--nproc-per-node=2" in srun
     assert "--rdzv-endpoint=$head:29400" in srun
@@ -74,7 +74,8 @@ def test_a_sites_partition_account_and_requeue_reach_sbatch(tmp_path: Path) -> N
     assert set(launch.sbatch) >= {"--nodes=3", "--ntasks-per-node=1", "--partition=gpu",
                                   "--account=proj-42", "--qos=high", "--requeue",
                                   "--time=10", "--gres=gpu:8", "--open-mode=append"}
-    assert launch.script.splitlines()[-1] == "exec srun python job.py --x=1"
+    assert "\nsrun python job.py --x=1\nrc=$?\n" in launch.script
+    assert launch.script.splitlines()[-1] == "exit $rc"
     unset = parse_scenario("name: s\nsystem:\n  slurm: {nodes: 1, command: [x]}\n").system
     assert isinstance(unset, kind.SlurmSystem)
     options = kind.sbatch_options(unset, run_dir=tmp_path)
@@ -295,3 +296,20 @@ def test_slurm_witness_is_a_check_of_the_expect_block() -> None:
                        digests={}, baseline=None, events=_witness_timeline("scratch"))
     (result,) = [r for r in results if r.name == "slurm_witness"]
     assert not result.passed
+
+
+def test_a_campaign_on_slurm_is_one_array_task_per_run_seeded_as_locally(
+        tmp_path: Path) -> None:
+    from aftershock.harness.nodes.slurm_campaign import array_script, tasks_of
+    from aftershock.harness.spec import load_scenario
+
+    file = tmp_path / "s.yaml"
+    file.write_text("name: s\nseed: 7\nsystem:\n  command: [x]\n")
+    tasks = tasks_of([load_scenario(file)], root=tmp_path / "c", seed=None, repeat=2)
+    assert [(t.seed, t.folder.name) for t in tasks] == [(7, "0000"), (8, "0001")]
+    script = array_script(tasks, use_cache=False)
+    assert subprocess.run(["bash", "-n"], input=script, text=True, check=False).returncode == 0
+    (second,) = [line for line in script.splitlines() if line.lstrip().startswith("1) ")]
+    assert f"AFTERSHOCK_STATE_DIR={tmp_path / 'c' / '0001' / 'state'};" in second
+    assert f"run {file} --run-dir {tmp_path / 'c' / '0001'} --seed 8" in second
+    assert "--no-cache" in second

@@ -66,11 +66,13 @@ def state_dir() -> Path:
 
 
 def shared_folders() -> list[Path]:
-    """Folders mounted read-write, at the same path, in every node: where jobs write."""
+    """Folders mounted read-write, at the same path, in every node: where jobs write
+    (run folders default to ``.aftershock/`` of the folder the cluster is started from,
+    the repository for ``make slurm-cluster``; never the installed package's folder)."""
     named = os.environ.get("AFTERSHOCK_SLURM_SHARED")
     if named:
         return [Path(p).absolute() for p in named.split(":") if p]
-    return [Path("/tmp"), image.PROJECT_ROOT / ".aftershock", state_dir() / "shared"]
+    return [Path("/tmp"), Path.cwd() / ".aftershock", state_dir() / "shared"]
 
 
 def munge_socket() -> Path:

@@ -17,6 +17,7 @@ only Slurm's own faults (faults/slurm.py) reach the job.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import time
@@ -253,6 +254,36 @@ class SlurmTarget:
             self._names[nodelist] = text.split()
         return self._names[nodelist]
 
+    def _record_steps(self, job_id: str) -> None:
+        """Each step's exit code on the timeline (``slurm_step``), from Slurm's accounting
+        where the cluster keeps one (``sacct``), else from the batch script's own record of
+        its step (a batch script the harness wrote: ``<run>/slurm/steps.jsonl``); a verdict
+        then rests on more than the job's own logs."""
+        from aftershock.harness.systems.slurm import STEPS_FILE
+
+        rows = slurm.job_steps(job_id)
+        if rows is not None:
+            for row in rows:
+                code, _, sig = row.get("ExitCode", "").partition(":")
+                status = int(code) if code.isdigit() else None
+                if status == 0 and sig.isdigit() and int(sig):
+                    status = 128 + int(sig)
+                self.timeline.emit("slurm_step", job_id=job_id, step=row.get("JobID"),
+                                   state=row.get("State"), exit_code=status,
+                                   nodes=row.get("NodeList"), source="sacct")
+            return
+        with contextlib.suppress(OSError):
+            for line in (self.run_dir / "slurm" / STEPS_FILE).read_text().splitlines():
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue  # a line cut short by a node that died mid-write
+                if isinstance(record, dict) and record.get("job_id") == job_id:
+                    self.timeline.emit("slurm_step", job_id=job_id, step=record.get("step"),
+                                       restart=record.get("restart"),
+                                       exit_code=record.get("exit_code"),
+                                       nodes=record.get("nodes"), source="batch script")
+
     def stop(self, grace: float = STOP_GRACE_S) -> Teardown:
         """Cancel the job (SIGTERM, SIGKILL after the cluster's KillWait), wait until Slurm
         has ended it, and record Slurm's final view of it; then end whatever process of the
@@ -269,6 +300,7 @@ class SlurmTarget:
                 if record is not None:
                     view: dict[str, Any] = _view(record)
                     self.timeline.emit("slurm_job", **view)
+                self._record_steps(self.job_id)
         self._drain()
         survivors = end_run_processes(self.run_id)
         return Teardown(tracking="slurm", survivors=survivors, logs_open=(),

@@ -57,29 +57,59 @@ def slurm_witness(events: Sequence[Event]) -> CheckResult:
     first, or a first step past the lowest) when the job had reported a checkpoint saved
     before it began."""
     states = [e for e in events if e.event == "slurm_state"]
-    final = next((e for e in reversed(events) if e.event == "slurm_job"), None)
-    restarts = _int(final.fields.get("Restarts")) if final is not None else None
+    final, restarts = _final(events)
     if final is None or restarts is None or not states:
         return CheckResult(NAME, False, None, EXPECTED,
                            "not observed: Slurm's record of the job is missing (no `slurm_job` "
                            "with its Restarts, or no `slurm_state`, from `scontrol show job`)")
-    observed = (f"{final.fields.get('JobState')}, {restarts} requeue(s), exit "
-                f"{final.fields.get('ExitCode')} on {final.fields.get('NodeList')}")
+    observed = _observed(final, restarts, events)
     runs = sorted(_runs(states).items())
     if [count for count, _ in runs] != list(range(restarts + 1)):
         return CheckResult(NAME, False, observed, EXPECTED,
                            f"not observed: Slurm requeued the job {restarts} time(s), but the "
                            f"harness saw the runs {[count for count, _ in runs]} of it")
-    claims = [e for e in events if e.event in ("step", "checkpoint_loaded")
-              and isinstance(e.fields.get("step"), int)]
+    claims = _with_step(events, ("step", "checkpoint_loaded"))
     steps = [e.fields["step"] for e in claims if e.event == "step"]
     if not steps:
         return CheckResult(NAME, False, observed, EXPECTED,
                            "not observed: the job reported no step, so what it claims of its "
                            "runs is unknown")
-    fresh = min(steps)
-    saved = [e for e in events if e.event == "checkpoint_saved"
-             and isinstance(e.fields.get("step"), int)]
+    saved = _with_step(events, ("checkpoint_saved",))
+    told, problems = _judge_runs(runs, claims, saved, fresh=min(steps))
+    if problems:
+        return CheckResult(NAME, False, observed, EXPECTED, "; ".join(problems))
+    return CheckResult(NAME, True, observed, EXPECTED,
+                       f"Slurm's record and the job's logs agree: {'; '.join(told)}")
+
+
+def _final(events: Sequence[Event]) -> tuple[Event | None, int | None]:
+    """Slurm's last record of the job (``slurm_job``) and its Restarts count."""
+    final = next((e for e in reversed(events) if e.event == "slurm_job"), None)
+    return final, _int(final.fields.get("Restarts")) if final is not None else None
+
+
+def _with_step(events: Sequence[Event], names: tuple[str, ...]) -> list[Event]:
+    """The events named ``names`` that carry a step number."""
+    return [e for e in events if e.event in names and isinstance(e.fields.get("step"), int)]
+
+
+def _observed(final: Event, restarts: int, events: Sequence[Event]) -> str:
+    """Slurm's record of the job in one line, with each step's exit code as Slurm's
+    accounting (or the batch script) recorded it."""
+    observed = (f"{final.fields.get('JobState')}, {restarts} requeue(s), exit "
+                f"{final.fields.get('ExitCode')} on {final.fields.get('NodeList')}")
+    recorded = [e for e in events if e.event == "slurm_step"]
+    if recorded:
+        observed += "; steps " + ", ".join(
+            f"{e.fields.get('step')} exit {e.fields.get('exit_code')}" for e in recorded
+        ) + f" ({recorded[0].fields.get('source')})"
+    return observed
+
+
+def _judge_runs(runs: list[tuple[int, float]], claims: list[Event], saved: list[Event], *,
+                fresh: int) -> tuple[list[str], list[str]]:
+    """What the job told of each of Slurm's runs (its first report in it), and where that
+    contradicts Slurm: a first run that resumed, a requeued run that started over."""
     problems: list[str] = []
     told: list[str] = []
     for index, (count, began) in enumerate(runs):
@@ -104,7 +134,4 @@ def slurm_witness(events: Sequence[Event]) -> CheckResult:
             problems.append(
                 f"after Slurm's requeue {count} the job started from scratch ({said}) though "
                 f"it had reported a checkpoint saved at step {max(before)} before the run")
-    if problems:
-        return CheckResult(NAME, False, observed, EXPECTED, "; ".join(problems))
-    return CheckResult(NAME, True, observed, EXPECTED,
-                       f"Slurm's record and the job's logs agree: {'; '.join(told)}")
+    return told, problems

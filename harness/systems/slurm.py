@@ -140,6 +140,10 @@ class SlurmLaunch(Launch):
     sbatch: tuple[str, ...] = ()  # sbatch's options, before the script
 
 
+#: Where the batch script the harness writes records its step's exit code (in ``<run>/slurm/``).
+STEPS_FILE = "steps.jsonl"
+
+
 def batch_script(system: SlurmSystem, *, run_dir: Path, seed: int,
                  extra_args: tuple[str, ...], scenario_dir: Path) -> str:
     """The batch script the harness submits for ``trainer`` or ``command``; ``script``'s
@@ -161,12 +165,21 @@ def batch_script(system: SlurmSystem, *, run_dir: Path, seed: int,
                     *([f"--rdzv-conf={job.rdzv_conf}"] if job.rdzv_conf else []),
                     *program]
         lines += ["head=$(hostname)",
-                  "exec srun --ntasks-per-node=1 --kill-on-bad-exit=0 "
+                  "srun --ntasks-per-node=1 --kill-on-bad-exit=0 "
                   + " ".join(a if a.startswith("--") and "$" in a else shlex.quote(a)
                              for a in torchrun)]
     else:
         assert job.command is not None
-        lines.append("exec srun " + shlex.join([*job.command, *extra_args]))
+        lines.append("srun " + shlex.join([*job.command, *extra_args]))
+    # The step's exit code as the job itself saw it: Slurm keeps it only in its accounting
+    # (sacct, with slurmdbd), which a cluster may not run. One srun, so the step is <job>.0
+    # in every run of the job; a run that Slurm ends (preemption, a node lost) records none.
+    record = shlex.quote(str(run_dir / "slurm" / STEPS_FILE))
+    lines += ["rc=$?",
+              "printf '{\"job_id\": \"%s\", \"step\": \"%s.0\", \"restart\": %d, "
+              "\"exit_code\": %d, \"nodes\": \"%s\"}\\n' \"$SLURM_JOB_ID\" \"$SLURM_JOB_ID\" "
+              f'"${{SLURM_RESTART_COUNT:-0}}" "$rc" "$SLURM_JOB_NODELIST" >> {record}',
+              "exit $rc"]
     return "\n".join(lines) + "\n"
 
 

@@ -339,8 +339,55 @@ def fresh_after_requeue(checkpoint: ModuleType) -> None:
     checkpoint.load_latest = fresh
 
 
+def fresh_after_restart(checkpoint: ModuleType) -> None:
+    """Ranks that torchrun restarted (``TORCHELASTIC_RESTART_COUNT`` > 0) start over: they
+    look for their checkpoints under a folder of the new attempt, so they find none
+    (tests/slurm/)."""
+    load_latest = checkpoint.load_latest
+
+    def fresh(root: Any, meta: Any, group: Any) -> Any:
+        count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        if count > 0:
+            _announce("fresh_after_restart")
+            return load_latest(Path(root) / f"restart_{count}", meta, group)
+        return load_latest(root, meta, group)
+
+    checkpoint.load_latest = fresh
+
+
+def dies_with_slurmd(checkpoint: ModuleType) -> None:
+    """Each rank exits once its node's slurmd is gone, as a job whose health check takes a
+    missing slurmd for a dead node does: it cannot ride out ``slurm.kill_slurmd``. A node of
+    the test cluster is a container with its own process namespace, so ``/proc`` there shows
+    that node's slurmd only (tests/slurm/)."""
+    import threading
+    import time
+
+    def slurmd_seen() -> bool:
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    if entry.joinpath("comm").read_text().strip() in ("slurmd", "slurmd-wlm"):
+                        return True
+                except OSError:
+                    continue
+        return False
+
+    def watch() -> None:
+        if not slurmd_seen():
+            return  # not on a node of the test cluster: nothing to watch
+        while slurmd_seen():
+            time.sleep(0.2)
+        _announce("dies_with_slurmd: slurmd gone, exiting")
+        os._exit(1)
+
+    threading.Thread(target=watch, name="dies_with_slurmd", daemon=True).start()
+
+
 BUGS: dict[str, tuple[str, Callable[[ModuleType], None]]] = {
     "fresh_after_requeue": ("aftershock.reference_impl.checkpoint", fresh_after_requeue),
+    "fresh_after_restart": ("aftershock.reference_impl.checkpoint", fresh_after_restart),
+    "dies_with_slurmd": ("aftershock.reference_impl.checkpoint", dies_with_slurmd),
     "prune_before_commit": ("aftershock.reference_impl.checkpoint", prune_before_commit),
     "quarantine_on_failed_agreement": (
         "aftershock.reference_impl.checkpoint",
