@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv bytecode demo test test-busy test-fast test-scenarios test-explore test-explore-long test-long torchft fuzz lint typecheck docs bench bench-targets clean docker-engine slurm-cluster slurm-cluster-stop test-slurm
+.PHONY: venv system-packages bytecode demo test test-busy test-fast test-scenarios test-explore test-explore-long test-long torchft fuzz lint typecheck docs bench bench-targets clean docker-engine slurm-cluster slurm-cluster-stop test-slurm
 
 venv: $(STAMP)
 
@@ -18,7 +18,13 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev,fuse,nodes]'
 	touch $(STAMP)
 
-demo: venv
+# The system packages the demo and the tests need (ci/system-packages): installed when run as
+# root with apt-get, else the one line that installs them is printed and the run goes on
+# (what needs them skips or says what to install). Checks commands only: fast when all are there.
+system-packages:
+	ci/system-packages $(PYTHON)
+
+demo: system-packages venv
 	$(VENV)/bin/aftershock run scenarios/training/
 
 # Everything but the sweep over every shipped scenario (with the shipped scenarios against
@@ -32,7 +38,7 @@ bytecode: venv
 # timeouts for about half its wall time, so one process kept one of this 2-core machine's
 # cores idle (docs/benchmarks.md, "The suite's length"). TEST_WORKERS=0 runs it in one.
 TEST_WORKERS ?= 2
-test: venv bytecode
+test: system-packages venv bytecode
 	$(PY) -m pytest -m "not scenarios and not explore and not explore_long and not slurm" -n $(TEST_WORKERS)
 
 # Every shipped scenario, through the CLI and the pytest plugin, with its timeline evidence,

@@ -36,8 +36,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("aftershock", "Aftershock scenarios")
     group.addoption("--aftershock-seed", type=int, default=None,
                     help="override every scenario's seed")
-    group.addoption("--aftershock-run-dir", default=None,
-                    help="keep each scenario's run folder under this folder")
+    group.addoption("--aftershock-run-dir", default=None, metavar="DIR",
+                    help="keep each scenario's run folder under DIR (default: pytest's "
+                    "temporary folder, --basetemp)")
     group.addoption("--aftershock-no-cache", action="store_true", default=False,
                     help="re-run fault-free baselines instead of reusing cached ones")
     group.addoption("--aftershock-explore", type=int, default=None, metavar="N",
@@ -69,9 +70,31 @@ def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Col
     return None
 
 
+def _folder_name(name: str) -> str:
+    """A test's or scenario's name as one folder name: a scenario's name as it is (its
+    pattern allows only [a-z0-9._-]), a parametrized test's brackets and the like as ``_``."""
+    return re.sub(r"[^\w.-]", "_", name)[:100].lstrip(".") or "scenario"
+
+
+def _run_root(config: pytest.Config, name: str) -> Path:
+    """Where the runs of the scenario or test ``name`` go: DIR/name with --aftershock-run-dir,
+    else a new folder in pytest's temporary folder, so runs do not pile up in the working
+    folder and pytest's retention rule (the last 3 sessions) removes them."""
+    chosen = config.getoption("--aftershock-run-dir")
+    if chosen:
+        return Path(chosen) / _folder_name(name)
+    # The tmp_path fixture's factory; absent only under ``-p no:tmpdir``.
+    factory = getattr(config, "_tmp_path_factory", None)
+    if isinstance(factory, pytest.TempPathFactory):
+        return factory.mktemp(_folder_name(name), numbered=True)
+    import tempfile
+    return Path(tempfile.mkdtemp(prefix=f"aftershock-{_folder_name(name)}-"))
+
+
 class AftershockFixture:
     """What the ``aftershock`` fixture gives a test: aftershock.harness.api, with each run in the
-    test's own temporary folder and the command line's --aftershock-* options applied."""
+    test's own temporary folder (or under --aftershock-run-dir) and the command line's
+    --aftershock-* options applied."""
 
     def __init__(self, root: Path, config: pytest.Config) -> None:
         self.root = root
@@ -101,6 +124,8 @@ class AftershockFixture:
 @pytest.fixture
 def aftershock(tmp_path: Path, request: pytest.FixtureRequest) -> AftershockFixture:
     """Run Aftershock scenarios from a test: ``aftershock.run("kill.yaml", check=True)``."""
+    if request.config.getoption("--aftershock-run-dir"):
+        return AftershockFixture(_run_root(request.config, request.node.name), request.config)
     return AftershockFixture(tmp_path, request.config)
 
 
@@ -133,15 +158,14 @@ class ScenarioItem(pytest.Item):
             loaded = load_scenario(self.path)
         except SpecError as exc:
             raise ScenarioFailed("invalid scenario:\n" + "\n".join(exc.problems)) from None
-        run_root = config.getoption("--aftershock-run-dir")
+        run_root = _run_root(config, loaded.spec.name)
         if config.getoption("--aftershock-explore") and loaded.spec.explore is not None:
-            self._explore(loaded, Path(run_root) if run_root else None)
+            self._explore(loaded, run_root)
             return
-        run_dir = Path(run_root) / loaded.spec.name if run_root else None
         try:
             result = run_scenario(
                 loaded,
-                run_dir=run_dir,
+                run_dir=run_root,
                 seed=config.getoption("--aftershock-seed"),
                 use_cache=not config.getoption("--aftershock-no-cache"),
             )
@@ -155,7 +179,7 @@ class ScenarioItem(pytest.Item):
             failed = ", ".join(c.name for c in result.failed_checks())
             raise ScenarioFailed(f"checks failed: {failed}\n{check_table_text(result)}")
 
-    def _explore(self, loaded: Any, run_root: Path | None) -> None:
+    def _explore(self, loaded: Any, run_root: Path) -> None:
         """Search the scenario's `explore:` space instead of running its own faults once."""
         __tracebackhide__ = True
         import random
@@ -166,7 +190,7 @@ class ScenarioItem(pytest.Item):
         config = self.config
         seed = config.getoption("--aftershock-explore-seed")
         seed = random.randrange(2**32) if seed is None else seed
-        out = (run_root or Path(".aftershock")) / "explore"
+        out = run_root / "explore"
         try:
             exploration = explore(
                 loaded, runs=config.getoption("--aftershock-explore"), seed=seed, out=out,

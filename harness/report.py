@@ -11,8 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from rich import box
 from rich.console import Console, Group
 from rich.live import Live
+from rich.measure import Measurement
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
@@ -58,18 +60,20 @@ def describe(event: Event) -> str:
     who = f"rank {event.rank}" if event.rank is not None else event.source
     if event.rank is not None and isinstance(f.get("replica"), int):
         who = f"replica {f['replica']} {who}"  # each torchft replica group has its rank 0
-    match event.event:
-        case "launch":
-            return f"launched ({f.get('phase', 'run')}, seed {f.get('seed')})"
+    line = _fault_line(event.event, f)
+    if line is None:
+        line = _process_line(event, f, who)
+    if line is None:
+        line = _serving_line(event.event, f)
+    return line if line is not None else f"{who} {event.event}"
+
+
+def _fault_line(name: str, f: dict[str, Any]) -> str | None:
+    """What the harness did with a fault, or what it warns of, in words."""
+    match name:
         case "fault_injected":
-            # A label with a space names its own coordinate ("REPLICA_GROUP_ID=1 role
-            # worker", "role launcher"); the pid says which process that was.
-            hit = ((str(f["role"]) if " " in str(f["role"]) else f"role {f['role']}")
-                   if "role" in f else
-                   f"ranks {', '.join(map(str, f['ranks']))}" if "ranks" in f else
-                   f"rank {f.get('rank')}")
             pid = f" (pid {f['pid']})" if isinstance(f.get("pid"), int) else ""
-            return f"FAULT {f.get('kind')} -> {hit}{pid}: {f.get('detail', '')}"
+            return f"FAULT {f.get('kind')} -> {_hit(f)}{pid}: {f.get('detail', '')}"
         case "fault_prepared":
             return f"prepared {f.get('kind')}: {f.get('detail', '')}"
         case "fault_armed":
@@ -89,6 +93,24 @@ def describe(event: Event) -> str:
             return f"FAULT {f.get('kind')} could not be applied: {f.get('error')}"
         case "fault_healed":
             return f"healed {f.get('kind')}"
+    return None
+
+
+def _hit(f: dict[str, Any]) -> str:
+    """Whom a fault hit. A label with a space names its own coordinate ("REPLICA_GROUP_ID=1
+    role worker", "role launcher"); the pid says which process that was."""
+    if "role" in f:
+        return str(f["role"]) if " " in str(f["role"]) else f"role {f['role']}"
+    if "ranks" in f:
+        return f"ranks {', '.join(map(str, f['ranks']))}"
+    return f"rank {f.get('rank')}"
+
+
+def _process_line(event: Event, f: dict[str, Any], who: str) -> str | None:
+    """What the run and its processes did, in words."""
+    match event.event:
+        case "launch":
+            return f"launched ({f.get('phase', 'run')}, seed {f.get('seed')})"
         case "failure_detected":
             return f"{who} detected failure: {str(f.get('cause', '?'))[:120]}"
         case "recovery_done":
@@ -105,17 +127,27 @@ def describe(event: Event) -> str:
             return ("run ended: timed out" if f.get("timed_out") else
                     f"run ended (exit {f.get('exit_code')})")
         case "process_started":
-            # Its launcher names it: each torchft replica group's torchrun has its own rank 0.
-            if isinstance(f.get("agent"), int):
-                who = f"{who} of launcher pid {f['agent']}"
-            return (f"{who} started (pid {f.get('pid')}, restart {f.get('generation')})"
-                    if f.get("generation") else f"{who} started (pid {f.get('pid')})")
+            return _started(f, who)
         case "process_exited":
             return attempts.line(event)
         case "teardown":
             return _describe_teardown(f)
         case "step":
             return f"{who} step {f.get('step')}"
+    return None
+
+
+def _started(f: dict[str, Any], who: str) -> str:
+    # Its launcher names it: each torchft replica group's torchrun has its own rank 0.
+    if isinstance(f.get("agent"), int):
+        who = f"{who} of launcher pid {f['agent']}"
+    return (f"{who} started (pid {f.get('pid')}, restart {f.get('generation')})"
+            if f.get("generation") else f"{who} started (pid {f.get('pid')})")
+
+
+def _serving_line(name: str, f: dict[str, Any]) -> str | None:
+    """What the server and its load did, in words."""
+    match name:
         case "serving_ready":
             return f"server ready at {f.get('url')} ({f.get('workers')} workers)"
         case "load_started":
@@ -129,7 +161,7 @@ def describe(event: Event) -> str:
                     f"to worker {f.get('to_worker')} after {f.get('emitted')} tokens")
         case "request_failed":
             return f"request {f.get('request')} LOST: {str(f.get('error'))[:120]}"
-    return f"{who} {event.event}"
+    return None
 
 
 def _describe_teardown(f: dict[str, object]) -> str:
@@ -249,23 +281,8 @@ class LiveObserver:
             s.t0 = event.t
         rank = event.rank
         if (rank is not None and event.source != "harness") or event.event == "fault_injected":
-            r = s.ranks.setdefault(rank if rank is not None else 0, _RankState())
-            if event.event in ("hello", "process_started"):
-                r.pid = event.fields.get("pid")
-                generation = event.fields.get("generation", 0)
-                r.generation = generation if isinstance(generation, int) else 0
-                r.status = Text("running")
-            elif event.event == "step" and isinstance(event.fields.get("step"), int):
-                r.step = event.fields["step"]
-                r.status = Text("running")
-            elif event.event == "fault_injected":
-                r.status = _text(event.fields.get("kind"), "red")
-            elif event.event == "failure_detected":
-                r.status = Text("detected failure", style="yellow")
-            elif event.event == "checkpoint_loaded":
-                r.status = _text(f"resumed @ {event.fields.get('step')}", "cyan")
-            elif event.event == "exit":
-                r.status = Text("done", style="green")
+            _update_rank(s.ranks.setdefault(rank if rank is not None else 0, _RankState()),
+                         event)
         if event.event == "run_end":
             code, timed_out = event.fields.get("exit_code"), event.fields.get("timed_out")
             for r in s.ranks.values():
@@ -310,11 +327,6 @@ class LiveObserver:
                      border_style="blue")
 
 
-#: Below this many columns the check table leaves out its message column and each message
-#: gets lines of its own under the table (a message squeezed into a column wraps badly).
-NARROW = 120
-
-
 def render_result(result: RunResult, console: Console) -> None:
     if result.error:
         line = Text("NO VERDICT", style="red bold")
@@ -323,20 +335,18 @@ def render_result(result: RunResult, console: Console) -> None:
         _render_ends(result, console)
         console.print(_text(f"run dir {result.run_dir}"), soft_wrap=True, highlight=False)
         return
-    narrow = console.width < NARROW
-    table = Table(title=_text(f"{result.name}  ({result.file})"), title_justify="left")
-    table.add_column("check", no_wrap=True)
-    table.add_column("result", no_wrap=True)
-    table.add_column("observed", justify="right")
-    table.add_column("expected", justify="right")
-    if not narrow:
-        table.add_column("message")
-    for check in result.checks:
-        verdict = Text("PASS", style="green") if check.passed else Text("FAIL", style="red bold")
-        row = [_text(check.name), verdict, _text(_show(check.observed)),
-               _text(_show(check.expected))]
-        table.add_row(*row, *([] if narrow else [_text(check.message)]))
-    console.print(table)
+    # The messages are a column only where every row then fits on one line; otherwise
+    # (80 columns, most runs at 120) each message gets lines of its own under the table,
+    # since a message squeezed into a column wraps into a narrow, hard to read strip. Where
+    # even the boxed table would wrap a cell, it loses its lines (12 columns back).
+    layouts: list[tuple[bool, box.Box | None]] = [
+        (True, box.HEAVY_HEAD), (False, box.HEAVY_HEAD), (False, None)]
+    narrow, style = next(((not column, style) for column, style in layouts
+                          if _fits(_check_table(result, column, style), console)),
+                         (True, None))
+    console.print(_check_table(result, not narrow, style))
+    if style is None and result.checks:
+        console.print()  # no bottom line: a blank one ends the table
     if narrow and result.checks:
         messages = Table(box=None, show_header=False, padding=(0, 1, 0, 0))
         messages.add_column(no_wrap=True)
@@ -357,6 +367,30 @@ def render_result(result: RunResult, console: Console) -> None:
     console.print(summary, soft_wrap=False)
     # On a line of its own and never folded by us: the path must stay copyable in one piece.
     console.print(_text(f"run dir {result.run_dir}"), soft_wrap=True, highlight=False)
+
+
+def _check_table(result: RunResult, with_messages: bool, style: box.Box | None) -> Table:
+    table = Table(title=_text(f"{result.name}  ({result.file})"), title_justify="left",
+                  box=style, pad_edge=style is not None)
+    table.add_column("check", no_wrap=True)
+    table.add_column("result", no_wrap=True)
+    table.add_column("observed")
+    table.add_column("expected")
+    if with_messages:
+        table.add_column("message", no_wrap=True)
+    for check in result.checks:
+        verdict = Text("PASS", style="green") if check.passed else Text("FAIL", style="red bold")
+        row = [_text(check.name), verdict, _text(_show(check.observed)),
+               _text(_show(check.expected))]
+        table.add_row(*row, *([_text(check.message)] if with_messages else []))
+    return table
+
+
+def _fits(table: Table, console: Console) -> bool:
+    """Whether ``table`` fits ``console`` with no cell wrapped: its natural width, measured
+    as if the console were unbounded."""
+    unbounded = console.options.update_width(1_000_000)
+    return Measurement.get(console, unbounded, table).maximum <= console.width
 
 
 def _show(value: object) -> str:
@@ -401,6 +435,26 @@ def write_json(results: Sequence[RunResult], out: IO[str]) -> None:
     out.write("\n")
 
 
+def _update_rank(r: _RankState, event: Event) -> None:
+    """A rank's row of the live view after one of its events."""
+    if event.event in ("hello", "process_started"):
+        r.pid = event.fields.get("pid")
+        generation = event.fields.get("generation", 0)
+        r.generation = generation if isinstance(generation, int) else 0
+        r.status = Text("running")
+    elif event.event == "step" and isinstance(event.fields.get("step"), int):
+        r.step = event.fields["step"]
+        r.status = Text("running")
+    elif event.event == "fault_injected":
+        r.status = _text(event.fields.get("kind"), "red")
+    elif event.event == "failure_detected":
+        r.status = Text("detected failure", style="yellow")
+    elif event.event == "checkpoint_loaded":
+        r.status = _text(f"resumed @ {event.fields.get('step')}", "cyan")
+    elif event.event == "exit":
+        r.status = Text("done", style="green")
+
+
 def junit_xml(results: Sequence[RunResult], html: Path | None = None) -> str:
     """One <testcase> per scenario run; a failed check is a <failure>. Each carries its run
     folder and, with ``html``, the HTML report (``#run-N`` for the Nth run of several) as
@@ -421,30 +475,9 @@ def junit_xml(results: Sequence[RunResult], html: Path | None = None) -> str:
         case = ET.SubElement(suite, "testcase", classname=visible(Path(r.file).stem),
                              name=visible(r.name), time=f"{r.duration_s:.3f}",
                              file=visible(r.file))
-        failed = r.failed_checks()
-        if r.error:
-            # Not a failed check: the run never got to a verdict (interrupted, harness error).
-            error = ET.SubElement(case, "error", message=visible(r.error),
-                                  type="Interrupted" if r.interrupted else "HarnessError")
-            if end_lines(r):
-                error.text = visible("\n".join(end_lines(r)))
-        elif failed:
-            failure = ET.SubElement(
-                case, "failure",
-                message=visible("; ".join(
-                    [f"{c.name}: {c.message}" for c in failed]
-                    + ([f"crash loop: {r.crash_loop}"] if r.crash_loop else []))),
-                type="CheckFailed",
-            )
-            failure.text = visible(check_table_text(r))
+        _junit_verdict(case, r)
         props = ET.SubElement(case, "properties")
-        for key, value in r.metrics.items():
-            ET.SubElement(props, "property", name=visible(key), value=visible(_show(value)))
-            if key in r.proofs:
-                ET.SubElement(props, "property", name=visible(f"{key}_proof"),
-                              value=visible(r.proofs[key]))
-        ET.SubElement(props, "property", name="seed", value=str(r.seed))
-        ET.SubElement(props, "property", name="run_dir", value=visible(r.run_dir))
+        _junit_properties(props, r)
         if html is not None:
             where = str(html.resolve()) + (f"#run-{index}" if len(results) > 1 else "")
             ET.SubElement(props, "property", name="html", value=visible(where))
@@ -454,6 +487,41 @@ def junit_xml(results: Sequence[RunResult], html: Path | None = None) -> str:
     ET.indent(suite)
     return ET.tostring(suite, encoding="unicode", xml_declaration=True) + "\n"
 
+
+
+def _junit_verdict(case: Any, r: RunResult) -> None:
+    """A run's <error> (no verdict) or <failure> (a failed check), if it has one."""
+    from xml.etree import ElementTree as ET
+
+    failed = r.failed_checks()
+    if r.error:
+        # Not a failed check: the run never got to a verdict (interrupted, harness error).
+        error = ET.SubElement(case, "error", message=visible(r.error),
+                              type="Interrupted" if r.interrupted else "HarnessError")
+        if end_lines(r):
+            error.text = visible("\n".join(end_lines(r)))
+    elif failed:
+        failure = ET.SubElement(
+            case, "failure",
+            message=visible("; ".join(
+                [f"{c.name}: {c.message}" for c in failed]
+                + ([f"crash loop: {r.crash_loop}"] if r.crash_loop else []))),
+            type="CheckFailed",
+        )
+        failure.text = visible(check_table_text(r))
+
+
+def _junit_properties(props: Any, r: RunResult) -> None:
+    """A run's metrics (each with its proof), seed and run folder as <property>s."""
+    from xml.etree import ElementTree as ET
+
+    for key, value in r.metrics.items():
+        ET.SubElement(props, "property", name=visible(key), value=visible(_show(value)))
+        if key in r.proofs:
+            ET.SubElement(props, "property", name=visible(f"{key}_proof"),
+                          value=visible(r.proofs[key]))
+    ET.SubElement(props, "property", name="seed", value=str(r.seed))
+    ET.SubElement(props, "property", name="run_dir", value=visible(r.run_dir))
 
 
 # ------------------------------------------------------------------------------ explore

@@ -9,7 +9,7 @@ anything. The second happens:
   then waits out its timeout although its peer is gone. Two ranks running all_reduces in a
   loop, every connection shut down at a random moment: one side waited for the timeout in
   25 of 60 tries, 13 of 40 with one end of each shut down
-  (bench/results/profiles/gloo_close_race.py). One ``elastic`` job of run AJ recovered
+  (gloo_close_race.py, bench/results/profiles-2026.md). One ``elastic`` job of run AJ recovered
   after 10 s that way (docs/benchmarks.md).
 
 The controller knows of a death within milliseconds and publishes a plan without it. No step

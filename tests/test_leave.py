@@ -141,7 +141,7 @@ def test_both_ranks_leave_at_once_whenever_the_plan_comes() -> None:
     """Both ranks run all_reduces back to back; the plan comes at a random moment. Every
     time, both are out within a second. (Shutting their connections down instead left one
     side waiting out Gloo's timeout in 25 of 60 tries:
-    bench/results/profiles/gloo_close_race.py.)"""
+    gloo_close_race.py in bench/results/profiles-2026.md.)"""
     rng = random.Random(7)
     for trial in range(8):
         leave = Leave()

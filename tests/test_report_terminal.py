@@ -23,16 +23,25 @@ def _lines(text: str) -> list[str]:
     return [line.rstrip() for line in text.splitlines()]
 
 
-def test_the_check_table_fits_80_columns_and_keeps_each_message_whole() -> None:
+def _row_of(line: str, check: str) -> bool:
+    """Whether ``line`` is ``check``'s table row (boxed, or the borderless narrow table)."""
+    return line.removeprefix("│ ").startswith(f"{check} ")
+
+
+@pytest.mark.parametrize("width", [80, 120])
+def test_the_check_table_fits_the_width_and_keeps_each_message_whole(width: int) -> None:
     result = read_result(RECORDED / "train-kill-rank-hot-spare" / "result.json")
     long = CheckResult("xid_action", False, "79:none reported", "79:reset_gpu",
                        "Xid 79: expected reset_gpu, got none reported; the system went on "
                        "training on a GPU that fell off the bus until the run's time limit")
     result = replace(result, passed=False, checks=(*result.checks, long))
     buffer = io.StringIO()
-    render_result(result, Console(file=buffer, width=80, soft_wrap=True))
+    render_result(result, Console(file=buffer, width=width, soft_wrap=True))
     lines = _lines(buffer.getvalue())
-    assert max(map(len, lines)) <= 80, "\n".join(lines)
+    assert max(map(len, lines)) <= width, "\n".join(lines)
+    # No cell wraps: the expected value stays whole on its check's row.
+    row = next(line for line in lines if _row_of(line, "params_match"))
+    assert "bitwise equal to the fault-free run" in row
     for check in result.checks:
         # The message follows its check's name, words in order, wrapped only between words
         # (continuation lines are indented under the first).
@@ -43,8 +52,22 @@ def test_the_check_table_fits_80_columns_and_keeps_each_message_whole() -> None:
         assert " ".join(parts) == check.message
     # Each table row is one line: a verdict is never folded away from its check.
     for check in result.checks:
-        row = next(line for line in lines if line.startswith(f"│ {check.name} "))
+        row = next(line for line in lines if _row_of(line, check.name))
         assert ("PASS" if check.passed else "FAIL") in row
+
+
+def test_where_every_message_fits_its_row_they_are_a_column() -> None:
+    """Wide enough for every row on one line: the message is the row's last cell."""
+    result = read_result(RECORDED / "train-kill-rank-hot-spare" / "result.json")
+    buffer = io.StringIO()
+    render_result(result, Console(file=buffer, width=160, soft_wrap=True))
+    lines = _lines(buffer.getvalue())
+    assert max(map(len, lines)) <= 160, "\n".join(lines)
+    for check in result.checks:
+        row = next(line for line in lines if _row_of(line, check.name))
+        assert ("PASS" if check.passed else "FAIL") in row
+        assert check.message in row
+    assert not any(line.startswith(f"{c.name}:") for c in result.checks for line in lines)
 
 
 def test_the_live_view_fits_80_columns_one_line_per_event() -> None:
