@@ -36,7 +36,7 @@ RANKS_JOB = ROOT / "tests" / "fixtures" / "ranks_job.py"
 def cli(
     *args: str, cache: Path | None = None, cwd: Path | None = None, timeout: float = 110
 ) -> subprocess.CompletedProcess[str]:
-    """``python -m harness ARGS`` in a subprocess; ``cache`` is its fault-free baseline cache."""
+    """``python -m aftershock ARGS`` in a subprocess; ``cache`` is its fault-free baseline cache."""
     env = dict(os.environ)
     if cache is not None:
         env["AFTERSHOCK_CACHE_DIR"] = str(cache)
@@ -112,7 +112,7 @@ with open(report, "w") as out:
 
 def bounded_cli(*args: str, cpu_s: int = 5, wall_s: float = 30.0,
                 address_space_mb: int = 2048) -> Bounded:
-    """``python -m harness ARGS`` with its CPU seconds (RLIMIT_CPU) and address space capped.
+    """``python -m aftershock ARGS`` with its CPU seconds (RLIMIT_CPU) and address space capped.
 
     The CPU limit is what "within N seconds" means here: wall time on a loaded 2-core machine
     says more about other tests than about this process; a hang (a process blocked without
