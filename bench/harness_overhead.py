@@ -108,7 +108,7 @@ def one_run(scenario: Path, cache: Path, run_dir: Path, env_bytecode: bool,
     # Files, not pipes: the CLI must never block on a full pipe while it is being waited for.
     with open(run_dir / "cli.out", "w+") as out:
         started = time.monotonic()
-        proc = subprocess.Popen([sys.executable, "-m", "harness", "run", str(scenario),
+        proc = subprocess.Popen([sys.executable, "-m", "aftershock", "run", str(scenario),
                                  "--run-dir", str(run_dir)], env=env, cwd=repo,
                                 stdout=out, stderr=subprocess.STDOUT)
         cpu_at = watch(proc.pid, run_dir)
@@ -146,9 +146,9 @@ def one_run(scenario: Path, cache: Path, run_dir: Path, env_bytecode: bool,
 
 
 def startup(repo: Path, argv: list[str], pycache: Path | None) -> tuple[float, float]:
-    """CPU (user + system, from wait4) and wall seconds of ``python -m harness ARGV``."""
+    """CPU (user + system, from wait4) and wall seconds of ``python -m aftershock ARGV``."""
     started = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "harness", *argv], cwd=repo,
+    proc = subprocess.Popen([sys.executable, "-m", "aftershock", *argv], cwd=repo,
                             env=cli_env(repo, pycache), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     _, _, usage = os.wait4(proc.pid, 0)
