@@ -677,9 +677,12 @@ class LocalTarget:
         ]
         if reported or role not in ("worker", "agent"):
             return reported
-        # By the process tree: a worker is a process its launcher started as a rank
-        # (torchrun gives each LOCAL_RANK; its own children inherit it: the topmost is the
-        # worker), an agent the process that started one.
+        return self._tree_role(role)
+
+    def _tree_role(self, role: str) -> list[ProcessRef]:
+        """The workers or agents by the process tree: a worker is a process its launcher
+        started as a rank (torchrun gives each LOCAL_RANK; its own children inherit it: the
+        topmost is the worker), an agent the process that started one."""
         live = self.processes()
         ranked = {ref.pid: ref for ref in live if "LOCAL_RANK" in process_environ(ref.pid)}
         workers = [ref for pid, ref in ranked.items() if _parent(pid) not in ranked]
@@ -692,17 +695,22 @@ class LocalTarget:
         """Ranks that more than one unrelated process claims through ``RANK`` (each replica
         group of a torchft job has its own RANK=0), with their pids; none once the job
         reports its ranks itself (``hello``)."""
-        if self._reported:
+        if names_ranks(self._reported):
             return {}
         return {rank: pids for rank, pids in self._rank_claims().items() if len(pids) > 1}
 
-    def _rank_claims(self) -> dict[int, list[int]]:
-        """RANK -> the topmost live processes whose environment says so."""
+    def _env_ranks(self) -> dict[int, list[ProcessRef]]:
+        """RANK -> every live process whose environment says so."""
         by_rank: dict[int, list[ProcessRef]] = {}
         for ref in self.processes():
             value = process_environ(ref.pid).get("RANK")
             if value is not None and value.isdigit():
                 by_rank.setdefault(int(value), []).append(ref)
+        return by_rank
+
+    def _rank_claims(self) -> dict[int, list[int]]:
+        """RANK -> the topmost live processes whose environment says so."""
+        by_rank = self._env_ranks()
         claims: dict[int, list[int]] = {}
         for rank, refs in by_rank.items():
             pids = {r.pid for r in refs}
@@ -715,8 +723,9 @@ class LocalTarget:
     def rank_processes(self) -> dict[int, ProcessRef]:
         """Rank -> process. Once any process of the run has said who it is through the
         probe's ``hello``, only those reports count: a supervisor or a re-forked spare
-        inherits ``RANK`` from torchrun but is not that rank."""
-        if not self._reported:
+        inherits ``RANK`` from torchrun but is not that rank. A hello that names no rank
+        (a one-process job without ``RANK``) says nothing about ranks."""
+        if not names_ranks(self._reported):
             return self._env_rank_processes()
         return reported_ranks(self._reported, self.processes())
 
@@ -729,11 +738,7 @@ class LocalTarget:
         Once a process said ``RANK``, the ranks are those processes: while they are all
         down (a restart), there is no rank to hit, and the launcher is never taken for one.
         """
-        by_rank: dict[int, list[ProcessRef]] = {}
-        for ref in self.processes():
-            value = process_environ(ref.pid).get("RANK")
-            if value is not None and value.isdigit():
-                by_rank.setdefault(int(value), []).append(ref)
+        by_rank = self._env_ranks()
         if by_rank:
             self._ranks_in_env = True
         result: dict[int, ProcessRef] = {}
@@ -758,31 +763,12 @@ class LocalTarget:
         wait here is unbounded: what still lives after KILL_S, and a log pipe still held
         open after DRAIN_S, is reported in the result instead of waited for.
         """
-        if self.proc is not None and self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            deadline = time.monotonic() + grace
-            while self.proc.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.05)
-        overran: tuple[dict[str, Any], ...] = ()
-        if self.proc is not None and self.proc.poll() is None:
-            # Said before SIGKILL removes the evidence: which processes outlived SIGTERM,
-            # and what each did with it.
-            found = (why_alive(ref.pid) for ref in self.processes()[:OVERRAN_LIMIT])
-            overran = tuple(entry for entry in found if entry is not None)
+        overran = self._terminate(grace)
         survivors = self._end_all(KILL_S)
         if self.proc is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=1.0)
-        drain_until = time.monotonic() + DRAIN_S
-        for pump in self._pumps:
-            pump.finish(drain_until)
-        for pump in self._pumps:
-            # The pump polls every 0.1 s and checks its deadline between polls.
-            pump.thread.join(timeout=max(0.0, drain_until - time.monotonic()) + 1.0)
-        if self._tailer is not None:
-            self._tailer.finish(drain_until)
-            self._tailer.thread.join(timeout=DRAIN_S + 1.0)
+        self._drain()
         self._note_unread()  # before the pipes close: what is still in them is unread
         for pump in self._pumps:
             if not pump.thread.is_alive():
@@ -800,6 +786,35 @@ class LocalTarget:
             logs_open=tuple(p.name for p in self._pumps if not p.eof),
             cgroup_removed=removed,
         )
+
+    def _terminate(self, grace: float) -> tuple[dict[str, Any], ...]:
+        """SIGTERM to the launcher's process group, then up to ``grace`` for it to exit;
+        the processes that outlived it, each with what it did with the signal."""
+        if self.proc is None or self.proc.poll() is not None:
+            return ()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while self.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self.proc.poll() is None:
+            # Said before SIGKILL removes the evidence: which processes outlived SIGTERM,
+            # and what each did with it.
+            found = (why_alive(ref.pid) for ref in self.processes()[:OVERRAN_LIMIT])
+            return tuple(entry for entry in found if entry is not None)
+        return ()
+
+    def _drain(self) -> None:
+        """Up to DRAIN_S for the log pumps and the tailer to read what is left."""
+        drain_until = time.monotonic() + DRAIN_S
+        for pump in self._pumps:
+            pump.finish(drain_until)
+        for pump in self._pumps:
+            # The pump polls every 0.1 s and checks its deadline between polls.
+            pump.thread.join(timeout=max(0.0, drain_until - time.monotonic()) + 1.0)
+        if self._tailer is not None:
+            self._tailer.finish(drain_until)
+            self._tailer.thread.join(timeout=DRAIN_S + 1.0)
 
     def _note_unread(self) -> None:
         """A ``log_unread`` event for each stream the readers were still behind on when the
@@ -935,6 +950,12 @@ def _entering(group: Path) -> Callable[[], None]:
             os.close(fd)
 
     return enter
+
+
+def names_ranks(reported: dict[int, tuple[int | None, str | None]]) -> bool:
+    """Whether any hello named a rank: one that names none (a one-process job without
+    ``RANK``) says nothing about ranks, and the environment still tells them."""
+    return any(rank is not None for rank, _ in reported.values())
 
 
 def reported_ranks(reported: dict[int, tuple[int | None, str | None]],

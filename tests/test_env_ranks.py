@@ -69,3 +69,18 @@ def test_a_job_that_never_shows_a_rank_is_its_own_rank_0(tmp_path: Path) -> None
         ranks = job.rank_processes()
         assert list(ranks) == [0]
         assert ranks[0].pid == job.pid
+
+
+def test_a_hello_that_names_no_rank_leaves_a_one_process_job_its_rank_0(
+        tmp_path: Path) -> None:
+    """A plain one-process job says hello(world=1) without a rank (no RANK in its
+    environment): that tells the harness nothing about ranks, so its process stays rank 0.
+    It once lost it, and every `rank`/`pick` fault on such a job was never injected."""
+    with started(tmp_path, "import time; time.sleep(30)", None) as job:
+        wait_for(lambda: 0 in job.rank_processes())
+        assert job.pid is not None
+        job.note_hello(job.pid, None, None)
+        assert job.rank_processes()[0].pid == job.pid
+        # A process that names its rank still outranks the environment.
+        job.note_hello(job.pid, 3, None)
+        assert list(job.rank_processes()) == [3]

@@ -27,7 +27,7 @@ from aftershock.harness import probe
 from aftershock.harness.errors import TargetError
 from aftershock.harness.nodes.cluster import Cluster, end_run_processes, node_env
 from aftershock.harness.records import Event
-from aftershock.harness.target import STOP_GRACE_S, Launch, Teardown, reported_ranks
+from aftershock.harness.target import STOP_GRACE_S, Launch, Teardown, names_ranks, reported_ranks
 from aftershock.harness.timeline import Timeline
 
 #: What a node's processes get from the harness's own environment (a node starts from an
@@ -133,7 +133,7 @@ class NodesTarget:
     def rank_processes(self) -> dict[int, ProcessRef]:
         """Rank -> process, from the ranks' hellos (a rank of the node's own pid mapped to
         the host's); before any hello, from ``RANK`` in their environment."""
-        if not self._reported:
+        if not names_ranks(self._reported):
             return self.cluster.rank_processes() if self.cluster.containers else {}
         return reported_ranks(self._reported, self.processes())
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import zlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 #: The timeline event with what the harness found in the journal.
@@ -107,69 +107,95 @@ def judge(journal: JournalFile, clients: Sequence[Mapping[str, Any]]) -> dict[st
     for offset, record in journal.records.items():
         if record.get("r") == "req":
             starts.setdefault(str(record.get("id")), []).append(offset)
-    seen = proven = unplaced = 0
-    missing: list[str] = []
-    redone: list[str] = []
-    unknown: list[str] = []
-    counts = {"missing": 0, "redone": 0, "unknown": 0}
+    tally = _Tally()
     for client in clients:
-        rid = str(client.get("request"))
-        tokens = _ints(client.get("tokens"))
-        given, placed = client.get("digests"), client.get("journal_offsets")
-        digests: list[Any] = given if isinstance(given, list) else []
-        offsets: list[Any] = placed if isinstance(placed, list) else []
-        named = client.get("journal_writers")
-        writers: list[Any] = named if isinstance(named, list) else []
-        if client.get("acknowledged") and rid not in starts:
-            counts["unknown"] += 1
-            if len(unknown) < _EXAMPLES:
-                unknown.append(f"{rid} (acknowledged; {len(tokens)} tokens received)")
-        told_failed = bool(client.get("server_errors"))
-        last_start = max(starts.get(rid, [-1]))
-        redo_seen = False
-        for index, token in enumerate(tokens):
-            seen += 1
-            where = offsets[index] if index < len(offsets) else None
-            if not isinstance(where, int) or isinstance(where, bool):
-                unplaced += 1
-                continue
-            digest = digests[index] if index < len(digests) and digests[index] else ""
-            writer = writers[index] if index < len(writers) else None
-            wrote = journal.writer_at(where)
-            if wrote is not None and not isinstance(writer, str):
-                unplaced += 1  # the record names a writer; which one the client saw, unknown
-                continue
-            found = _held(journal, where, rid, index)
-            if wrote is not None and writer != wrote and found is not None:
-                counts["missing"] += 1
-                if len(missing) < _EXAMPLES:
-                    missing.append(f"{rid} token {index} ({token}) at offset {where}: "
-                                   f"written by another process (writer {wrote}; the client "
-                                   f"was shown writer {writer}'s)")
-                continue
-            if found is None or found[0] != token or (digest and found[1] != digest):
-                counts["missing"] += 1
-                if len(missing) < _EXAMPLES:
-                    there = ("nothing: the file is shorter" if where >= journal.good_bytes
-                             else "no record starts there" if where not in journal.records
-                             else f"not this token (it holds {found})" if found is not None
-                             else "a record without this token")
-                    missing.append(f"{rid} token {index} ({token}) at offset {where}: {there}")
-                continue
-            proven += 1
-            if where < last_start and not told_failed and not redo_seen:
-                redo_seen = True
-                counts["redone"] += 1
-                if len(redone) < _EXAMPLES:
-                    redone.append(f"{rid}: token {index} the client received is journaled at "
-                                  f"offset {where}, and the request was journaled again from "
-                                  f"scratch at offset {last_start}")
+        _judge_client(journal, starts, client, tally)
     return {"found": True, "bytes": journal.good_bytes + journal.bad_bytes,
             "records": len(journal.records), "bad_bytes": journal.bad_bytes,
-            "tokens_seen": seen, "tokens_proven": proven, "tokens_unplaced": unplaced,
-            "missing_tokens": counts["missing"], "missing": missing,
-            "redone_requests": counts["redone"], "redone": redone,
-            "unknown_requests": counts["unknown"], "unknown": unknown}
+            "tokens_seen": tally.seen, "tokens_proven": tally.proven,
+            "tokens_unplaced": tally.unplaced,
+            "missing_tokens": tally.counts["missing"], "missing": tally.examples["missing"],
+            "redone_requests": tally.counts["redone"], "redone": tally.examples["redone"],
+            "unknown_requests": tally.counts["unknown"], "unknown": tally.examples["unknown"]}
+
+
+@dataclass
+class _Tally:
+    """What the clients' tokens came to: counts, and a few examples of each finding."""
+
+    seen: int = 0
+    proven: int = 0
+    unplaced: int = 0
+    counts: dict[str, int] = field(
+        default_factory=lambda: {"missing": 0, "redone": 0, "unknown": 0})
+    examples: dict[str, list[str]] = field(
+        default_factory=lambda: {"missing": [], "redone": [], "unknown": []})
+
+    def note(self, finding: str, example: str) -> None:
+        self.counts[finding] += 1
+        if len(self.examples[finding]) < _EXAMPLES:
+            self.examples[finding].append(example)
+
+
+def _listed(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
+def _judge_client(journal: JournalFile, starts: Mapping[str, list[int]],
+                  client: Mapping[str, Any], tally: _Tally) -> None:
+    """One client's request: each token it received found in the journal where the server
+    said it was written, and whether the request was journaled again from scratch."""
+    rid = str(client.get("request"))
+    tokens = _ints(client.get("tokens"))
+    digests = _listed(client.get("digests"))
+    offsets = _listed(client.get("journal_offsets"))
+    writers = _listed(client.get("journal_writers"))
+    if client.get("acknowledged") and rid not in starts:
+        tally.note("unknown", f"{rid} (acknowledged; {len(tokens)} tokens received)")
+    told_failed = bool(client.get("server_errors"))
+    last_start = max(starts.get(rid, [-1]))
+    redo_seen = False
+    for index, token in enumerate(tokens):
+        tally.seen += 1
+        where = offsets[index] if index < len(offsets) else None
+        if not isinstance(where, int) or isinstance(where, bool):
+            tally.unplaced += 1
+            continue
+        digest = digests[index] if index < len(digests) and digests[index] else ""
+        writer = writers[index] if index < len(writers) else None
+        verdict = _token_verdict(journal, rid, index, token, where, digest, writer)
+        if verdict is None:
+            tally.unplaced += 1  # the record names a writer; which one the client saw, unknown
+            continue
+        if verdict:
+            tally.note("missing", verdict)
+            continue
+        tally.proven += 1
+        if where < last_start and not told_failed and not redo_seen:
+            redo_seen = True
+            tally.note("redone", f"{rid}: token {index} the client received is journaled at "
+                                 f"offset {where}, and the request was journaled again from "
+                                 f"scratch at offset {last_start}")
+
+
+def _token_verdict(journal: JournalFile, rid: str, index: int, token: int, where: int,
+                   digest: str, writer: Any) -> str | None:
+    """Whether the journal holds token ``index`` of request ``rid`` at ``where``: "" if it
+    does, why not if not, None when it cannot be told (the writer the client saw is unknown)."""
+    wrote = journal.writer_at(where)
+    if wrote is not None and not isinstance(writer, str):
+        return None
+    found = _held(journal, where, rid, index)
+    if wrote is not None and writer != wrote and found is not None:
+        return (f"{rid} token {index} ({token}) at offset {where}: written by another "
+                f"process (writer {wrote}; the client was shown writer {writer}'s)")
+    if found is None or found[0] != token or (digest and found[1] != digest):
+        there = ("nothing: the file is shorter" if where >= journal.good_bytes
+                 else "no record starts there" if where not in journal.records
+                 else f"not this token (it holds {found})" if found is not None
+                 else "a record without this token")
+        return f"{rid} token {index} ({token}) at offset {where}: {there}"
+    return ""
 
 
 def _held(journal: JournalFile, offset: int, rid: str, index: int) -> tuple[int, str] | None:
@@ -179,6 +205,18 @@ def _held(journal: JournalFile, offset: int, rid: str, index: int) -> tuple[int,
             n = index - start
             return tokens[n], digests[n] if n < len(digests) else ""
     return None
+
+
+def _findings(facts: Mapping[str, Any]) -> list[str]:
+    """What the journal check found wrong, each with its examples."""
+    return [f"{facts.get(k)} {what}: " + "; ".join(facts.get(examples) or [])
+            for k, what, examples in (
+                ("missing_tokens", "tokens a client received are not in the journal where the "
+                 "server said", "missing"),
+                ("unknown_requests", "acknowledged requests are not in the journal", "unknown"),
+                ("redone_requests", "requests were started again from scratch instead of "
+                 "resumed from the journal", "redone"))
+            if facts.get(k)]
 
 
 def acknowledged_durable(events: Sequence[Any]) -> Any:
@@ -198,14 +236,7 @@ def acknowledged_durable(events: Sequence[Any]) -> Any:
         return CheckResult(name, False, None, expected, "not observed: no journal at "
                            f"{facts.get('path')} ({facts.get('error', 'not found')})")
     seen, unplaced = int(facts.get("tokens_seen") or 0), int(facts.get("tokens_unplaced") or 0)
-    bad = [f"{facts.get(k)} {what}: " + "; ".join(facts.get(examples) or [])
-           for k, what, examples in (
-               ("missing_tokens", "tokens a client received are not in the journal where the "
-                "server said", "missing"),
-               ("unknown_requests", "acknowledged requests are not in the journal", "unknown"),
-               ("redone_requests", "requests were started again from scratch instead of "
-                "resumed from the journal", "redone"))
-           if facts.get(k)]
+    bad = _findings(facts)
     observed = f"{facts.get('tokens_proven')}/{seen} tokens proven"
     if bad:
         return CheckResult(name, False, observed, expected, "; ".join(bad))
