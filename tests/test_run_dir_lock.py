@@ -26,7 +26,13 @@ def _start(scenario: Path, run_dir: Path, out: Path) -> subprocess.Popen[str]:
 @pytest.mark.timeout(120)
 def test_a_second_run_in_a_held_run_folder_is_refused(tmp_path: Path) -> None:
     scenario = tmp_path / "held.yaml"
-    scenario.write_text(quick_scenario("held", "expect: {completes: true}\n", duration=4.0))
+    # The first run's job lasts until the second has been answered, however slow the
+    # machine (a fixed length once ended before a starved second run got to the folder).
+    release = tmp_path / "release"
+    text = quick_scenario("held", "expect: {completes: true}\n", duration=60.0)
+    held = text.replace('JOB_DURATION: "60.0"}', f'JOB_DURATION: "60.0", JOB_UNTIL: "{release}"}}')
+    assert held != text
+    scenario.write_text(held)
     runs = tmp_path / "runs"
     first = _start(scenario, runs, tmp_path / "first.json")
     events = runs / "held" / "events.jsonl"
@@ -45,6 +51,7 @@ def test_a_second_run_in_a_held_run_folder_is_refused(tmp_path: Path) -> None:
     assert "Traceback" not in second.stderr
     # Nothing of the first run was touched: its timeline only grew.
     assert events.read_bytes().startswith(before)
+    release.touch()
     out, err = first.communicate(timeout=90)
     assert first.returncode == 0, out + err
     (record,) = json.loads((tmp_path / "first.json").read_text())
