@@ -22,7 +22,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from aftershock._root import child_pythonpath
 from aftershock.harness import _files
@@ -126,27 +126,36 @@ def trainer_digests(system: TrainerSystem, *, seed: int, schedule: list[Generati
         "steps": system.steps, "device": "cuda" if system.backend == "nccl" else "cpu",
         "schedule": [[g.first_step, list(g.replicas)] for g in schedule],
     }
-    # The interpreter that runs the harness, with this copy of the harness first on the path.
-    child = {**os.environ, **(env or {}), "PYTHONPATH": child_pythonpath()}
+    answer = ask("aftershock.harness.oracle.trainer_math", request, env)
+    if isinstance(answer, str):
+        return Expected(None, f"not observed: the independent oracle {answer}")
     try:
-        proc = subprocess.run(
-            [sys.executable, "-m", "aftershock.harness.oracle.trainer_math"],
-            input=json.dumps(request),
-            capture_output=True,
-            text=True,
-            timeout=TIMEOUT_S,
-            env=child,
-            check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return Expected(None, f"not observed: the independent oracle did not run ({exc})")
-    if proc.returncode != 0:
-        tail = proc.stderr.strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
-        return Expected(None, f"not observed: the independent oracle failed ({tail[0]})")
-    try:
-        found = json.loads(proc.stdout)["digests"]
+        found = answer["digests"]
         digests = {int(rank): str(value) for rank, value in found.items()}
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         return Expected(None, f"not observed: the independent oracle said nothing usable ({exc})")
     shown = ", ".join(f"{g.replicas} from step {g.first_step}" for g in schedule)
     return Expected(digests, f"recomputed from the model's math (replicas {shown})")
+
+
+def ask(module: str, request: Mapping[str, Any],
+        env: Mapping[str, str] | None = None) -> dict[str, Any] | str:
+    """An oracle's answer to ``request``: ``python -m module`` in a process of its own (the
+    interpreter that runs the harness, this copy first on its path), the request as JSON on
+    its stdin, its answer as a JSON object on its stdout; or why there is none ("did not
+    run (...)", "failed (...)", "said nothing usable (...)")."""
+    child = {**os.environ, **(env or {}), "PYTHONPATH": child_pythonpath()}
+    try:
+        proc = subprocess.run([sys.executable, "-m", module], input=json.dumps(request),
+                              capture_output=True, text=True, timeout=TIMEOUT_S, env=child,
+                              check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"did not run ({exc})"
+    if proc.returncode != 0:
+        tail = proc.stderr.strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
+        return f"failed ({tail[0]})"
+    try:
+        answer = json.loads(proc.stdout)
+    except ValueError as exc:
+        return f"said nothing usable ({exc})"
+    return answer if isinstance(answer, dict) else "said nothing usable (not a JSON object)"

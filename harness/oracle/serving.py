@@ -8,22 +8,17 @@ forward pass per sequence (no engine, KV cache or batching). This module stays t
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from aftershock._root import child_pythonpath
 from aftershock.harness.loadgen import plan
+from aftershock.harness.oracle import ask
 
 if TYPE_CHECKING:
     from aftershock.harness.systems.server import ServerSystem
 
 #: ~0.5 s of math for 60 requests after torch's import; this only bounds a hang.
-TIMEOUT_S = 300.0
 NAME = "the serving oracle (aftershock.harness.oracle.serving)"
 
 
@@ -47,25 +42,10 @@ def _ask(body: Mapping[str, Any], env: Mapping[str, str] | None
          ) -> tuple[list[Any], int] | str:
     """The oracle process's answer to ``body``: the requests that disagree and the count
     of near-tied tokens; or why there is none."""
-    child = {**os.environ, **(env or {})}
-    child["PYTHONPATH"] = child_pythonpath()
+    answer = ask("aftershock.harness.oracle.serving_math", body, env)
+    if isinstance(answer, str):
+        return f"{NAME} {answer}"
     try:
-        proc = subprocess.run(
-            [sys.executable, "-m", "aftershock.harness.oracle.serving_math"],
-            input=json.dumps(body),
-            capture_output=True,
-            text=True,
-            timeout=TIMEOUT_S,
-            env=child,
-            check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"{NAME} did not run ({exc})"
-    if proc.returncode != 0:
-        tail = proc.stderr.strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
-        return f"{NAME} failed ({tail[0]})"
-    try:
-        answer = json.loads(proc.stdout)
         return list(answer["disagree"]), int(answer["ties"])
     except (ValueError, KeyError, TypeError) as exc:
         return f"{NAME} said nothing usable ({exc})"
