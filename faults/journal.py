@@ -80,6 +80,34 @@ class UndoRefused(Exception):
     """An undo record names something its run cannot be proven to have made."""
 
 
+def others_can_write(st: os.stat_result) -> bool:
+    """Whether anyone but the owner can write what ``st`` describes: everyone can, or a
+    group that is not the owner's own. Group write is harmless, as Debian's OpenSSH holds
+    (its user-group-modes), where the group has exactly one member, the owner: a user
+    private group, which the umask 002 of most distributions relies on."""
+    if st.st_mode & 0o002:
+        return True
+    return bool(st.st_mode & 0o020) and not _private_group(st.st_gid, st.st_uid)
+
+
+def _private_group(gid: int, uid: int) -> bool:
+    """Whether group ``gid`` has one member, user ``uid``: as its primary group or its one
+    listed member (a group with no member at all is a setgid program's, not a user's)."""
+    import grp
+    import pwd
+
+    try:
+        group = grp.getgrgid(gid)
+        owner = pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return False
+    primary = {user.pw_uid for user in pwd.getpwall() if user.pw_gid == gid}
+    listed = set(group.gr_mem)
+    if primary - {uid} or listed - {owner}:
+        return False
+    return bool(primary or listed)
+
+
 def unsafe_folder(folder: Path) -> str | None:
     """Why ``folder`` cannot hold trusted state, or None if it can.
 
@@ -97,7 +125,7 @@ def unsafe_folder(folder: Path) -> str | None:
         return f"{real} is not a folder"
     if st.st_uid != me:
         return f"{real} is owned by uid {st.st_uid}, not {me}"
-    if st.st_mode & 0o022:
+    if others_can_write(st):
         return (f"{real} is writable by others (mode {stat.S_IMODE(st.st_mode):04o}): "
                 f"chmod 700 {real}, or set {STATE_ENV} to a private folder")
     for parent in real.parents:
@@ -107,7 +135,7 @@ def unsafe_folder(folder: Path) -> str | None:
             return f"{parent}: {exc.strerror}"
         if st.st_uid not in (me, 0):
             return f"{parent}, above {real}, is owned by uid {st.st_uid}"
-        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+        if others_can_write(st) and not st.st_mode & stat.S_ISVTX:
             return (f"{parent}, above {real}, is writable by others without the sticky bit "
                     f"(mode {stat.S_IMODE(st.st_mode):04o})")
     return None
@@ -152,7 +180,7 @@ def open_trusted(path: Path) -> int:
             reason = "not a regular file"
         elif st.st_uid != me:
             reason = f"owned by uid {st.st_uid}, not {me}"
-        elif st.st_mode & 0o022:
+        elif others_can_write(st):
             reason = f"writable by others (mode {stat.S_IMODE(st.st_mode):04o})"
         elif st.st_nlink != 1:
             reason = f"has {st.st_nlink} hard links"

@@ -8,7 +8,7 @@ import stat
 from pathlib import Path
 
 from aftershock.faults import contract
-from aftershock.faults.journal import unsafe_folder
+from aftershock.faults.journal import others_can_write, unsafe_folder
 
 
 def cache_dir() -> Path:
@@ -38,6 +38,6 @@ def untrusted(path: Path) -> str | None:
         return f"{path} is not a regular file"
     if st.st_uid != os.geteuid():
         return f"{path} is owned by uid {st.st_uid}, not {os.geteuid()}"
-    if st.st_mode & 0o022:
+    if others_can_write(st):
         return f"{path} is writable by others (mode {stat.S_IMODE(st.st_mode):04o})"
     return None
