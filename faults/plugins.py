@@ -4,13 +4,13 @@ one named in one line and skipped, never allowed to break what does not use it.
 Aftershock has four entry-point groups (docs/extending.md): ``aftershock.faults`` (fault
 kinds, faults/registry.py), ``aftershock.systems`` (system kinds, harness/systems/),
 ``aftershock.presets`` (log-probe presets, harness/presets.py) and ``aftershock.checks``
-(checks, harness/check_registry.py). Each registry loads its
-group with :func:`load` and checks every object with a table of :class:`Attr` (required
-and optional attributes, their types and allowed values) through :func:`check`. An entry
-point that cannot be imported, or whose object its registry refuses, becomes a
-:class:`Broken` record: one warning line on stderr naming its distribution, entry point
-and what is wrong. A scenario that uses it fails with that line (exit code 3); every other
-scenario runs.
+(checks, harness/check_registry.py). Each is one :class:`Registry`: built-ins registered
+when their modules are imported, the group loaded once, on first use (:func:`load`), every
+object checked as it registers against a table of :class:`Attr` (required and optional
+attributes, their types and allowed values) through :func:`check`. An entry point that
+cannot be imported, or whose object its registry refuses, becomes a :class:`Broken`
+record: one warning line on stderr naming its distribution, entry point and what is wrong.
+A scenario that uses it fails with that line (exit code 3); every other scenario runs.
 
 ``AFTERSHOCK_NO_PLUGINS=1`` loads no entry point at all (as ``HYPOTHESIS_NO_PLUGINS`` and
 ``PYTEST_DISABLE_PLUGIN_AUTOLOAD`` do): the way out when a plug-in breaks the tool anyway.
@@ -23,10 +23,11 @@ from __future__ import annotations
 import os
 import re
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 #: Set (to anything but empty or ``0``) to load no entry point of any group.
 NO_PLUGINS_ENV = "AFTERSHOCK_NO_PLUGINS"
@@ -248,3 +249,161 @@ def _broken(entry: EntryPoint, problem: str, claims: tuple[str, ...]) -> Broken:
                     else "an unnamed distribution")
     return Broken(group=entry.group, name=entry.name, value=entry.value,
                   distribution=distribution, problem=_one_line(problem), claims=claims)
+
+
+# --------------------------------------------------------------------------- the registry
+
+T = TypeVar("T")
+
+
+class Registry(Generic[T]):
+    """One kind of plug-in, found by name: Aftershock's own, registered as their modules are
+    imported (``built_ins`` imports those that are not yet, on first use), and the objects of
+    the entry-point group ``group`` (None: built-ins only), loaded once, on first use.
+
+    An object is checked as it registers: against ``protocol`` (:func:`check`), then by
+    ``accept``, which may refuse it (a ValueError saying why) and gives the entry to keep (the
+    object, or what is read from it); one from an entry point also by ``from_plugin``. Its
+    name (``name``, also the label of a refused object) must match ``names`` (the pattern, and
+    what it allows, for the message) where given, and may not be another entry's.
+
+    ``noun`` names the kind in messages (``fault kind``); an unknown name is refused naming
+    the ``known_as`` ones (``none_known`` where there are none) and the skipped plug-in it
+    may come from; with ``lists_skipped``, inside the parentheses, listing every skipped one
+    when none claims the name (the presets' message)."""
+
+    def __init__(
+        self, noun: str, group: str | None, *, name: Callable[[Any], str],
+        protocol: Sequence[Attr] = (), accept: Callable[[Any, dict[str, Any]], T] | None = None,
+        from_plugin: Callable[[T], object] | None = None,
+        built_ins: Callable[[], object] | None = None,
+        claims: Callable[[Any], Iterable[str]] | None = None,
+        names: tuple[re.Pattern[str], str] | None = None,
+        known_as: str = "known", none_known: str = "", lists_skipped: bool = False,
+    ) -> None:
+        self.noun, self.group = noun, group
+        self._name, self._protocol, self._accept = name, tuple(protocol), accept
+        self._from_plugin, self._built_ins, self._names = from_plugin, built_ins, names
+        self._claims = claims if claims is not None else lambda obj: [name(obj)]
+        self._known_as, self._none_known, self._lists_skipped = known_as, none_known, lists_skipped
+        self._entries: dict[str, T] = {}  # in the order they registered
+        self._skipped: list[Broken] = []
+        self._loaded = False
+
+    # ------------------------------------------------------------------ registering
+
+    def register(self, obj: Any) -> T:
+        """Add ``obj``; ValueError (PluginProblem) when it is no valid entry or its name is
+        another entry's. The same entry twice is no conflict (a module imported twice)."""
+        return self._store(self._accepted(obj))
+
+    def _accepted(self, obj: Any) -> T:
+        found = check(obj, self.noun, self._protocol, self._name) if self._protocol else {}
+        entry: T = self._accept(obj, found) if self._accept is not None else obj
+        name = self._name(entry)
+        if self._names is not None and not self._names[0].match(name):
+            raise PluginProblem(f"{self.noun} name {name!r}: {self._names[1]}")
+        return entry
+
+    def _store(self, entry: T) -> T:
+        name = self._name(entry)
+        taken = self._entries.get(name)
+        if taken is not None and taken is not entry and taken != entry:
+            raise ValueError(f"{self.noun} {name!r} is registered twice")
+        self._entries[name] = entry
+        return entry
+
+    def _register_plugin(self, obj: Any) -> None:
+        entry = self._accepted(obj)
+        if self._from_plugin is not None:
+            self._from_plugin(entry)
+        self._store(entry)
+
+    def _load(self) -> None:
+        if self._loaded:
+            return
+        self._loaded = True  # first: a built-in module that looks something up finds it done
+        if self._built_ins is not None:
+            self._built_ins()
+        if self.group is not None:
+            self._skipped.extend(load(self.group, self._register_plugin, self._claims))
+
+    # ------------------------------------------------------------------ looking up
+
+    def get(self, name: str) -> T:
+        """The entry called ``name``; KeyError saying which exist, and the skipped plug-in
+        it may come from, otherwise."""
+        self._load()
+        try:
+            return self._entries[name]
+        except KeyError:
+            raise KeyError(self._unknown(name)) from None
+
+    def _unknown(self, name: str) -> str:
+        known = ", ".join(self.names()) or self._none_known
+        why = why_unknown(self._skipped, name)
+        if not self._lists_skipped:
+            return f"unknown {self.noun} {name!r} ({self._known_as}: {known}){why}"
+        if not why and self._skipped:
+            listed = sorted({f"{b.name} ({b.value})" for b in self._skipped})
+            why = f"; skipped as broken: {', '.join(listed)}"
+        return f"unknown {self.noun} {name!r} ({self._known_as}: {known}{why})"
+
+    def __contains__(self, name: object) -> bool:
+        self._load()
+        return name in self._entries
+
+    def names(self) -> list[str]:
+        """Every entry's name, sorted."""
+        self._load()
+        return sorted(self._entries)
+
+    def entries(self) -> list[T]:
+        """Every entry, in the order they registered."""
+        self._load()
+        return list(self._entries.values())
+
+    def broken(self) -> list[Broken]:
+        """The entry points of the group that were skipped, and why."""
+        self._load()
+        return list(self._skipped)
+
+    def broken_for(self, name: str) -> Broken | None:
+        """The skipped plug-in that a scenario naming ``name`` may be asking for, if any."""
+        self._load()
+        return None if name in self._entries else provider(self._skipped, name)
+
+    # ------------------------------------------------------------------ for tests
+
+    @contextmanager
+    def added(self, obj: Any) -> Iterator[T]:
+        """For tests: ``obj``, checked as any object is, registered for the block in place
+        of any entry of its name; afterwards the registry is as it was."""
+        self._load()  # now: loaded inside the block, built-ins would leave with it
+        entry = self._accepted(obj)
+        name = self._name(entry)
+        before = self._entries.get(name)
+        self._entries[name] = entry
+        try:
+            yield entry
+        finally:
+            if before is None:
+                self._entries.pop(name, None)
+            else:
+                self._entries[name] = before
+
+    @contextmanager
+    def reloaded(self) -> Iterator[None]:
+        """For tests: the entry-point group read again on first use in the block (it finds
+        a distribution the test made); afterwards the registry is as it was."""
+        self._load()
+        entries, skipped = dict(self._entries), list(self._skipped)
+        self._skipped.clear()
+        self._loaded = False
+        try:
+            yield
+        finally:
+            self._entries.clear()
+            self._entries.update(entries)
+            self._skipped[:] = skipped
+            self._loaded = True

@@ -308,7 +308,10 @@ PROTOCOL: tuple[plugins.Attr, ...] = (
 def check(kind: Any) -> Hooks:
     """``kind``'s optional parts; PluginProblem (a ValueError) naming everything about it
     that the protocol does not allow."""
-    found = plugins.check(kind, "fault kind", PROTOCOL, lambda k: k.info.kind)
+    return _read_hooks(plugins.check(kind, "fault kind", PROTOCOL, _kind_name))
+
+
+def _read_hooks(found: dict[str, Any]) -> Hooks:
     if found.get("acts") == "either" and "inside" not in found:
         raise plugins.PluginProblem(
             f"fault kind {found['info'].kind}: `acts` is 'either' "
@@ -317,6 +320,11 @@ def check(kind: Any) -> Hooks:
     if "needs" in found:
         found["needs"] = frozenset(found["needs"])
     return Hooks(**{f.name: found[f.name] for f in fields(Hooks) if f.name in found})
+
+
+def _kind_name(kind: Any) -> str:
+    name: str = kind.info.kind
+    return name
 
 
 def hooks(kind: FaultKind) -> Hooks:
@@ -345,77 +353,61 @@ def needs(kind: FaultKind, params: Any, phase: str | None) -> frozenset[str]:
     return found.needs
 
 
-_registry: dict[str, FaultKind] = {}
 _hooks: dict[int, tuple[FaultKind, Hooks]] = {}  # by id(kind): a kind object stays alive
-_broken: list[plugins.Broken] = []
-_loaded = False
 
 
-def register(kind: FaultKind) -> FaultKind:
-    """Add ``kind``; ValueError (PluginProblem) when it does not follow the protocol or its
-    name is taken."""
-    found = check(kind)
-    name = kind.info.kind
-    if name in _registry and _registry[name] is not kind:
-        raise ValueError(f"fault kind {name!r} is registered twice")
-    _registry[name] = kind
-    _hooks[id(kind)] = (kind, found)
-    return kind
+def _accept(kind: Any, found: dict[str, Any]) -> FaultKind:
+    # Its optional parts are read once, here: the harness looks them up nowhere else.
+    _hooks[id(kind)] = (kind, _read_hooks(found))
+    registered: FaultKind = kind
+    return registered
 
 
-def _register_plugin(kind: Any) -> None:
+def _needs_params(kind: FaultKind) -> None:
     # From another package, a kind is for scenarios: without a parameter model it would be
     # listed nowhere and refused as unknown, so it is refused here, saying why.
-    found = check(kind)
-    if found.params is None:
+    if hooks(kind).params is None:
         raise plugins.PluginProblem(
             f"fault kind {kind.info.kind}: no `params` (an aftershock.faults.params.FaultParams "
             f"model; "
             "`params = FaultParams` for a kind without parameters), so no scenario can use it"
         )
-    register(kind)
 
 
-def _claims(kind: Any) -> list[str]:
-    return [kind.info.kind]
-
-
-def _load() -> None:
-    global _loaded
-    if _loaded:
-        return
-    _loaded = True
+def _import_built_ins() -> None:
     for module in _BUILTIN_MODULES:
         importlib.import_module(module)
-    _broken.extend(plugins.load(ENTRY_POINT_GROUP, _register_plugin, _claims))
+
+
+#: Every fault kind, by its dotted name: the built-in modules' and the entry points'.
+KINDS: plugins.Registry[FaultKind] = plugins.Registry(
+    "fault kind", ENTRY_POINT_GROUP, name=_kind_name, protocol=PROTOCOL, accept=_accept,
+    from_plugin=_needs_params, built_ins=_import_built_ins)
+
+
+def register(kind: FaultKind) -> FaultKind:
+    """Add ``kind``; ValueError (PluginProblem) when it does not follow the protocol or its
+    name is taken."""
+    return KINDS.register(kind)
 
 
 def broken() -> list[plugins.Broken]:
     """The entry points of ``aftershock.faults`` that were skipped, and why."""
-    _load()
-    return list(_broken)
+    return KINDS.broken()
 
 
 def broken_kind(kind: str) -> plugins.Broken | None:
     """The skipped plug-in that fault kind ``kind`` may come from, if any."""
-    _load()
-    return plugins.provider(_broken, kind) if kind not in _registry else None
+    return KINDS.broken_for(kind)
 
 
 def get(kind: str) -> FaultKind:
-    _load()
-    try:
-        return _registry[kind]
-    except KeyError:
-        raise KeyError(
-            f"unknown fault kind {kind!r} (known: {', '.join(sorted(_registry))})"
-            + plugins.why_unknown(_broken, kind)
-        ) from None
+    return KINDS.get(kind)
 
 
 def kinds() -> list[FaultKind]:
-    _load()
-    return [_registry[name] for name in sorted(_registry)]
+    """Every fault kind, by name."""
+    return [KINDS.get(name) for name in KINDS.names()]
 
 
 def declared(kind: FaultKind) -> bool:

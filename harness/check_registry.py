@@ -103,75 +103,58 @@ PROTOCOL = (
     plugins.optional("metric", "a metric name or None", lambda v: v is None or isinstance(v, str)),
 )
 
-_built_in: dict[str, Check] = {}
-_plugins: dict[str, Check] = {}
-_broken: list[plugins.Broken] = []
-_loaded = False
+def _from_object(obj: Any, found: dict[str, Any]) -> Check:
+    check = Check(name=found["name"], doc=" ".join(found["doc"].split()),
+                  evaluate=found["evaluate"], model=found.get("model"),
+                  metric=found.get("metric"))
+    if check.name in BUILT_IN:
+        raise ValueError(f"check {check.name!r} is a built-in check's name")
+    return check
+
+
+def _name(check: Any) -> str:
+    name: str = check.name
+    return name
+
+
+#: Aftershock's own checks (harness/checks.py), in the order they run and a report lists them.
+BUILT_IN: plugins.Registry[Check] = plugins.Registry("check", None, name=_name)
+#: The checks other packages add, by name (their entry points are loaded on first use).
+PLUGINS: plugins.Registry[Check] = plugins.Registry(
+    "check", ENTRY_POINT_GROUP, name=_name, protocol=PROTOCOL, accept=_from_object,
+    known_as="plug-in checks", none_known="none installed")
 
 
 def built_in(check: Check) -> Check:
     """Add one of Aftershock's own checks (harness/checks.py); they run in this order."""
-    if check.name in _built_in:
-        raise ValueError(f"check {check.name!r} is registered twice")
-    _built_in[check.name] = check
-    return check
+    return BUILT_IN.register(check)
 
 
 def register(obj: Any) -> Check:
     """Add a check from another package: a :class:`Check`, or any object with its
     attributes (:data:`PROTOCOL`); PluginProblem (a ValueError) saying what is wrong."""
-    found = plugins.check(obj, "check", PROTOCOL, lambda o: getattr(o, "name", None))
-    check = Check(name=found["name"], doc=" ".join(found["doc"].split()),
-                  evaluate=found["evaluate"], model=found.get("model"),
-                  metric=found.get("metric"))
-    if check.name in _built_in:
-        raise ValueError(f"check {check.name!r} is a built-in check's name")
-    if check.name in _plugins and _plugins[check.name].evaluate is not check.evaluate:
-        raise ValueError(f"check {check.name!r} is registered twice")
-    _plugins[check.name] = check
-    return check
-
-
-def _load() -> None:
-    global _loaded
-    if _loaded:
-        return
-    _loaded = True
-    _broken.extend(plugins.load(ENTRY_POINT_GROUP, register, _claims))
-
-
-def _claims(obj: Any) -> list[str]:
-    name = getattr(obj, "name", None)
-    return [name] if isinstance(name, str) else []
+    return PLUGINS.register(obj)
 
 
 def built_ins() -> list[Check]:
     """Aftershock's own checks, in the order a report lists them."""
-    return list(_built_in.values())
+    return BUILT_IN.entries()
 
 
 def from_plugins() -> list[Check]:
     """The checks other packages added (their entry points are loaded on first use)."""
-    _load()
-    return list(_plugins.values())
+    return PLUGINS.entries()
 
 
 def plugin(name: str) -> Check:
     """The plug-in check ``name``; KeyError saying which exist (and a skipped plug-in that
     may have provided it) otherwise."""
-    _load()
-    try:
-        return _plugins[name]
-    except KeyError:
-        known = ", ".join(sorted(_plugins)) or "none installed"
-        raise KeyError(f"unknown check {name!r} (plug-in checks: {known})"
-                       f"{plugins.why_unknown(_broken, name)}") from None
+    return PLUGINS.get(name)
 
 
 def broken_for(name: str) -> plugins.Broken | None:
     """The skipped plug-in a scenario asking for check ``name`` may be asking for."""
-    _load()
-    return None if name in _plugins else plugins.provider(_broken, name)
+    return PLUGINS.broken_for(name)
 
 
 def run_one(check: Check, expectation: Any, run: Run) -> list[CheckResult]:

@@ -37,68 +37,48 @@ class Preset:
     logs: str = ""
 
 
-_registry: dict[str, Preset] = {}
-_broken: dict[str, plugins.Broken] = {}  # "name (module:attribute)" -> what was skipped
-_loaded = False
-
-
-def register(preset: Preset) -> Preset:
-    """Add ``preset``; ValueError when it is not a valid one or its name is taken."""
+def _accept(preset: object, found: object) -> Preset:
     if not isinstance(preset, Preset):
         raise plugins.PluginProblem(f"not an aftershock.harness.presets.Preset: {preset!r:.80}")
-    if not _NAME.match(preset.name):
-        raise ValueError(f"preset name {preset.name!r}: lower-case letters, digits, '_', "
-                         "'.', '-', starting with a letter")
     if not preset.probes or not all(isinstance(p, LogProbe) for p in preset.probes):
         raise ValueError(f"preset {preset.name!r}: its probes must be one or more LogProbe")
-    if preset.name in _registry and _registry[preset.name] is not preset:
-        raise ValueError(f"preset {preset.name!r} is registered twice")
-    _registry[preset.name] = preset
     return preset
-
-
-def _load() -> None:
-    global _loaded
-    if _loaded:
-        return
-    _loaded = True
-    for skipped in plugins.load(ENTRY_POINT_GROUP, register, _claims):
-        _broken[f"{skipped.name} ({skipped.value})"] = skipped
 
 
 def _claims(preset: object) -> list[str]:
     return [preset.name] if isinstance(preset, Preset) else []
 
 
+#: Every preset, by name: this module's and the entry points'.
+PRESETS: plugins.Registry[Preset] = plugins.Registry(
+    "preset", ENTRY_POINT_GROUP, name=lambda preset: str(preset.name), accept=_accept,
+    claims=_claims, names=(_NAME, "lower-case letters, digits, '_', '.', '-', starting with "
+                                  "a letter"), lists_skipped=True)
+
+
+def register(preset: Preset) -> Preset:
+    """Add ``preset``; ValueError when it is not a valid one or its name is taken."""
+    return PRESETS.register(preset)
+
+
 def get(name: str) -> Preset:
     """The preset called ``name``; KeyError naming the known ones otherwise."""
-    _load()
-    try:
-        return _registry[name]
-    except KeyError:
-        skipped = plugins.why_unknown(_broken.values(), name)
-        if not skipped and _broken:
-            skipped = f"; skipped as broken: {', '.join(sorted(_broken))}"
-        raise KeyError(f"unknown preset {name!r} (known: {', '.join(names())}{skipped})"
-                       ) from None
+    return PRESETS.get(name)
 
 
 def names() -> list[str]:
-    _load()
-    return sorted(_registry)
+    return PRESETS.names()
 
 
 def broken() -> dict[str, str]:
     """Entry points of the ``aftershock.presets`` group that were skipped, and why (each
     ``name (module:attribute)``: its one line)."""
-    _load()
-    return {key: skipped.line() for key, skipped in _broken.items()}
+    return {f"{skipped.name} ({skipped.value})": skipped.line() for skipped in PRESETS.broken()}
 
 
 def broken_for(name: str) -> plugins.Broken | None:
     """The skipped plug-in that preset ``name`` may come from, if any."""
-    _load()
-    return plugins.provider(_broken.values(), name) if name not in _registry else None
+    return PRESETS.broken_for(name)
 
 
 def probes(chosen: str | list[str] | None) -> list[LogProbe]:

@@ -175,22 +175,23 @@ class _Raises:
 
 
 def test_a_registered_check_runs_after_the_built_in_ones_and_cannot_break_them() -> None:
-    check_registry.register(_Within())
-    check_registry.register(_Raises())
-    expect = Expect(checks={"within": True, "raises": True})
-    results = evaluate(expect, outcome=Outcome(0, False, 9.0), metrics={}, faults=[],
-                       digests={}, baseline=None, events=[Event(0.0, "step", "rank0")])
-    assert [(r.name, r.passed, r.message) for r in results] == [
-        ("completes", True, "exited 0"),
-        ("within", False, "took 9.0s"),
-        ("raises", False, "not observed: the check raised ZeroDivisionError: division by "
-         "zero"),
-    ]
-    with pytest.raises(SpecError) as refused:
-        parse_scenario("name: x\nsystem: {command: [echo]}\nexpect:\n  checks:\n"
-                       "    within: {seconds: 3}\n    params_match: fault_free\n", "s.yaml")
-    assert refused.value.problems == [
-        "s.yaml:5:5: expect.checks: check 'within' takes no arguments: write `within: true`"]
+    with check_registry.PLUGINS.added(_Within()), check_registry.PLUGINS.added(_Raises()):
+        expect = Expect(checks={"within": True, "raises": True})
+        results = evaluate(expect, outcome=Outcome(0, False, 9.0), metrics={}, faults=[],
+                           digests={}, baseline=None, events=[Event(0.0, "step", "rank0")])
+        assert [(r.name, r.passed, r.message) for r in results] == [
+            ("completes", True, "exited 0"),
+            ("within", False, "took 9.0s"),
+            ("raises", False, "not observed: the check raised ZeroDivisionError: division by "
+             "zero"),
+        ]
+        with pytest.raises(SpecError) as refused:
+            parse_scenario("name: x\nsystem: {command: [echo]}\nexpect:\n  checks:\n"
+                           "    within: {seconds: 3}\n    params_match: fault_free\n",
+                           "s.yaml")
+        assert refused.value.problems == [
+            "s.yaml:5:5: expect.checks: check 'within' takes no arguments: write `within: true`"]
+    assert "within" not in check_registry.PLUGINS
 
 
 def test_every_built_in_check_is_declared_once_and_documented() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -71,7 +72,7 @@ def test_a_kind_the_protocol_does_not_allow_is_refused_saying_what_is_wrong(
     kind = type("Bad", (_Kind,), attrs)()
     with pytest.raises(ValueError, match=re.escape(problem)):
         registry.register(kind)
-    assert "test.protocol" not in registry._registry
+    assert "test.protocol" not in registry.KINDS
 
 
 def test_a_kind_without_its_required_parts_names_each_one() -> None:
@@ -102,7 +103,7 @@ def test_a_system_kind_is_checked_against_its_protocol() -> None:
         r"'training', 'serving'; no `launch` \(a method\); no `target`",
     ):
         systems.register(Half())  # type: ignore[arg-type]
-    assert "half" not in systems._registry
+    assert "half" not in systems.KINDS
     assert systems.unresolved(built_in) is not None  # the command kind's optional hook
     assert systems.unresolved(systems.get("trainer")) is None
 
@@ -133,3 +134,89 @@ def test_no_other_module_looks_a_kinds_hooks_up_by_name() -> None:
         if lookup.search(line)
     ]
     assert found == []
+
+
+class _Widget:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def _widgets(**kwargs: Any) -> plugins.Registry[_Widget]:
+    return plugins.Registry("widget", "aftershock.test_widgets", name=lambda w: w.name,
+                            protocol=(plugins.required("name", "a str", plugins.is_str),),
+                            **kwargs)
+
+
+def test_a_registry_loads_its_group_once_refuses_what_is_wrong_and_names_what_is_unknown(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "my_widgets.py").write_text(
+        "class W:\n    name = 'from.plugin'\nWIDGET = W()\n")
+    info = tmp_path / "my_widgets-2.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: my-widgets\nVersion: 2.0\n")
+    (info / "entry_points.txt").write_text(
+        "[aftershock.test_widgets]\nmine = my_widgets:WIDGET\nbad_one = json:loads\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    built_in = _Widget("built.in")
+    widgets = _widgets(built_ins=lambda: widgets.register(built_in))
+    assert widgets.names() == ["built.in", "from.plugin"]
+    assert widgets.register(built_in) is built_in  # the same one again is no conflict
+    with pytest.raises(ValueError, match=r"^widget 'built\.in' is registered twice$"):
+        widgets.register(_Widget("built.in"))
+    with pytest.raises(plugins.PluginProblem, match=r"^widget \(a int\): no `name` \(a str\)$"):
+        widgets.register(3)
+    (skipped,) = widgets.broken()
+    assert skipped.line() == ("plug-in skipped: my-widgets 2.0, entry point "
+                              "aftershock.test_widgets: bad_one = json:loads: widget (a function): "
+                              "no `name` (a str)")
+    assert widgets.broken_for("bad.one") is skipped
+    with pytest.raises(KeyError) as unknown:
+        widgets.get("bad.one")
+    assert unknown.value.args[0] == (
+        f"unknown widget 'bad.one' (known: built.in, from.plugin); {skipped.line()}")
+    monkeypatch.setenv(plugins.NO_PLUGINS_ENV, "1")
+    assert _widgets().names() == []
+
+
+def test_a_test_adds_an_entry_for_a_block_and_leaves_the_registry_as_it_was(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    first = _Widget("a.widget")
+    widgets = _widgets(built_ins=lambda: widgets.register(first))
+    stand_in = _Widget("a.widget")
+    with widgets.added(stand_in) as added, widgets.added(_Widget("b.widget")):
+        assert added is stand_in
+        assert widgets.get("a.widget") is stand_in
+        assert widgets.names() == ["a.widget", "b.widget"]
+    assert widgets.get("a.widget") is first
+    assert widgets.names() == ["a.widget"]
+    with pytest.raises(plugins.PluginProblem), widgets.added(object()):
+        pass  # checked as any entry is
+    (tmp_path / "late_widgets.py").write_text("class W:\n    name = 'late'\nLATE = W()\n")
+    info = tmp_path / "late_widgets-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: late-widgets\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[aftershock.test_widgets]\nlate = late_widgets:LATE\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert "late" not in widgets  # loaded already, before the distribution was there
+    with widgets.reloaded():
+        assert widgets.names() == ["a.widget", "late"]
+    assert widgets.names() == ["a.widget"]
+
+
+def test_the_four_plug_in_groups_are_one_registry_type() -> None:
+    from aftershock.harness import check_registry, presets
+
+    groups = {r.group for r in (registry.KINDS, systems.KINDS, presets.PRESETS,
+                                check_registry.PLUGINS)}
+    assert groups == {"aftershock.faults", "aftershock.systems", "aftershock.presets",
+                      "aftershock.checks"}
+    # Loading entry points, or keeping a registry's dict, anywhere else is a second copy.
+    copies = [
+        f"{path.relative_to(ROOT)}:{number}"
+        for folder in ("faults", "harness")
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        if path.relative_to(ROOT).as_posix() != "faults/plugins.py"
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if re.search(r"plugins\.load\(|entry_points\(|^_registry\b", line)
+    ]
+    assert copies == []

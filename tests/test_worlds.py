@@ -219,14 +219,13 @@ def test_a_third_party_preset_loads_by_entry_point_and_a_broken_one_is_skipped(
     (info / "entry_points.txt").write_text(
         "[aftershock.presets]\nmine = my_presets:MINE\nbad = json:loads\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(presets, "_loaded", False)
-    monkeypatch.setattr(presets, "_registry", dict(presets._registry))
-    monkeypatch.setattr(presets, "_broken", {})
-    system = CommandSystem.model_validate({"command": ["x"], "preset": "myframework"})
-    assert [p.pattern for p in system.all_probes()] == [r"iter (?P<step>\d+) done"]
-    assert list(presets.broken()) == ["bad (json:loads)"]
-    with pytest.raises(ValueError, match=r"skipped as broken: bad \(json:loads\)"):
-        CommandSystem.model_validate({"command": ["x"], "preset": "nope"})
+    with presets.PRESETS.reloaded():
+        system = CommandSystem.model_validate({"command": ["x"], "preset": "myframework"})
+        assert [p.pattern for p in system.all_probes()] == [r"iter (?P<step>\d+) done"]
+        assert list(presets.broken()) == ["bad (json:loads)"]
+        with pytest.raises(ValueError, match=r"skipped as broken: bad \(json:loads\)"):
+            CommandSystem.model_validate({"command": ["x"], "preset": "nope"})
+    assert "myframework" not in presets.names()
 
 
 def test_torchruns_agent_line_is_a_failure_at_its_own_glog_time() -> None:

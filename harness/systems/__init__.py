@@ -221,20 +221,6 @@ PROTOCOL: tuple[plugins.Attr, ...] = (
                      plugins.is_callable),
 )
 
-_registry: dict[str, SystemKind] = {}
-_broken: list[plugins.Broken] = []
-_loaded = False
-
-
-def register(kind: SystemKind) -> SystemKind:
-    """Add ``kind``; ValueError (PluginProblem) when it does not follow the protocol or its
-    name is taken."""
-    plugins.check(kind, "system kind", PROTOCOL, lambda k: k.name)
-    if kind.name in _registry and _registry[kind.name] is not kind:
-        raise ValueError(f"system kind {kind.name!r} is registered twice")
-    _registry[kind.name] = kind
-    return kind
-
 
 def _claims(kind: Any) -> list[str]:
     # A scenario names a system kind by its tag's key (`script:`), messages by its name.
@@ -242,15 +228,27 @@ def _claims(kind: Any) -> list[str]:
     return [tag[0] if tag is not None and _is_tag(tag) else "", str(getattr(kind, "name", ""))]
 
 
-def _load() -> None:
-    global _loaded
-    if _loaded:
-        return
-    _loaded = True
+def _import_built_ins() -> None:
     for module in pkgutil.iter_modules(__path__):
         if not module.name.startswith("_"):
             importlib.import_module(f"{__name__}.{module.name}")
-    _broken.extend(plugins.load(ENTRY_POINT_GROUP, register, _claims))
+
+
+def _name(kind: Any) -> str:
+    name: str = kind.name
+    return name
+
+
+#: Every system kind, by name: this package's modules' and the entry points'.
+KINDS: plugins.Registry[SystemKind] = plugins.Registry(
+    "system kind", ENTRY_POINT_GROUP, name=_name, protocol=PROTOCOL,
+    built_ins=_import_built_ins, claims=_claims)
+
+
+def register(kind: SystemKind) -> SystemKind:
+    """Add ``kind``; ValueError (PluginProblem) when it does not follow the protocol or its
+    name is taken."""
+    return KINDS.register(kind)
 
 
 def broken_for(raw: Mapping[str, Any]) -> plugins.Broken | None:
@@ -258,8 +256,9 @@ def broken_for(raw: Mapping[str, Any]) -> plugins.Broken | None:
     (by one of its keys), if any."""
     if claimed(raw) is not None:
         return None
+    skipped = KINDS.broken()
     return next((b for key in raw if isinstance(key, str)
-                 for b in [plugins.provider(_broken, key)] if b is not None), None)
+                 for b in [plugins.provider(skipped, key)] if b is not None), None)
 
 
 def unresolved(kind: SystemKind) -> Callable[[Any, Any, bool], str | None] | None:
@@ -270,17 +269,11 @@ def unresolved(kind: SystemKind) -> Callable[[Any, Any, bool], str | None] | Non
 
 def kinds() -> list[SystemKind]:
     """Every system kind, in ``order``."""
-    _load()
-    return sorted(_registry.values(), key=lambda k: (k.order, k.name))
+    return sorted(KINDS.entries(), key=lambda k: (k.order, k.name))
 
 
 def get(name: str) -> SystemKind:
-    _load()
-    try:
-        return _registry[name]
-    except KeyError:
-        raise KeyError(f"unknown system kind {name!r} (known: {', '.join(sorted(_registry))})"
-                       f"{plugins.why_unknown(_broken, name)}") from None
+    return KINDS.get(name)
 
 
 def of(system: Any) -> SystemKind:

@@ -348,16 +348,14 @@ class _NoValidate:
 
 
 def test_a_kind_without_validate_is_refused_and_never_reverted(tmp_path: Path) -> None:
-    kind = registry.register(_NoValidate())
-    try:
+    with registry.KINDS.added(_NoValidate()):
         journal = Journal.create("run-novalidate", folders=[tmp_path])
         journal.intend("test.novalidate", {"anything": 1})
         healed = heal_journal(journal.path)
         assert [h.outcome for h in healed] == ["refused"]
         assert "validate" in str(healed[0].reason)
         assert _NoValidate.reverted == []
-    finally:
-        registry._registry.pop(kind.info.kind, None)
+    assert "test.novalidate" not in registry.KINDS
 
 
 # ------------------------------------------------ unreadable journals: skipped and reported

@@ -235,12 +235,8 @@ def heal_journal_with(kind: object, path: Path) -> list[str | None]:
     in a reaper process, which never started the server)."""
     from aftershock.faults import heal, registry
 
-    original = registry._registry["storage.lose_unsynced"]
-    registry._registry["storage.lose_unsynced"] = kind  # type: ignore[assignment]
-    try:
+    with registry.KINDS.added(kind):
         return [h.error for h in heal.heal_journal(path)]
-    finally:
-        registry._registry["storage.lose_unsynced"] = original
 
 
 @pytest.mark.timeout(60)
