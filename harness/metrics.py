@@ -629,10 +629,14 @@ class _Lines:
         for c in found:
             self.by_rank[c.rank].append(c)
         self.last: dict[int, Commit] = {}  # id(commit) -> the last commit of its line
+        self.place: dict[int, int] = {}  # id(commit) -> its index among its rank's commits
+        self._merged: dict[tuple[int, int], dict[World, int]] = {}  # see _entered
+        self.worlds = {rank: {c.world for c in run} for rank, run in self.by_rank.items()}
         for run in self.by_rank.values():
             end = run[-1]
             for i in range(len(run) - 1, -1, -1):
                 self.last[id(run[i])] = end
+                self.place[id(run[i])] = i
                 if i and self._breaks(run[i - 1], run[i]):
                     end = run[i - 1]
         self.top = max((c.step for c in found), default=0)
@@ -642,10 +646,44 @@ class _Lines:
         return after.step <= before.step or (after.step > before.step + 1
                                              and after.world != before.world)
 
-    def progresses_after(self, c: Commit, t: float) -> bool:
-        """Its line goes on with a commit after ``t`` (commits of a rank are in time order)."""
-        last = self.last[id(c)]
-        return last is not c and last.t > t
+    def advances_apart(self, a: Commit, b: Commit) -> bool:
+        """``a``'s line made progress after ``b`` was committed, other than as the world that
+        ``b``'s world merged into. ``b``'s line ends where its rank goes on in a world it had
+        not been in, further ahead (it took that world's state: on a busy machine, a torchft
+        replica that started late trained alone while its peer was frozen, then healed from
+        it). Every member of a world takes part in each of its steps, so that world's steps
+        from the one ``b``'s rank entered it at came after ``b``'s line had ended: one
+        history going on. Progress anywhere else counts, and so does any progress when
+        ``b``'s world is one ``a``'s rank was in (it went on without that member: a zombie)."""
+        run, end = self.by_rank[a.rank], self.last[id(a)]
+        if end is a or end.t <= b.t:
+            return False
+        if b.world in self.worlds[a.rank]:
+            return True
+        entered = self._entered(b)
+        for i in range(self.place[id(end)], self.place[id(a)], -1):  # its line, from the end
+            c = run[i]
+            if c.t <= b.t:
+                return False
+            if c.world is None or c.world not in entered or c.step < entered[c.world]:
+                return True
+        return False
+
+    def _entered(self, c: Commit) -> dict[World, int]:
+        """The worlds ``c``'s rank went on in after ``c``'s line ended, new to it, each with
+        the first step it committed there."""
+        own, end = self.by_rank[c.rank], self.last[id(c)]
+        key = (c.rank, self.place[id(end)])
+        found = self._merged.get(key)
+        if found is None:
+            cut = key[1] + 1
+            before = {o.world for o in own[:cut]}
+            found = {}
+            for o in own[cut:]:
+                if o.world is not None and o.world not in before:
+                    found.setdefault(o.world, o.step)
+            self._merged[key] = found
+        return found
 
     def completes(self, c: Commit) -> bool:
         """Its line runs unbroken to the run's last step: what it built is a result."""
@@ -659,7 +697,9 @@ def forks(events: Sequence[Event] | Reading) -> list[Fork] | None:
     earlier one's line still made progress after the later one was committed (two worlds
     advancing at once, a zombie included), or when both lines run unbroken to the run's
     last step (two results). A world that was given up (its ranks rolled back, or took
-    another world's state) and redone is one history with lost work (``lost_steps``).
+    another world's state) and redone is one history with lost work (``lost_steps``);
+    so is the earlier line's progress in the world the later one's rank went on to, once
+    it had taken that world's state (``_Lines.advances_apart``).
     None when some step after the fault names no world: then two worlds cannot be told
     apart."""
     reading = events if isinstance(events, Reading) else Reading.of(events)
@@ -683,7 +723,7 @@ def _forks(done: Sequence[Commit], t_fault: float, lines: _Lines) -> bool:
     # In each pair `a` came first.
     pairs = [(a, b) for a, b in itertools.combinations(done, 2)
              if b.t > t_fault and a.world != b.world and a.world is not None]
-    return any(lines.progresses_after(a, b.t) or (lines.completes(a) and lines.completes(b))
+    return any(lines.advances_apart(a, b) or (lines.completes(a) and lines.completes(b))
                for a, b in pairs)
 
 
