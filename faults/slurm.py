@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import re
 import signal
+import time
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -177,6 +178,7 @@ class KillSlurmdParams(FaultParams):
 
 
 _SLURMD = ("slurmd", "slurmd-wlm")  # Debian installs it as slurmd-wlm, linked as slurmd
+SLURMD_START_S = 10.0  # how long a revert waits to see the slurmd it started running
 
 
 def _slurmd_of(node: str) -> tuple[ProcessRef, list[str]] | None:
@@ -240,9 +242,18 @@ class KillSlurmd(_SlurmKind):
             node = _docker.inspect(api, str(undo["container"]))
             if node is None or node.status != "running":
                 return  # the node is gone: nothing to start slurmd in
-            api.api.exec_start(api.api.exec_create(node.id, [str(a) for a in undo["argv"]]))
+            # Detached: slurmd daemonizes, but a start that hangs must not hold the heal
+            # (a Ctrl-C's teardown) for the engine's whole API timeout; it is looked for.
+            api.api.exec_start(api.api.exec_create(node.id, [str(a) for a in undo["argv"]]),
+                               detach=True)
         finally:
             api.close()
+        deadline = time.monotonic() + SLURMD_START_S
+        while _slurmd_of(str(undo["node"])) is None:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"slurmd of node {undo['node']} did not start again within "
+                                   f"{SLURMD_START_S:g}s")
+            time.sleep(0.1)
 
     def validate(self, undo: Mapping[str, Any], context: UndoContext) -> None:
         from aftershock.faults import _docker

@@ -9,6 +9,7 @@ alone, and touches no job of anyone else's.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shutil
@@ -25,6 +26,8 @@ TEST_CLUSTER_ID = "slurm-test-cluster"
 TERMINAL = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL",
                       "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED", "SPECIAL_EXIT"})
 CALL_TIMEOUT_S = 30.0
+#: How often scancel is sent again while a cancelled job is still in the queue.
+RECANCEL_S = 5.0
 _FIELD = re.compile(r"(?:^|\s)([A-Za-z][A-Za-z0-9_:/]*)=(\S*)")
 
 
@@ -81,11 +84,11 @@ def parse_record(line: str) -> dict[str, str]:
     return {key: value for key, value in _FIELD.findall(line)}
 
 
-def show_job(job_id: str) -> dict[str, str] | None:
+def show_job(job_id: str, *, timeout: float = CALL_TIMEOUT_S) -> dict[str, str] | None:
     """Slurm's view of job ``job_id`` (``scontrol show job -o``), or None when Slurm no
     longer knows it (MinJobAge passed) or says it is invalid."""
     try:
-        text = run(["scontrol", "show", "job", "-o", job_id])
+        text = run(["scontrol", "show", "job", "-o", job_id], timeout=timeout)
     except SlurmError as exc:
         if "Invalid job id" in str(exc):
             return None
@@ -106,35 +109,79 @@ def exit_status(record: dict[str, str]) -> int:
     return status
 
 
-def live_jobs(name: str) -> list[str]:
+def live_jobs(name: str, *, timeout: float = CALL_TIMEOUT_S) -> list[str]:
     """Ids of the jobs named ``name`` that are queued, running or ending."""
-    text = run(["squeue", "--noheader", f"--name={name}", "--format=%i %T"])
-    return [line.split()[0] for line in text.splitlines()
-            if line.split() and line.split()[-1] not in TERMINAL]
+    return [job for job, _ in live_states(name, timeout=timeout)]
+
+
+def live_states(name: str, *, timeout: float = CALL_TIMEOUT_S) -> list[tuple[str, str]]:
+    """(id, state) of each job named ``name`` that is queued, running or ending."""
+    text = run(["squeue", "--noheader", f"--name={name}", "--format=%i %T"], timeout=timeout)
+    return [(line.split()[0], line.split()[-1]) for line in text.splitlines()
+            if len(line.split()) == 2 and line.split()[-1] not in TERMINAL]
+
+
+class JobsLeft(SlurmError):
+    """Jobs of a run outlived its cancel: ``jobs`` as Slurm last showed them (id, state), or
+    empty when Slurm could not be asked."""
+
+    def __init__(self, message: str, jobs: list[tuple[str, str]]) -> None:
+        super().__init__(message)
+        self.jobs = jobs
 
 
 def cancel_named(name: str, *, patience_s: float = 60.0) -> None:
     """Cancel every job named ``name`` (``scancel --name``: SIGTERM, then SIGKILL after the
-    cluster's KillWait) and wait until none is queued or running; SlurmError if one is."""
+    cluster's KillWait) and wait until none is queued or running, all within ``patience_s``
+    (each command's own limit included: slurmctld may be slow or away); JobsLeft, naming
+    what Slurm last showed, when one is left."""
     if not name.startswith(JOB_PREFIX):
         raise SlurmError(f"job name {name!r} is not one of a run ({JOB_PREFIX}<run id>)")
     deadline = time.monotonic() + patience_s
-    while live_jobs(name):
-        run(["scancel", f"--name={name}"])
-        if time.monotonic() > deadline:
-            raise SlurmError(f"jobs {live_jobs(name)} named {name} outlived scancel by "
-                             f"{patience_s:g}s")
-        time.sleep(0.5)
+    left: list[tuple[str, str]] = []
+    why = ""
+    asked = -math.inf  # when scancel was last sent: again every few seconds while jobs stay
+    while (remaining := deadline - time.monotonic()) > 0:
+        try:
+            # scancel before squeue: an squeue that hangs must not keep the cancel from
+            # being sent at all.
+            if time.monotonic() - asked >= RECANCEL_S:
+                asked = time.monotonic()
+                run(["scancel", f"--name={name}"], timeout=min(CALL_TIMEOUT_S, remaining))
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            left = live_states(name, timeout=min(CALL_TIMEOUT_S, remaining))
+        except SlurmError as exc:
+            why = f" ({exc})"
+        else:
+            if not left:
+                return
+            why = ""
+        time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+    shown = ", ".join(f"{job} ({state})" for job, state in left) or "Slurm could not be asked"
+    raise JobsLeft(f"jobs named {name} were still in the queue {patience_s:g}s after scancel: "
+                   f"{shown}{why}", left)
 
 
-def job_steps(job_id: str) -> list[dict[str, str]] | None:
+def srun_epilog() -> str | None:
+    """The cluster's own SrunEpilog (``scontrol show config``), or None when it has none;
+    SlurmError when Slurm cannot say."""
+    for line in run(["scontrol", "show", "config"]).splitlines():
+        key, _, value = line.partition("=")
+        if key.strip() == "SrunEpilog":
+            return None if value.strip() in ("", "(null)") else value.strip()
+    return None
+
+
+def job_steps(job_id: str, *, timeout: float = CALL_TIMEOUT_S) -> list[dict[str, str]] | None:
     """Each step of job ``job_id`` as Slurm's accounting recorded it (``sacct``: step id,
     state, exit code, nodes), or None where the cluster keeps no accounting (no slurmdbd:
     ``sacct`` says so, as on the test cluster)."""
     fields = ("JobID", "State", "ExitCode", "NodeList")
     try:
         text = run(["sacct", "--jobs", job_id, "--noheader", "--parsable2", "--duplicates",
-                    f"--format={','.join(fields)}"])
+                    f"--format={','.join(fields)}"], timeout=timeout)
     except SlurmError:
         return None  # "Slurm accounting storage is disabled", or sacct is not installed
     rows = [dict(zip(fields, line.split("|"), strict=False)) for line in text.splitlines()

@@ -34,7 +34,7 @@ NOTABLE = {
     "fault_failed", "serving_ready", "load_started", "load_not_ready", "load_finished",
     "request_migrated",
     "request_failed", "teardown", "trigger_late", "process_started", "process_exited",
-    "probe_timeout", "log_unread",
+    "probe_timeout", "log_unread", "slurm_left",
 }
 
 
@@ -93,6 +93,9 @@ def _fault_line(name: str, f: dict[str, Any]) -> str | None:
             return f"FAULT {f.get('kind')} could not be applied: {f.get('error')}"
         case "fault_healed":
             return f"healed {f.get('kind')}"
+        case "slurm_left":
+            return (f"WARNING Slurm job(s) named {f.get('name')} left in the queue: "
+                    f"{f.get('error')}; `{f.get('heal')}` cancels them")
     return None
 
 
@@ -677,7 +680,7 @@ def render_exploration(exploration: Exploration, console: Console) -> None:
     """What an exploration found, and what it cost."""
     ex = exploration
     stages = ", ".join(f"{ex.count(s)} {s}" for s in ("search", "shrink", "minimize",
-                                                        "confirm") if ex.count(s))
+                                                        "confirm", "replay") if ex.count(s))
     discarded = ex.count(verdict="discarded")
     rate = ex.runs_per_minute
     console.print(_text(

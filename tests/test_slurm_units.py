@@ -83,13 +83,19 @@ def test_a_sites_partition_account_and_requeue_reach_sbatch(tmp_path: Path) -> N
     assert not [o for o in options if o.startswith(("--partition", "--account"))]
 
 
-def test_a_batch_script_of_the_users_is_submitted_as_it_is(tmp_path: Path) -> None:
-    (tmp_path / "job.sbatch").write_text("#!/bin/bash\n#SBATCH --time=5\nsrun hostname\n")
+def test_a_batch_script_of_the_users_runs_as_it_is(tmp_path: Path) -> None:
+    """Its text unchanged in the run folder, exec'd by what is submitted, which carries its
+    #SBATCH lines (tests/slurm/test_slurm_srun_wrapper.py runs the two)."""
+    text = "#!/bin/bash\n#SBATCH --time=5\nsrun hostname\n"
+    (tmp_path / "job.sbatch").write_text(text)
     spec = parse_scenario("name: s\nsystem:\n  slurm: {nodes: 2, script: job.sbatch}\n")
     assert isinstance(spec.system, kind.SlurmSystem)
     launch = kind.SLURM.launch(spec.system, run_dir=tmp_path, scenario_dir=tmp_path, seed=0)
     assert isinstance(launch, kind.SlurmLaunch)
-    assert launch.script == (tmp_path / "job.sbatch").read_text()
+    assert dict(launch.files)["slurm/script/job.sbatch"] == text
+    assert launch.script.splitlines()[:2] == ["#!/bin/sh", "#SBATCH --time=5"]
+    assert launch.script.splitlines()[-1] == \
+        f'exec {tmp_path.absolute() / "slurm" / "script" / "job.sbatch"} "$@"'
     assert kind.SLURM.file_problems(spec.system, tmp_path / "elsewhere") == [
         (("slurm", "script"), f"no file 'job.sbatch' in {tmp_path / 'elsewhere'}")]
 
@@ -255,7 +261,13 @@ def test_the_slurm_witness_agrees_with_a_job_that_resumes_after_its_requeue() ->
     result = slurm_witness(_witness_timeline("resume"))
     assert result.passed, result.message
     assert "run 1: resumed from step 4" in result.message
-    assert result.observed == "COMPLETED, 1 requeue(s), exit 0:0 on node[0-1]"
+    assert result.observed == ("COMPLETED, 1 requeue(s), exit 0:0 on node[0-1]; step exit "
+                               "codes not observed (no accounting, and no record from the "
+                               "job's srun)")
+    steps = [Event(t=30.1, event="slurm_step", source="srun",
+                   fields={"step": f"7.{n}", "exit_code": code}) for n, code in ((0, 0), (1, 3))]
+    recorded = slurm_witness([*_witness_timeline("resume"), *steps])
+    assert recorded.observed.endswith("; steps 7.0 exit 0, 7.1 exit 3 (srun)")
 
 
 def test_the_slurm_witness_fails_a_requeue_that_restarted_from_scratch() -> None:

@@ -53,9 +53,13 @@ from aftershock.harness.target import (
 from aftershock.harness.timeline import Timeline
 
 POLL_S = 0.5  # how often Slurm is asked for the job's state (each ask is a command)
-#: How long stop waits for Slurm to end the job after scancel: the cluster's KillWait
-#: (SIGTERM to SIGKILL) and the epilogue.
-CANCEL_PATIENCE_S = 60.0
+#: All that stop may take, every Slurm command included: scancel, then the wait for Slurm to
+#: end the job (the cluster's KillWait, SIGTERM to SIGKILL, and the epilogue), then Slurm's
+#: final view of it. A Ctrl-C waits this long at most for Slurm; what is left then is said
+#: and left to `aftershock heal`.
+STOP_BUDGET_S = 60.0
+RECORD_RESERVE_S = 10.0  # of the budget, kept for the final record after the cancel
+CALL_S = 5.0  # the most one command of that final record may take
 #: What the timeline keeps of Slurm's view of the job.
 FIELDS = ("JobId", "JobState", "Reason", "Restarts", "Requeue", "ExitCode", "NodeList",
           "BatchHost", "NumNodes", "NumTasks", "Partition", "Account", "RunTime",
@@ -92,6 +96,7 @@ class SlurmTarget:
         # probes): the output file Slurm appends to over requeues, and its `logs` files.
         self._tailer: _Tailer | None = None
         self._reader = ProbeReader(timeline.write)
+        self._submitted = False  # sbatch was called: a job of this name may exist
         self._started = time.monotonic()
         self._clock_offset = time.time() - self._started
 
@@ -121,11 +126,13 @@ class SlurmTarget:
         problem = slurm.problem()
         if problem is not None:
             raise TargetError(f"a slurm system is submitted with sbatch: {problem}")
+        self._write_files()
         script = self.run_dir / "slurm" / "job.sh"
         script.write_text(getattr(self.launch, "script", ""))
         script.chmod(0o755)
         argv = ["sbatch", "--parsable", f"--job-name={self.name}",
                 f"--chdir={self.launch.cwd}", *getattr(self.launch, "sbatch", ()), str(script)]
+        self._submitted = True
         done = subprocess.run(argv, capture_output=True, text=True, env=self.env(),
                               timeout=slurm.CALL_TIMEOUT_S)
         if done.returncode != 0:
@@ -138,6 +145,26 @@ class SlurmTarget:
                                    self.run_dir / "logs" / TAILED_TIMES,
                                    self._file_appeared, self.timeline.room)
             self._tailer.start()
+
+    def _write_files(self) -> None:
+        """The files the job runs besides its batch script (a user's script and the `srun`
+        that records its steps: systems/slurm.py's srun_files), executable."""
+        from aftershock.harness.systems.slurm import SRUN_EPILOG_MARK
+
+        files: tuple[tuple[str, str], ...] = getattr(self.launch, "files", ())
+        if not files:
+            return
+        # srun --epilog would replace a site's own SrunEpilog: the steps' ids go unrecorded
+        # there rather than the site's epilog unrun.
+        try:
+            mark = "" if slurm.srun_epilog() else "1"
+        except slurm.SlurmError:
+            mark = ""
+        for relative, text in files:
+            path = self.run_dir / relative
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text.replace(SRUN_EPILOG_MARK, mark))
+            path.chmod(0o755)
 
     def _file_appeared(self, path: str, absent_at: float | None) -> None:
         self.timeline.write(Event(t=time.monotonic(), event="log_appeared", source="harness",
@@ -254,14 +281,16 @@ class SlurmTarget:
             self._names[nodelist] = text.split()
         return self._names[nodelist]
 
-    def _record_steps(self, job_id: str) -> None:
+    def _record_steps(self, job_id: str, deadline: float) -> None:
         """Each step's exit code on the timeline (``slurm_step``), from Slurm's accounting
-        where the cluster keeps one (``sacct``), else from the batch script's own record of
-        its step (a batch script the harness wrote: ``<run>/slurm/steps.jsonl``); a verdict
+        where the cluster keeps one (``sacct``), else from the job's own record of its steps
+        (``<run>/slurm/steps.jsonl``: the batch script the harness wrote records its one
+        step, the `srun` it puts before a user's script each of that script's); a verdict
         then rests on more than the job's own logs."""
         from aftershock.harness.systems.slurm import STEPS_FILE
 
-        rows = slurm.job_steps(job_id)
+        rows = slurm.job_steps(job_id, timeout=max(1.0, min(deadline - time.monotonic(),
+                                                            CALL_S)))
         if rows is not None:
             for row in rows:
                 code, _, sig = row.get("ExitCode", "").partition(":")
@@ -282,25 +311,36 @@ class SlurmTarget:
                     self.timeline.emit("slurm_step", job_id=job_id, step=record.get("step"),
                                        restart=record.get("restart"),
                                        exit_code=record.get("exit_code"),
-                                       nodes=record.get("nodes"), source="batch script")
+                                       nodes=record.get("nodes"),
+                                       source=record.get("source", "batch script"))
 
     def stop(self, grace: float = STOP_GRACE_S) -> Teardown:
         """Cancel the job (SIGTERM, SIGKILL after the cluster's KillWait), wait until Slurm
         has ended it, and record Slurm's final view of it; then end whatever process of the
-        run this host still has."""
+        run this host still has. All of it within STOP_BUDGET_S, however slow or absent
+        slurmctld is (a Ctrl-C must end the harness): a job still in the queue then is said
+        (``slurm_left``) and stays in the heal journal, for ``aftershock heal``."""
         cancelled = True
-        if self.job_id is not None:
+        deadline = time.monotonic() + STOP_BUDGET_S
+        # Cancelled by name, with or without a job id: an sbatch that Ctrl-C cut short may
+        # have submitted the job all the same.
+        if self._submitted:
             try:
-                slurm.cancel_named(self.name, patience_s=CANCEL_PATIENCE_S)
+                slurm.cancel_named(self.name, patience_s=STOP_BUDGET_S - RECORD_RESERVE_S)
             except slurm.SlurmError as exc:
                 cancelled = False  # the journal's launch record stays pending: heal retries
-                self.timeline.emit("slurm_cancel_failed", job_id=self.job_id, error=str(exc))
+                jobs = exc.jobs if isinstance(exc, slurm.JobsLeft) else []
+                self.timeline.emit("slurm_left", name=self.name, job_id=self.job_id,
+                                   jobs=[{"job_id": j, "state": st} for j, st in jobs],
+                                   error=str(exc), heal="aftershock heal")
+        if self.job_id is not None:
             with contextlib.suppress(slurm.SlurmError):
-                record = slurm.show_job(self.job_id)
+                left = deadline - time.monotonic()
+                record = slurm.show_job(self.job_id, timeout=max(1.0, min(left, CALL_S)))
                 if record is not None:
                     view: dict[str, Any] = _view(record)
                     self.timeline.emit("slurm_job", **view)
-                self._record_steps(self.job_id)
+                self._record_steps(self.job_id, deadline)
         self._drain()
         survivors = end_run_processes(self.run_id)
         return Teardown(tracking="slurm", survivors=survivors, logs_open=(),

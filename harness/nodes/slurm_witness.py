@@ -102,7 +102,10 @@ def _observed(final: Event, restarts: int, events: Sequence[Event]) -> str:
     if recorded:
         observed += "; steps " + ", ".join(
             f"{e.fields.get('step')} exit {e.fields.get('exit_code')}" for e in recorded
-        ) + f" ({recorded[0].fields.get('source')})"
+        ) + f" ({recorded[0].source})"  # who recorded them: sacct, the batch script, srun
+    else:
+        observed += ("; step exit codes not observed (no accounting, and no record from the "
+                     "job's srun)")
     return observed
 
 

@@ -12,6 +12,7 @@ scratch filesystem is.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import shlex
 import sys
@@ -138,19 +139,27 @@ class SlurmLaunch(Launch):
 
     script: str = ""  # the batch script's text
     sbatch: tuple[str, ...] = ()  # sbatch's options, before the script
+    #: Files the job needs in the run folder, written (executable) before sbatch: (path in
+    #: the run folder, text). SRUN_EPILOG_MARK in a text is replaced then (srun_files).
+    files: tuple[tuple[str, str], ...] = ()
 
 
-#: Where the batch script the harness writes records its step's exit code (in ``<run>/slurm/``).
+#: Where the job's steps record their exit codes (in ``<run>/slurm/``): the batch script the
+#: harness writes (its one step), or the `srun` of a user's own batch script (srun_files).
 STEPS_FILE = "steps.jsonl"
+#: In the `srun` wrapper: "1" where srun may be given the harness's epilog, "" where the site
+#: has an SrunEpilog of its own (which --epilog would replace).
+SRUN_EPILOG_MARK = "@AFTERSHOCK_SRUN_EPILOG@"
 
 
 def batch_script(system: SlurmSystem, *, run_dir: Path, seed: int,
                  extra_args: tuple[str, ...], scenario_dir: Path) -> str:
-    """The batch script the harness submits for ``trainer`` or ``command``; ``script``'s
-    own file's text as it is."""
+    """The batch script the harness submits for ``trainer`` or ``command``; for ``script``,
+    the one around the user's own (around_script)."""
     job = system.slurm
     if job.script is not None:
-        return (scenario_dir / job.script).read_text()
+        return around_script((scenario_dir / job.script).read_text(),
+                             name=Path(job.script).name, run_dir=run_dir)
     lines = ["#!/bin/bash", "# Written by Aftershock (harness/systems/slurm.py).", "set -u"]
     if job.trainer is not None:
         program = [*trainer_program(system.as_trainer(), run_dir, seed), *extra_args]
@@ -181,6 +190,96 @@ def batch_script(system: SlurmSystem, *, run_dir: Path, seed: int,
               f'"${{SLURM_RESTART_COUNT:-0}}" "$rc" "$SLURM_JOB_NODELIST" >> {record}',
               "exit $rc"]
     return "\n".join(lines) + "\n"
+
+
+def around_script(text: str, *, name: str, run_dir: Path) -> str:
+    """The batch script submitted for a user's own ``script``: its leading comment block
+    (its #SBATCH lines, which sbatch reads up to the first command), then ``exec`` of the
+    script itself, unchanged, from the run folder, with the harness's ``srun`` first on its
+    PATH (srun_files), so each of its steps records its exit code where Slurm keeps none
+    (no accounting). A file that is not a script (no ``#!``) goes as it is: sbatch says why."""
+    lines = text.splitlines()
+    if not lines or not lines[0].startswith("#!"):
+        return text
+    head = list(itertools.takewhile(
+        lambda line: not line.strip() or line.lstrip().startswith("#"), lines[1:]))
+    return "\n".join([
+        "#!/bin/sh", *head,
+        f"# Written by Aftershock (harness/systems/slurm.py) around {name}, which runs as it",
+        "# is (the #SBATCH lines above are its own); each of its `srun` steps records its exit",
+        f"# code in {run_dir / 'slurm' / STEPS_FILE}.",
+        f"PATH={shlex.quote(str(run_dir / 'slurm' / 'bin'))}:$PATH",
+        "export PATH",
+        f'exec {shlex.quote(str(run_dir / "slurm" / "script" / name))} "$@"',
+    ]) + "\n"
+
+
+#: The `srun` a user's own batch script finds first on its PATH (srun_files): @BIN@, @RECORD@,
+#: @EPILOG@ are the run's paths (quoted), @NAME@ the script's name.
+_SRUN = r'''#!/bin/bash
+# Written by Aftershock (harness/systems/slurm.py): `srun` for the batch script @NAME@.
+bin=@BIN@
+kept=
+IFS=: read -ra parts <<< "$PATH"
+for part in "${parts[@]}"; do
+  [ "$part" = "$bin" ] || kept="${kept:+$kept:}$part"
+done
+PATH=$kept
+real=$(command -v srun) || { echo "srun: command not found" >&2; exit 127; }
+note="$bin/.step.$(uname -n).$$"
+rm -f "$note"
+extra=()
+if [ -n "@AFTERSHOCK_SRUN_EPILOG@" ] && [ -z "${SLURM_EPILOG:-}" ]; then
+  extra=(--epilog=@EPILOG@)
+  for arg in "$@"; do
+    case $arg in --epilog|--epilog=*) extra=(); break ;; esac
+  done
+fi
+# srun is sent the job's signals itself: this shell only waits for it, to record its end.
+trap : HUP INT QUIT USR1 USR2 ALRM TERM
+"$real" "${extra[@]}" "$@"
+rc=$?
+step=null
+[ -s "$note" ] && step="\"$(head -c 64 "$note")\""
+rm -f "$note"
+printf '{"job_id": "%s", "step": %s, "restart": %d, "exit_code": %d, "source": "srun"}\n' \
+  "${SLURM_JOB_ID:-}" "$step" "${SLURM_RESTART_COUNT:-0}" "$rc" >> @RECORD@
+trap - HUP INT QUIT USR1 USR2 ALRM TERM
+# Ended by a signal (HUP INT KILL USR1 USR2 PIPE ALRM TERM): so does this wrapper, as its
+# caller would have seen srun end.
+case $rc in
+  129|130|137|138|140|141|142|143) kill -s "$((rc - 128))" $$ 2>/dev/null ;;
+esac
+exit "$rc"
+'''
+#: srun's epilog, run by srun after its step (on the host srun runs on): which step it was,
+#: for the `srun` wrapper that started that srun (its parent) to record.
+_SRUN_EPILOG = r'''#!/bin/sh
+# Written by Aftershock (harness/systems/slurm.py): srun's epilog for the `srun` wrapper.
+wrapper=$(awk '{print $4}' "/proc/$PPID/stat" 2>/dev/null)
+printf '%s.%s' "$SLURM_JOB_ID" "$SLURM_STEP_ID" > @BIN@/".step.$(uname -n).$wrapper" 2>/dev/null
+exit 0
+'''
+
+
+def srun_files(text: str, *, name: str, run_dir: Path) -> tuple[tuple[str, str], ...]:
+    """What around_script runs: the user's script as it is, and the ``srun`` its PATH finds
+    first. That ``srun`` takes itself off PATH (the step's tasks get the job's own), runs
+    Slurm's srun with the same arguments, input and output, and records the step's exit code
+    (and the job's restart count) in STEPS_FILE; the step's id comes from an srun epilog it
+    adds, unless the script or the site gives srun one already (``--epilog``,
+    ``SLURM_EPILOG``, SrunEpilog), which it leaves alone. It stays through the signals that
+    srun itself is sent, and exits as srun did. The step's nodes are not recorded: srun's
+    epilog is told the allocation's, not the step's."""
+    bin_dir = run_dir / "slurm" / "bin"
+    paths = {"@BIN@": bin_dir, "@RECORD@": run_dir / "slurm" / STEPS_FILE,
+             "@EPILOG@": bin_dir / "srun-epilog"}
+    srun, epilog = _SRUN.replace("@NAME@", name), _SRUN_EPILOG
+    for mark, path in paths.items():
+        srun = srun.replace(mark, shlex.quote(str(path)))
+        epilog = epilog.replace(mark, shlex.quote(str(path)))
+    return ((f"slurm/script/{name}", text), ("slurm/bin/srun", srun),
+            ("slurm/bin/srun-epilog", epilog))
 
 
 def sbatch_options(system: SlurmSystem, *, run_dir: Path) -> list[str]:
@@ -231,8 +330,11 @@ class Slurm:
         tails = (str(run_dir / "logs" / "slurm-*.out"),
                  *(pattern.replace("${run_dir}", str(run_dir)) for pattern in job.logs)) \
             if probes else ()
+        files = srun_files((scenario_dir / job.script).read_text(), name=Path(job.script).name,
+                           run_dir=run_dir) if job.script is not None and script.startswith(
+                               "#!/bin/sh\n") else ()
         return SlurmLaunch(argv, cwd, dict(system.env), self.world(system), probes, tails,
-                           script=script, sbatch=tuple(options))
+                           script=script, sbatch=tuple(options), files=files)
 
     def target(self, launch: Launch, *, run_dir: Path, run_id: str,
                timeline: Timeline) -> Target:

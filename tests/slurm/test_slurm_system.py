@@ -4,7 +4,9 @@ harness and its reaper killed (`aftershock heal` cancels it)."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,8 +14,10 @@ import time
 from pathlib import Path
 
 import pytest
+from _slurm_run import Harness
 
 from aftershock.faults import slurm_cli as _slurm
+from aftershock.harness.nodes.slurm_target import STOP_BUDGET_S
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(400)]
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,10 +29,10 @@ system:
 """
 
 
-def _ours() -> list[str]:
-    """Run jobs (``aftershock-<run id> <job id> <state>``) queued or running."""
-    text = _slurm.run(["squeue", "--noheader", "--format=%j %i %T"])
-    return [line for line in text.splitlines() if line.startswith(_slurm.JOB_PREFIX)]
+def _queued(name: str) -> list[str]:
+    """The jobs named ``name`` (one run's) queued, running or ending, as ``<id> <state>``:
+    the cluster is shared, and other runs' jobs are none of this test's business."""
+    return [" ".join(pair) for pair in _slurm.live_states(name)]
 
 
 def _cancelled(job_id: str) -> None:
@@ -39,46 +43,58 @@ def _cancelled(job_id: str) -> None:
     assert record["JobState"] == "CANCELLED", record
 
 
+def _running(harness: Harness) -> tuple[str, str]:
+    """(job id, name) of the harness's job once Slurm runs it."""
+    submitted = harness.submitted(timeout=90)
+    job_id, name = submitted["job_id"], submitted["name"]
+    deadline = time.monotonic() + 90
+    while (_slurm.show_job(job_id) or {}).get("JobState") != "RUNNING":
+        assert harness.proc.poll() is None, harness.evidence("the harness ended before its "
+                                                             "job ran")
+        assert time.monotonic() < deadline, harness.evidence("the job did not run within 90 s")
+        time.sleep(0.2)
+    return job_id, name
+
+
 @pytest.mark.parametrize("how", ["sigint", "harness-killed", "harness-and-reaper-killed"])
 def test_a_run_that_ends_early_leaves_no_job_in_the_queue(
         test_cluster: None, tmp_path: Path, how: str) -> None:
     scenario = tmp_path / "sleeper.yaml"
     scenario.write_text(SLEEPER)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    harness = subprocess.Popen([sys.executable, "-m", "aftershock", "run", str(scenario),
-                                "--run-dir", str(tmp_path / "r")], cwd=ROOT, env=env,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    harness = Harness.start(scenario, tmp_path / "r", env)
     try:
-        deadline = time.monotonic() + 90
-        while not (running := [j for j in _ours() if j.endswith(" RUNNING")]):
-            assert harness.poll() is None, "the harness ended before its job ran"
-            assert time.monotonic() < deadline, "the job did not run within 90 s"
-            time.sleep(0.2)
-        job_id = running[0].split()[1]
+        job_id, name = _running(harness)
         if how == "sigint":
-            harness.send_signal(signal.SIGINT)
-            assert harness.wait(timeout=120) == 130
-            assert _ours() == []
+            harness.proc.send_signal(signal.SIGINT)
+            # The stop's bound (slurm_target.STOP_BUDGET_S) and the rest of the teardown.
+            try:
+                code = harness.proc.wait(timeout=STOP_BUDGET_S + 60)
+            except subprocess.TimeoutExpired:
+                pytest.fail(harness.evidence(f"the harness was still running "
+                                             f"{STOP_BUDGET_S + 60:g}s after SIGINT"))
+            assert code == 130, harness.evidence(f"exit {code} after SIGINT")
+            assert _queued(name) == [], harness.evidence("a job left in the queue")
             _cancelled(job_id)
             return
         if how == "harness-and-reaper-killed":
             from _helpers import reaper_of
 
-            watcher = reaper_of(harness.pid)
+            watcher = reaper_of(harness.proc.pid)
             assert watcher is not None, "no reaper"
             os.kill(watcher, signal.SIGKILL)
-        harness.kill()
-        harness.wait(timeout=30)
+        harness.proc.kill()
+        harness.proc.wait(timeout=30)
         if how == "harness-and-reaper-killed":
             time.sleep(1)
-            assert _ours(), "the job was cancelled with no one to cancel it"
+            assert _queued(name), "the job was cancelled with no one to cancel it"
             healed = subprocess.run([sys.executable, "-m", "aftershock", "heal"], cwd=ROOT,
                                     env=env, capture_output=True, text=True, timeout=120)
             assert healed.returncode == 0, healed.stdout + healed.stderr
         deadline = time.monotonic() + 90
-        while _ours() and time.monotonic() < deadline:
+        while _queued(name) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert _ours() == []
+        assert _queued(name) == [], harness.evidence("a job left in the queue")
         _cancelled(job_id)
         journals = Path(os.environ["AFTERSHOCK_STATE_DIR"]) / "journal"
         deadline = time.monotonic() + 30
@@ -86,9 +102,63 @@ def test_a_run_that_ends_early_leaves_no_job_in_the_queue(
             time.sleep(0.1)
         assert not list(journals.glob("*.jsonl")), "the heal journal was not closed"
     finally:
-        if harness.poll() is None:
-            harness.kill()
-            harness.wait(timeout=30)
+        harness.stop()
+        subprocess.run([sys.executable, "-m", "aftershock", "heal"], cwd=ROOT, env=env,
+                       capture_output=True, timeout=120, check=False)
+
+
+def _slow_slurm(folder: Path) -> Path:
+    """A folder of Slurm commands as an overloaded or unreachable slurmctld makes them: an
+    ``scancel`` that is accepted but ends nothing, and an ``squeue`` that answers (the real
+    one's answer) only after 25 s, each call."""
+    folder.mkdir()
+    real = shutil.which("squeue")
+    assert real is not None
+    (folder / "scancel").write_text("#!/bin/sh\nexit 0\n")
+    (folder / "squeue").write_text(f"#!/bin/sh\nsleep 25\nexec {real} \"$@\"\n")
+    for program in ("scancel", "squeue"):
+        (folder / program).chmod(0o755)
+    return folder
+
+
+def test_a_sigint_ends_the_harness_in_bounded_time_when_slurm_does_not_end_the_job(
+        test_cluster: None, tmp_path: Path) -> None:
+    """Slurm accepts the cancel but the job stays (a node that does not answer, KillWait...),
+    and every squeue takes 25 s: the harness still ends within its stop's bound after
+    SIGINT, says which job it left, and `aftershock heal` (with Slurm answering again)
+    cancels it."""
+    scenario = tmp_path / "sleeper.yaml"
+    scenario.write_text(SLEEPER)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    slow = {**env, "PATH": f"{_slow_slurm(tmp_path / 'bin')}:{env['PATH']}"}
+    harness = Harness.start(scenario, tmp_path / "r", slow)
+    try:
+        job_id, name = _running(harness)
+        harness.proc.send_signal(signal.SIGINT)
+        began = time.monotonic()
+        try:
+            code = harness.proc.wait(timeout=STOP_BUDGET_S + 30)
+        except subprocess.TimeoutExpired:
+            pytest.fail(harness.evidence(f"the harness was still running "
+                                         f"{STOP_BUDGET_S + 30:g}s after SIGINT"))
+        took = time.monotonic() - began
+        said = harness.output_text()
+        assert code == 130, harness.evidence(f"exit {code} after SIGINT")
+        assert f"left behind, for `aftershock heal`: Slurm jobs named {name}" in said, \
+            harness.evidence("the harness did not say what it left")
+        left = [e for e in harness.events() if e.get("event") == "slurm_left"]
+        assert left, harness.evidence("no slurm_left event")
+        assert left[0]["jobs"] == [{"job_id": job_id, "state": "RUNNING"}], \
+            harness.evidence("slurm_left does not name the job")
+        # Still in the queue: RUNNING, or COMPLETING where the harness ended the job's
+        # processes itself (the test cluster's share this host's kernel).
+        assert [q.split()[0] for q in _queued(name)] == [job_id], f"{took:.0f}s"
+        healed = subprocess.run([sys.executable, "-m", "aftershock", "heal"], cwd=ROOT,
+                                env=env, capture_output=True, text=True, timeout=120)
+        assert healed.returncode == 0, healed.stdout + healed.stderr
+        assert _queued(name) == []
+    finally:
+        harness.stop()
         subprocess.run([sys.executable, "-m", "aftershock", "heal"], cwd=ROOT, env=env,
                        capture_output=True, timeout=120, check=False)
 
@@ -117,26 +187,26 @@ def test_a_killed_harness_leaves_no_node_drained(test_cluster: None, tmp_path: P
     scenario = tmp_path / "drainer.yaml"
     scenario.write_text(DRAINER)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    harness = subprocess.Popen([sys.executable, "-m", "aftershock", "run", str(scenario),
-                                "--run-dir", str(tmp_path / "r")], cwd=ROOT, env=env,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    harness = Harness.start(scenario, tmp_path / "r", env)
     try:
+        name = harness.submitted(timeout=90)["name"]
         deadline = time.monotonic() + 90
         while "drain" not in _node_states().get("node1", ""):
-            assert harness.poll() is None, "the harness ended before the node was drained"
-            assert time.monotonic() < deadline, "node1 was not drained within 90 s"
+            assert harness.proc.poll() is None, harness.evidence("the harness ended before "
+                                                                 "the node was drained")
+            assert time.monotonic() < deadline, harness.evidence("node1 was not drained "
+                                                                 "within 90 s")
             time.sleep(0.2)
-        harness.kill()
-        harness.wait(timeout=30)
+        harness.proc.kill()
+        harness.proc.wait(timeout=30)
         deadline = time.monotonic() + 90
-        while (_ours() or "drain" in _node_states()["node1"]) and time.monotonic() < deadline:
+        while (_queued(name) or "drain" in _node_states()["node1"]) and \
+                time.monotonic() < deadline:
             time.sleep(0.2)
-        assert _ours() == []
+        assert _queued(name) == [], harness.evidence("a job left in the queue")
         assert _node_states()["node1"] == "idle", _node_states()
     finally:
-        if harness.poll() is None:
-            harness.kill()
-            harness.wait(timeout=30)
+        harness.stop()
         subprocess.run([sys.executable, "-m", "aftershock", "heal"], cwd=ROOT, env=env,
                        capture_output=True, timeout=120, check=False)
 
@@ -171,4 +241,6 @@ def test_slurm_signal_reaches_every_task_of_the_job(test_cluster: None, tmp_path
     scenario.write_text(SIGNALLED.replace("PYTHON", sys.executable))
     result = api.check(api.run(scenario, run_dir=tmp_path / "r", use_cache=False))
     assert result.passed
-    assert _ours() == []
+    events = (Path(result.run_dir) / "events.jsonl").read_text().splitlines()
+    (submitted,) = [e for e in map(json.loads, events) if e.get("event") == "slurm_submitted"]
+    assert _queued(submitted["name"]) == []
