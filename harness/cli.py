@@ -11,6 +11,7 @@ import enum
 import gc
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -243,6 +244,28 @@ def _run_here(loaded: list[Any], results: list[Any], *, run_dir: Path | None,
             results.append(result)
 
 
+def _left_behind() -> list[str]:
+    """What this process's runs could not undo in their teardown (a Slurm job that outlived
+    its cancel's bound...): the entries still pending in the heal journals it owns."""
+    import contextlib
+    import os
+
+    from aftershock.faults.journal import journal_dir, read
+
+    left: list[str] = []
+    with contextlib.suppress(OSError):
+        for path in sorted(journal_dir().glob("*.jsonl")):
+            with contextlib.suppress(OSError, ValueError):
+                contents = read(path)
+                if contents.owner is None or contents.owner.pid != os.getpid():
+                    continue
+                for entry in contents.pending:
+                    job = entry.undo.get("slurm_job_name")
+                    left.append(f"Slurm jobs named {job}" if job else
+                                f"{entry.op} {entry.kind} of run {path.stem}")
+    return left
+
+
 def _run_stopped(exc: BaseException, results: list[Any]) -> int | None:
     """The exit code for a campaign that ``exc`` stopped, said on stderr (a run it
     carries joins ``results``); None for an exception that is not the campaign's to end
@@ -253,7 +276,10 @@ def _run_stopped(exc: BaseException, results: list[Any]) -> int | None:
     if isinstance(exc, KeyboardInterrupt):
         if isinstance(exc, RunInterrupted):
             results.append(exc.result)
-        err.print("interrupted: every fault was healed and every process of the run ended")
+        left = _left_behind()
+        err.print("interrupted: " + (
+            f"left behind, for `aftershock heal`: {'; '.join(left)}" if left else
+            "every fault was healed and every process of the run ended"), markup=False)
         # The shell's convention: 128 + the signal number (SIGINT 2, SIGTERM 15).
         return (exc.exit_code if isinstance(exc, RunInterrupted)
                 else 143 if isinstance(exc, Interrupted) else 130)
@@ -276,6 +302,15 @@ def _run_stopped(exc: BaseException, results: list[Any]) -> int | None:
     err.print(f"aftershock: harness error: unexpected {type(exc).__name__}: {exc} "
               f"(traceback: {_save_traceback()})", markup=False)
     return EXIT_HARNESS
+
+
+def _database_problems(database: Path | None) -> list[str]:
+    """What is wrong with explore's example database folder (none: nothing)."""
+    if database is None:
+        return []
+    from aftershock.harness.explore import database_problems
+
+    return database_problems(database)
 
 
 @app.command()
@@ -310,6 +345,12 @@ def explore(
     no_cache: Annotated[bool, typer.Option(
         "--no-cache", help="run the fault-free twin again (once) instead of reusing it")] = False,
     plain: Annotated[bool, typer.Option(help="plain lines even on a terminal")] = False,
+    executor: Annotated[Executor, typer.Option(
+        help="where the searches run: here (local), or as the tasks of one Slurm array job "
+             "(slurm; docs/scale-out.md)")] = Executor.local,
+    workers: Annotated[int, typer.Option(
+        min=1, max=1000, help="searchers at once, sharing the example database (needs "
+        "--executor slurm); --runs, --time and --shrink-runs are each one's")] = 1,
 ) -> None:
     """Search each scenario's `explore:` space for a fault schedule that fails its `expect`;
     shrink it, re-run it and write it as a scenario (docs/explore.md).
@@ -329,9 +370,8 @@ def explore(
     loaded, broken = _explorable(paths, problems)
     problems += _check_outputs(json_out=json_out, junit=None, run_dir=out_dir)
     database = None if no_db else (db or Path(".aftershock") / "hypothesis")
-    if database is not None:
-        from aftershock.harness.explore import database_problems
-        problems += database_problems(database)
+    problems += _executor_problems(executor, workers=workers, no_db=no_db)
+    problems += _database_problems(database)
     if problems:
         raise _fail_invalid(problems, broken=broken)
     search_seed = seed if seed is not None else secrets.randbelow(2**32)
@@ -343,7 +383,8 @@ def explore(
             _explore_each(loaded, console, live=console.is_terminal and not plain, kwargs=dict(
                 runs=runs, time_limit_s=limit_s, seed=search_seed, max_faults=max_faults,
                 out=out_dir, shrink_runs=shrink_runs, confirm=confirm, use_cache=not no_cache,
-                database=database, sink=done))
+                database=database, sink=done), workers=workers
+                if executor is Executor.slurm else None)
     except (KeyboardInterrupt, Exception) as exc:
         code = _explore_stopped(exc, done)
     finally:
@@ -398,11 +439,34 @@ def _explorable(paths: list[Path], problems: list[str]) -> tuple[list[Any], bool
     return loaded, broken
 
 
+def _executor_problems(executor: Executor, *, workers: int, no_db: bool) -> list[str]:
+    """What keeps ``--executor``/``--workers`` from running here, each in a line."""
+    if executor is Executor.local:
+        return [] if workers == 1 else [
+            f"--workers {workers}: parallel searchers run as Slurm jobs: add --executor slurm"]
+    from aftershock.faults import slurm_cli
+
+    problem = slurm_cli.problem()
+    if problem is not None:
+        return [f"--executor slurm: {problem}"]
+    return ["--no-db: the searchers share their failures through the example database"
+            ] if no_db else []
+
+
 def _explore_each(loaded: list[Any], console: Console, *, live: bool,
-                  kwargs: dict[str, Any]) -> None:
-    """Search each scenario in turn, shown live on a terminal, else as plain lines."""
-    from aftershock.harness.explore import explore as explore_scenario
+                  kwargs: dict[str, Any], workers: int | None = None) -> None:
+    """Search each scenario in turn, shown live on a terminal, else as plain lines; with
+    ``workers``, by that many searchers on Slurm (harness/nodes/slurm_explore.py)."""
+    from functools import partial
+
+    from aftershock.harness.explore import explore
     from aftershock.harness.report import ExploreLiveObserver, ExplorePlainObserver
+
+    explore_scenario: Callable[..., Any] = explore
+    if workers is not None:
+        from aftershock.harness.nodes.slurm_explore import explore_on_slurm
+
+        explore_scenario = partial(explore_on_slurm, workers=workers)
 
     for scenario in loaded:
         if live:

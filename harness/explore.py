@@ -14,6 +14,10 @@ A kill at a step alone can hit the moment that matters once by chance (a save's 
 "fail", hypothesis would shrink from it and never come back to the bug. When no schedule fails
 twice, the smallest that failed once is reported as flaky.
 
+Searchers that run at once (``--executor slurm --workers N``) form a Team sharing one example
+database: the first to confirm a failure shrinks it; the others stop searching and replay it
+from the database, read only, as `replay` runs (harness/nodes/slurm_explore.py).
+
 The engine stays out of the run loop: it builds Scenario objects (the type users write) and
 calls the runner. The fault-free twin is computed once, before the search, and every run
 reads it from the cache (runner.baseline_key: same system, same seed, one twin).
@@ -29,7 +33,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from aftershock.harness import _files, golden, runner
 from aftershock.harness._space import Space, option_value, sample_fault, with_options
@@ -37,12 +41,16 @@ from aftershock.harness.errors import HarnessError, PreflightError, RunFailed, S
 from aftershock.harness.records import CheckResult, RunResult
 from aftershock.harness.spec import LoadedScenario, Scenario, _FaultBase, parse_scenario, to_yaml
 
+if TYPE_CHECKING:
+    from hypothesis.database import ExampleDatabase
+
 #: Checks that judge how a run went, not the system: `faults_injected` fails when a drawn
 #: trigger never came (an event that did not happen) or a fault could not be applied here,
 #: and `fault_free_golden` judges the twin, which is checked once before the search.
 NOT_ORACLES = ("faults_injected", "fault_free_golden")
 
-Stage = Literal["search", "shrink", "minimize", "confirm"]
+Stage = Literal["search", "shrink", "minimize", "confirm", "replay"]
+STAGES: tuple[Stage, ...] = ("search", "shrink", "minimize", "confirm", "replay")
 Verdict = Literal["pass", "fail", "discarded"]
 Status = Literal["confirmed", "flaky", "unconfirmed"]
 
@@ -59,6 +67,7 @@ class Attempt:
     reason: str  # why it failed or was discarded, in a line
     duration_s: float
     run_dir: str
+    searcher: int = 0  # which of a team's searchers ran it (0 alone)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +98,7 @@ class Exploration:
     findings: list[Finding] = field(default_factory=list)
     stopped: str = ""  # budget | time | found | interrupted
     twin: str = ""
+    searchers: list[Searcher] = field(default_factory=list)  # a team's, one each; else none
     started: float = field(default_factory=time.monotonic)
     elapsed_s: float = 0.0
     search_s: float = 0.0  # the runs only: what `runs_per_minute` divides by
@@ -115,14 +125,49 @@ class Exploration:
             "name": self.name, "file": self.file, "seed": self.seed,
             "budget_runs": self.budget_runs, "max_faults": self.max_faults,
             "runs": self.runs,
-            "runs_by_stage": {s: self.count(s) for s in ("search", "shrink", "minimize",
-                                                         "confirm")},
+            "runs_by_stage": {s: self.count(s) for s in STAGES},
             "discarded": self.count(verdict="discarded"),
             "runs_per_minute": self.runs_per_minute,
             "elapsed_s": round(self.elapsed_s, 3), "stopped": self.stopped, "twin": self.twin,
             "findings": [asdict(f) for f in self.findings],
             "attempts": [asdict(a) for a in self.attempts],
+            **({"searchers": [asdict(s) for s in self.searchers]} if self.searchers else {}),
         }
+
+
+@dataclass(frozen=True, slots=True)
+class Searcher:
+    """One searcher of a team that shares one example database (``--workers``)."""
+
+    index: int
+    seed: int  # its hypothesis seed: `aftershock explore --seed` repeats its search alone
+    runs: int
+    stopped: str  # as Exploration.stopped, or "replayed": another searcher found a failure
+    shrank: bool  # it found the failure that was shrunk (one searcher of the team at most)
+    replays_failed: int  # replays of another searcher's failure from the database that failed
+    replays_passed: int
+    saved: tuple[str, ...] = ()  # the database values it saved (their file names there)
+    read: tuple[str, ...] = ()  # and those it read that another searcher had saved
+    error: str = ""  # why it ended without a result, if it did
+
+
+class Team(Protocol):
+    """Searchers of one space that run at once and share one example database
+    (harness/nodes/slurm_explore.py): the first to confirm a failure shrinks it; the others
+    stop searching and replay it from the database."""
+
+    def share(self, database: ExampleDatabase) -> ExampleDatabase:
+        """The database as this searcher uses it (a team may note what goes through it)."""
+        ...
+
+    def claim(self) -> bool:
+        """This searcher confirmed a failure: whether it is the first of the team to, and so
+        the one that shrinks it."""
+        ...
+
+    def claimed_elsewhere(self) -> bool:
+        """Whether another searcher of the team has claimed a failure."""
+        ...
 
 
 class ExploreObserver(Protocol):
@@ -257,6 +302,11 @@ class _SearchSpent(BaseException):
     run at once (a BaseException is not a failing test to hypothesis)."""
 
 
+class _FoundElsewhere(BaseException):
+    """Another searcher of the team claimed a failure: this one stops searching (and does
+    not shrink one of its own) to replay that failure from the shared database."""
+
+
 class _Failing(Exception):
     """Raised inside the hypothesis test for a failing schedule: its key."""
 
@@ -295,8 +345,9 @@ class _Search:
 
     def __init__(self, base: LoadedScenario, exploration: Exploration, *, runs: int,
                  shrink_runs: int, deadline: float | None, out: Path, seed: int,
-                 observer: ExploreObserver) -> None:
+                 observer: ExploreObserver, team: Team | None = None) -> None:
         self.base = base
+        self.team = team
         self.exploration = exploration
         self.runs, self.shrink_runs, self.deadline = runs, shrink_runs, deadline
         self.out, self.seed, self.observer = out, seed, observer
@@ -319,7 +370,8 @@ class _Search:
         if self.out_of_time():
             return False
         done = self.exploration.count(self.stage)
-        return done < (self.runs if self.stage == "search" else self.shrink_runs)
+        limit = {"search": self.runs, "replay": REPLAY_RUNS}.get(self.stage, self.shrink_runs)
+        return done < limit
 
     def verdict_of(self, schedule: Sequence[_FaultBase],
                    system: Mapping[str, Any] | None = None) -> Verdict | None:
@@ -327,6 +379,8 @@ class _Search:
         budget the search ends (_SearchSpent); past the shrinking's, None: the schedule is
         not run and passes for hypothesis, so the best failure stays one really seen."""
         runner.raise_if_terminating()  # a SIGTERM swallowed inside hypothesis's own code
+        if self.stage == "search" and self.team is not None and self.team.claimed_elsewhere():
+            raise _FoundElsewhere()
         if self.stage == "search" and not self.budget_left():
             raise _SearchSpent()
         spec = self.base.spec.model_copy(update={"faults": list(schedule), "explore": None})
@@ -390,6 +444,10 @@ class _Search:
         return tried
 
 
+#: Runs a searcher spends replaying another searcher's failure (each failing one is run twice).
+REPLAY_RUNS = 4
+
+
 def _size(spec: Scenario) -> tuple[int, str]:
     return len(spec.faults), to_yaml(spec)
 
@@ -412,6 +470,7 @@ def explore(
     use_cache: bool = True,
     observer: ExploreObserver | None = None,
     sink: list[Exploration] | None = None,
+    team: Team | None = None,
 ) -> Exploration:
     """Search ``loaded``'s ``explore:`` space for a failing schedule; shrink, re-run and
     write what is found under ``out``.
@@ -423,10 +482,11 @@ def explore(
     hypothesis's example database (a failure found once is tried first next time); None:
     none. ``time_limit_s`` ends the search and the shrinking early. KeyboardInterrupt (and
     runner.Interrupted, SIGTERM) propagate after what was found so far is written; ``sink``
-    gets the Exploration as soon as it starts, so a caller has it even then."""
+    gets the Exploration as soon as it starts, so a caller has it even then. ``team``: this
+    is one of several searchers sharing ``database`` (harness/nodes/slurm_explore.py)."""
     from hypothesis import HealthCheck, Phase, Verbosity, given, reject, settings
     from hypothesis import seed as hypothesis_seed
-    from hypothesis.database import DirectoryBasedExampleDatabase
+    from hypothesis.database import DirectoryBasedExampleDatabase, ReadOnlyDatabase
 
     from aftershock.harness import strategies
 
@@ -445,34 +505,53 @@ def explore(
                              "search: " + "; ".join(f"{k}: {w}" for k, w in unavailable))
     exploration.twin = _prepare_twin(loaded, out=out, use_cache=use_cache, observer=observer)
     search = _Search(loaded, exploration, runs=runs, shrink_runs=shrink_runs,
-                     deadline=deadline, out=out, seed=spec.seed, observer=observer)
+                     deadline=deadline, out=out, seed=spec.seed, observer=observer,
+                     team=team)
     search.options = tuple(p.name for p in space.options)
 
-    db = (DirectoryBasedExampleDatabase(str(database / _database_key(loaded)))
-          if database is not None else None)
+    db: ExampleDatabase | None = (
+        DirectoryBasedExampleDatabase(str(database / _database_key(loaded)))
+        if database is not None else None)
+    if db is not None and team is not None:
+        db = team.share(db)
 
-    @settings(
-        # Schedules that come out alike (each is run once) do not count against `runs`, so
-        # hypothesis may call more often; the search ends when `runs` schedules have run.
-        max_examples=max(1, runs) * 5, database=db, deadline=None,
-        phases=[Phase.reuse, Phase.generate, Phase.shrink],
-        report_multiple_bugs=False, suppress_health_check=list(HealthCheck),
-        verbosity=Verbosity.quiet, print_blob=False,
-    )
-    @hypothesis_seed(seed)
-    @given(strategies.trials_in(space))
-    def attempt(trial: tuple[dict[str, Any], list[_FaultBase]]) -> None:
-        system, schedule = trial
-        verdict = search.verdict_of(schedule, system)
-        if verdict == "discarded":
-            reject()
-        if verdict == "fail":
-            search.stage = "shrink"
-            raise _Failing(search.key(strategies.with_schedule(spec, schedule,
-                                                               system=system)))
+    def hypothesis_test(phases: list[Phase], examples: ExampleDatabase | None
+                        ) -> Callable[[], None]:
+        # One function for the search and for a replay: hypothesis keys its examples by the
+        # test function's source, so a replay reads what the team's searches saved.
+        @settings(
+            # Schedules that come out alike (each is run once) do not count against `runs`,
+            # so hypothesis may call more often; the search ends when `runs` schedules ran.
+            max_examples=max(1, runs) * 5, database=examples, deadline=None, phases=phases,
+            report_multiple_bugs=False, suppress_health_check=list(HealthCheck),
+            verbosity=Verbosity.quiet, print_blob=False,
+        )
+        @hypothesis_seed(seed)
+        @given(strategies.trials_in(space))
+        def attempt(trial: tuple[dict[str, Any], list[_FaultBase]]) -> None:
+            system, schedule = trial
+            verdict = search.verdict_of(schedule, system)
+            if verdict == "discarded":
+                reject()
+            if verdict == "fail":
+                if search.stage == "search":
+                    # Shrunk once: by the first of a team to confirm a failure.
+                    if search.team is not None and not search.team.claim():
+                        raise _FoundElsewhere()
+                    search.stage = "shrink"
+                raise _Failing(search.key(strategies.with_schedule(spec, schedule,
+                                                                   system=system)))
 
-    _run_search(attempt, search, exploration)
-    _conclude(search, exploration, confirm=confirm)
+        return attempt
+
+    _run_search(hypothesis_test([Phase.reuse, Phase.generate, Phase.shrink], db), search,
+                exploration)
+    if exploration.stopped == "replayed":
+        if db is not None:
+            # Read only: a replay that passes here must not delete the failure it replays.
+            _replay(hypothesis_test([Phase.reuse], ReadOnlyDatabase(db)), search, exploration)
+    else:
+        _conclude(search, exploration, confirm=confirm)
     observer.done(exploration)
     return exploration
 
@@ -488,6 +567,8 @@ def _run_search(attempt: Callable[[], None], search: _Search, exploration: Explo
         exploration.stopped = "time" if search.out_of_time() else "budget"
     except _SearchSpent:
         exploration.stopped = "time" if search.out_of_time() else "budget"
+    except _FoundElsewhere:
+        exploration.stopped = "replayed"
     except _Failing as failing:
         exploration.stopped = "found"
         search.best = failing.key if failing.key in search.tried else search.best
@@ -500,6 +581,27 @@ def _run_search(attempt: Callable[[], None], search: _Search, exploration: Explo
     except KeyboardInterrupt:
         exploration.stopped = "interrupted"
         _report(search, status_if_unconfirmed=True)
+        raise
+    finally:
+        exploration.elapsed_s = time.monotonic() - exploration.started
+
+
+def _replay(attempt: Callable[[], None], search: _Search, exploration: Exploration) -> None:
+    """Replay the failures in the shared database (another searcher's, which that one
+    shrinks), without shrinking: each is run as the search runs a schedule, failing ones
+    twice, as `replay` attempts."""
+    from hypothesis.errors import HypothesisException
+
+    search.stage = "replay"
+    try:
+        with _quiet_hypothesis():
+            _unmasking_interrupts(attempt)
+    except _Failing:
+        pass  # it failed here too
+    except HypothesisException:
+        pass  # nothing in the database ran as drawn (Unsatisfiable), or it flaked: as seen
+    except KeyboardInterrupt:
+        exploration.stopped = "interrupted"
         raise
     finally:
         exploration.elapsed_s = time.monotonic() - exploration.started

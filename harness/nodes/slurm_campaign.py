@@ -64,16 +64,22 @@ def tasks_of(loaded: Sequence[LoadedScenario], *, root: Path, seed: int | None,
 def array_script(tasks: Sequence[Task], *, use_cache: bool) -> str:
     """The array job's batch script: task ``$SLURM_ARRAY_TASK_ID`` runs its scenario with the
     harness's own Python (the same path on every node, as for a run's job)."""
+    return task_script([
+        ([sys.executable, "-m", "aftershock", "run", str(task.scenario), "--run-dir",
+          str(task.folder), "--seed", str(task.seed), "--plain",
+          *([] if use_cache else ["--no-cache"])], task.folder) for task in tasks])
+
+
+def task_script(commands: Sequence[tuple[Sequence[str], Path]]) -> str:
+    """An array job's batch script: task ``$SLURM_ARRAY_TASK_ID`` execs ``commands[i]``'s
+    argv, with its heal journal under ``commands[i]``'s folder."""
     lines = ["#!/bin/bash", "# Written by Aftershock (harness/nodes/slurm_campaign.py).",
              "set -u", 'case "$SLURM_ARRAY_TASK_ID" in']
-    for index, task in enumerate(tasks):
-        argv = [sys.executable, "-m", "aftershock", "run", str(task.scenario),
-                "--run-dir", str(task.folder), "--seed", str(task.seed), "--plain",
-                *([] if use_cache else ["--no-cache"])]
+    for index, (argv, folder) in enumerate(commands):
         # Each task keeps its heal journal in a folder of its own: a harness on a node
         # (another process namespace, another host) would take the submitter's journal,
         # whose process it cannot see, for an orphan's, and heal it: cancel the campaign.
-        state = shlex.quote(str(task.folder / "state"))
+        state = shlex.quote(str(folder / "state"))
         lines.append(f"  {index}) export {STATE_ENV}={state}; exec {shlex.join(argv)} ;;")
     lines += ["esac", 'echo "aftershock: no run for array task $SLURM_ARRAY_TASK_ID" >&2',
               "exit 3"]
@@ -98,6 +104,30 @@ def run_campaign(loaded: Sequence[LoadedScenario], *, run_dir: Path | None,
     tasks = tasks_of(loaded, root=root, seed=seed, repeat=repeat)
     script = root / "campaign.sh"
     script.write_text(array_script(tasks, use_cache=use_cache))
+    job_id = run_array(campaign_id, root=root, script=script, tasks=len(tasks), say=say)
+    results: list[RunResult] = []
+    for index, task in enumerate(tasks):
+        record = task.folder / task.name / "result.json"
+        try:
+            results.append(read_result(record))
+        except (OSError, ValueError) as exc:
+            raise HarnessError(
+                f"array task {index} ({task.scenario}, seed {task.seed}) left no run record "
+                f"at {record} ({exc}); its output: {task_output(root, job_id, index)}"
+            ) from None
+    return results
+
+
+def task_output(root: Path, job_id: str, index: int) -> Path:
+    """Where Slurm writes what array task ``index`` printed (``--output`` of run_array)."""
+    return root / f"slurm-{job_id}_{index}.out"
+
+
+def run_array(campaign_id: str, *, root: Path, script: Path, tasks: int,
+              say: Callable[[str], None], what: str = "run(s)") -> str:
+    """Submit ``script`` as an array job of ``tasks`` tasks named for ``campaign_id`` and
+    wait for it to end; its job id. Journalled for heal before ``sbatch``; on Ctrl-C,
+    SIGTERM or an error the tasks are cancelled and waited for before it raises."""
     name = slurm.job_name(campaign_id)
     try:
         journal = Journal.create(campaign_id, folders=[root])
@@ -111,13 +141,13 @@ def run_campaign(loaded: Sequence[LoadedScenario], *, run_dir: Path | None,
     cancelled = False
     try:
         job_id = slurm.run([
-            "sbatch", "--parsable", f"--array=0-{len(tasks) - 1}", f"--job-name={name}",
+            "sbatch", "--parsable", f"--array=0-{tasks - 1}", f"--job-name={name}",
             # One run per node at a time: a run's timing checks must not share its CPUs
             # with another run's ranks.
             "--nodes=1", "--ntasks=1", "--exclusive", f"--chdir={Path.cwd()}",
             f"--export=ALL,{RUN_ID_ENV}={campaign_id}",
             f"--output={root}/slurm-%A_%a.out", str(script)]).strip().split(";")[0]
-        say(f"slurm: {len(tasks)} run(s) as array job {job_id} ({name}); folders in {root}")
+        say(f"slurm: {tasks} {what} as array job {job_id} ({name}); folders in {root}")
         started = time.monotonic()
         while slurm.live_jobs(name):
             time.sleep(POLL_S)
@@ -134,14 +164,4 @@ def run_campaign(loaded: Sequence[LoadedScenario], *, run_dir: Path | None,
         journal.close()
         reaper.kill()
         reaper.wait(timeout=5)
-    results: list[RunResult] = []
-    for index, task in enumerate(tasks):
-        record = task.folder / task.name / "result.json"
-        try:
-            results.append(read_result(record))
-        except (OSError, ValueError) as exc:
-            raise HarnessError(
-                f"array task {index} ({task.scenario}, seed {task.seed}) left no run record "
-                f"at {record} ({exc}); its output: {root}/slurm-{job_id}_{index}.out"
-            ) from None
-    return results
+    return job_id
