@@ -25,7 +25,11 @@ from aftershock.faults import _docker as docker_engine
 # JSON-lines files: one encoding, one append, one tail for every writer and follower.
 from aftershock.faults import _jsonl as jsonl
 from aftershock.faults._errors import FaultUnavailable
+
+# File triggers: inotify's reports, and fanotify's held opens (harness/triggers.py).
+from aftershock.faults._fanotify import Gate as FileGate
 from aftershock.faults._inotify import FileWatch
+from aftershock.faults._inotify import matches as file_matches
 from aftershock.faults._proc import ProcessRef, all_pids, kill_all, processes_with_env
 from aftershock.faults._proc import command_line as process_command_line
 from aftershock.faults._proc import environ as process_environ
@@ -51,9 +55,10 @@ from aftershock.faults.registry import (
 )
 
 __all__ = [
-    "CAPABILITIES", "Applied", "FaultKind", "FaultUnavailable", "FileWatch", "GroupKind",
-    "Hooks", "KindInfo", "PreparedKind", "ProcessRef", "Setting", "UndoContext", "UndoRefused",
-    "Validates", "all_pids", "cgroup", "docker_engine", "file_writers", "get", "hooks",
-    "jsonl", "kill_all", "kinds", "parent_pid", "process_command_line", "process_environ",
-    "process_start_time", "process_state", "processes_with_env", "register",
+    "CAPABILITIES", "Applied", "FaultKind", "FaultUnavailable", "FileGate", "FileWatch",
+    "GroupKind", "Hooks", "KindInfo", "PreparedKind", "ProcessRef", "Setting", "UndoContext",
+    "UndoRefused", "Validates", "all_pids", "cgroup", "docker_engine", "file_matches",
+    "file_writers", "get", "hooks", "jsonl", "kill_all", "kinds", "parent_pid",
+    "process_command_line", "process_environ", "process_start_time", "process_state",
+    "processes_with_env", "register",
 ]

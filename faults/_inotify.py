@@ -134,6 +134,10 @@ class FileWatch:
         self.pattern = pattern
         self.when = when
         self.hits: list[str] = []  # matching relative paths, in the order they happened
+        # How each hit came to be: "created" (open(O_CREAT)), "folder" (mkdir), "renamed"
+        # (a rename onto it), "scanned" (a file already in a folder that just appeared),
+        # or the `when:` for the other triggers: whether an open of it is still to come.
+        self.how: list[str] = []
         self._writing_now = writing
         self._opens: dict[str, int] = {}  # path -> opens not yet known to be for writing
         self._writing: set[str] = set()  # paths counted (opened, modified) until closed
@@ -161,6 +165,10 @@ class FileWatch:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+    def folders(self) -> list[str]:
+        """The folders watched now, relative to the root ("." for the root itself)."""
+        return list(self._dirs.values())
 
     def __enter__(self) -> FileWatch:
         return self
@@ -213,10 +221,14 @@ class FileWatch:
             if fresh:
                 # lstat's inode, as the event's check reads it: readdir's d_ino may differ
                 # (FUSE reports none).
+                # -1: unknown (a file a FUSE server is still creating can fail lstat).
+                ino = -1
                 with contextlib.suppress(OSError):
-                    self._scanned[(rel, entry.name)] = entry.stat(follow_symlinks=False).st_ino
+                    ino = entry.stat(follow_symlinks=False).st_ino
+                self._scanned[(rel, entry.name)] = ino
                 if self.when == "created":
-                    self._count(child)
+                    self._count(child, "folder" if entry.is_dir(follow_symlinks=False)
+                                else "scanned")
             if entry.is_dir(follow_symlinks=False) and self._deeper(rel):
                 self._watch_tree(child, fresh=fresh)
 
@@ -226,9 +238,10 @@ class FileWatch:
 
     # ---------------------------------------------------------------- events
 
-    def _count(self, rel: str) -> None:
+    def _count(self, rel: str, how: str) -> None:
         if matches(self.pattern, rel):
             self.hits.append(rel)
+            self.how.append(how)
 
     def _opened(self, rel: str, mask: int) -> None:
         """``opened``: an open counts once something shows it was for writing."""
@@ -248,6 +261,7 @@ class FileWatch:
         if mask & IN_MODIFY and rel not in self._writing:
             self._writing.add(rel)
             self.hits.append(rel)
+            self.how.append(self.when)
         if mask & IN_CLOSE_WRITE:
             self._writing.discard(rel)
 
@@ -255,6 +269,7 @@ class FileWatch:
         self._opens[rel] -= 1
         self._writing.add(rel)
         self.hits.append(rel)
+        self.how.append(self.when)
 
     def poll(self) -> list[str]:
         """Take in every queued event; the matching paths that are new since the last call."""
@@ -307,14 +322,25 @@ class FileWatch:
             if not mask & IN_ISDIR and matches(self.pattern, child):
                 (self._opened if self.when == "opened" else self._modified)(child, mask)
         elif mask & MASKS[self.when]:
-            self._count(child)
+            how = ("renamed" if mask & IN_MOVED_TO else "folder" if mask & IN_ISDIR
+                   else "created" if mask & IN_CREATE else self.when)
+            self._count(child, how)
         if mask & IN_ISDIR and mask & (IN_CREATE | IN_MOVED_TO) and self._deeper(rel):
             self._watch_tree(child, fresh=True)
 
     def _already_scanned(self, rel: str, name: str, child: str, mask: int) -> bool:
         """Whether a created or moved-in ``child`` is the very file the scan counted."""
         scanned = self._scanned.pop((rel, name), None)
-        if mask & (IN_CREATE | IN_MOVED_TO) and scanned is not None:
-            with contextlib.suppress(OSError):
+        if scanned is None:
+            return False
+        if mask & IN_CREATE:
+            # Its own creation, queued before the scan read it: a short-lived file is often
+            # renamed away by now, and a FUSE filesystem may give it another inode number
+            # once it is synced. Counted twice, it would move every later count.
+            return True
+        if mask & IN_MOVED_TO:
+            try:
                 return os.lstat(self.root / child).st_ino == scanned
+            except OSError:
+                return True  # gone again: nothing shows a second file of that name
         return False

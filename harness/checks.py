@@ -636,6 +636,8 @@ def _landing_problem(index: int, when: str, found: Event | None) -> str | None:
     harness ``fault_injected``), or None: it landed inside the write."""
     if found is None:
         return f"fault {index} ({when}) was never injected: not observed"
+    if found.fields.get("file_held") is True:
+        return None  # the job's open of it waited in the kernel until the fault was in
     if "file_open" not in found.fields:
         return (f"fault {index} ({when}) has no record of its file at the fault's "
                 "moment: not observed")
@@ -643,16 +645,19 @@ def _landing_problem(index: int, when: str, found: Event | None) -> str | None:
     if not isinstance(found.fields["file_open"], bool):
         return f"fault {index} ({when}): {state}: not observed"
     if not found.fields["file_open"]:
+        why = found.fields.get("file_held_why")
         return (f"fault {index} ({when}) missed its window: {state}, so the write "
                 "was over before the fault landed (the writer outran the trigger; "
-                "trigger earlier, e.g. `when: opened`, or on a slower save)")
+                "trigger earlier, e.g. `when: opened`, or on a slower save)"
+                + (f"; the job was not held: {why}" if why else ""))
     return None
 
 
 def _faults_landed(file_triggers: Mapping[int, str], events: Sequence[Event]) -> CheckResult:
     """Each fault a file's creation, opening or modification triggered landed inside that
-    write: a process of the run still held the file open for writing at the fault's moment
-    (the harness reads /proc just before sending it). A save that finished first is a miss;
+    write: the job's open of it was held until the fault was in (``file_held``), or a
+    process of the run still held the file open for writing at the fault's moment (the
+    harness reads /proc just before sending it). A save that finished first is a miss;
     a fault never sent, or sent without that reading, proves nothing: not observed."""
     judged = sorted(i for i, when in file_triggers.items() if when in WINDOWED)
     first: dict[int, Event] = {}

@@ -22,8 +22,9 @@ from aftershock import faults
 from aftershock.faults import ProcessRef, contract, parent_pid
 from aftershock.faults import process_command_line as command_line
 from aftershock.faults.journal import Journal
+from aftershock.harness._duration import format_duration
 from aftershock.harness.records import Event, FaultRecord
-from aftershock.harness.spec import in_process
+from aftershock.harness.spec import HealWhen, in_process
 from aftershock.harness.timeline import Timeline
 from aftershock.harness.triggers import describe_file_state
 
@@ -40,7 +41,10 @@ def acts_on_files(spec: Any) -> bool:
 
 def fault_params(spec: Any) -> dict[str, Any]:
     """A fault's own parameters as its kind takes them: JSON values, durations in seconds."""
-    data = spec.model_dump(exclude={"kind", "target", "at"}, exclude_none=True)
+    exclude = {"kind", "target", "at"}
+    if isinstance(getattr(spec, "duration", None), HealWhen):
+        exclude.add("duration")  # the harness heals it: to the kind, held until the end
+    data = spec.model_dump(exclude=exclude, exclude_none=True)
     return {k: (v.total_seconds() if hasattr(v, "total_seconds") else v) for k, v in data.items()}
 
 
@@ -55,8 +59,13 @@ class _Active:
     applied: faults.Applied
     record_index: int
     heal_at: float | None
-    duration: timedelta | None = None  # in-process: counted from the probe's report
+    duration: timedelta | HealWhen | None = None  # in-process: counted from the probe's report
     fault: int | None = None
+    # `duration: {until}`: the fault's moment (events before it do not count), how many of
+    # the awaited events came since, and the time of the one that ended the fault.
+    since: float | None = None
+    seen: int = 0
+    seen_at: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,17 +156,19 @@ class Injector:
 
     # ------------------------------------------------------------------ while running
 
-    def apply(self, index: int, *, arm_step: int | None = None, file: str | None = None) -> bool:
+    def apply(self, index: int, *, arm_step: int | None = None, file: str | None = None,
+              landing: Mapping[str, Any] | None = None) -> bool:
         """Apply fault ``index`` now if its target is there (True); False: not yet. Raises
         what applying it raised (see :meth:`failed`). ``arm_step``: the step an in-process
-        fault is armed for; ``file``: the path that triggered it (`at: {file}`)."""
+        fault is armed for; ``file``: the path that triggered it (`at: {file}`);
+        ``landing``: whether the trigger holds the job in its open (harness/triggers.py)."""
         chosen = self._choose(self._faults[index].target)
         if chosen is None:
             return False
         if in_process(self._faults[index]):
             self._arm(index, chosen, arm_step)
         else:
-            self._inject(index, chosen, file)
+            self._inject(index, chosen, file, landing)
         return True
 
     def failed(self, index: int, exc: BaseException) -> None:
@@ -187,6 +198,7 @@ class Injector:
         fault (its moment on the timeline), or a rank published its parameters' addresses."""
         if event.source == "harness":
             return
+        self._await_until(event)
         if event.event == contract.FAULT_INJECTED:
             self._probe_applied(event)
         elif event.event == contract.TENSORS and event.rank is not None:
@@ -201,8 +213,9 @@ class Injector:
         return sorted(self.records, key=lambda r: -1 if r.fault is None else r.fault)
 
     def heal_due(self, now: float) -> None:
-        """Heal every fault whose duration is over."""
-        for done in [a for a in self._active if a.heal_at is not None and now >= a.heal_at]:
+        """Heal every fault whose duration is over, or whose awaited event came."""
+        for done in [a for a in self._active if a.seen_at is not None
+                     or (a.heal_at is not None and now >= a.heal_at)]:
             self._active.remove(done)
             self._heal(done)
 
@@ -356,10 +369,11 @@ class Injector:
                                         getattr(spec, "duration", None), index))
         self._armed.setdefault(index, []).append(len(self.records) - 1)
 
-    def _inject(self, index: int, found: _Chosen, file: str | None) -> None:
+    def _inject(self, index: int, found: _Chosen, file: str | None,
+                landing: Mapping[str, Any] | None = None) -> None:
         spec = self._faults[index]
         kind = faults.get(spec.kind)
-        duration: timedelta | None = getattr(spec, "duration", None)
+        duration: timedelta | HealWhen | None = getattr(spec, "duration", None)
         params = self._params(index)
         # A kind that hits its targets together gets them in one call (a power loss takes
         # every process down at one instant); any other kind one target at a time.
@@ -376,6 +390,8 @@ class Injector:
             # What the file was at the fault's moment, read just before it is sent: a kill
             # closes the writer's descriptors, so afterwards nothing would say it was open.
             state = self._file_state(index, file) if file is not None else None
+            if state is not None and landing:
+                state.update(landing)
             # The fault's moment is when applying it began: `ss -K` or a tmpfs copy take
             # long enough that the system can notice before inject() returns.
             began = time.monotonic()
@@ -398,7 +414,7 @@ class Injector:
 
     def _note_applied(self, index: int, applied: faults.Applied, ev: Event, group: list[int],
                       label: str | None, file: str | None, state: dict[str, Any] | None,
-                      duration: timedelta | None) -> None:
+                      duration: timedelta | HealWhen | None) -> None:
         """Record an applied fault for the report, and for its heal if it has one."""
         where = label or ("rank " if len(group) == 1 else "ranks ") + ", ".join(
             str(r) for r in group)
@@ -410,9 +426,11 @@ class Injector:
         if applied.journal_id is not None:
             # Counted from the injection, not from the loop's tick: finding the target can
             # take a while on a loaded machine.
-            heal_at = (time.monotonic() + duration.total_seconds()
-                       if duration is not None else None)
-            self._active.append(_Active(applied, len(self.records) - 1, heal_at))
+            held = duration.max if isinstance(duration, HealWhen) else duration
+            heal_at = (time.monotonic() + held.total_seconds() if held is not None else None)
+            since = float(ev.fields.get("at", ev.t)) if isinstance(duration, HealWhen) else None
+            self._active.append(_Active(applied, len(self.records) - 1, heal_at, duration,
+                                        since=since))
 
     def _file_state(self, index: int, file: str) -> dict[str, Any]:
         """The file a trigger named, now: its size (None: gone) and, where the scenario
@@ -451,18 +469,53 @@ class Injector:
                                                  None, detail, old.fault)
         for item in self._active:
             if item.fault == index and item.heal_at is None and item.duration is not None:
-                item.heal_at = time.monotonic() + item.duration.total_seconds()
+                held = item.duration
+                if isinstance(held, HealWhen):
+                    item.since, held = ev.t, held.max
+                item.heal_at = time.monotonic() + held.total_seconds()
 
     def _heal(self, item: _Active) -> None:
         """Undo one fault. One whose undo raised is not healed: its journal entry stays
         pending (``aftershock heal`` reports it) and the timeline does not say healed."""
+        # Dated when the heal began, as an injection is: a thawed process runs before revert
+        # returns (an engine's unpause returns after the node runs again), and nothing the
+        # heal caused may come before it on the timeline.
+        began = time.monotonic()
         faults.get(item.applied.kind).revert(item.applied.undo)
         if item.applied.journal_id:
             self._journal.done(item.applied.journal_id)
-        ev = self._timeline.emit("fault_healed", kind=item.applied.kind)
+        fields, note = self._until_outcome(item)
+        ev = self._timeline.emit("fault_healed", at=began, kind=item.applied.kind, **fields)
         self._observer.event(ev)
         old = self.records[item.record_index]
         self.records[item.record_index] = FaultRecord(
-            old.kind, old.target, old.injected_at_s, round(ev.t - self._t0, 4), old.detail,
-            old.fault,
+            old.kind, old.target, old.injected_at_s, round(ev.t - self._t0, 4),
+            old.detail + note, old.fault,
         )
+
+    def _await_until(self, event: Event) -> None:
+        """Count ``event`` for each applied fault held until such an event."""
+        for item in self._active:
+            until = item.duration.until if isinstance(item.duration, HealWhen) else None
+            if until is None or item.since is None or item.seen_at is not None:
+                continue
+            if event.event != until.event or event.t < item.since or (
+                    until.rank is not None and event.rank != until.rank):
+                continue
+            item.seen += 1
+            if item.seen >= until.count:
+                item.seen_at = event.t  # healed on the loop's next pass (heal_due)
+
+    def _until_outcome(self, item: _Active) -> tuple[dict[str, Any], str]:
+        """For a fault held ``until`` an event: ``fault_healed``'s fields saying whether the
+        event was seen (``until_seen``; false: healed at ``max``, or when the run ended,
+        without it) and a note for the fault's record."""
+        if not isinstance(item.duration, HealWhen):
+            return {}, ""
+        awaited = item.duration.until.describe()
+        if item.seen_at is not None:
+            return ({"until": awaited, "until_seen": True, "until_at": item.seen_at},
+                    f"; held until {awaited}, seen at +{item.seen_at - self._t0:.2f}s")
+        limit = format_duration(item.duration.max)
+        return ({"until": awaited, "until_seen": False},
+                f"; {awaited} not observed while it held (at most {limit}): healed without it")

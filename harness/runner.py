@@ -252,9 +252,11 @@ def _stop_all(spec: Scenario, loop: _Loop, target: Target, injector: Injector,
     """Heal every fault, stop the load and the system, undo what was set up at launch and
     put the teardown on the timeline. What could not be reverted, and how the stop went."""
     timeline, observer = loop.timeline, loop.observer
+    # First: a job held in an open by a file trigger goes on before anything is undone (a
+    # filesystem it is opening on cannot be unmounted under it).
+    triggers.close()
     errors = injector.heal_all()
     monitor.stop()
-    triggers.close()
     if loop.driver is not None:
         loop.driver.stop()
     grace = _served_grace(spec) if loop.driven else STOP_GRACE_S
@@ -349,7 +351,8 @@ def _watch_files(spec: Scenario, triggers: FileTriggers, schedule: Schedule,
         if at.file is None or schedule.finished(index):
             continue
         try:
-            triggers.watch(index, Path(root_of(fault)), at.file, at.when, writing)
+            triggers.watch(index, Path(root_of(fault)), at.file, at.when, writing,
+                           count=at.count)
         except (FaultUnavailable, OSError) as exc:
             injector.failed(index, exc)
             schedule.give_up(index)
@@ -425,13 +428,18 @@ class _Loop:
         first = not self.schedule.repetition(index)
         file = (self.triggers.path(index, fault.at.count)
                 if first and fault.at.file is not None else None)
+        # Whether the job waits in its open of the file until the fault is in (`created`).
+        landing = self.triggers.landing(index) if file is not None else None
         try:
             applied = self.injector.apply(index, arm_step=self.schedule.arm_step(index),
-                                          file=file)
+                                          file=file, landing=landing)
         except Exception as exc:
+            self.triggers.release(index)
             self.injector.failed(index, exc)
             self.schedule.give_up(index)
             return False
+        if applied and file is not None:
+            self.triggers.release(index)  # the fault is in: the held open goes on
         if applied and first and fault.at.step is not None and not in_process(fault):
             self._late(index, int(fault.at.step))
         return applied

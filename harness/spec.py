@@ -245,7 +245,8 @@ class At(_Strict):
         None, description="a glob relative to the fault's root (a storage fault's `root`, "
         "else the reference trainer's checkpoint folder or the run folder), one folder level "
         "per component (`**`: any number), e.g. 'step_*/COMMIT'; watched with inotify from "
-        "launch on, so it needs no cooperation from the system"
+        "launch on, so it needs no cooperation from the system (`created`, as root: the "
+        "job's first open of the match waits until the fault is in)"
     )
     # Not `on`: YAML 1.1 (PyYAML) reads a bare `on` key as the boolean true.
     when: FileWhen = Field(
@@ -303,6 +304,51 @@ class Every(_Strict):
         return self
 
 
+class UntilEvent(_Strict):
+    """The timeline event that ends a fault held ``until`` it: its k-th occurrence after the
+    fault's moment, optionally one rank's."""
+
+    event: str = Field(pattern=r"^[a-z_]+$", description="a timeline event, e.g. hello")
+    rank: int | None = Field(None, ge=0, lt=MAX_WORLD,
+                             description="only this rank's event (its `rank` field)")
+    count: int = Field(1, ge=1, le=MAX_STEPS,
+                       description="heal on its k-th occurrence after the fault's moment")
+
+    def describe(self) -> str:
+        return (f"{self.event}" + (f" of rank {self.rank}" if self.rank is not None else "")
+                + (f" #{self.count}" if self.count > 1 else ""))
+
+
+class HealWhen(_Strict):
+    """``duration: {until: {event: hello, rank: 1}, max: 60s}``: the fault holds until the
+    timeline shows that event after the fault's moment, so what it is meant to provoke happens
+    while it holds however slow a loaded machine makes the job; healed after ``max`` at the
+    latest, and then the run records the event as not seen (``fault_healed``'s
+    ``until_seen: false``)."""
+
+    until: UntilEvent
+    max: Duration
+
+    @field_validator("max")
+    @classmethod
+    def _positive(cls, value: timedelta) -> timedelta:
+        if value <= timedelta(0):
+            raise ValueError("`max` must be more than 0: the longest the fault may hold")
+        return value
+
+
+def _duration_form(value: Any) -> str:
+    return "[until]" if isinstance(value, dict | HealWhen) else "[duration]"
+
+
+#: A fault's ``duration`` in a scenario: a fixed duration, or held until an event is seen.
+#: The tags carry brackets so that error locations skip them (``path_is_tag``).
+FaultDuration = Annotated[
+    Annotated[Duration, Tag("[duration]")] | Annotated[HealWhen, Tag("[until]")],
+    Discriminator(_duration_form),
+]
+
+
 class _FaultBase(_Strict):
     """What every fault of a scenario says besides its kind's own parameters: which process
     it hits, when, and how often."""
@@ -350,6 +396,13 @@ def _fault_model(kind: faults.FaultKind) -> type[_FaultBase]:
     if hooks.default_target is not None:
         fields["target"] = (Target, Field(Target(**hooks.default_target),
                                           description=hooks.target_help))
+    held = kind.params.model_fields.get("duration")
+    if held is not None and held.default is None:
+        # The harness heals such a fault (faults/params.py's convention), so it can also hold
+        # it until an event rather than for a fixed time.
+        fields["duration"] = (FaultDuration | None, Field(
+            None, description=f"{held.description}; or {{until: {{event: NAME, rank: N}}, "
+            "max: DURATION}: until that event is seen after the fault, at most `max`"))
     model = create_model(
         _model_name(kind.info.kind), __base__=(kind.params, _FaultBase),
         __module__=__name__, __doc__=kind.info.summary, **fields,

@@ -4,14 +4,22 @@ the moment its own file operation happens (inotify), not at the next poll of the
 from __future__ import annotations
 
 import re
+import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from _helpers import ROOT, cli, read_events
 
+from aftershock.faults import FaultUnavailable
+from aftershock.faults._fanotify import Gate
+from aftershock.faults._fanotify import available as fanotify_available
+from aftershock.harness import runner, triggers
 from aftershock.harness.runner import run_scenario
 from aftershock.harness.spec import LoadedScenario, parse_scenario
+from aftershock.harness.triggers import FileTriggers
 
 JOB = ROOT / "tests" / "fixtures" / "files_job.py"
 
@@ -199,3 +207,122 @@ expect: {{completes: false, faults_landed: in_window}}
     assert proc.returncode == 2
     assert (f"{bad}:6:42: faults.0.at.when: Input should be 'created', 'opened', 'modified', "
             "'closed' or 'deleted'") in proc.stderr
+
+
+QUICK = ROOT / "tests" / "fixtures" / "quick_save_job.py"
+
+
+class SlowTriggers(FileTriggers):
+    """A harness that reads its watches 0.5 s late, as on a starved machine (load 20 on two
+    cores): the job's save and commit are over by then."""
+
+    def poll(self) -> list[tuple[int, FaultUnavailable]]:
+        time.sleep(0.5)
+        return super().poll()
+
+
+def no_gate(root: Path, matches: object) -> Gate:
+    raise FaultUnavailable("fanotify_init: Operation not permitted (permission events need "
+                           "CAP_SYS_ADMIN: run as root)")
+
+
+def quick_save(tmp_path: Path) -> tuple[Path, dict[str, Any], dict[str, tuple[bool, str]]]:
+    """Kill the quick saver when its third save's file is created; expect it inside."""
+    text = f"""\
+name: quick-save
+system:
+  command: [{sys.executable}, {QUICK}]
+  cwd: ${{run_dir}}
+  env: {{JOB_OUT: "${{run_dir}}/out"}}
+  probes:
+    - {{pattern: 'rank (?P<rank>\\d+) step (?P<step>\\d+) committed', event: step}}
+faults:
+  - kind: process.kill
+    target: {{rank: 0}}
+    at: {{file: 'out/step_*.data', when: created, count: 3}}
+expect:
+  completes: false
+  faults_landed: in_window
+"""
+    loaded = LoadedScenario(parse_scenario(text), tmp_path / "s.yaml", text)
+    result = run_scenario(loaded, run_dir=tmp_path / "run", use_cache=False)
+    (hit,) = read_events(tmp_path / "run" / "events.jsonl", "fault_injected")
+    return tmp_path / "run", hit, {c.name: (c.passed, c.message) for c in result.checks}
+
+
+needs_fanotify = pytest.mark.skipif(
+    fanotify_available() is not None, reason=f"no fanotify here: {fanotify_available()}")
+
+
+def test_a_slow_harness_on_inotify_alone_misses_the_save_and_says_so(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without permission events (no CAP_SYS_ADMIN) a late harness kills after the commit:
+    the run says the fault missed its window and why the job was not held."""
+    monkeypatch.setattr(runner, "FileTriggers", SlowTriggers)
+    monkeypatch.setattr(triggers, "Gate", no_gate)
+    run_dir, hit, checks = quick_save(tmp_path)
+    assert hit["file"] == "out/step_3.data"
+    assert hit["file_held"] is False
+    assert "CAP_SYS_ADMIN" in hit["file_held_why"]
+    assert (run_dir / "out" / "step_3.commit").exists()  # the save was over
+    passed, message = checks["faults_landed"]
+    assert not passed
+    assert "missed its window" in message
+    assert "the job was not held" in message
+
+
+@needs_fanotify
+def test_a_slow_harness_holds_the_job_in_its_open_until_the_fault_is_in(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same late harness with permission events: the job's open of its third save's
+    file waits in the kernel until the kill, so the save never commits."""
+    monkeypatch.setattr(runner, "FileTriggers", SlowTriggers)
+    run_dir, hit, checks = quick_save(tmp_path)
+    assert hit["file"] == "out/step_3.data"
+    assert hit["file_held"] is True
+    assert hit["held_open"] == "out/step_3.data"
+    assert hit["held_pid"] == hit["pid"]
+    assert hit["file_size"] == 0  # killed inside the open: not a byte written
+    assert (run_dir / "out" / "step_2.commit").exists()
+    assert not (run_dir / "out" / "step_3.commit").exists()
+    assert checks["faults_landed"][0], checks["faults_landed"][1]
+    assert "held in its open of out/step_3.data" in checks["faults_landed"][1]
+
+
+HOLDER = """\
+import sys, time
+from pathlib import Path
+from aftershock.faults._fanotify import Gate
+gate = Gate(Path(sys.argv[1]), lambda rel: rel.endswith(".data"))
+gate.mark(".")
+print("marked", flush=True)
+while gate.held() is None:
+    gate.settle(gate.take(), lambda match, path, pid: True)
+    time.sleep(0.01)
+print("holding", flush=True)
+time.sleep(60)
+"""
+
+
+@needs_fanotify
+@pytest.mark.parametrize("end", ["killed", "closed"])
+def test_a_held_job_goes_on_when_the_harness_dies_or_closes(tmp_path: Path, end: str) -> None:
+    """A job is never left blocked: the kernel allows a held open when the holder is killed
+    outright (SIGKILL: no code of ours runs), and Gate.close allows it too."""
+    script = HOLDER if end == "killed" else HOLDER.replace("time.sleep(60)", "gate.close()")
+    holder = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None
+        assert holder.stdout.readline() == "marked\n"
+        job = subprocess.Popen([sys.executable, "-c",
+                                f"open({str(tmp_path / 'x.data')!r}, 'wb'); print('opened')"],
+                               stdout=subprocess.PIPE, text=True)
+        assert holder.stdout.readline() == "holding\n"
+        assert job.poll() is None  # blocked in its open
+        if end == "killed":
+            holder.kill()
+        assert job.communicate(timeout=30)[0] == "opened\n"
+    finally:
+        holder.kill()
+        holder.communicate()

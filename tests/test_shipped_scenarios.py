@@ -541,11 +541,14 @@ def _power_loss(run: Run) -> None:
 
 
 def _kill_on_file(run: Run) -> None:
-    """Rank 0 was killed the moment the third step folder appeared (seen on the disk, not
-    reported by the trainer), before that save could commit."""
+    """Rank 0 was killed inside the third save (seen on the disk, not reported by the
+    trainer): a rank's first open of or in that step folder waited for the kill, so the
+    save could not commit."""
     hit = run.injection()
     third = 3 * run.system.checkpoint_every
     assert hit["file"] == f"step_{third:06d}"
+    assert hit["file_held"] is True, hit.get("file_held_why")
+    assert hit["held_open"].split("/")[0] == hit["file"]
     assert not [e for e in run.events("checkpoint_saved") if e["t"] < hit["t"]
                 and e["step"] == third]
     _resumed_from_the_last_save(run, hit["t"])
@@ -628,6 +631,15 @@ def _timed_out(run: Run) -> None:
     _nodes_in_one_world([0, 0])(run)
 
 
+def _timed_out_while_frozen(run: Run) -> None:
+    """As `_timed_out`, and the timeout came while node 1 was frozen (the freeze holds
+    until it, `duration: {until}`): a collective that completed after a thaw proves nothing."""
+    (healed,) = run.events("fault_healed")
+    assert healed.get("until_seen") is True, \
+        f"not observed: rank 0 detected nothing while node 1 was frozen ({healed})"
+    _timed_out(run)
+
+
 def _node_replaced_by_spare(run: Run) -> None:
     """Node 1 died and stayed down; nobody was left there to report it, so the controller
     learnt it from the silent heartbeat, and node 0's warm spare (said hello as a spare
@@ -655,6 +667,10 @@ def _frozen_node_fenced_from_afar(run: Run) -> None:
     process there waited as a spare to the end."""
     hit = run.injection()
     (healed,) = run.events("fault_healed")
+    # The freeze holds until the spare's hello for rank 1 (`duration: {until}`), so the
+    # take-over falls inside it however loaded the machine; without that hello it proves nothing.
+    assert healed.get("until_seen") is True, \
+        f"not observed: no take-over of rank 1 while node 1 was frozen ({healed})"
     hellos = run.events("hello")
     (old,) = [e for e in hellos if e["rank"] == 1 and e["t"] < hit["t"]]
     assert old["node"] == 1
@@ -679,7 +695,7 @@ EVIDENCE: dict[str, Callable[[Run], None]] = {
     "nodes/kill_node_restart": _nodes_in_one_world([0, 1]),
     "nodes/kill_rank_in_node_restart": _rank_in_node,
     "nodes/partition_node_restart": _timed_out,
-    "nodes/freeze_node_restart": _timed_out,
+    "nodes/freeze_node_restart": _timed_out_while_frozen,
     "training/fault_free": _fault_free,
     "training/kill_rank_restart": _kill_rank_restart,
     "training/freeze_rank_restart": _freeze_rank_restart,

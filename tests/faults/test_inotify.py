@@ -179,3 +179,23 @@ def test_writers_are_the_processes_holding_the_file_open_for_writing(tmp_path: P
         for proc in procs:
             proc.kill()
             proc.communicate()
+
+
+def test_a_scanned_file_renamed_away_before_its_own_event_counts_once(tmp_path: Path) -> None:
+    """A folder's watch is added before its scan, so a file made in between is taken in by
+    the scan and also has its own IN_CREATE queued; a temporary file is often renamed away
+    before that event is read. It was counted twice, moving every later `count:` one save
+    early. The kernel's interleaving cannot be forced from here, so the queued event is
+    handed to the watch as the kernel would deliver it."""
+    watch = FileWatch(tmp_path, "step_*/.rank_0.pt.*.tmp", "created")
+    try:
+        (tmp_path / "step_1").mkdir()
+        (tmp_path / "step_1" / ".rank_0.pt.ab.tmp").write_bytes(b"x")
+        assert settle(watch, 1) == ["step_1/.rank_0.pt.ab.tmp"]  # the scan of the new folder
+        (tmp_path / "step_1" / ".rank_0.pt.ab.tmp").rename(tmp_path / "step_1" / "rank_0.pt")
+        (wd,) = [wd for wd, rel in watch._dirs.items() if rel == "step_1"]
+        watch._event(wd, _inotify.IN_CREATE, ".rank_0.pt.ab.tmp")
+        assert watch.hits == ["step_1/.rank_0.pt.ab.tmp"]
+        assert watch.how == ["scanned"]
+    finally:
+        watch.close()
