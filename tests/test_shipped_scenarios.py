@@ -631,12 +631,13 @@ def _timed_out(run: Run) -> None:
     _nodes_in_one_world([0, 0])(run)
 
 
-def _timed_out_while_frozen(run: Run) -> None:
-    """As `_timed_out`, and the timeout came while node 1 was frozen (the freeze holds
-    until it, `duration: {until}`): a collective that completed after a thaw proves nothing."""
+def _timed_out_while_held(run: Run) -> None:
+    """As `_timed_out`, and the timeout came while node 1 was frozen or cut off (the fault
+    holds until it, `duration: {until}`): a collective that completed after the heal proves
+    nothing."""
     (healed,) = run.events("fault_healed")
     assert healed.get("until_seen") is True, \
-        f"not observed: rank 0 detected nothing while node 1 was frozen ({healed})"
+        f"not observed: rank 0 detected nothing while the fault held node 1 ({healed})"
     _timed_out(run)
 
 
@@ -694,8 +695,8 @@ EVIDENCE: dict[str, Callable[[Run], None]] = {
     "nodes/kill_node_hot_spare": _node_replaced_by_spare,
     "nodes/kill_node_restart": _nodes_in_one_world([0, 1]),
     "nodes/kill_rank_in_node_restart": _rank_in_node,
-    "nodes/partition_node_restart": _timed_out,
-    "nodes/freeze_node_restart": _timed_out_while_frozen,
+    "nodes/partition_node_restart": _timed_out_while_held,
+    "nodes/freeze_node_restart": _timed_out_while_held,
     "training/fault_free": _fault_free,
     "training/kill_rank_restart": _kill_rank_restart,
     "training/freeze_rank_restart": _freeze_rank_restart,
