@@ -44,8 +44,9 @@ _FROM = {
     "FaultParams": "aftershock.faults.params", "Duration": "aftershock.faults.params",
     "FaultUnavailable": "aftershock.faults._errors",
     "UndoContext": "aftershock.faults.journal",
-    "Check": "aftershock.harness.check_registry", "Run": "aftershock.harness.check_registry",
-    "CheckParams": "aftershock.harness.check_registry",
+    "Check": "aftershock.harness.verdict.check_registry",
+    "Run": "aftershock.harness.verdict.check_registry",
+    "CheckParams": "aftershock.harness.verdict.check_registry",
 }
 #: Public modules.
 _MODULES = {"probe": "aftershock.probe", "strategies": "aftershock.strategies"}
@@ -74,9 +75,9 @@ if TYPE_CHECKING:
     from aftershock.harness.api import load as load
     from aftershock.harness.api import loads as loads
     from aftershock.harness.api import run as run
-    from aftershock.harness.check_registry import Check as Check
-    from aftershock.harness.check_registry import CheckParams as CheckParams
-    from aftershock.harness.check_registry import Run as Run
+    from aftershock.harness.verdict.check_registry import Check as Check
+    from aftershock.harness.verdict.check_registry import CheckParams as CheckParams
+    from aftershock.harness.verdict.check_registry import Run as Run
 
 
 def __getattr__(name: str) -> Any:

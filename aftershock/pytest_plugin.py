@@ -21,10 +21,10 @@ class AftershockHooks:
     """Hooks other plugins may implement."""
 
     def pytest_aftershock_result(self, item: pytest.Item, result: Any) -> None:
-        """Called with each scenario's RunResult (aftershock.harness.records) after it ran."""
+        """Called with each scenario's RunResult (aftershock.harness.run.records) after it ran."""
 
     def pytest_aftershock_exploration(self, item: pytest.Item, exploration: Any) -> None:
-        """Called with each scenario's Exploration (aftershock.harness.explore) after
+        """Called with each scenario's Exploration (aftershock.harness.search.explore) after
         ``--aftershock-explore`` searched it."""
 
 
@@ -149,9 +149,9 @@ class ScenarioItem(pytest.Item):
     def runtest(self) -> None:
         __tracebackhide__ = True
         from aftershock.harness.errors import AftershockError, SpecError
-        from aftershock.harness.report import check_table_text
-        from aftershock.harness.runner import run_scenario
-        from aftershock.harness.spec import load_scenario
+        from aftershock.harness.reporting.report import check_table_text
+        from aftershock.harness.run.runner import run_scenario
+        from aftershock.harness.scenario.spec import load_scenario
 
         config = self.config
         try:
@@ -185,7 +185,7 @@ class ScenarioItem(pytest.Item):
         import random
 
         from aftershock.harness.errors import AftershockError
-        from aftershock.harness.explore import explore
+        from aftershock.harness.search.explore import explore
 
         config = self.config
         seed = config.getoption("--aftershock-explore-seed")

@@ -95,7 +95,7 @@ def watch(pid: int, run_dir: Path) -> dict[str, float]:
     return cpu_at
 
 
-#: How the harness's own events start on the timeline (harness.timeline: compact JSON, in
+#: How the harness's own events start on the timeline (harness.run.timeline: compact JSON, in
 #: the order t, event, source).
 _HARNESS_EVENT = b'"event":"%s","source":"harness"'
 

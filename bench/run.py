@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from aftershock.harness import metrics
 from aftershock.harness.oracle import read_membership as oracle_membership
-from aftershock.harness.records import Event
+from aftershock.harness.run.records import Event
+from aftershock.harness.verdict import metrics
 from aftershock.reference_impl import phases as phases_lib
 from bench.oracle import expected as expected_digests
 from bench.peers import GPU, PEERS, WORLD, Context, Model, Peer

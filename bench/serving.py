@@ -48,11 +48,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from aftershock.harness import metrics
-from aftershock.harness.records import RunResult
-from aftershock.harness.runner import run_scenario
-from aftershock.harness.spec import LoadedScenario, parse_scenario
-from aftershock.harness.timeline import read_events
+from aftershock.harness.run.records import RunResult
+from aftershock.harness.run.runner import run_scenario
+from aftershock.harness.run.timeline import read_events
+from aftershock.harness.scenario.spec import LoadedScenario, parse_scenario
+from aftershock.harness.verdict import metrics
 from bench.stats import run_order, verdict
 from bench.status import code_identity
 

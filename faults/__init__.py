@@ -26,7 +26,7 @@ from aftershock.faults import _docker as docker_engine
 from aftershock.faults import _jsonl as jsonl
 from aftershock.faults._errors import FaultUnavailable
 
-# File triggers: inotify's reports, and fanotify's held opens (harness/triggers.py).
+# File triggers: inotify's reports, and fanotify's held opens (harness/run/triggers.py).
 from aftershock.faults._fanotify import Gate as FileGate
 from aftershock.faults._inotify import FileWatch
 from aftershock.faults._inotify import matches as file_matches

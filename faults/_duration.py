@@ -1,7 +1,7 @@
 """Durations as people write them in scenarios: ``500ms``, ``2s``, ``1.5m``, ``1h``.
 
 The one definition, for fault kinds' parameters (faults/params.py) and the whole scenario
-format (harness/_duration.py names it too).
+format (harness/scenario/_duration.py names it too).
 """
 
 from __future__ import annotations

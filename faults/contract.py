@@ -32,7 +32,7 @@ INJECT_PREFIX = "AFTERSHOCK_INJECT_"
 
 #: Where heal journals live (faults/journal.py).
 STATE_ENV = "AFTERSHOCK_STATE_DIR"
-#: Where fault-free twins' results are cached (harness/baseline.py).
+#: Where fault-free twins' results are cached (harness/twin/baseline.py).
 CACHE_ENV = "AFTERSHOCK_CACHE_DIR"
 
 # ------------------------------------------------------------- events the other side acts on
@@ -49,7 +49,8 @@ FAULT_INJECTED = "fault_injected"
 SERVING_READY = "serving_ready"
 
 # ------------------------------------------------------------- events the checks and metrics read
-# (docs/events.md says who writes each; harness/checks.py and harness/metrics.py judge them)
+# (docs/events.md says who writes each; harness/verdict/checks.py and harness/verdict/metrics.py
+# judge them)
 
 #: The system noticed a failure (``cause``): time to detect.
 FAILURE_DETECTED = "failure_detected"

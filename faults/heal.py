@@ -99,7 +99,7 @@ def validate_launch(undo: Mapping[str, Any], context: UndoContext) -> None:
         raise UndoRefused(
             f"value {undo.get('value')!r} is not this journal's run id {context.run_id!r}"
         )
-    # The run's cgroup (harness/target.py): named for this run id, inside the mounted cgroup2
+    # The run's cgroup (harness/run/target.py): named for this run id, inside the mounted cgroup2
     # hierarchy, no `..` to climb out of it; anything else is not provably the run's.
     group = undo.get("cgroup")
     if group is not None and not (

@@ -1,7 +1,7 @@
 """A fault kind's parameters: the base of their pydantic model, durations and limits.
 
 Each kind declares its parameters once, as a :class:`FaultParams` model: names, types,
-bounds, defaults and a description per field. The scenario format (harness/spec.py adds
+bounds, defaults and a description per field. The scenario format (harness/scenario/spec.py adds
 ``kind``, ``target``, ``at`` and ``every``), ``aftershock faults`` and docs/faults.md are
 built from it, and the kind reads its parameters through it (:meth:`FaultParams.bind`),
 so a default is written in one place.

@@ -3,8 +3,8 @@ one named in one line and skipped, never allowed to break what does not use it.
 
 Aftershock has four entry-point groups (docs/extending.md): ``aftershock.faults`` (fault
 kinds, faults/registry.py), ``aftershock.systems`` (system kinds, harness/systems/),
-``aftershock.presets`` (log-probe presets, harness/presets.py) and ``aftershock.checks``
-(checks, harness/check_registry.py). Each is one :class:`Registry`: built-ins registered
+``aftershock.presets`` (log-probe presets, harness/scenario/presets.py) and ``aftershock.checks``
+(checks, harness/verdict/check_registry.py). Each is one :class:`Registry`: built-ins registered
 when their modules are imported, the group loaded once, on first use (:func:`load`), every
 object checked as it registers against a table of :class:`Attr` (required and optional
 attributes, their types and allowed values) through :func:`check`. An entry point that

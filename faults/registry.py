@@ -53,7 +53,7 @@ _BUILTIN_MODULES = (
 )
 
 #: What a target lets faults act through. A kind names those it needs (``needs``); a
-#: target those it offers (harness/target.py); a system's job may add ``probe``. A scenario
+#: target those it offers (harness/run/target.py); a system's job may add ``probe``. A scenario
 #: whose fault needs what its system lacks is refused when it is validated.
 CAPABILITIES: Mapping[str, str] = {
     "signals": "signals to the target's processes by pid (kill, stop, continue)",

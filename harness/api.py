@@ -22,14 +22,14 @@ from typing import Any
 
 import yaml
 
-from aftershock.harness.records import CheckResult as CheckResult
-from aftershock.harness.records import FaultRecord as FaultRecord
-from aftershock.harness.records import RunResult as RunResult
-from aftershock.harness.runner import Observer as Observer
-from aftershock.harness.runner import run_scenario
-from aftershock.harness.spec import LoadedScenario as LoadedScenario
-from aftershock.harness.spec import Scenario as Scenario
-from aftershock.harness.spec import load_scenario, parse_scenario
+from aftershock.harness.run.records import CheckResult as CheckResult
+from aftershock.harness.run.records import FaultRecord as FaultRecord
+from aftershock.harness.run.records import RunResult as RunResult
+from aftershock.harness.run.runner import Observer as Observer
+from aftershock.harness.run.runner import run_scenario
+from aftershock.harness.scenario.spec import LoadedScenario as LoadedScenario
+from aftershock.harness.scenario.spec import Scenario as Scenario
+from aftershock.harness.scenario.spec import load_scenario, parse_scenario
 
 __all__ = ["CheckResult", "FaultRecord", "LoadedScenario", "Observer", "RunResult",
            "Scenario", "check", "from_dict", "load", "loads", "run"]
@@ -69,7 +69,7 @@ def check(result: RunResult) -> RunResult:
     """``result`` if it passed; else AssertionError with its failed checks and the table."""
     if result.passed:
         return result
-    from aftershock.harness.report import check_table_text
+    from aftershock.harness.reporting.report import check_table_text
 
     failed = ", ".join(c.name for c in result.failed_checks()) or result.error or "no verdict"
     raise AssertionError(f"{result.name}: {failed}\n{check_table_text(result)}")

@@ -93,7 +93,7 @@ def validate(
 ) -> None:
     """Parse and validate scenario files without running anything."""
     from aftershock.harness.errors import SpecError
-    from aftershock.harness.spec import find_scenarios, load_scenario
+    from aftershock.harness.scenario.spec import find_scenarios, load_scenario
 
     files, problems = find_scenarios(list(paths))
     broken = False
@@ -194,7 +194,7 @@ def _load_all(paths: list[Path]) -> list[Any]:
     """Every scenario under ``paths``, validated; exit 2 (3 for a broken plug-in) naming
     every problem of every file otherwise."""
     from aftershock.harness.errors import SpecError
-    from aftershock.harness.spec import discover, load_scenario
+    from aftershock.harness.scenario.spec import discover, load_scenario
 
     try:
         files = discover(list(paths))
@@ -222,8 +222,8 @@ def _run_here(loaded: list[Any], results: list[Any], *, run_dir: Path | None,
     """Each scenario ``repeat`` times on this machine, one after another, each result
     appended to ``results`` as it ends (so an interrupted campaign still reports them)."""
     from aftershock.harness import systems
-    from aftershock.harness.report import LiveObserver, PlainObserver
-    from aftershock.harness.runner import Observer, run_scenario
+    from aftershock.harness.reporting.report import LiveObserver, PlainObserver
+    from aftershock.harness.run.runner import Observer, run_scenario
 
     for scenario in loaded:
         for attempt in range(repeat):
@@ -271,7 +271,7 @@ def _run_stopped(exc: BaseException, results: list[Any]) -> int | None:
     carries joins ``results``); None for an exception that is not the campaign's to end
     (typer's own Exit, SystemExit)."""
     from aftershock.harness.errors import AftershockError, HarnessError, RunDirBusy, RunFailed
-    from aftershock.harness.runner import Interrupted, RunInterrupted
+    from aftershock.harness.run.runner import Interrupted, RunInterrupted
 
     if isinstance(exc, KeyboardInterrupt):
         if isinstance(exc, RunInterrupted):
@@ -308,7 +308,7 @@ def _database_problems(database: Path | None) -> list[str]:
     """What is wrong with explore's example database folder (none: nothing)."""
     if database is None:
         return []
-    from aftershock.harness.explore import database_problems
+    from aftershock.harness.search.explore import database_problems
 
     return database_problems(database)
 
@@ -363,7 +363,7 @@ def explore(
     import secrets
 
     _need_extra("hypothesis", "explore", "aftershock explore")
-    from aftershock.harness.explore import Exploration, sigterm_unwinds
+    from aftershock.harness.search.explore import Exploration, sigterm_unwinds
 
     problems: list[str] = []
     limit_s = _time_limit(time_limit, problems)
@@ -400,7 +400,7 @@ def explore(
 
 def _time_limit(time_limit: str | None, problems: list[str]) -> float | None:
     """``--time`` in seconds (None without it); a problem noted if it is no duration."""
-    from aftershock.harness._duration import parse_duration
+    from aftershock.harness.scenario._duration import parse_duration
 
     if time_limit is None:
         return None
@@ -415,7 +415,7 @@ def _explorable(paths: list[Path], problems: list[str]) -> tuple[list[Any], bool
     """The scenarios under ``paths``, loaded, with what is wrong with them (each must have
     an `explore:` block) added to ``problems``; and whether one uses a broken plug-in."""
     from aftershock.harness.errors import SpecError
-    from aftershock.harness.spec import discover, load_scenario
+    from aftershock.harness.scenario.spec import discover, load_scenario
 
     loaded = []
     broken = False
@@ -459,8 +459,8 @@ def _explore_each(loaded: list[Any], console: Console, *, live: bool,
     ``workers``, by that many searchers on Slurm (harness/nodes/slurm_explore.py)."""
     from functools import partial
 
-    from aftershock.harness.explore import explore
-    from aftershock.harness.report import ExploreLiveObserver, ExplorePlainObserver
+    from aftershock.harness.reporting.report import ExploreLiveObserver, ExplorePlainObserver
+    from aftershock.harness.search.explore import explore
 
     explore_scenario: Callable[..., Any] = explore
     if workers is not None:
@@ -479,7 +479,7 @@ def _explore_each(loaded: list[Any], console: Console, *, live: bool,
 def _explore_stopped(exc: BaseException, done: list[Any]) -> int:
     """Say why the search stopped early; its exit code."""
     from aftershock.harness.errors import AftershockError, HarnessError, SpecError
-    from aftershock.harness.runner import Interrupted, RunInterrupted
+    from aftershock.harness.run.runner import Interrupted, RunInterrupted
 
     if isinstance(exc, KeyboardInterrupt):
         written = [f.file for e in done for f in e.findings]
@@ -560,7 +560,7 @@ def _write_pictures(results: list[Any], *, html: Path | None, trace: Path | None
     """The HTML report and the trace of the runs that left a folder (docs/report.md)."""
     if not results or (html is None and trace is None):
         return
-    from aftershock.harness.pictures import write_pictures
+    from aftershock.harness.reporting.pictures import write_pictures
 
     for problem in write_pictures([Path(r.run_dir) for r in results], html=html, trace=trace):
         err.print(problem, markup=False, highlight=False)
@@ -568,7 +568,7 @@ def _write_pictures(results: list[Any], *, html: Path | None, trace: Path | None
 
 def _write_records(results: list[Any], json_out: str | None, junit: Path | None,
                    html: Path | None = None) -> None:
-    from aftershock.harness.report import junit_xml, write_json
+    from aftershock.harness.reporting.report import junit_xml, write_json
 
     if json_out == "-":
         write_json(results, sys.stdout)
@@ -595,10 +595,10 @@ def golden(
 ) -> None:
     """Golden results of fault-free twins (golden.json beside the scenarios): show which
     scenarios have one for this host's rounding key, or record them on purpose with --update."""
-    from aftershock.harness import golden as goldens
     from aftershock.harness.errors import SpecError
-    from aftershock.harness.runner import default_run_dir
-    from aftershock.harness.spec import discover, load_scenario
+    from aftershock.harness.run.runner import default_run_dir
+    from aftershock.harness.scenario.spec import discover, load_scenario
+    from aftershock.harness.twin import golden as goldens
 
     try:
         files = discover(list(paths))
@@ -633,7 +633,7 @@ def golden(
 
 
 def _golden_status(scenario: Any, seed: int | None) -> str:
-    from aftershock.harness import golden as goldens
+    from aftershock.harness.twin import golden as goldens
 
     what = goldens.what_of(scenario.spec)
     if what is None:
@@ -723,7 +723,7 @@ def _offered(system: str | None, for_file: Path | None) -> frozenset[str] | None
     without either."""
     from aftershock.harness import systems
     from aftershock.harness.errors import SpecError
-    from aftershock.harness.spec import load_scenario
+    from aftershock.harness.scenario.spec import load_scenario
 
     if system is not None and for_file is not None:
         raise _fail_invalid(["give --system or --for, not both"])
@@ -770,7 +770,7 @@ def _xid_table(as_json: bool) -> None:
 @app.command()
 def schema() -> None:
     """Print the scenario file's JSON Schema."""
-    from aftershock.harness.spec import json_schema
+    from aftershock.harness.scenario.spec import json_schema
 
     print(json.dumps(json_schema(), indent=2))
 
@@ -799,7 +799,7 @@ def report(
     With --recheck the exit code is the new verdict's (0 all checks hold, 1 a check failed).
     """
     from aftershock.harness.errors import HarnessError, SpecError
-    from aftershock.harness.pictures import show_runs
+    from aftershock.harness.reporting.pictures import show_runs
 
     if clock not in ("run", "wall"):
         raise _fail_invalid([f"--clock {clock}: allowed: run, wall"])

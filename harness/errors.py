@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from aftershock.harness.records import RunResult
+    from aftershock.harness.run.records import RunResult
 
 
 class AftershockError(Exception):

@@ -108,8 +108,8 @@ SCENARIO = textwrap.dedent("""\
 
 
 def _trainer() -> str:
-    from aftershock.harness.runner import run_scenario
-    from aftershock.harness.spec import LoadedScenario, parse_scenario
+    from aftershock.harness.run.runner import run_scenario
+    from aftershock.harness.scenario.spec import LoadedScenario, parse_scenario
 
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "gpu.yaml"

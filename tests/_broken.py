@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 from _helpers import ROOT, on_two_ranks, read_events
 
-from aftershock.harness import runner
-from aftershock.harness.records import CheckResult, RunResult
-from aftershock.harness.spec import (
+from aftershock.harness.run import runner
+from aftershock.harness.run.records import CheckResult, RunResult
+from aftershock.harness.scenario.spec import (
     LoadedScenario,
     Scenario,
     TrainerSystem,

@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from aftershock.harness import baseline
-from aftershock.harness.checks import Outcome
-from aftershock.harness.records import Event
-from aftershock.harness.spec import LoadedScenario, Scenario, parse_scenario
+from aftershock.harness.run.records import Event
+from aftershock.harness.scenario.spec import LoadedScenario, Scenario, parse_scenario
+from aftershock.harness.twin import baseline
+from aftershock.harness.verdict.checks import Outcome
 
 TEXT = """\
 name: twin
@@ -110,7 +110,7 @@ def test_the_baseline_module_does_not_import_the_run_loop() -> None:
     imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
                  for alias in node.names}
-    assert not {m for m in imported if m and m.startswith("aftershock.harness.runner")}
+    assert not {m for m in imported if m and m.startswith("aftershock.harness.run.runner")}
 
 
 def test_two_harnesses_caching_the_same_twin_at_once_both_succeed(

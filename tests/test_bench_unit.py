@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from aftershock.harness.records import Event
+from aftershock.harness.run.records import Event
 
 
 def step(t: float, rank: int, n: int, world: int = 4) -> Event:
@@ -675,8 +675,8 @@ def test_serving_measure_reads_the_workers_batches_from_their_counters(tmp_path:
     """Tokens per engine step and the workers' CPU per step come from the engine counters
     the client fetched when the load was done (steps, generated tokens, cpu_ms), not from
     the router's own stats at shutdown; absent counters are not measured, not zero."""
-    from aftershock.harness.records import RunResult
-    from aftershock.harness.timeline import Timeline
+    from aftershock.harness.run.records import RunResult
+    from aftershock.harness.run.timeline import Timeline
     from bench.serving import measure
 
     timeline = Timeline(tmp_path / "events.jsonl")

@@ -9,6 +9,7 @@ write was believed.
 
 from __future__ import annotations
 
+import grp
 import json
 import os
 import sys
@@ -17,9 +18,10 @@ from pathlib import Path
 import pytest
 from _helpers import ROOT, bounded_cli
 
-from aftershock.harness import golden, timeline
-from aftershock.harness.spec import LoadedScenario, load_scenario, parse_scenario
-from aftershock.harness.timeline import DamagedTimeline, Timeline, read_events
+from aftershock.harness.run import timeline
+from aftershock.harness.run.timeline import DamagedTimeline, Timeline, read_events
+from aftershock.harness.scenario.spec import LoadedScenario, load_scenario, parse_scenario
+from aftershock.harness.twin import golden
 
 GIB = 1 << 30
 DEEP = "[" * 200_000
@@ -188,7 +190,8 @@ def test_a_golden_anyone_could_have_planted_is_not_believed(tmp_path: Path, plan
         os.chmod(path.parent, 0o777)
     elif plant == "file_of_another_user":
         os.chown(path, 65534, 65534)
-    else:
+    else:  # writable by a group with no member: not this user's own (test_private_group.py)
+        os.chown(path, os.geteuid(), grp.getgrnam("users").gr_gid)
         os.chmod(path, 0o664)
     shown = bounded_cli("golden", str(path.parent), cpu_s=20, wall_s=50)
     text = shown.stderr.replace("\n", "")
@@ -229,7 +232,8 @@ def test_the_shipped_golden_files_are_accepted() -> None:
 @pytest.mark.parametrize("plant", ["fifo", "dev_zero"])
 def test_a_membership_log_or_a_worker_log_is_read_only_as_a_regular_file(
         tmp_path: Path, plant: str) -> None:
-    from aftershock.harness import attempts, oracle
+    from aftershock.harness import oracle
+    from aftershock.harness.run import attempts
 
     for name in ("membership.jsonl", "stderr.log"):
         path = tmp_path / name
@@ -255,8 +259,8 @@ def test_a_membership_line_nested_deep_is_a_malformed_entry(tmp_path: Path) -> N
 @pytest.mark.timeout(30)
 def test_recheck_believes_a_cached_twin_only_where_the_run_would(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from aftershock.harness import recheck
-    from aftershock.harness.runner import baseline_key
+    from aftershock.harness.run.runner import baseline_key
+    from aftershock.harness.verdict import recheck
 
     monkeypatch.setenv("AFTERSHOCK_CACHE_DIR", str(tmp_path / "cache"))
     loaded = _trainer_folder(tmp_path / "s")
@@ -289,7 +293,7 @@ def test_the_per_process_log_tail_passes_over_a_fifo(tmp_path: Path) -> None:
     every log probe; it is passed over, and the regular log beside it still read."""
     import threading
 
-    from aftershock.harness.target import _Tailer
+    from aftershock.harness.run.target import _Tailer
 
     logs = tmp_path / "attempt_0"
     logs.mkdir()

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from aftershock.harness.checks import Outcome, evaluate
 from aftershock.harness.errors import SpecError
-from aftershock.harness.records import CheckResult, Event
-from aftershock.harness.spec import Expect, parse_scenario
+from aftershock.harness.run.records import CheckResult, Event
+from aftershock.harness.scenario.spec import Expect, parse_scenario
+from aftershock.harness.verdict.checks import Outcome, evaluate
 
 
 def ev(t: float, event: str, rank: int | None = None, **fields: object) -> Event:

@@ -15,8 +15,8 @@ import pytest
 from _helpers import ROOT, cli, quick_scenario
 from rich.console import Console
 
-from aftershock.harness.records import CheckResult, Event, RunResult
-from aftershock.harness.report import LiveObserver, PlainObserver, junit_xml
+from aftershock.harness.reporting.report import LiveObserver, PlainObserver, junit_xml
+from aftershock.harness.run.records import CheckResult, Event, RunResult
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -1,7 +1,8 @@
 """Crash loops explained: how each process of a run ended, in the report, JSON and JUnit.
 
 The unit tests build torchrun's files by hand (its ``--log-dir`` layout, its agent's stderr
-lines) and read them through :mod:`aftershock.harness.attempts`; the last test runs a real torchrun
+lines) and read them through :mod:`aftershock.harness.run.attempts`; the last test runs a real
+torchrun
 job
 whose every restart dies loading an empty snapshot.
 """
@@ -18,7 +19,13 @@ import pytest
 from rich.console import Console
 
 from aftershock.harness import api
-from aftershock.harness.attempts import (
+from aftershock.harness.reporting.report import (
+    check_table_text,
+    junit_xml,
+    render_result,
+    write_json,
+)
+from aftershock.harness.run.attempts import (
     TAIL_BYTES,
     LauncherExit,
     crash_loop,
@@ -29,9 +36,8 @@ from aftershock.harness.attempts import (
     report_lines,
     summarize,
 )
-from aftershock.harness.records import Event, ProcessEnd, RunResult
-from aftershock.harness.report import check_table_text, junit_xml, render_result, write_json
-from aftershock.harness.rundir import read_result
+from aftershock.harness.run.records import Event, ProcessEnd, RunResult
+from aftershock.harness.run.rundir import read_result
 
 JOB = Path(__file__).parent / "fixtures" / "crash_loop_job.py"
 

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 from _helpers import ROOT
 
-from aftershock.harness.checks import Outcome, evaluate
 from aftershock.harness.errors import SpecError
-from aftershock.harness.records import Event
-from aftershock.harness.runner import run_scenario
-from aftershock.harness.spec import LoadedScenario, parse_scenario
+from aftershock.harness.run.records import Event
+from aftershock.harness.run.runner import run_scenario
+from aftershock.harness.scenario.spec import LoadedScenario, parse_scenario
+from aftershock.harness.verdict.checks import Outcome, evaluate
 
 FREEZE = ROOT / "scenarios" / "serving" / "freeze_worker.yaml"
 

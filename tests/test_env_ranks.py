@@ -15,8 +15,8 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from aftershock.harness import target
-from aftershock.harness.timeline import Timeline
+from aftershock.harness.run import target
+from aftershock.harness.run.timeline import Timeline
 
 # A launcher that waits a second, starts one rank (RANK=0) which lives half a second, then
 # waits on: a supervisor restarting its rank.

@@ -15,12 +15,12 @@ from typing import Any
 
 import pytest
 
-from aftershock.harness import explore as engine
-from aftershock.harness import runner
 from aftershock.harness.errors import HarnessError, PreflightError
-from aftershock.harness.explore import Exploration, describe, explore
-from aftershock.harness.records import CheckResult, FaultRecord, RunResult
-from aftershock.harness.spec import LoadedScenario, load_scenario, parse_scenario, to_yaml
+from aftershock.harness.run import runner
+from aftershock.harness.run.records import CheckResult, FaultRecord, RunResult
+from aftershock.harness.scenario.spec import LoadedScenario, load_scenario, parse_scenario, to_yaml
+from aftershock.harness.search import explore as engine
+from aftershock.harness.search.explore import Exploration, describe, explore
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -398,7 +398,7 @@ def test_the_live_view_and_plain_lines_show_runs_failures_and_findings(
 
     from rich.console import Console
 
-    from aftershock.harness.report import ExploreLiveObserver, ExplorePlainObserver
+    from aftershock.harness.reporting.report import ExploreLiveObserver, ExplorePlainObserver
 
     stand_in(monkeypatch, second_fault_during_recovery)
     plain = io.StringIO()

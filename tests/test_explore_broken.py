@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 from _helpers import ROOT, cli, read_events
 
-from aftershock.harness import runner
-from aftershock.harness.explore import NOT_ORACLES, Exploration, explore, judge, run_schedule
-from aftershock.harness.spec import LoadedScenario, Scenario, load_scenario
+from aftershock.harness.run import runner
+from aftershock.harness.scenario.spec import LoadedScenario, Scenario, load_scenario
+from aftershock.harness.search.explore import NOT_ORACLES, Exploration, explore, judge, run_schedule
 
 pytest.importorskip("torch")
 

@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 from _helpers import ROOT
 
-from aftershock.harness.explore import Exploration, explore
-from aftershock.harness.runner import run_scenario
-from aftershock.harness.spec import LoadedScenario, load_scenario
+from aftershock.harness.run.runner import run_scenario
+from aftershock.harness.scenario.spec import LoadedScenario, load_scenario
+from aftershock.harness.search.explore import Exploration, explore
 
 pytestmark = [pytest.mark.slow, pytest.mark.explore_long, pytest.mark.timeout(2400)]
 

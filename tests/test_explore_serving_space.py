@@ -19,10 +19,9 @@ import pytest
 from _helpers import ROOT
 from hypothesis import HealthCheck, find, given, settings
 
-from aftershock.harness._space import ROUTER_PHASES, option_value, with_options
 from aftershock.harness.errors import SpecError
-from aftershock.harness.explore import describe
-from aftershock.harness.spec import (
+from aftershock.harness.scenario._space import ROUTER_PHASES, option_value, with_options
+from aftershock.harness.scenario.spec import (
     Scenario,
     ServerSystem,
     in_process,
@@ -30,7 +29,8 @@ from aftershock.harness.spec import (
     parse_scenario,
     to_yaml,
 )
-from aftershock.harness.strategies import scenarios, space_of
+from aftershock.harness.search.explore import describe
+from aftershock.harness.search.strategies import scenarios, space_of
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -127,7 +127,8 @@ def test_a_router_failure_shrinks_to_its_simplest_point(predicate: object,
     base = load_scenario(SPACE).spec
     found = find(scenarios(base), predicate,  # type: ignore[arg-type]
                  settings=settings(database=None, max_examples=2000), random=random.Random(0))
-    line = describe(found.faults, {"load.resubmit": found.system.load.resubmit})  # type: ignore[union-attr]
+    line = describe(found.faults,
+                    {"load.resubmit": found.system.load.resubmit})  # type: ignore[union-attr]
     options, fault = expected
     assert line.startswith(options), line
     assert fault in line.removeprefix(options).split("; "), line

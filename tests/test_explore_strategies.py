@@ -21,10 +21,9 @@ from _helpers import ROOT
 from hypothesis import HealthCheck, find, given, seed, settings
 from hypothesis import strategies as st
 
-from aftershock.harness._space import END_PHASES, Space, option_value, resolve
 from aftershock.harness.errors import SpecError
-from aftershock.harness.explore import describe
-from aftershock.harness.spec import (
+from aftershock.harness.scenario._space import END_PHASES, Space, option_value, resolve
+from aftershock.harness.scenario.spec import (
     Scenario,
     ServerSystem,
     TrainerSystem,
@@ -34,7 +33,8 @@ from aftershock.harness.spec import (
     parse_scenario,
     to_yaml,
 )
-from aftershock.harness.strategies import fault_schedules, scenarios, schedules_in, space_of
+from aftershock.harness.search.explore import describe
+from aftershock.harness.search.strategies import fault_schedules, scenarios, schedules_in, space_of
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -358,8 +358,10 @@ def test_schema_includes_the_explore_block() -> None:
 
 def test_importing_the_harness_does_not_import_hypothesis() -> None:
     code = (
-        "import sys, aftershock, aftershock.harness.spec, aftershock.harness.explore, "
-        "aftershock.harness.cli, aftershock.harness.runner, aftershock.harness._space; "
+        "import sys, aftershock, aftershock.harness.scenario.spec, "
+        "aftershock.harness.search.explore, "
+        "aftershock.harness.cli, aftershock.harness.run.runner, "
+        "aftershock.harness.scenario._space; "
         "print('hypothesis' in sys.modules)"
     )
     out = subprocess.run(

@@ -19,11 +19,11 @@ import pytest
 from aftershock.faults import ProcessRef
 from aftershock.faults.journal import Journal
 from aftershock.harness.errors import SpecError
-from aftershock.harness.injector import Injector, fault_params
-from aftershock.harness.records import Event
-from aftershock.harness.runner import NullObserver
-from aftershock.harness.spec import HealWhen, parse_scenario
-from aftershock.harness.timeline import Timeline
+from aftershock.harness.run.injector import Injector, fault_params
+from aftershock.harness.run.records import Event
+from aftershock.harness.run.runner import NullObserver
+from aftershock.harness.run.timeline import Timeline
+from aftershock.harness.scenario.spec import HealWhen, parse_scenario
 
 
 def _scenario(duration: str, kind: str = "process.freeze") -> str:

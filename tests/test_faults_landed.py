@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from aftershock.harness.checks import Outcome, evaluate
-from aftershock.harness.records import CheckResult, Event
-from aftershock.harness.spec import Expect
+from aftershock.harness.run.records import CheckResult, Event
+from aftershock.harness.scenario.spec import Expect
+from aftershock.harness.verdict.checks import Outcome, evaluate
 
 
 def injected(fault: int, **fields: Any) -> Event:

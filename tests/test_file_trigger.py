@@ -16,10 +16,10 @@ from _helpers import ROOT, cli, read_events
 from aftershock.faults import FaultUnavailable
 from aftershock.faults._fanotify import Gate
 from aftershock.faults._fanotify import available as fanotify_available
-from aftershock.harness import runner, triggers
-from aftershock.harness.runner import run_scenario
-from aftershock.harness.spec import LoadedScenario, parse_scenario
-from aftershock.harness.triggers import FileTriggers
+from aftershock.harness.run import runner, triggers
+from aftershock.harness.run.runner import run_scenario
+from aftershock.harness.run.triggers import FileTriggers
+from aftershock.harness.scenario.spec import LoadedScenario, parse_scenario
 
 JOB = ROOT / "tests" / "fixtures" / "files_job.py"
 

@@ -1,5 +1,5 @@
 """The harness's writers on a full disk, without root: /dev/full fails every write with
-ENOSPC, as a full filesystem does. A writer notes it once (harness/_room.py) and goes on;
+ENOSPC, as a full filesystem does. A writer notes it once (harness/run/_room.py) and goes on;
 the log pump keeps reading the job's pipe, so the job never blocks on it."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from aftershock.harness._room import Room, RunDirFull
-from aftershock.harness.target import _LogPump
-from aftershock.harness.timeline import Timeline
+from aftershock.harness.run._room import Room, RunDirFull
+from aftershock.harness.run.target import _LogPump
+from aftershock.harness.run.timeline import Timeline
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,4 +1,4 @@
-"""Golden results of fault-free twins (harness/golden.py, `aftershock golden`).
+"""Golden results of fault-free twins (harness/twin/golden.py, `aftershock golden`).
 
 A fault-free twin is computed by the current code, so a bug on the fault-free path (data
 order, init, optimizer) is in the twin too and `params_match: fault_free` cannot see it. A
@@ -20,9 +20,16 @@ from typing import Any
 import pytest
 from _helpers import ROOT, cli
 
-from aftershock.harness import golden, oracle, runner
-from aftershock.harness.runner import run_scenario
-from aftershock.harness.spec import LoadedScenario, TrainerSystem, load_scenario, parse_scenario
+from aftershock.harness import oracle
+from aftershock.harness.run import runner
+from aftershock.harness.run.runner import run_scenario
+from aftershock.harness.scenario.spec import (
+    LoadedScenario,
+    TrainerSystem,
+    load_scenario,
+    parse_scenario,
+)
+from aftershock.harness.twin import golden
 
 FAULTS = ROOT / "scenarios" / "faults"
 DATA_ORDER = ROOT / "tests" / "fixtures" / "broken" / "data_order"
@@ -315,8 +322,8 @@ def test_an_outputs_golden_sees_every_token_and_every_logits_digest() -> None:
     """The golden of a server's twin hashes what outputs_match compares: each request's tokens
     and each token's logits digest, whatever form the outputs come in (the run's Output
     records, or the twin cache's JSON)."""
-    from aftershock.harness.golden import outputs_digest
-    from aftershock.harness.metrics import Output
+    from aftershock.harness.twin.golden import outputs_digest
+    from aftershock.harness.verdict.metrics import Output
 
     outputs = {"r1": Output((5, 6), ("aa", "bb")), "r0": Output((7,), ("cc",))}
     as_json = {k: v.to_json() for k, v in outputs.items()}

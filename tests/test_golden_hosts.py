@@ -20,9 +20,11 @@ from typing import Any
 import pytest
 from _helpers import ROOT
 
-from aftershock.harness import golden, oracle, runner
+from aftershock.harness import oracle
 from aftershock.harness.oracle import serving
-from aftershock.harness.spec import LoadedScenario, parse_scenario
+from aftershock.harness.run import runner
+from aftershock.harness.scenario.spec import LoadedScenario, parse_scenario
+from aftershock.harness.twin import golden
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 DATA_ORDER = ROOT / "tests" / "fixtures" / "broken" / "data_order"
@@ -116,7 +118,7 @@ def test_the_key_follows_the_settings_the_system_runs_with(
     assert golden.key_of(trainer(tmp_path / "c").spec, 0).rounding == cbwr.rounding
     monkeypatch.setenv("OMP_NUM_THREADS", "7")
     assert golden.key_of(trainer(tmp_path / "d").spec, 0).rounding != cbwr.rounding
-    # The twin cache (harness.baseline) keys its twins by the same settings.
+    # The twin cache (harness.twin.baseline) keys its twins by the same settings.
     assert golden.platform_key(trainer(tmp_path / "e").spec) != golden.platform_key(
         trainer(tmp_path / "f", env={"MKL_CBWR": "AVX2"}).spec)
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from aftershock.harness import gpu_check
-from aftershock.harness.runner import run_scenario
-from aftershock.harness.spec import LoadedScenario, parse_scenario
+from aftershock.harness.run.runner import run_scenario
+from aftershock.harness.scenario.spec import LoadedScenario, parse_scenario
 
 
 @pytest.mark.slow

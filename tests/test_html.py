@@ -19,8 +19,8 @@ import yaml
 from _browser import Browser, chromium, png_pixels
 from _helpers import cli, read_events
 
-from aftershock.harness.html import render
-from aftershock.harness.rundir import load_run
+from aftershock.harness.reporting.html import render
+from aftershock.harness.run.rundir import load_run
 
 RUNS = Path(__file__).parent / "fixtures" / "recorded"
 TRAINING = RUNS / "train-kill-rank-hot-spare"
@@ -203,9 +203,9 @@ def test_comparison_names_the_runs_that_failed() -> None:
 
     from rich.console import Console
 
-    from aftershock.harness.compare import compare, render_comparison
-    from aftershock.harness.records import CheckResult
-    from aftershock.harness.rundir import read_result
+    from aftershock.harness.reporting.compare import compare, render_comparison
+    from aftershock.harness.run.records import CheckResult
+    from aftershock.harness.run.rundir import read_result
 
     base = read_result(TRAINING / "result.json")
     slow = CheckResult("time_to_recover", False, 9.0, "<= 3s", "recovery took 9s")

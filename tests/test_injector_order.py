@@ -17,11 +17,11 @@ from _helpers import NAN_THEN_HANG
 from aftershock.faults import ProcessRef
 from aftershock.faults.contract import COMMANDS_ENV
 from aftershock.faults.journal import Journal
-from aftershock.harness.injector import Injector
-from aftershock.harness.records import Event
-from aftershock.harness.runner import NullObserver
-from aftershock.harness.spec import parse_scenario
-from aftershock.harness.timeline import Timeline
+from aftershock.harness.run.injector import Injector
+from aftershock.harness.run.records import Event
+from aftershock.harness.run.runner import NullObserver
+from aftershock.harness.run.timeline import Timeline
+from aftershock.harness.scenario.spec import parse_scenario
 
 SCENARIO = """\
 name: order

@@ -159,7 +159,7 @@ def test_a_sigterm_that_lands_in_a_gc_callback_still_ends_the_run() -> None:
     The harness must still unwind, at the latest where the unwinding context ends."""
     import gc
 
-    from aftershock.harness import runner
+    from aftershock.harness.run import runner
 
     armed = [True]
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from aftershock.harness import metrics
-from aftershock.harness.checks import Outcome, evaluate
-from aftershock.harness.records import CheckResult, Event, FaultRecord
-from aftershock.harness.spec import CountBudget, Expect
+from aftershock.harness.run.records import CheckResult, Event, FaultRecord
+from aftershock.harness.scenario.spec import CountBudget, Expect
+from aftershock.harness.verdict import metrics
+from aftershock.harness.verdict.checks import Outcome, evaluate
 
 pytestmark = pytest.mark.timeout(60)
 

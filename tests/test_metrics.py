@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from aftershock.harness import metrics
-from aftershock.harness.checks import Outcome, evaluate
-from aftershock.harness.records import Event, FaultRecord
-from aftershock.harness.spec import Budget, CountBudget, Expect, LogProbe
+from aftershock.harness.run.records import Event, FaultRecord
+from aftershock.harness.scenario.spec import Budget, CountBudget, Expect, LogProbe
+from aftershock.harness.verdict import metrics
+from aftershock.harness.verdict.checks import Outcome, evaluate
 
 
 def ev(t: float, event: str, **fields: object) -> Event:
@@ -181,7 +181,7 @@ def test_recovery_is_from_every_fault_not_only_the_first() -> None:
 
 
 def test_step_rate_needs_progress_after_the_fault() -> None:
-    from aftershock.harness.spec import RateFloor
+    from aftershock.harness.scenario.spec import RateFloor
 
     # 10 steps/s for 4 s, then the fault, and the job exits in failure without another
     # step. Its windows end at its last step, before the fault: "10 steps/s" would describe
@@ -429,7 +429,7 @@ def test_time_to_detect_needs_every_fault_detected() -> None:
     assert not slow.passed
     assert "fault 2 of 2" in slow.message
     # Each fault must be caught by the mechanism named: the second by a slower fallback fails.
-    from aftershock.harness.spec import DetectBudget
+    from aftershock.harness.scenario.spec import DetectBudget
 
     causes = timeline(frozen, ev(4.5, "failure_detected", rank=0, cause="wedged"))
     causes = [Event(e.t, e.event, e.source, {**e.fields, "cause": "heartbeat"})
@@ -523,7 +523,7 @@ def test_min_step_rate_counts_a_stall_the_harness_had_to_stop() -> None:
 
 
 def test_step_rate_and_straggler_checks() -> None:
-    from aftershock.harness.spec import RateFloor
+    from aftershock.harness.scenario.spec import RateFloor
 
     straggle = ev(1.0, "fault_injected", kind="process.straggle", rank=1)
     events = [*steps(0.0, 1, 40, ranks=1, dt=0.1), straggle,
@@ -667,7 +667,7 @@ def test_time_to_recover_check_says_why_recovery_was_not_observed() -> None:
 
 def log_event(pattern: str, line: str, *, read_t: float = 101.0, offset: float = 1.7e9,
               started: float = 50.0, clock: str = "monotonic") -> Event:
-    from aftershock.harness.logprobe import log_event as make
+    from aftershock.harness.run.logprobe import log_event as make
 
     spec = LogProbe(pattern=pattern, event="step", clock=clock)  # type: ignore[arg-type]
     match = re.search(spec.pattern, line)

@@ -21,8 +21,8 @@ from _helpers import ROOT
 
 from aftershock.harness import oracle
 from aftershock.harness.oracle import Generation, trainer_math
-from aftershock.harness.runner import NullObserver, replay_digests
-from aftershock.harness.spec import LoadedScenario, TrainerSystem, parse_scenario
+from aftershock.harness.run.runner import NullObserver, replay_digests
+from aftershock.harness.scenario.spec import LoadedScenario, TrainerSystem, parse_scenario
 from aftershock.reference_impl import model as reference_model
 from aftershock.reference_impl.trainer import TrainConfig
 

@@ -17,9 +17,9 @@ import pytest
 from _helpers import cli
 
 from aftershock.harness.errors import SpecError
-from aftershock.harness.runner import run_scenario
-from aftershock.harness.spec import load_scenario
-from aftershock.harness.target import interpreter_bin
+from aftershock.harness.run.runner import run_scenario
+from aftershock.harness.run.target import interpreter_bin
+from aftershock.harness.scenario.spec import load_scenario
 
 #: Records what the job saw of its launch in $JOB_OUT, and whether a snapshot from an
 #: earlier run was where it stands.
@@ -283,7 +283,7 @@ expect: {{completes: true}}
     for rank in (0, 1):
         mine = [e for e in steps if e["rank"] == rank]
         assert sorted(e["step"] for e in mine) == list(range(400)), rank
-        # The path's restart count, not a world: no launcher was seen (harness/metrics.py).
+        # The path's restart count, not a world: no launcher was seen (harness/verdict/metrics.py).
         assert {e["attempt"] for e in mine} == {0}
         assert "generation" not in mine[0]
         # Stamped as read, in the order written.
@@ -344,7 +344,7 @@ def test_restarts_pids_and_exit_are_seen_from_the_launcher(tmp_path: Path) -> No
 
     from rich.console import Console
 
-    from aftershock.harness.report import LiveObserver
+    from aftershock.harness.reporting.report import LiveObserver
 
     (tmp_path / "restarting.py").write_text(RESTARTING)
     path = tmp_path / "restart.yaml"

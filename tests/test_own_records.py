@@ -12,8 +12,8 @@ import pytest
 
 from aftershock.harness import systems
 from aftershock.harness.errors import SpecError
-from aftershock.harness.runner import _storage_root
-from aftershock.harness.spec import parse_scenario
+from aftershock.harness.run.runner import _storage_root
+from aftershock.harness.scenario.spec import parse_scenario
 
 pytestmark = pytest.mark.timeout(60)
 

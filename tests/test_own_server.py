@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from aftershock.harness import api
-from aftershock.harness.baseline import baseline_key
 from aftershock.harness.errors import SpecError
-from aftershock.harness.records import RunResult
+from aftershock.harness.run.records import RunResult
+from aftershock.harness.twin.baseline import baseline_key
 
 TINY = Path(__file__).resolve().parent / "fixtures" / "tiny_server.py"
 
@@ -211,7 +211,7 @@ def test_a_server_gets_its_stop_grace_after_the_load_and_no_more(tmp_path: Path)
     1.5 s to shut down (a journal's last fsync behind a busy disk, say) shut down cleanly
     within a grace of 3 s; one that never stops is killed once its 2 s are up, not after the
     default 10 s, and fails."""
-    from aftershock.harness.target import SERVED_STOP_GRACE_S
+    from aftershock.harness.run.target import SERVED_STOP_GRACE_S
 
     assert api.loads(text(), folder=tmp_path).spec.system.stop_grace.total_seconds() \
         == SERVED_STOP_GRACE_S == 10

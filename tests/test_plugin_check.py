@@ -1,4 +1,5 @@
-"""Checks from other packages (the `aftershock.checks` entry points, harness/check_registry.py):
+"""Checks from other packages (the `aftershock.checks` entry points,
+harness/verdict/check_registry.py):
 one installed with pip asked for under `expect: {checks: ...}` passes a good run and fails a
 broken one; a broken one is one warning line naming its distribution and entry point, and
 only a scenario that asks for it fails (exit 3); a check that raises fails, not the run."""
@@ -16,11 +17,11 @@ from pathlib import Path
 import pytest
 from _helpers import ROOT
 
-from aftershock.harness import check_registry
-from aftershock.harness.checks import Outcome, evaluate
 from aftershock.harness.errors import SpecError
-from aftershock.harness.records import CheckResult, Event
-from aftershock.harness.spec import Expect, parse_scenario
+from aftershock.harness.run.records import CheckResult, Event
+from aftershock.harness.scenario.spec import Expect, parse_scenario
+from aftershock.harness.verdict import check_registry
+from aftershock.harness.verdict.checks import Outcome, evaluate
 
 PACKAGE = ROOT / "tests" / "fixtures" / "plugin_package"
 WARNING = "aftershock: warning: plug-in skipped: "

@@ -225,7 +225,7 @@ def test_a_broken_system_kind_and_a_preset_that_cannot_be_imported_are_named(
         f"{WARNING}aftershock-more 2.1, entry point aftershock.systems: "
         "script = broken_systems:HALF: system kind script: "
     )
-    assert "no `model` (a pydantic model (aftershock.harness.schema.Strict))" in system
+    assert "no `model` (a pydantic model (aftershock.harness.scenario.schema.Strict))" in system
     assert "no `launch` (a method)" in system
 
     script = tmp_path / "script.yaml"

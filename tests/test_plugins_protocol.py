@@ -204,7 +204,8 @@ def test_a_test_adds_an_entry_for_a_block_and_leaves_the_registry_as_it_was(
 
 
 def test_the_four_plug_in_groups_are_one_registry_type() -> None:
-    from aftershock.harness import check_registry, presets
+    from aftershock.harness.scenario import presets
+    from aftershock.harness.verdict import check_registry
 
     groups = {r.group for r in (registry.KINDS, systems.KINDS, presets.PRESETS,
                                 check_registry.PLUGINS)}

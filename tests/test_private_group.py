@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from aftershock.faults.journal import others_can_write, unsafe_folder
-from aftershock.harness import golden
-from aftershock.harness._paths import untrusted
+from aftershock.harness.twin import golden
+from aftershock.harness.twin._paths import untrusted
 
 
 def _mine() -> int:

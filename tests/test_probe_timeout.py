@@ -3,7 +3,7 @@
 A user's probe whose regex backtracks (``(a+)+b`` against ``aaaa...c``) once stalled the
 reader for minutes: the job printed its 30 steps in 3 s, yet its faults were "never
 injected" and its detection "never observed", with no warning. Each probe now has a bounded
-time per line (harness/logprobe.py); a line it gave up on is a ``probe_timeout`` on the
+time per line (harness/run/logprobe.py); a line it gave up on is a ``probe_timeout`` on the
 timeline, and a check that reads that probe's events says "not observed" naming the probe,
 the file and the line. A reader still behind when the run is judged says so too
 (``log_unread``).
@@ -19,9 +19,7 @@ from pathlib import Path
 import pytest
 from _helpers import cli, read_events
 
-from aftershock.harness import presets
-from aftershock.harness.checks import Outcome, evaluate
-from aftershock.harness.logprobe import (
+from aftershock.harness.run.logprobe import (
     PROBE_LINE_CHARS,
     PROBE_LINE_S,
     LogProbe,
@@ -29,8 +27,10 @@ from aftershock.harness.logprobe import (
     compile_probes,
     line_events,
 )
-from aftershock.harness.records import CheckResult, Event
-from aftershock.harness.spec import Expect
+from aftershock.harness.run.records import CheckResult, Event
+from aftershock.harness.scenario import presets
+from aftershock.harness.scenario.spec import Expect
+from aftershock.harness.verdict.checks import Outcome, evaluate
 
 HOSTILE = LogProbe(pattern="(?P<cause>(a+)+b)", event="failure_detected")
 STEP = LogProbe(pattern=r"step (?P<step>\d+)", event="step")
@@ -87,7 +87,7 @@ def test_a_reader_writes_nothing_once_closed_and_numbers_each_stream() -> None:
 
 
 def _judged(names: dict[str, bool], *holes: Event) -> dict[str, CheckResult]:
-    from aftershock.harness.logprobe import unread
+    from aftershock.harness.run.logprobe import unread
 
     results = [CheckResult(n, ok, None, None, "as judged") for n, ok in names.items()]
     return {c.name: c for c in unread(results, list(holes))}
@@ -269,7 +269,7 @@ def test_what_a_reader_left_in_the_pipe_is_counted() -> None:
     # the pipe: they were never read, and log_unread counts them.
     import os
 
-    from aftershock.harness.target import _pending
+    from aftershock.harness.run.target import _pending
 
     read, write = os.pipe()
     with os.fdopen(read, "rb") as stream:

@@ -13,7 +13,7 @@ import pytest
 from _helpers import cli, quick_scenario
 
 from aftershock.harness.errors import SpecError
-from aftershock.harness.recheck import recheck
+from aftershock.harness.verdict.recheck import recheck
 
 BROKEN_STEP = r"rank (?P<rank>\d+) step (?P<step>\d)"  # one digit: step 12 reads as 1
 FIXED_STEP = r"rank (?P<rank>\d+) step (?P<step>\d+)"
@@ -22,14 +22,14 @@ FIXED_STEP = r"rank (?P<rank>\d+) step (?P<step>\d+)"
 @pytest.fixture
 def no_launch(monkeypatch: pytest.MonkeyPatch) -> None:
     """Any attempt to run something (a target, the fault-free twin) fails the test."""
-    import aftershock.harness.runner
-    import aftershock.harness.target
+    import aftershock.harness.run.runner
+    import aftershock.harness.run.target
 
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("a re-check launched something")
 
-    monkeypatch.setattr(aftershock.harness.runner, "execute", refuse)
-    monkeypatch.setattr(aftershock.harness.target.LocalTarget, "start", refuse)
+    monkeypatch.setattr(aftershock.harness.run.runner, "execute", refuse)
+    monkeypatch.setattr(aftershock.harness.run.target.LocalTarget, "start", refuse)
 
 
 def _scenario(tmp_path: Path, name: str, step_pattern: str, expect: str) -> Path:
@@ -224,8 +224,8 @@ def test_a_recheck_re_reads_the_per_process_log_files(tmp_path: Path) -> None:
     (tmp_path / "job.py").write_text(PER_RANK_FILES)
     broken = _per_rank_scenario(tmp_path, r"\d")  # steps 10-14 read as 1
     run_dir = tmp_path / "run"
-    from aftershock.harness.runner import run_scenario
-    from aftershock.harness.spec import load_scenario
+    from aftershock.harness.run.runner import run_scenario
+    from aftershock.harness.scenario.spec import load_scenario
     first = run_scenario(load_scenario(broken), run_dir=run_dir)
     assert first.metrics["steps_committed"] == 9
     (tmp_path / "fixed").mkdir()

@@ -18,11 +18,12 @@ import yaml
 from _helpers import ROOT
 from rich.console import Console
 
-from aftershock.harness import api, metrics
-from aftershock.harness.checks import Outcome, evaluate
-from aftershock.harness.records import Event, RunResult
-from aftershock.harness.spec import Budget, Expect
-from aftershock.harness.timeline import read_events
+from aftershock.harness import api
+from aftershock.harness.run.records import Event, RunResult
+from aftershock.harness.run.timeline import read_events
+from aftershock.harness.scenario.spec import Budget, Expect
+from aftershock.harness.verdict import metrics
+from aftershock.harness.verdict.checks import Outcome, evaluate
 
 LOGS = "/run/torchrun/abc"
 FAULT = 6.5
@@ -144,8 +145,8 @@ def test_proofs_name_each_time_metric() -> None:
 
 
 def test_the_report_the_record_and_junit_say_what_proves_each_metric(tmp_path: Path) -> None:
-    from aftershock.harness.report import junit_xml, render_result
-    from aftershock.harness.rundir import read_result
+    from aftershock.harness.reporting.report import junit_xml, render_result
+    from aftershock.harness.run.rundir import read_result
 
     events = killed_world()
     result = RunResult("kill", "kill.yaml", True, 0, 20.0, (), metrics.compute(events, 2), (),
@@ -229,9 +230,9 @@ time.sleep(0.3)
 
 @pytest.mark.slow
 def test_the_tailer_records_when_each_log_file_was_last_seen_absent(tmp_path: Path) -> None:
-    from aftershock.harness.spec import LogProbe
-    from aftershock.harness.target import Launch, LocalTarget
-    from aftershock.harness.timeline import Timeline
+    from aftershock.harness.run.target import Launch, LocalTarget
+    from aftershock.harness.run.timeline import Timeline
+    from aftershock.harness.scenario.spec import LogProbe
 
     logs = tmp_path / "logs"
     early = logs / "before" / "stdout.log"  # there before the job starts

@@ -12,9 +12,9 @@ import pytest
 from _helpers import RANKS_JOB, cli
 from rich.console import Console
 
-from aftershock.harness.records import CheckResult, Event
-from aftershock.harness.report import LiveObserver, render_result
-from aftershock.harness.rundir import load_run, read_result
+from aftershock.harness.reporting.report import LiveObserver, render_result
+from aftershock.harness.run.records import CheckResult, Event
+from aftershock.harness.run.rundir import load_run, read_result
 
 RECORDED = Path(__file__).parent / "fixtures" / "recorded"
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from aftershock.harness.runner import _params, baseline_key
-from aftershock.harness.spec import parse_scenario
+from aftershock.harness.run.runner import _params, baseline_key
+from aftershock.harness.scenario.spec import parse_scenario
 
 SCENARIO = """\
 name: x
@@ -54,7 +54,7 @@ def test_server_baseline_key_ignores_timing_and_recovery_but_not_the_load() -> N
 def test_a_reused_run_dir_starts_with_a_fresh_timeline(tmp_path) -> None:
     import sys
 
-    from aftershock.harness.runner import NullObserver, execute
+    from aftershock.harness.run.runner import NullObserver, execute
 
     text = (f"name: x\nsystem:\n  command: [{sys.executable}, -c, \"from aftershock import "
             "probe; probe.emit('marker')\"]\n")

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from aftershock.harness.schedule import Progress, Schedule
-from aftershock.harness.spec import in_process, parse_scenario
+from aftershock.harness.run.schedule import Progress, Schedule
+from aftershock.harness.scenario.spec import in_process, parse_scenario
 
 
 def schedule(*faults: str) -> Schedule:

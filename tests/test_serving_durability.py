@@ -21,7 +21,7 @@ from aftershock.harness.oracle.serving_journal import (
     judge,
     parse,
 )
-from aftershock.harness.records import Event
+from aftershock.harness.run.records import Event
 from aftershock.reference_impl.serving.journal import Journal, request_record, tokens_record
 from aftershock.reference_impl.serving.router import (
     ApiError,
@@ -249,8 +249,8 @@ def test_a_client_that_never_resubmits_loses_a_request_the_server_forgot(tmp_pat
     resumed (``resume: true``); a 404 to that is the request lost, at once, not retried."""
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from aftershock.harness.loadgen import Load, LoadGenerator
-    from aftershock.harness.timeline import Timeline, read_events
+    from aftershock.harness.run.loadgen import Load, LoadGenerator
+    from aftershock.harness.run.timeline import Timeline, read_events
 
     bodies: list[dict[str, Any]] = []
 

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from aftershock.harness.records import RunResult
-from aftershock.harness.runner import run_scenario
-from aftershock.harness.spec import LoadedScenario, load_scenario
-from aftershock.harness.timeline import read_events
+from aftershock.harness.run.records import RunResult
+from aftershock.harness.run.runner import run_scenario
+from aftershock.harness.run.timeline import read_events
+from aftershock.harness.scenario.spec import LoadedScenario, load_scenario
 
 pytestmark = [pytest.mark.scenarios, pytest.mark.timeout(600)]
 

@@ -34,8 +34,8 @@ from _helpers import ROOT, cli, read_events
 from aftershock.faults import docker_engine
 from aftershock.harness import oracle
 from aftershock.harness.errors import PreflightError
-from aftershock.harness.runner import preflight
-from aftershock.harness.spec import TrainerSystem, load_scenario
+from aftershock.harness.run.runner import preflight
+from aftershock.harness.scenario.spec import TrainerSystem, load_scenario
 from aftershock.harness.systems.nodes import NodesSystem
 
 # The scenario that goes through the pytest plugin instead of the CLI: a cheap one.

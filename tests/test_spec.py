@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from aftershock.harness._duration import parse_duration
 from aftershock.harness.errors import SpecError
-from aftershock.harness.spec import (
+from aftershock.harness.scenario._duration import parse_duration
+from aftershock.harness.scenario.spec import (
     CommandSystem,
     ProcessFreeze,
     TrainerSystem,

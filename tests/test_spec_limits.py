@@ -14,7 +14,12 @@ import pytest
 from _helpers import bounded_cli
 
 from aftershock.harness.errors import SpecError
-from aftershock.harness.spec import MAX_FILE_BYTES, TrainerSystem, load_scenario, parse_scenario
+from aftershock.harness.scenario.spec import (
+    MAX_FILE_BYTES,
+    TrainerSystem,
+    load_scenario,
+    parse_scenario,
+)
 
 BASE = "name: x\nsystem: {reference: trainer}\n"
 

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from aftershock.harness import _load
-from aftershock.harness.checks import Outcome
-from aftershock.harness.records import Event
-from aftershock.harness.runner import assess, run_scenario
-from aftershock.harness.spec import load_scenario, parse_scenario
+from aftershock.harness.run import _load
+from aftershock.harness.run.records import Event
+from aftershock.harness.run.runner import assess, run_scenario
+from aftershock.harness.scenario.spec import load_scenario, parse_scenario
+from aftershock.harness.verdict.checks import Outcome
 
 
 def _sample(t: float, **fields: float) -> Event:

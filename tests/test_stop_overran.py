@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from aftershock.harness import target
-from aftershock.harness.report import _describe_teardown
-from aftershock.harness.timeline import Timeline
+from aftershock.harness.reporting.report import _describe_teardown
+from aftershock.harness.run import target
+from aftershock.harness.run.timeline import Timeline
 
 pytestmark = pytest.mark.timeout(60)
 

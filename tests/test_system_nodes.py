@@ -10,7 +10,7 @@ import pytest
 
 from aftershock.harness import systems
 from aftershock.harness.errors import SpecError
-from aftershock.harness.spec import parse_scenario, unreachable
+from aftershock.harness.scenario.spec import parse_scenario, unreachable
 from aftershock.harness.systems.nodes import NodesLaunch
 
 TRAINER = "  nodes: 2\n  trainer: {steps: 30, checkpoint_every: 5, step_sleep: 50ms}\n"
@@ -111,7 +111,7 @@ def test_a_local_target_has_no_nodes(tmp_path: Path) -> None:
     spec = parse_scenario("name: x\nsystem: {command: [echo]}\n")
     kind = systems.of(spec.system)
     launch = kind.launch(spec.system, run_dir=tmp_path, scenario_dir=tmp_path, seed=0)
-    from aftershock.harness.timeline import Timeline
+    from aftershock.harness.run.timeline import Timeline
 
     target = kind.target(launch, run_dir=tmp_path, run_id="0" * 32,
                          timeline=Timeline(tmp_path / "events.jsonl"))
@@ -129,10 +129,11 @@ def test_a_relative_run_folder_is_the_same_absolute_path_in_every_node(
     launch = kind.launch(spec.system, run_dir=Path("r"), scenario_dir=tmp_path, seed=0)
     assert f"--checkpoint-dir={tmp_path}/r/checkpoints" in launch.argv
     assert f"--log-dir={tmp_path}/r/logs/torchrun" in launch.argv
-    from aftershock.harness.timeline import Timeline
+    from aftershock.harness.run.timeline import Timeline
 
     target = kind.target(launch, run_dir=Path("r"), run_id="0" * 32,
                          timeline=Timeline(tmp_path / "events.jsonl"))
     assert target.tracking()["value"] == "0" * 32
     assert target.cluster.run_dir == tmp_path / "r"  # type: ignore[attr-defined]
-    assert target.cluster.env["AFTERSHOCK_EVENTS"] == f"{tmp_path}/r/events.jsonl"  # type: ignore[attr-defined]
+    assert target.cluster.env[
+        "AFTERSHOCK_EVENTS"] == f"{tmp_path}/r/events.jsonl"  # type: ignore[attr-defined]

@@ -23,9 +23,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 RUNNER = """
     import json, resource, sys, time
     from pathlib import Path
-    import aftershock.harness.target as target
-    from aftershock.harness.spec import LogProbe
-    from aftershock.harness.timeline import Timeline
+    import aftershock.harness.run.target as target
+    from aftershock.harness.scenario.spec import LogProbe
+    from aftershock.harness.run.timeline import Timeline
 
     run_dir, job, log_limit = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
     if log_limit:

@@ -13,7 +13,7 @@ import pytest
 from _helpers import cli
 
 from aftershock.harness.errors import HarnessError
-from aftershock.harness.timeline import DamagedTimeline, read_events
+from aftershock.harness.run.timeline import DamagedTimeline, read_events
 
 LINES = [json.dumps({"t": float(i), "event": "step", "step": i}) for i in range(1, 5)]
 

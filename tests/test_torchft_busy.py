@@ -24,10 +24,11 @@ from pathlib import Path
 
 import pytest
 
-from aftershock.harness import metrics, presets
-from aftershock.harness.checks import _single_history
-from aftershock.harness.logprobe import compile_probes, file_fields, line_events
-from aftershock.harness.records import Event
+from aftershock.harness.run.logprobe import compile_probes, file_fields, line_events
+from aftershock.harness.run.records import Event
+from aftershock.harness.scenario import presets
+from aftershock.harness.verdict import metrics
+from aftershock.harness.verdict.checks import _single_history
 
 FT = compile_probes(presets.probes("torchft"), "logs")
 FAULT = 18.0  # group 1 frozen just after its step 10 was read

@@ -15,8 +15,8 @@ import pytest
 from _helpers import read_events
 
 from aftershock.harness.errors import SpecError
-from aftershock.harness.rundir import load_run
-from aftershock.harness.trace import write_trace
+from aftershock.harness.reporting.trace import write_trace
+from aftershock.harness.run.rundir import load_run
 
 RUNS = Path(__file__).parent / "fixtures" / "recorded"
 TRAINING = RUNS / "train-kill-rank-hot-spare"

@@ -191,7 +191,7 @@ def test_the_wheel_holds_only_the_aftershock_package(wheel: Path) -> None:
                 expected.add(f"{under}/{path.relative_to(ROOT / folder).as_posix()}")
     assert {n for n in names if not n.startswith(info)} == expected
     assert {"aftershock/py.typed", "aftershock/harness/py.typed",
-            "aftershock/harness/templates/report.html.j2"} <= names
+            "aftershock/harness/reporting/templates/report.html.j2"} <= names
 
 
 def test_the_environment_sees_the_install_its_commands_and_public_names(

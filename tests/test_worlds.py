@@ -3,7 +3,7 @@ launcher started the whole job; torchft's quorum id, read by the ``torchft`` pre
 the world of each committed step; lines' own dates anchor them on the timeline.
 
 Timelines here are built the way a live run builds them: real log lines through the real
-probes (harness/logprobe.py) and torchrun's real file layout (``file_fields``)."""
+probes (harness/run/logprobe.py) and torchrun's real file layout (``file_fields``)."""
 
 from __future__ import annotations
 
@@ -14,17 +14,18 @@ from typing import Any
 
 import pytest
 
-from aftershock.harness import metrics, presets
-from aftershock.harness.checks import _single_history
-from aftershock.harness.logprobe import (
+from aftershock.harness.run.logprobe import (
     LogProbe,
     StreamStamps,
     compile_probes,
     file_fields,
     line_events,
 )
-from aftershock.harness.records import Event
+from aftershock.harness.run.records import Event
+from aftershock.harness.scenario import presets
 from aftershock.harness.systems.command import CommandSystem
+from aftershock.harness.verdict import metrics
+from aftershock.harness.verdict.checks import _single_history
 
 EPOCH_STEP = LogProbe(pattern=r"Epoch (?P<step>\d+) \|", event="step")
 FAULT = 10.0
@@ -200,7 +201,7 @@ def test_an_unknown_preset_is_refused_naming_the_known_ones() -> None:
 
 
 def test_presets_are_validated_when_they_register() -> None:
-    with pytest.raises(ValueError, match=r"not an aftershock\.harness\.presets\.Preset"):
+    with pytest.raises(ValueError, match=r"not an aftershock\.harness\.scenario\.presets\.Preset"):
         presets.register("torchft")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="registered twice"):
         presets.register(presets.Preset("torchft", "again", presets.TORCHFT.probes))
@@ -209,8 +210,8 @@ def test_presets_are_validated_when_they_register() -> None:
 def test_a_third_party_preset_loads_by_entry_point_and_a_broken_one_is_skipped(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "my_presets.py").write_text(
-        "from aftershock.harness.logprobe import LogProbe\n"
-        "from aftershock.harness.presets import Preset\n"
+        "from aftershock.harness.run.logprobe import LogProbe\n"
+        "from aftershock.harness.scenario.presets import Preset\n"
         "MINE = Preset('myframework', 'its step lines',\n"
         "              (LogProbe(pattern=r'iter (?P<step>\\d+) done', event='step'),))\n")
     info = tmp_path / "my_presets-1.0.dist-info"
@@ -262,12 +263,12 @@ def test_torchruns_agent_line_is_a_failure_at_its_own_glog_time() -> None:
 ])
 def test_dates_in_lines_are_read_as_wall_clock(text: str, expected: datetime.datetime) -> None:
     now = datetime.datetime(2026, 12, 6, 6, 0).timestamp()
-    from aftershock.harness.logprobe import wall_time
+    from aftershock.harness.run.logprobe import wall_time
     assert wall_time(text, now) == pytest.approx(expected.timestamp(), abs=1e-6)
 
 
 def test_glog_takes_the_year_that_is_not_in_the_future() -> None:
-    from aftershock.harness.logprobe import wall_time
+    from aftershock.harness.run.logprobe import wall_time
     new_year = datetime.datetime(2027, 1, 1, 0, 0, 5).timestamp()
     found = wall_time("I1231 23:59:58.000000", new_year)
     assert found == pytest.approx(datetime.datetime(2026, 12, 31, 23, 59, 58).timestamp())
@@ -311,7 +312,7 @@ def test_a_line_without_a_time_is_written_after_the_stamped_line_before_it() -> 
 def test_the_live_view_names_the_launcher_of_each_rank_0() -> None:
     """Each torchft replica group's torchrun starts its own rank 0: the live view says
     whose."""
-    from aftershock.harness.report import describe
+    from aftershock.harness.reporting.report import describe
     shown = {describe(Event(1.0, "process_started", "launcher",
                             {"pid": pid, "role": "worker", "rank": 0, "agent": agent,
                              "generation": 0}))
@@ -323,8 +324,8 @@ def test_the_live_view_names_the_launcher_of_each_rank_0() -> None:
 
 
 def test_lost_steps_says_what_a_step_is() -> None:
-    from aftershock.harness.checks import _lost_steps
-    from aftershock.harness.spec import CountBudget
+    from aftershock.harness.scenario.spec import CountBudget
+    from aftershock.harness.verdict.checks import _lost_steps
     events = two_launchers_split()
     check = _lost_steps(metrics.lost_steps(events), CountBudget(max=0), events)
     assert not check.passed

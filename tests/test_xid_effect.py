@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from _helpers import ROOT
 
-from aftershock.harness.checks import Outcome, evaluate
-from aftershock.harness.records import Event
-from aftershock.harness.runner import run_scenario
-from aftershock.harness.spec import Expect, LoadedScenario, parse_scenario
+from aftershock.harness.run.records import Event
+from aftershock.harness.run.runner import run_scenario
+from aftershock.harness.scenario.spec import Expect, LoadedScenario, parse_scenario
+from aftershock.harness.verdict.checks import Outcome, evaluate
 
 XID_79 = ROOT / "scenarios" / "serving" / "xid_79_worker.yaml"
 ANNOUNCE_ONLY = ROOT / "tests" / "fixtures" / "broken" / "xid_announce_only"

@@ -30,8 +30,8 @@ from aftershock.faults.heal import start_reaper
 from aftershock.faults.journal import STATE_ENV, Journal, UnsafeFolder
 from aftershock.harness.errors import HarnessError
 from aftershock.harness.probe import RUN_ID_ENV
-from aftershock.harness.records import RunResult
-from aftershock.harness.spec import LoadedScenario
+from aftershock.harness.run.records import RunResult
+from aftershock.harness.scenario.spec import LoadedScenario
 
 POLL_S = 1.0  # how often the queue is asked whether any task is left (each ask is a command)
 #: How long a cancel waits for Slurm to end the tasks: KillWait, then each task's own heal.
@@ -92,7 +92,7 @@ def run_campaign(loaded: Sequence[LoadedScenario], *, run_dir: Path | None,
     """Run every scenario ``repeat`` times as the tasks of one array job and return their
     records in the local run's order; HarnessError when Slurm cannot take the job or a task
     left no record (its output file is named)."""
-    from aftershock.harness.rundir import read_result
+    from aftershock.harness.run.rundir import read_result
 
     problem = slurm.problem()
     if problem is not None:

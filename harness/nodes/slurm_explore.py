@@ -38,7 +38,9 @@ from hypothesis.database import ExampleDatabase
 
 from aftershock.faults import slurm_cli as slurm
 from aftershock.harness.errors import AftershockError, HarnessError
-from aftershock.harness.explore import (
+from aftershock.harness.nodes.slurm_campaign import run_array, task_output, task_script
+from aftershock.harness.scenario.spec import LoadedScenario
+from aftershock.harness.search.explore import (
     Attempt,
     Exploration,
     ExploreObserver,
@@ -46,8 +48,6 @@ from aftershock.harness.explore import (
     NullExploreObserver,
     Searcher,
 )
-from aftershock.harness.nodes.slurm_campaign import run_array, task_output, task_script
-from aftershock.harness.spec import LoadedScenario
 
 #: The odd step between searchers' seeds (2**32 / golden ratio): distinct modulo 2**32.
 SEED_STEP = 0x9E3779B9
@@ -154,9 +154,9 @@ def main(argv: Sequence[str]) -> int:
     aftershock.harness.nodes.slurm_explore <exploration folder> <index>``."""
     from rich.console import Console
 
-    from aftershock.harness.explore import explore, sigterm_unwinds
-    from aftershock.harness.report import ExplorePlainObserver
-    from aftershock.harness.spec import load_scenario
+    from aftershock.harness.reporting.report import ExplorePlainObserver
+    from aftershock.harness.scenario.spec import load_scenario
+    from aftershock.harness.search.explore import explore, sigterm_unwinds
 
     root, index = Path(argv[0]), int(argv[1])
     plan = Plan.read(root / "plan.json")
@@ -262,7 +262,7 @@ def explore_on_slurm(
 
 def _most_faults(loaded: LoadedScenario, max_faults: int | None) -> int:
     """The most faults a schedule of the search has (each searcher says it again)."""
-    from aftershock.harness import strategies
+    from aftershock.harness.search import strategies
 
     try:
         return strategies.space_of(loaded.spec, max_faults=max_faults).faults[1]

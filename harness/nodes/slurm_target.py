@@ -1,4 +1,4 @@
-"""A Slurm job as the run loop drives it (a :class:`aftershock.harness.target.Target`).
+"""A Slurm job as the run loop drives it (a :class:`aftershock.harness.run.target.Target`).
 
 ``start`` writes the batch script into the run folder and submits it with ``sbatch``; the
 job is named ``aftershock-<run id>`` (faults/slurm_cli.py), which the heal journal records
@@ -30,7 +30,8 @@ from aftershock.faults import process_environ as environ
 from aftershock.faults import slurm_cli as slurm
 from aftershock.harness import probe
 from aftershock.harness.errors import TargetError
-from aftershock.harness.logprobe import (
+from aftershock.harness.nodes.cluster import end_run_processes, node_env
+from aftershock.harness.run.logprobe import (
     LOG_UNREAD,
     TAILED_TIMES,
     CompiledProbes,
@@ -39,9 +40,8 @@ from aftershock.harness.logprobe import (
     compile_probes,
     file_fields,
 )
-from aftershock.harness.nodes.cluster import end_run_processes, node_env
-from aftershock.harness.records import Event
-from aftershock.harness.target import (
+from aftershock.harness.run.records import Event
+from aftershock.harness.run.target import (
     DRAIN_S,
     LINE_LIMIT,
     STOP_GRACE_S,
@@ -50,7 +50,7 @@ from aftershock.harness.target import (
     _Tailer,
     interpreter_bin,
 )
-from aftershock.harness.timeline import Timeline
+from aftershock.harness.run.timeline import Timeline
 
 POLL_S = 0.5  # how often Slurm is asked for the job's state (each ask is a command)
 #: All that stop may take, every Slurm command included: scancel, then the wait for Slurm to

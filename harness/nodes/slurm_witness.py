@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from aftershock.harness.records import CheckResult, Event
+from aftershock.harness.run.records import CheckResult, Event
 
 NAME = "slurm_witness"
 EXPECTED = "each run as Slurm started it: a first run from scratch, a requeued one resumed"

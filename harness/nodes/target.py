@@ -1,5 +1,5 @@
 """The nodes of a multi-node run as the run loop drives them (a
-:class:`aftershock.harness.target.Target`).
+:class:`aftershock.harness.run.target.Target`).
 
 Each node is a container of the local engine (:class:`aftershock.harness.nodes.cluster.Cluster`)
 running
@@ -26,17 +26,23 @@ from aftershock.faults import parent_pid as _parent
 from aftershock.harness import probe
 from aftershock.harness.errors import TargetError
 from aftershock.harness.nodes.cluster import Cluster, end_run_processes, node_env
-from aftershock.harness.records import Event
-from aftershock.harness.target import STOP_GRACE_S, Launch, Teardown, names_ranks, reported_ranks
-from aftershock.harness.timeline import Timeline
+from aftershock.harness.run.records import Event
+from aftershock.harness.run.target import (
+    STOP_GRACE_S,
+    Launch,
+    Teardown,
+    names_ranks,
+    reported_ranks,
+)
+from aftershock.harness.run.timeline import Timeline
 
 #: What a node's processes get from the harness's own environment (a node starts from an
 #: empty one): the code under test as the harness imports it, and the vector ISA torch's CPU
 #: kernels use, which decides the bits and the platform a golden is recorded for
-#: (harness/golden.py).
+#: (harness/twin/golden.py).
 INHERITED = ("PYTHONPATH", "ATEN_CPU_CAPABILITY")
 #: Settings that change how kernels round: each node gets the harness's, as a local system's
-#: processes do, so the golden key and the oracle (harness/golden.py reads the same names)
+#: processes do, so the golden key and the oracle (harness/twin/golden.py reads the same names)
 #: describe how the nodes really round (a run under MKL_CBWR=COMPATIBLE failed every node
 #: scenario's fault_free_golden: the oracle rounded one way, the nodes another).
 ROUNDING = ("MKL_", "OMP_", "KMP_", "GOMP_", "OPENBLAS_", "GOTO_", "BLIS_", "ATEN_", "DNNL_",

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aftershock._root import child_pythonpath
-from aftershock.harness import _files
+from aftershock.harness.run import _files
 
 if TYPE_CHECKING:
     from aftershock.harness.systems.trainer import TrainerSystem

@@ -12,8 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from aftershock.harness.loadgen import plan
 from aftershock.harness.oracle import ask
+from aftershock.harness.run.loadgen import plan
 
 if TYPE_CHECKING:
     from aftershock.harness.systems.server import ServerSystem

@@ -224,8 +224,8 @@ def acknowledged_durable(events: Sequence[Any]) -> Any:
     in the journal (``journal_checked``), proven only where a request streamed across a
     fault (it had tokens before the fault landed and after it): without one, no recovery was
     put to the test."""
-    from aftershock.harness import metrics
-    from aftershock.harness.records import CheckResult
+    from aftershock.harness.run.records import CheckResult
+    from aftershock.harness.verdict import metrics
 
     name, expected = "acknowledged_durable", "every token seen and request acknowledged journaled"
     facts = next((e.fields for e in events if e.event == JOURNAL_CHECKED), None)

@@ -2,10 +2,10 @@
 
 A system kind is one object (:class:`SystemKind`) that declares its ``system:`` block as a
 pydantic model and everything the harness needs to run it: the command line, the target
-that runs it (harness/target.py), its world size, what its job lets faults do (the
+that runs it (harness/run/target.py), its world size, what its job lets faults do (the
 in-process probe), where file faults act by default, what its fault-free twin's result
-depends on, and its own rules for a scenario. The scenario format (harness/spec.py), the
-run loop (harness/runner.py), the baseline cache, goldens and the CLI ask the kind; none
+depends on, and its own rules for a scenario. The scenario format (harness/scenario/spec.py), the
+run loop (harness/run/runner.py), the baseline cache, goldens and the CLI ask the kind; none
 of them names a system class.
 
 Built-in kinds are the modules of this package (trainer.py, server.py, command.py), each
@@ -29,10 +29,10 @@ from aftershock.faults import plugins
 if TYPE_CHECKING:
     from pydantic import BaseModel
 
-    from aftershock.harness.logprobe import LogProbe
-    from aftershock.harness.records import Event
-    from aftershock.harness.target import Launch, Target
-    from aftershock.harness.timeline import Timeline
+    from aftershock.harness.run.logprobe import LogProbe
+    from aftershock.harness.run.records import Event
+    from aftershock.harness.run.target import Launch, Target
+    from aftershock.harness.run.timeline import Timeline
 
 ENTRY_POINT_GROUP = "aftershock.systems"
 
@@ -94,7 +94,7 @@ class SystemKind(Protocol):
 
     @property
     def golden(self) -> Literal["digests", "outputs"] | None:
-        """What a golden of its fault-free twin holds (harness/golden.py); None: no goldens."""
+        """What a golden of its fault-free twin holds (harness/twin/golden.py); None: no goldens."""
         ...
 
     def launch(self, system: Any, *, run_dir: Path, scenario_dir: Path, seed: int,
@@ -141,7 +141,7 @@ class SystemKind(Protocol):
 
     def twin_key(self, system: Any) -> dict[str, Any]:
         """What decides the twin's result, as JSON, ``env`` aside: the fields that only pace
-        the run, detect failures or serve recovery are left out (harness/golden.py)."""
+        the run, detect failures or serve recovery are left out (harness/twin/golden.py)."""
         ...
 
     def fingerprint(self, system: Any, scenario_dir: Path) -> str:
@@ -158,7 +158,7 @@ class SystemKind(Protocol):
 
     def log_probes(self, system: Any) -> list[LogProbe]:
         """The log probes that turn its output lines into events (a re-check may change
-        them: harness/recheck.py)."""
+        them: harness/verdict/recheck.py)."""
         ...
 
     def replays(self, system: Any) -> bool:
@@ -209,7 +209,8 @@ _METHODS = ("launch", "target", "capabilities", "probe", "world", "steps", "defa
 #: and :class:`Unresolves`, optional).
 PROTOCOL: tuple[plugins.Attr, ...] = (
     plugins.required("name", "a name (a str without spaces)", _is_name),
-    plugins.required("model", "a pydantic model (aftershock.harness.schema.Strict)", _is_model),
+    plugins.required("model", "a pydantic model (aftershock.harness.scenario.schema.Strict)",
+                     _is_model),
     plugins.required("tag", "a (key, value or None) tuple", _is_tag),
     plugins.required("shape", "a str", plugins.is_str),
     plugins.required("order", "an int", lambda v: isinstance(v, int) and not isinstance(v, bool)),

@@ -17,12 +17,12 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from aftershock.harness import presets
-from aftershock.harness.logprobe import LogProbe
-from aftershock.harness.schema import MAX_STEPS, MAX_WORLD, Duration, Strict
+from aftershock.harness.run.logprobe import LogProbe
+from aftershock.harness.run.target import SERVED_STOP_GRACE_S, Launch, LocalTarget, Target
+from aftershock.harness.run.timeline import Timeline
+from aftershock.harness.scenario import presets
+from aftershock.harness.scenario.schema import MAX_STEPS, MAX_WORLD, Duration, Strict
 from aftershock.harness.systems import Driver, register
-from aftershock.harness.target import SERVED_STOP_GRACE_S, Launch, LocalTarget, Target
-from aftershock.harness.timeline import Timeline
 
 
 class CommandSystem(Strict):
@@ -38,7 +38,7 @@ class CommandSystem(Strict):
         None, description="the frameworks whose own log lines become events without "
         "writing probes: torchrun (its agent's worker failures), torchft (its Manager's "
         "quorums, committed steps, heals; torchrun's too); more through the "
-        "`aftershock.presets` entry points (harness/presets.py). `probes` add to them")
+        "`aftershock.presets` entry points (harness/scenario/presets.py). `probes` add to them")
     probes: list[LogProbe] = Field(default_factory=list)
     logs: list[str] = Field(
         default_factory=list, max_length=16,

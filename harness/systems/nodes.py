@@ -13,15 +13,15 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from aftershock.harness.logprobe import LogProbe
 from aftershock.harness.nodes.cluster import torchrun_argv
 from aftershock.harness.nodes.image import PROJECT_ROOT
-from aftershock.harness.schema import MAX_STEPS, MAX_WORLD, Duration, Strict
+from aftershock.harness.run.logprobe import LogProbe
+from aftershock.harness.run.target import Launch, Target
+from aftershock.harness.run.timeline import Timeline
+from aftershock.harness.scenario.schema import MAX_STEPS, MAX_WORLD, Duration, Strict
 from aftershock.harness.systems import Driver, register
 from aftershock.harness.systems._reference import fingerprint
 from aftershock.harness.systems.trainer import TrainerSystem, World, trainer_program
-from aftershock.harness.target import Launch, Target
-from aftershock.harness.timeline import Timeline
 
 MAX_NODES = 8  # containers of one run; each costs a torchrun agent and its ranks' start-up
 #: torchrun's rendezvous id: one per run is enough, since every run's nodes are on a network

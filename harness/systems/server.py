@@ -11,14 +11,14 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from aftershock.harness.loadgen import Load, LoadDriver
-from aftershock.harness.loadgen import twin_key as load_key
-from aftershock.harness.logprobe import LogProbe
-from aftershock.harness.schema import MAX_SEED, Duration, Strict
+from aftershock.harness.run.loadgen import Load, LoadDriver
+from aftershock.harness.run.loadgen import twin_key as load_key
+from aftershock.harness.run.logprobe import LogProbe
+from aftershock.harness.run.target import Launch, LocalTarget, Target
+from aftershock.harness.run.timeline import Timeline
+from aftershock.harness.scenario.schema import MAX_SEED, Duration, Strict
 from aftershock.harness.systems import Driver, register
 from aftershock.harness.systems._reference import fingerprint
-from aftershock.harness.target import Launch, LocalTarget, Target
-from aftershock.harness.timeline import Timeline
 
 
 class ServerSystem(Strict):
@@ -88,7 +88,7 @@ def server_argv(system: ServerSystem) -> list[str]:
 
 
 #: Settings that never change a fault-free run's tokens (the model, the kernels and the load
-#: do; of the load, harness.loadgen.LOAD_TIMING says what does not).
+#: do; of the load, harness.run.loadgen.LOAD_TIMING says what does not).
 TIMING = (
     "step_sleep",
     "timeout",

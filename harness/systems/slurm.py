@@ -23,17 +23,17 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from aftershock.harness import presets
-from aftershock.harness.logprobe import LogProbe
 from aftershock.harness.nodes.cluster import RDZV_PORT
 from aftershock.harness.nodes.image import PROJECT_ROOT
-from aftershock.harness.schema import MAX_WORLD, Duration, Strict
+from aftershock.harness.run.logprobe import LogProbe
+from aftershock.harness.run.target import Launch, Target
+from aftershock.harness.run.timeline import Timeline
+from aftershock.harness.scenario import presets
+from aftershock.harness.scenario.schema import MAX_WORLD, Duration, Strict
 from aftershock.harness.systems import Driver, register
 from aftershock.harness.systems._reference import fingerprint
 from aftershock.harness.systems.nodes import NodeTrainer
 from aftershock.harness.systems.trainer import TrainerSystem, World, trainer_program
-from aftershock.harness.target import Launch, Target
-from aftershock.harness.timeline import Timeline
 
 MAX_NODES = 64
 _NAME = r"^[A-Za-z0-9_.\-]+$"  # partition, account, qos names: passed to sbatch as they are

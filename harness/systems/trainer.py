@@ -10,12 +10,12 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from aftershock.harness.logprobe import LogProbe
-from aftershock.harness.schema import MAX_STEPS, MAX_WORLD, Duration, Strict
+from aftershock.harness.run.logprobe import LogProbe
+from aftershock.harness.run.target import Launch, LocalTarget, Target
+from aftershock.harness.run.timeline import Timeline
+from aftershock.harness.scenario.schema import MAX_STEPS, MAX_WORLD, Duration, Strict
 from aftershock.harness.systems import Driver, register
 from aftershock.harness.systems._reference import fingerprint
-from aftershock.harness.target import Launch, LocalTarget, Target
-from aftershock.harness.timeline import Timeline
 
 
 class World(Strict):

@@ -17,7 +17,7 @@ import pytest
 
 from aftershock.faults import inproc
 from aftershock.harness.errors import SpecError
-from aftershock.harness.spec import in_process, parse_scenario
+from aftershock.harness.scenario.spec import in_process, parse_scenario
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -19,7 +19,7 @@ import pytest
 from aftershock.faults.journal import Journal
 from aftershock.faults.node import KILL
 from aftershock.harness.oracle import full_membership, trainer_digests
-from aftershock.harness.spec import TrainerSystem
+from aftershock.harness.scenario.spec import TrainerSystem
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 STEPS, KILL_AT = 30, 10

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_harness_and_the_fault_catalogue_never_import_docker() -> None:
-    code = ("import sys, harness, aftershock.harness.cli, aftershock.harness.runner, faults\n"
+    code = ("import sys, harness, aftershock.harness.cli, aftershock.harness.run.runner, faults\n"
             "kinds = [k.info.kind for k in aftershock.faults.kinds()]\n"
             "assert 'node.partition' in kinds, kinds\n"
             "assert 'docker' not in sys.modules, 'docker was imported'\n")

@@ -14,12 +14,12 @@ from typing import Any
 
 import pytest
 
-from aftershock.harness import metrics
-from aftershock.harness.checks import Outcome, evaluate
-from aftershock.harness.loadgen import LoadGenerator, plan
-from aftershock.harness.records import Event
-from aftershock.harness.spec import Load, parse_scenario
-from aftershock.harness.timeline import Timeline, read_events
+from aftershock.harness.run.loadgen import LoadGenerator, plan
+from aftershock.harness.run.records import Event
+from aftershock.harness.run.timeline import Timeline, read_events
+from aftershock.harness.scenario.spec import Load, parse_scenario
+from aftershock.harness.verdict import metrics
+from aftershock.harness.verdict.checks import Outcome, evaluate
 
 # A server's behaviour per request: (request id, offset, attempt) -> token indexes to send,
 # and whether to end the stream with [DONE].
@@ -199,7 +199,7 @@ def test_extra_body_cannot_set_what_the_client_sends(key: str) -> None:
 
 
 def test_extra_body_is_in_the_twin_key_only_when_given() -> None:
-    from aftershock.harness.loadgen import twin_key
+    from aftershock.harness.run.loadgen import twin_key
 
     assert "extra_body" not in twin_key(Load())
     assert twin_key(Load(extra_body={"ignore_eos": True}))["extra_body"] == {"ignore_eos": True}
@@ -424,7 +424,7 @@ def test_serving_checks_need_the_server_and_training_checks_the_trainer() -> Non
 def test_twin_key_ignores_test_hooks_and_client_patience_but_not_the_rest() -> None:
     """Broken variants injected through AFTERSHOCK_INJECT_* (which the twin runs without) and
     how long clients retry share the correct server's fault-free twin; other env does not."""
-    from aftershock.harness.runner import baseline_key
+    from aftershock.harness.run.runner import baseline_key
 
     base = "name: s\nsystem: {reference: server, %s}\n"
     spec = parse_scenario(base % "env: {PYTHONPATH: /x}")

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from aftershock.harness import metrics
-from aftershock.harness.metrics import Output
-from aftershock.harness.records import RunResult
-from aftershock.harness.runner import baseline_key, run_scenario
-from aftershock.harness.spec import LoadedScenario, load_scenario, parse_scenario
-from aftershock.harness.timeline import read_events
+from aftershock.harness.run.records import RunResult
+from aftershock.harness.run.runner import baseline_key, run_scenario
+from aftershock.harness.run.timeline import read_events
+from aftershock.harness.scenario.spec import LoadedScenario, load_scenario, parse_scenario
+from aftershock.harness.verdict import metrics
+from aftershock.harness.verdict.metrics import Output
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

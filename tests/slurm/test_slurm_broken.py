@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from aftershock.harness import api
-from aftershock.harness.records import RunResult
-from aftershock.harness.spec import LoadedScenario, load_scenario
+from aftershock.harness.run.records import RunResult
+from aftershock.harness.scenario.spec import LoadedScenario, load_scenario
 from aftershock.harness.systems.slurm import SlurmSystem
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(500)]

@@ -211,8 +211,8 @@ def test_a_searcher_that_sees_a_claim_replays_the_failure_and_does_not_shrink(
     first run, searches no further and replays the first one's failure from the database."""
     from test_explore import BASE, second_fault_during_recovery, stand_in
 
-    from aftershock.harness.explore import explore
-    from aftershock.harness.spec import load_scenario
+    from aftershock.harness.scenario.spec import load_scenario
+    from aftershock.harness.search.explore import explore
 
     path = tmp_path / "stand-in.yaml"
     path.write_text(BASE)

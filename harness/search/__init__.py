@@ -1,0 +1,2 @@
+"""``aftershock explore``: searching fault schedules, and the Hypothesis strategies behind
+it."""

@@ -1,0 +1,1 @@
+"""Verdicts: the check registry, the checks, the metrics, re-checking a recorded run."""
