@@ -38,17 +38,16 @@ from aftershock.harness.run.logprobe import (
     ProbeReader,
     StreamStamps,
     compile_probes,
-    file_fields,
 )
 from aftershock.harness.run.records import Event
 from aftershock.harness.run.target import (
     DRAIN_S,
-    LINE_LIMIT,
     STOP_GRACE_S,
     Launch,
     Teardown,
     _Tailer,
     interpreter_bin,
+    read_file_line,
 )
 from aftershock.harness.run.timeline import Timeline
 
@@ -181,11 +180,8 @@ class SlurmTarget:
 
         def on_line(path: str, raw: bytes, read_t: float) -> None:
             compiled = output if path.startswith(prefix) else files
-            self._reader.read(path, raw.decode(errors="replace"), compiled, read_t=read_t,
-                              clock_offset=self._clock_offset, started=self._started,
-                              defaults=file_fields(path),
-                              stamps=stamps.setdefault(path, StreamStamps()),
-                              cut=len(raw) >= LINE_LIMIT)
+            read_file_line(self._reader, compiled, path, raw, read_t=read_t, stamps=stamps,
+                           clock_offset=self._clock_offset, started=self._started)
 
         return on_line
 

@@ -177,6 +177,17 @@ class Target(Protocol):
 
 
 
+def read_file_line(reader: ProbeReader, compiled: CompiledProbes, path: str, raw: bytes, *,
+                   read_t: float, stamps: dict[str, StreamStamps], clock_offset: float,
+                   started: float) -> None:
+    """Match one line the tailer read from the log file ``path`` (cut at LINE_LIMIT): the
+    file names its stream and the fields its path implies; ``stamps`` keeps each file's
+    newest own time."""
+    reader.read(path, raw.decode(errors="replace"), compiled, read_t=read_t,
+                clock_offset=clock_offset, started=started, defaults=file_fields(path),
+                stamps=stamps.setdefault(path, StreamStamps()), cut=len(raw) >= LINE_LIMIT)
+
+
 class _LogPump:
     """Copies one launcher pipe into its log file and feeds each line to the log probes.
 
@@ -576,11 +587,8 @@ class LocalTarget:
         def on_line(path: str, raw: bytes, read_t: float) -> None:
             if not compiled:
                 return
-            self._reader.read(path, raw.decode(errors="replace"), compiled, read_t=read_t,
-                              clock_offset=self._clock_offset, started=self._started,
-                              defaults=file_fields(path),
-                              stamps=stamps.setdefault(path, StreamStamps()),
-                              cut=len(raw) >= LINE_LIMIT)
+            read_file_line(self._reader, compiled, path, raw, read_t=read_t, stamps=stamps,
+                           clock_offset=self._clock_offset, started=self._started)
 
         return on_line
 
