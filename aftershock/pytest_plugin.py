@@ -151,7 +151,7 @@ class ScenarioItem(pytest.Item):
         from aftershock.harness.errors import AftershockError, SpecError
         from aftershock.harness.reporting.report import check_table_text
         from aftershock.harness.run.runner import run_scenario
-        from aftershock.harness.scenario.spec import load_scenario
+        from aftershock.harness.scenario.load import load_scenario
 
         config = self.config
         try:

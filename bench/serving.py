@@ -51,7 +51,8 @@ from typing import Any
 from aftershock.harness.run.records import RunResult
 from aftershock.harness.run.runner import run_scenario
 from aftershock.harness.run.timeline import read_events
-from aftershock.harness.scenario.spec import LoadedScenario, parse_scenario
+from aftershock.harness.scenario.load import parse_scenario
+from aftershock.harness.scenario.spec import LoadedScenario
 from aftershock.harness.verdict import metrics
 from bench.stats import run_order, verdict
 from bench.status import code_identity

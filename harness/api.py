@@ -27,9 +27,9 @@ from aftershock.harness.run.records import FaultRecord as FaultRecord
 from aftershock.harness.run.records import RunResult as RunResult
 from aftershock.harness.run.runner import Observer as Observer
 from aftershock.harness.run.runner import run_scenario
+from aftershock.harness.scenario.load import load_scenario, parse_scenario
 from aftershock.harness.scenario.spec import LoadedScenario as LoadedScenario
 from aftershock.harness.scenario.spec import Scenario as Scenario
-from aftershock.harness.scenario.spec import load_scenario, parse_scenario
 
 __all__ = ["CheckResult", "FaultRecord", "LoadedScenario", "Observer", "RunResult",
            "Scenario", "check", "from_dict", "load", "loads", "run"]

@@ -93,7 +93,7 @@ def validate(
 ) -> None:
     """Parse and validate scenario files without running anything."""
     from aftershock.harness.errors import SpecError
-    from aftershock.harness.scenario.spec import find_scenarios, load_scenario
+    from aftershock.harness.scenario.load import find_scenarios, load_scenario
 
     files, problems = find_scenarios(list(paths))
     broken = False
@@ -194,7 +194,7 @@ def _load_all(paths: list[Path]) -> list[Any]:
     """Every scenario under ``paths``, validated; exit 2 (3 for a broken plug-in) naming
     every problem of every file otherwise."""
     from aftershock.harness.errors import SpecError
-    from aftershock.harness.scenario.spec import discover, load_scenario
+    from aftershock.harness.scenario.load import discover, load_scenario
 
     try:
         files = discover(list(paths))
@@ -415,7 +415,7 @@ def _explorable(paths: list[Path], problems: list[str]) -> tuple[list[Any], bool
     """The scenarios under ``paths``, loaded, with what is wrong with them (each must have
     an `explore:` block) added to ``problems``; and whether one uses a broken plug-in."""
     from aftershock.harness.errors import SpecError
-    from aftershock.harness.scenario.spec import discover, load_scenario
+    from aftershock.harness.scenario.load import discover, load_scenario
 
     loaded = []
     broken = False
@@ -597,7 +597,7 @@ def golden(
     scenarios have one for this host's rounding key, or record them on purpose with --update."""
     from aftershock.harness.errors import SpecError
     from aftershock.harness.run.runner import default_run_dir
-    from aftershock.harness.scenario.spec import discover, load_scenario
+    from aftershock.harness.scenario.load import discover, load_scenario
     from aftershock.harness.twin import golden as goldens
 
     try:
@@ -723,7 +723,7 @@ def _offered(system: str | None, for_file: Path | None) -> frozenset[str] | None
     without either."""
     from aftershock.harness import systems
     from aftershock.harness.errors import SpecError
-    from aftershock.harness.scenario.spec import load_scenario
+    from aftershock.harness.scenario.load import load_scenario
 
     if system is not None and for_file is not None:
         raise _fail_invalid(["give --system or --for, not both"])
@@ -770,7 +770,7 @@ def _xid_table(as_json: bool) -> None:
 @app.command()
 def schema() -> None:
     """Print the scenario file's JSON Schema."""
-    from aftershock.harness.scenario.spec import json_schema
+    from aftershock.harness.scenario.load import json_schema
 
     print(json.dumps(json_schema(), indent=2))
 

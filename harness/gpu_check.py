@@ -109,7 +109,8 @@ SCENARIO = textwrap.dedent("""\
 
 def _trainer() -> str:
     from aftershock.harness.run.runner import run_scenario
-    from aftershock.harness.scenario.spec import LoadedScenario, parse_scenario
+    from aftershock.harness.scenario.load import parse_scenario
+    from aftershock.harness.scenario.spec import LoadedScenario
 
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "gpu.yaml"

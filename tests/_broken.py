@@ -17,13 +17,8 @@ from _helpers import ROOT, on_two_ranks, read_events
 
 from aftershock.harness.run import runner
 from aftershock.harness.run.records import CheckResult, RunResult
-from aftershock.harness.scenario.spec import (
-    LoadedScenario,
-    Scenario,
-    TrainerSystem,
-    load_scenario,
-    parse_scenario,
-)
+from aftershock.harness.scenario.load import load_scenario, parse_scenario
+from aftershock.harness.scenario.spec import LoadedScenario, Scenario, TrainerSystem
 from aftershock.harness.systems.nodes import NodesSystem
 
 BROKEN = ROOT / "tests" / "broken"

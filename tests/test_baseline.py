@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from aftershock.harness.run.records import Event
-from aftershock.harness.scenario.spec import LoadedScenario, Scenario, parse_scenario
+from aftershock.harness.scenario.load import parse_scenario
+from aftershock.harness.scenario.spec import LoadedScenario, Scenario
 from aftershock.harness.twin import baseline
 from aftershock.harness.verdict.checks import Outcome
 

@@ -20,7 +20,8 @@ from _helpers import ROOT, bounded_cli
 
 from aftershock.harness.run import timeline
 from aftershock.harness.run.timeline import DamagedTimeline, Timeline, read_events
-from aftershock.harness.scenario.spec import LoadedScenario, load_scenario, parse_scenario
+from aftershock.harness.scenario.load import load_scenario, parse_scenario
+from aftershock.harness.scenario.spec import LoadedScenario
 from aftershock.harness.twin import golden
 
 GIB = 1 << 30

@@ -7,7 +7,8 @@ import pytest
 
 from aftershock.harness.errors import SpecError
 from aftershock.harness.run.records import CheckResult, Event
-from aftershock.harness.scenario.spec import Expect, parse_scenario
+from aftershock.harness.scenario.load import parse_scenario
+from aftershock.harness.scenario.spec import Expect
 from aftershock.harness.verdict.checks import Outcome, evaluate
 
 

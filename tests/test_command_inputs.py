@@ -77,7 +77,7 @@ def command(inputs: str = "", command: str = "[python, train.py]") -> str:
 
 def key_of(folder: Path, text: str) -> str:
     from aftershock.harness.run.runner import baseline_key
-    from aftershock.harness.scenario.spec import load_scenario
+    from aftershock.harness.scenario.load import load_scenario
 
     path = folder / "s.yaml"
     path.write_text(text)
@@ -114,7 +114,7 @@ def test_files_named_as_option_values_count_and_the_run_folder_does_not(tmp_path
 
 def test_a_missing_declared_input_is_an_invalid_scenario(tmp_path: Path) -> None:
     from aftershock.harness.errors import SpecError
-    from aftershock.harness.scenario.spec import load_scenario
+    from aftershock.harness.scenario.load import load_scenario
 
     (tmp_path / "train.py").write_text("")
     path = tmp_path / "s.yaml"
@@ -133,7 +133,7 @@ def test_a_missing_declared_input_is_an_invalid_scenario(tmp_path: Path) -> None
 def test_hydra_style_key_path_arguments_are_made_absolute_and_keyed(tmp_path: Path) -> None:
     # `train.py data.path=cfg.yaml` (hydra, OmegaConf, fire) names a file as a key's value:
     # run in a fresh folder, a relative one would not be found; edited, the twin is stale.
-    from aftershock.harness.scenario.spec import load_scenario
+    from aftershock.harness.scenario.load import load_scenario
     from aftershock.harness.systems.command import absolute_args
 
     (tmp_path / "cfg.yaml").write_text("a: 1\n")

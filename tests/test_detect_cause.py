@@ -14,7 +14,8 @@ from _helpers import ROOT
 from aftershock.harness.errors import SpecError
 from aftershock.harness.run.records import Event
 from aftershock.harness.run.runner import run_scenario
-from aftershock.harness.scenario.spec import LoadedScenario, parse_scenario
+from aftershock.harness.scenario.load import parse_scenario
+from aftershock.harness.scenario.spec import LoadedScenario
 from aftershock.harness.verdict.checks import Outcome, evaluate
 
 FREEZE = ROOT / "scenarios" / "serving" / "freeze_worker.yaml"

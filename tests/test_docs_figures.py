@@ -15,7 +15,7 @@ import pytest
 import yaml
 from _helpers import ROOT
 
-from aftershock.harness.scenario.spec import discover
+from aftershock.harness.scenario.load import discover
 
 #: The longest a docs page may be: past it, a page is a notebook, not documentation.
 MAX_PAGE_LINES = 400

@@ -18,7 +18,8 @@ import pytest
 from aftershock.harness.errors import HarnessError, PreflightError
 from aftershock.harness.run import runner
 from aftershock.harness.run.records import CheckResult, FaultRecord, RunResult
-from aftershock.harness.scenario.spec import LoadedScenario, load_scenario, parse_scenario, to_yaml
+from aftershock.harness.scenario.load import load_scenario, parse_scenario, to_yaml
+from aftershock.harness.scenario.spec import LoadedScenario
 from aftershock.harness.search import explore as engine
 from aftershock.harness.search.explore import Exploration, describe, explore
 

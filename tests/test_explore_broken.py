@@ -21,7 +21,8 @@ import pytest
 from _helpers import ROOT, cli, read_events
 
 from aftershock.harness.run import runner
-from aftershock.harness.scenario.spec import LoadedScenario, Scenario, load_scenario
+from aftershock.harness.scenario.load import load_scenario
+from aftershock.harness.scenario.spec import LoadedScenario, Scenario
 from aftershock.harness.search.explore import NOT_ORACLES, Exploration, explore, judge, run_schedule
 
 pytest.importorskip("torch")

@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 from _helpers import ROOT, read_events
 
-from aftershock.harness.scenario.spec import LoadedScenario, load_scenario
+from aftershock.harness.scenario.load import load_scenario
+from aftershock.harness.scenario.spec import LoadedScenario
 from aftershock.harness.search.explore import Exploration, Finding, explore
 
 pytest.importorskip("torch")

@@ -20,7 +20,7 @@ import pytest
 from _helpers import ROOT, cli
 
 from aftershock.faults._proc import environ
-from aftershock.harness.scenario.spec import load_scenario
+from aftershock.harness.scenario.load import load_scenario
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -22,7 +22,8 @@ import pytest
 from _helpers import ROOT
 
 from aftershock.harness.run.runner import run_scenario
-from aftershock.harness.scenario.spec import LoadedScenario, load_scenario
+from aftershock.harness.scenario.load import load_scenario
+from aftershock.harness.scenario.spec import LoadedScenario
 from aftershock.harness.search.explore import Exploration, explore
 
 pytestmark = [pytest.mark.slow, pytest.mark.explore_long, pytest.mark.timeout(2400)]

@@ -21,14 +21,8 @@ from hypothesis import HealthCheck, find, given, settings
 
 from aftershock.harness.errors import SpecError
 from aftershock.harness.scenario._space import ROUTER_PHASES, option_value, with_options
-from aftershock.harness.scenario.spec import (
-    Scenario,
-    ServerSystem,
-    in_process,
-    load_scenario,
-    parse_scenario,
-    to_yaml,
-)
+from aftershock.harness.scenario.load import load_scenario, parse_scenario, to_yaml
+from aftershock.harness.scenario.spec import Scenario, ServerSystem, in_process
 from aftershock.harness.search.explore import describe
 from aftershock.harness.search.strategies import scenarios, space_of
 

@@ -23,16 +23,8 @@ from hypothesis import strategies as st
 
 from aftershock.harness.errors import SpecError
 from aftershock.harness.scenario._space import END_PHASES, Space, option_value, resolve
-from aftershock.harness.scenario.spec import (
-    Scenario,
-    ServerSystem,
-    TrainerSystem,
-    in_process,
-    json_schema,
-    load_scenario,
-    parse_scenario,
-    to_yaml,
-)
+from aftershock.harness.scenario.load import json_schema, load_scenario, parse_scenario, to_yaml
+from aftershock.harness.scenario.spec import Scenario, ServerSystem, TrainerSystem, in_process
 from aftershock.harness.search.explore import describe
 from aftershock.harness.search.strategies import fault_schedules, scenarios, schedules_in, space_of
 

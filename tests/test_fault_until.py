@@ -23,7 +23,8 @@ from aftershock.harness.run.injector import Injector, fault_params
 from aftershock.harness.run.records import Event
 from aftershock.harness.run.runner import NullObserver
 from aftershock.harness.run.timeline import Timeline
-from aftershock.harness.scenario.spec import HealWhen, parse_scenario
+from aftershock.harness.scenario.load import parse_scenario
+from aftershock.harness.scenario.spec import HealWhen
 
 
 def _scenario(duration: str, kind: str = "process.freeze") -> str:

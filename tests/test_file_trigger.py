@@ -19,7 +19,8 @@ from aftershock.faults._fanotify import available as fanotify_available
 from aftershock.harness.run import runner, triggers
 from aftershock.harness.run.runner import run_scenario
 from aftershock.harness.run.triggers import FileTriggers
-from aftershock.harness.scenario.spec import LoadedScenario, parse_scenario
+from aftershock.harness.scenario.load import parse_scenario
+from aftershock.harness.scenario.spec import LoadedScenario
 
 JOB = ROOT / "tests" / "fixtures" / "files_job.py"
 

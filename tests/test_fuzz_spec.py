@@ -26,7 +26,8 @@ from hypothesis import strategies as st
 from pydantic import BaseModel
 
 from aftershock.harness.errors import SpecError
-from aftershock.harness.scenario.spec import FAULT_MODELS, Scenario, _models_in, load_scenario
+from aftershock.harness.scenario.load import _models_in, load_scenario
+from aftershock.harness.scenario.spec import FAULT_MODELS, Scenario
 
 EXAMPLES = int(os.environ.get("AFTERSHOCK_FUZZ_EXAMPLES", "0"))
 FUZZING = EXAMPLES > 0

@@ -23,12 +23,8 @@ from _helpers import ROOT, cli
 from aftershock.harness import oracle
 from aftershock.harness.run import runner
 from aftershock.harness.run.runner import run_scenario
-from aftershock.harness.scenario.spec import (
-    LoadedScenario,
-    TrainerSystem,
-    load_scenario,
-    parse_scenario,
-)
+from aftershock.harness.scenario.load import load_scenario, parse_scenario
+from aftershock.harness.scenario.spec import LoadedScenario, TrainerSystem
 from aftershock.harness.twin import golden
 
 FAULTS = ROOT / "scenarios" / "faults"

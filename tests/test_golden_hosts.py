@@ -23,7 +23,8 @@ from _helpers import ROOT
 from aftershock.harness import oracle
 from aftershock.harness.oracle import serving
 from aftershock.harness.run import runner
-from aftershock.harness.scenario.spec import LoadedScenario, parse_scenario
+from aftershock.harness.scenario.load import parse_scenario
+from aftershock.harness.scenario.spec import LoadedScenario
 from aftershock.harness.twin import golden
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None

@@ -15,7 +15,8 @@ import torch
 
 from aftershock.harness import gpu_check
 from aftershock.harness.run.runner import run_scenario
-from aftershock.harness.scenario.spec import LoadedScenario, parse_scenario
+from aftershock.harness.scenario.load import parse_scenario
+from aftershock.harness.scenario.spec import LoadedScenario
 
 
 @pytest.mark.slow

@@ -21,7 +21,7 @@ from aftershock.harness.run.injector import Injector
 from aftershock.harness.run.records import Event
 from aftershock.harness.run.runner import NullObserver
 from aftershock.harness.run.timeline import Timeline
-from aftershock.harness.scenario.spec import parse_scenario
+from aftershock.harness.scenario.load import parse_scenario
 
 SCENARIO = """\
 name: order

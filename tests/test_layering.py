@@ -144,6 +144,7 @@ RUN_PATH = [
     "aftershock.harness.cli",
     "aftershock.harness.run.runner",
     "aftershock.harness.reporting.report",
+    "aftershock.harness.scenario.load",
     "aftershock.harness.scenario.spec",
 ]
 

@@ -22,7 +22,8 @@ from _helpers import ROOT
 from aftershock.harness import oracle
 from aftershock.harness.oracle import Generation, trainer_math
 from aftershock.harness.run.runner import NullObserver, replay_digests
-from aftershock.harness.scenario.spec import LoadedScenario, TrainerSystem, parse_scenario
+from aftershock.harness.scenario.load import parse_scenario
+from aftershock.harness.scenario.spec import LoadedScenario, TrainerSystem
 from aftershock.reference_impl import model as reference_model
 from aftershock.reference_impl.trainer import TrainConfig
 

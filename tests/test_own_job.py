@@ -19,7 +19,7 @@ from _helpers import cli
 from aftershock.harness.errors import SpecError
 from aftershock.harness.run.runner import run_scenario
 from aftershock.harness.run.target import interpreter_bin
-from aftershock.harness.scenario.spec import load_scenario
+from aftershock.harness.scenario.load import load_scenario
 
 #: Records what the job saw of its launch in $JOB_OUT, and whether a snapshot from an
 #: earlier run was where it stands.

@@ -13,7 +13,7 @@ import pytest
 from aftershock.harness import systems
 from aftershock.harness.errors import SpecError
 from aftershock.harness.run.runner import _storage_root
-from aftershock.harness.scenario.spec import parse_scenario
+from aftershock.harness.scenario.load import parse_scenario
 
 pytestmark = pytest.mark.timeout(60)
 

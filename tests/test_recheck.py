@@ -225,7 +225,7 @@ def test_a_recheck_re_reads_the_per_process_log_files(tmp_path: Path) -> None:
     broken = _per_rank_scenario(tmp_path, r"\d")  # steps 10-14 read as 1
     run_dir = tmp_path / "run"
     from aftershock.harness.run.runner import run_scenario
-    from aftershock.harness.scenario.spec import load_scenario
+    from aftershock.harness.scenario.load import load_scenario
     first = run_scenario(load_scenario(broken), run_dir=run_dir)
     assert first.metrics["steps_committed"] == 9
     (tmp_path / "fixed").mkdir()

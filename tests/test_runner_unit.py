@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from aftershock.harness.run.runner import _params, baseline_key
-from aftershock.harness.scenario.spec import parse_scenario
+from aftershock.harness.scenario.load import parse_scenario
 
 SCENARIO = """\
 name: x

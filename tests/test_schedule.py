@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from aftershock.harness.run.schedule import Progress, Schedule
-from aftershock.harness.scenario.spec import in_process, parse_scenario
+from aftershock.harness.scenario.load import parse_scenario
+from aftershock.harness.scenario.spec import in_process
 
 
 def schedule(*faults: str) -> Schedule:

@@ -17,7 +17,8 @@ import pytest
 from aftershock.harness.run.records import RunResult
 from aftershock.harness.run.runner import run_scenario
 from aftershock.harness.run.timeline import read_events
-from aftershock.harness.scenario.spec import LoadedScenario, load_scenario
+from aftershock.harness.scenario.load import load_scenario
+from aftershock.harness.scenario.spec import LoadedScenario
 
 pytestmark = [pytest.mark.scenarios, pytest.mark.timeout(600)]
 

@@ -35,7 +35,8 @@ from aftershock.faults import docker_engine
 from aftershock.harness import oracle
 from aftershock.harness.errors import PreflightError
 from aftershock.harness.run.runner import preflight
-from aftershock.harness.scenario.spec import TrainerSystem, load_scenario
+from aftershock.harness.scenario.load import load_scenario
+from aftershock.harness.scenario.spec import TrainerSystem
 from aftershock.harness.systems.nodes import NodesSystem
 
 # The scenario that goes through the pytest plugin instead of the CLI: a cheap one.

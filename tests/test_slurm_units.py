@@ -17,7 +17,7 @@ from aftershock.faults.journal import UndoContext, UndoRefused
 from aftershock.harness.errors import SpecError
 from aftershock.harness.nodes.slurm_witness import slurm_witness
 from aftershock.harness.run.records import Event
-from aftershock.harness.scenario.spec import parse_scenario
+from aftershock.harness.scenario.load import parse_scenario
 from aftershock.harness.systems import slurm as kind
 from aftershock.harness.verdict.checks import Outcome, evaluate
 
@@ -313,7 +313,7 @@ def test_slurm_witness_is_a_check_of_the_expect_block() -> None:
 def test_a_campaign_on_slurm_is_one_array_task_per_run_seeded_as_locally(
         tmp_path: Path) -> None:
     from aftershock.harness.nodes.slurm_campaign import array_script, tasks_of
-    from aftershock.harness.scenario.spec import load_scenario
+    from aftershock.harness.scenario.load import load_scenario
 
     file = tmp_path / "s.yaml"
     file.write_text("name: s\nseed: 7\nsystem:\n  command: [x]\n")

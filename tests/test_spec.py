@@ -9,15 +9,8 @@ import pytest
 
 from aftershock.harness.errors import SpecError
 from aftershock.harness.scenario._duration import parse_duration
-from aftershock.harness.scenario.spec import (
-    CommandSystem,
-    ProcessFreeze,
-    TrainerSystem,
-    discover,
-    json_schema,
-    load_scenario,
-    parse_scenario,
-)
+from aftershock.harness.scenario.load import discover, json_schema, load_scenario, parse_scenario
+from aftershock.harness.scenario.spec import CommandSystem, ProcessFreeze, TrainerSystem
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -14,12 +14,9 @@ import pytest
 from _helpers import bounded_cli
 
 from aftershock.harness.errors import SpecError
-from aftershock.harness.scenario.spec import (
-    MAX_FILE_BYTES,
-    TrainerSystem,
-    load_scenario,
-    parse_scenario,
-)
+from aftershock.harness.scenario._yaml import MAX_FILE_BYTES
+from aftershock.harness.scenario.load import load_scenario, parse_scenario
+from aftershock.harness.scenario.spec import TrainerSystem
 
 BASE = "name: x\nsystem: {reference: trainer}\n"
 

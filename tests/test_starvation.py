@@ -18,7 +18,7 @@ import pytest
 from aftershock.harness.run import _load
 from aftershock.harness.run.records import Event
 from aftershock.harness.run.runner import assess, run_scenario
-from aftershock.harness.scenario.spec import load_scenario, parse_scenario
+from aftershock.harness.scenario.load import load_scenario, parse_scenario
 from aftershock.harness.verdict.checks import Outcome
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from aftershock.harness import systems
 from aftershock.harness.errors import SpecError
-from aftershock.harness.scenario.spec import parse_scenario, unreachable
+from aftershock.harness.scenario.load import parse_scenario, unreachable
 from aftershock.harness.systems.nodes import NodesLaunch
 
 TRAINER = "  nodes: 2\n  trainer: {steps: 30, checkpoint_every: 5, step_sleep: 50ms}\n"

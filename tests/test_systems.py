@@ -12,7 +12,7 @@ from _helpers import RANKS_JOB, ROOT, cli
 
 from aftershock.harness import systems
 from aftershock.harness.errors import SpecError
-from aftershock.harness.scenario.spec import parse_scenario
+from aftershock.harness.scenario.load import parse_scenario
 
 PROBE_JOB = ROOT / "tests" / "fixtures" / "probe_job.py"
 #: Everything the run loop, the baseline cache, goldens, the CLI and the spec ask a kind.

@@ -26,7 +26,7 @@ from aftershock.faults import _cgroup
 from aftershock.faults._proc import all_pids
 from aftershock.harness.run import target as target_module
 from aftershock.harness.run.runner import NullObserver, execute
-from aftershock.harness.scenario.spec import load_scenario
+from aftershock.harness.scenario.load import load_scenario
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -12,7 +12,7 @@ from _helpers import RANKS_JOB, ROOT, cli
 
 from aftershock.harness import systems
 from aftershock.harness.errors import SpecError
-from aftershock.harness.scenario.spec import load_scenario, parse_scenario
+from aftershock.harness.scenario.load import load_scenario, parse_scenario
 
 PROBE_JOB = ROOT / "tests" / "fixtures" / "probe_job.py"
 

@@ -15,7 +15,8 @@ from _helpers import ROOT
 
 from aftershock.harness.run.records import Event
 from aftershock.harness.run.runner import run_scenario
-from aftershock.harness.scenario.spec import Expect, LoadedScenario, parse_scenario
+from aftershock.harness.scenario.load import parse_scenario
+from aftershock.harness.scenario.spec import Expect, LoadedScenario
 from aftershock.harness.verdict.checks import Outcome, evaluate
 
 XID_79 = ROOT / "scenarios" / "serving" / "xid_79_worker.yaml"

@@ -155,7 +155,7 @@ def main(argv: Sequence[str]) -> int:
     from rich.console import Console
 
     from aftershock.harness.reporting.report import ExplorePlainObserver
-    from aftershock.harness.scenario.spec import load_scenario
+    from aftershock.harness.scenario.load import load_scenario
     from aftershock.harness.search.explore import explore, sigterm_unwinds
 
     root, index = Path(argv[0]), int(argv[1])

@@ -1,2 +1,2 @@
-"""Scenarios: the typed scenario format, its building blocks, durations, presets and the search
-space."""
+"""Scenarios: the typed scenario format and its loader, its building blocks, durations, presets
+and the search space."""

@@ -17,23 +17,20 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from aftershock.harness.scenario.spec import (
-    FAULT_MODELS,
-    CommandSystem,
+from aftershock.harness.scenario.faults_spec import FAULT_MODELS, Phase, _FaultBase, in_process
+from aftershock.harness.scenario.space_spec import (
     EventTrigger,
     Explore,
     FileTrigger,
     KindSpace,
     ParamSpan,
-    Phase,
-    ServerSystem,
     Span,
     TimeSpan,
-    TrainerSystem,
     TriggerSpace,
-    _FaultBase,
-    in_process,
 )
+from aftershock.harness.systems.command import CommandSystem
+from aftershock.harness.systems.server import ServerSystem
+from aftershock.harness.systems.trainer import TrainerSystem
 
 #: Where a problem is in the scenario (keys and list indexes under ``explore``), and what.
 Problem = tuple[tuple[Any, ...], str]
@@ -61,7 +58,7 @@ ONCE_PER_SCENARIO = ("storage.lose_unsynced",)
 #: Fields of a fault that are not parameters.
 _NOT_PARAMS = ("kind", "target", "at", "every")
 #: The reference trainer's fault points in a training step, and around a checkpoint when the
-#: trainer has them (harness.scenario.spec.Phase lists what the probe knows).
+#: trainer has them (harness.scenario.faults_spec.Phase lists what the probe knows).
 _TRAIN_PHASES = ("forward", "backward", "optimizer", "save", "restore", "finish", "exit")
 #: Fault points after the last step (the final parameters, the exit): they fire at the run's
 #: last step only, so a fault drawn at one of them is put there whatever step was drawn.

@@ -39,13 +39,8 @@ from aftershock.harness.errors import HarnessError, PreflightError, RunFailed, S
 from aftershock.harness.run import _files, runner
 from aftershock.harness.run.records import CheckResult, RunResult
 from aftershock.harness.scenario._space import Space, option_value, sample_fault, with_options
-from aftershock.harness.scenario.spec import (
-    LoadedScenario,
-    Scenario,
-    _FaultBase,
-    parse_scenario,
-    to_yaml,
-)
+from aftershock.harness.scenario.load import parse_scenario, to_yaml
+from aftershock.harness.scenario.spec import LoadedScenario, Scenario, _FaultBase
 from aftershock.harness.twin import golden
 
 if TYPE_CHECKING:

@@ -5,7 +5,7 @@ it. ``aftershock explore`` searches with these, and so can your own tests::
 
     from hypothesis import given, settings
     from aftershock.harness.search.explore import run_schedule
-    from aftershock.harness.scenario.spec import load_scenario
+    from aftershock.harness.scenario.load import load_scenario
     from aftershock.harness.search.strategies import fault_schedules
 
     BASE = load_scenario("scenarios/explore/restart.yaml")
@@ -18,7 +18,7 @@ it. ``aftershock explore`` searches with these, and so can your own tests::
 
 A schedule is a list of faults of the same types a scenario's ``faults:`` holds
 (``aftershock.harness.scenario.spec.Fault``), so a failing one is a scenario to keep
-(``aftershock.harness.scenario.spec.to_yaml``).
+(``aftershock.harness.scenario.load.to_yaml``).
 A space may also draw system options per run (``explore.system``: a snapshot interval, say):
 :func:`scenarios` puts them into the scenario, :func:`trials_in` pairs them with a schedule.
 Shrinking goes toward fewer faults, earlier and simpler triggers (a step before an event
@@ -142,7 +142,7 @@ def faults(system: SystemLike, **options: Any) -> st.SearchStrategy[list[_FaultB
 def scenarios(base: Scenario, **options: Any) -> st.SearchStrategy[Scenario]:
     """``base`` with its faults replaced by a drawn schedule, its system options (the space's
     ``system``) by drawn values, and no ``explore`` block: a scenario that runs as is and
-    dumps to YAML (aftershock.harness.scenario.spec.to_yaml). Options as for
+    dumps to YAML (aftershock.harness.scenario.load.to_yaml). Options as for
     :func:`fault_schedules`; the
     space
     defaults to ``base.explore``."""

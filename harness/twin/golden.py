@@ -61,7 +61,8 @@ from aftershock.harness import systems
 from aftershock.harness.errors import HarnessError, SpecError
 from aftershock.harness.run import _files
 from aftershock.harness.run.records import CheckResult
-from aftershock.harness.scenario.spec import LoadedScenario, Scenario, TrainerSystem, load_scenario
+from aftershock.harness.scenario.load import load_scenario
+from aftershock.harness.scenario.spec import LoadedScenario, Scenario, TrainerSystem
 from aftershock.harness.twin._paths import cache_dir, untrusted
 
 FILE = "golden.json"

@@ -42,7 +42,8 @@ from aftershock.harness.run.runner import (
 )
 from aftershock.harness.run.target import LINE_LIMIT, LOG_LIMIT
 from aftershock.harness.run.timeline import read_events
-from aftershock.harness.scenario.spec import LoadedScenario, LogProbe, load_scenario, parse_scenario
+from aftershock.harness.scenario.load import load_scenario, parse_scenario
+from aftershock.harness.scenario.spec import LoadedScenario, LogProbe
 from aftershock.harness.twin._paths import untrusted
 from aftershock.harness.twin.baseline import read_cached
 from aftershock.harness.verdict import metrics as _metrics

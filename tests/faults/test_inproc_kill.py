@@ -17,7 +17,8 @@ import pytest
 
 from aftershock.faults import inproc
 from aftershock.harness.errors import SpecError
-from aftershock.harness.scenario.spec import in_process, parse_scenario
+from aftershock.harness.scenario.load import parse_scenario
+from aftershock.harness.scenario.spec import in_process
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -17,7 +17,8 @@ import pytest
 from aftershock.harness.run.loadgen import LoadGenerator, plan
 from aftershock.harness.run.records import Event
 from aftershock.harness.run.timeline import Timeline, read_events
-from aftershock.harness.scenario.spec import Load, parse_scenario
+from aftershock.harness.scenario.load import parse_scenario
+from aftershock.harness.scenario.spec import Load
 from aftershock.harness.verdict import metrics
 from aftershock.harness.verdict.checks import Outcome, evaluate
 

@@ -19,7 +19,8 @@ import pytest
 from aftershock.harness.run.records import RunResult
 from aftershock.harness.run.runner import baseline_key, run_scenario
 from aftershock.harness.run.timeline import read_events
-from aftershock.harness.scenario.spec import LoadedScenario, load_scenario, parse_scenario
+from aftershock.harness.scenario.load import load_scenario, parse_scenario
+from aftershock.harness.scenario.spec import LoadedScenario
 from aftershock.harness.verdict import metrics
 from aftershock.harness.verdict.metrics import Output
 

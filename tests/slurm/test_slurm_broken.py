@@ -13,7 +13,8 @@ import pytest
 
 from aftershock.harness import api
 from aftershock.harness.run.records import RunResult
-from aftershock.harness.scenario.spec import LoadedScenario, load_scenario
+from aftershock.harness.scenario.load import load_scenario
+from aftershock.harness.scenario.spec import LoadedScenario
 from aftershock.harness.systems.slurm import SlurmSystem
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(500)]

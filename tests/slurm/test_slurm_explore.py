@@ -211,7 +211,7 @@ def test_a_searcher_that_sees_a_claim_replays_the_failure_and_does_not_shrink(
     first run, searches no further and replays the first one's failure from the database."""
     from test_explore import BASE, second_fault_during_recovery, stand_in
 
-    from aftershock.harness.scenario.spec import load_scenario
+    from aftershock.harness.scenario.load import load_scenario
     from aftershock.harness.search.explore import explore
 
     path = tmp_path / "stand-in.yaml"

@@ -1,6 +1,6 @@
 """Deliberately broken: a command line that imports, at import, what only some of its
-commands need (the scenario models, JUnit's ElementTree, the serving client's http.client,
-the Docker SDK's engine module), as harness/cli.py, harness/reporting/report.py and
+commands need (the scenario models and loader, JUnit's ElementTree, the serving client's
+http.client, the Docker SDK's engine module), as harness/cli.py, harness/reporting/report.py and
 harness/run/loadgen.py
 did or could. tests/test_layering.py shows its import checks catch each of them."""
 
@@ -10,4 +10,4 @@ import http.client  # noqa: F401
 from xml.etree import ElementTree  # noqa: F401
 
 import aftershock.harness.cli
-import aftershock.harness.scenario.spec  # noqa: F401
+import aftershock.harness.scenario.load  # noqa: F401
