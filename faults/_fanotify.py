@@ -112,6 +112,8 @@ class Gate:
     matches ``matches``. The trigger's loop answers what the thread could not (:meth:`take`,
     then :meth:`settle`), and calls :meth:`release` once the fault is in."""
 
+    sees_renames = False  # a rename opens nothing: no question comes of it
+
     def __init__(self, root: Path, matches: Callable[[str], bool]) -> None:
         self.root = root
         self._matches = matches

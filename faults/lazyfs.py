@@ -34,6 +34,11 @@ reached through a descriptor opened before mounting. After the fault, and after 
 gone, that folder holds exactly what survived. What was written and not yet made durable
 lives in this process's memory: the filesystem is meant for a test run's checkpoint folder,
 and holds its whole content in memory.
+
+For a `created` file trigger the filesystem also holds the job (:class:`Hold`, the harness's
+end of a ``hold`` command): the next operation of the process that made the count-th
+matching name waits until the harness's fault is in, as fanotify's gate does on an ordinary
+folder (faults/_fanotify.py).
 """
 
 from __future__ import annotations
@@ -57,6 +62,8 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, TypeVar
 
+from aftershock.faults._fanotify import Held as Held  # re-exported: what Hold.held() gives
+from aftershock.faults._inotify import matches
 from aftershock.faults._openat import mounts
 
 #: Name prefix of every lazy filesystem's source (the first column of /proc/mounts).
@@ -64,6 +71,9 @@ SOURCE_PREFIX = "aftershock_lazyfs_"
 _TMP_SUFFIX = ".aftershock-lazyfs"  # a file being written into the folder below
 _RENAME_NOREPLACE = 1
 _RENAME_EXCHANGE = 2
+#: The longest a held operation waits for its harness (``hold``): the harness lets it go as
+#: soon as its fault is in (milliseconds); this only bounds a harness that stalled or died.
+HOLD_MAX_S = 10.0
 
 
 def _now() -> int:
@@ -190,6 +200,16 @@ class LazyTree:
             "st_uid": node.uid, "st_gid": node.gid, "st_blocks": -(-size // 512),
             "st_atime": node.mtime_ns, "st_mtime": node.mtime_ns, "st_ctime": node.ctime_ns,
         }
+
+    def paths(self) -> Iterator[str]:
+        """Every path in the tree now, relative to its root."""
+        def visit(node: Node, rel: str) -> Iterator[str]:
+            for name, child in node.entries.items():
+                path = f"{rel}{name}"
+                yield path
+                if child.is_dir:
+                    yield from visit(child, path + "/")
+        return visit(self.root, "")
 
     # ------------------------------------------------------------------ namespace
 
@@ -401,6 +421,99 @@ class LazyTree:
             self._materialize(child, rel / name)
 
 
+# ---------------------------------------------------------------------- holding the job
+
+
+def _tgid(tid: int) -> int:
+    """The process a thread belongs to (FUSE names the calling thread)."""
+    with contextlib.suppress(OSError, ValueError), open(f"/proc/{tid}/status") as status:
+        for line in status:
+            if line.startswith("Tgid:"):
+                return int(line.split()[1])
+    return tid
+
+
+def _being_killed(tid: int) -> bool:
+    """Is thread ``tid`` gone, or has it a SIGKILL pending (a fatal signal sets it)?"""
+    try:
+        with open(f"/proc/{tid}/status") as status:
+            for line in status:
+                if line.startswith(("SigPnd:", "ShdPnd:")) and int(line.split()[1], 16) & (
+                        1 << (9 - 1)):
+                    return True
+    except (OSError, ValueError):
+        return True
+    return False
+
+
+def _head(pattern: str, rel: str) -> str | None:
+    """The part of ``rel`` (itself or a folder above it) that matches ``pattern``."""
+    parts = PurePosixPath(rel).parts
+    for n in range(1, len(parts) + 1):
+        head = "/".join(parts[:n])
+        if matches(pattern, head):
+            return head
+    return None
+
+
+class _Hold:
+    """One harness's ``hold``: the ``count``-th new name matching ``pattern`` (created,
+    made, or renamed into place) arms it, and the next operation of the process that made
+    that name waits until :meth:`release`, at most ``max_s`` seconds.
+
+    Not the name's own creation: while a create, mkdir or rename waits, the kernel holds the
+    folder's lock, and the harness's own look at the new file would wait behind it. The ops
+    held (open, opendir, read, write, flush, fsync of a file) hold no folder's lock, so the
+    fault lands after the name appeared and before the job's next step of the save (its
+    data, or the folder fsync that makes the name durable)."""
+
+    def __init__(self, pattern: str, count: int, max_s: float, existing: set[str],
+                 tell: Callable[[dict[str, Any]], None]) -> None:
+        self.pattern, self.count, self.max_s = pattern, count, max_s
+        self._existing = existing
+        self._seen: list[str] = []
+        self._tell = tell
+        self._armed: tuple[str, int] | None = None  # the k-th match and the process to hold
+        self._done = threading.Event()  # released (or over): nothing more is held
+        self._lock = threading.Lock()
+
+    def appeared(self, rel: str, pid: int) -> None:
+        """A name came into existence (under the tree's lock: bookkeeping only)."""
+        head = _head(self.pattern, rel)
+        if head is None or head in self._seen or head in self._existing or self._done.is_set():
+            return
+        self._seen.append(head)
+        if len(self._seen) == self.count:
+            with self._lock:
+                self._armed = (head, _tgid(pid))
+
+    def wait(self, rel: str, pid: int) -> None:
+        """Called before an operation that holds no folder's lock (outside the tree's lock,
+        so the loss can still run): hold it if it is the armed process's next one."""
+        with self._lock:
+            if self._armed is None or self._done.is_set() or _tgid(pid) != self._armed[1]:
+                return
+            match, tgid = self._armed
+            self._armed = None
+        began = time.monotonic()
+        self._tell({"held": {"match": match, "path": rel, "pid": tgid}})
+        # A process waiting on a FUSE answer cannot die before it has one: once it is being
+        # killed (the power loss kills the job), it is let go, and dies without running
+        # another line of its own. Else the release, or the bound.
+        while not self._done.wait(0.02):
+            if _being_killed(pid):
+                break
+            if time.monotonic() - began > self.max_s:
+                self._tell({"expired": {"match": match,
+                                        "after_s": round(time.monotonic() - began, 3)}})
+                break
+        self._done.set()
+
+    def release(self) -> None:
+        """The fault is in, or the harness is gone: what is held goes on, nothing more is."""
+        self._done.set()
+
+
 # ---------------------------------------------------------------------- the FUSE adapter
 
 _T = TypeVar("_T")
@@ -427,7 +540,9 @@ class LazyOperations:
         self._powered = True
         self._on_mounted = on_mounted
         self._handles: dict[int, Node] = {}
+        self._paths: dict[int, str] = {}  # handle -> the path it was opened by
         self._next = 1
+        self._holds: tuple[_Hold, ...] = ()  # the harness's `hold`s (replaced, never changed)
 
     def _call(self, fn: Callable[[], _T]) -> _T:
         with self._lock:
@@ -435,10 +550,33 @@ class LazyOperations:
                 raise _fail(errno.EIO)
             return fn()
 
-    def _handle(self, node: Node) -> int:
+    def _handle(self, node: Node, path: str = "") -> int:
         fh, self._next = self._next, self._next + 1
         self._handles[fh] = node
+        self._paths[fh] = path
         return fh
+
+    def _appeared(self, path: str) -> None:
+        """A name came into existence at ``path`` (under the lock): the holds count it."""
+        if self._holds:
+            pid = self._caller()
+            for hold in self._holds:
+                hold.appeared(path.lstrip("/"), pid)
+
+    def _wait(self, path: str | None, fh: int | None = None) -> None:
+        """Before an operation that holds no folder's lock in the kernel: wait here if a
+        hold is for it (never under the lock, so `lose` and other requests go on)."""
+        if self._holds:
+            rel = path if path is not None else self._paths.get(fh or 0, "")
+            pid = self._caller()
+            for hold in self._holds:
+                hold.wait(rel.lstrip("/"), pid)
+
+    @staticmethod
+    def _caller() -> int:
+        import mfusepy
+
+        return int(mfusepy.fuse_get_context()[2])
 
     def _node(self, path: str | None, fh: int | None) -> Node:
         if fh is not None and fh in self._handles:
@@ -497,24 +635,41 @@ class LazyOperations:
     # -- namespace
     def create(self, path: str, mode: int, flags: int = 0) -> int:
         uid, gid = self._owner()
-        return self._call(lambda: self._handle(self._tree.create(path, mode, uid, gid)))
+
+        def run() -> int:
+            fh = self._handle(self._tree.create(path, mode, uid, gid), path)
+            self._appeared(path)
+            return fh
+        return self._call(run)
 
     def mknod(self, path: str, mode: int, dev: int) -> int:
         if not stat.S_ISREG(mode):
             raise _fail(errno.EPERM, path)  # only regular files, folders and links
         uid, gid = self._owner()
-        self._call(lambda: self._tree.create(path, mode, uid, gid))
+
+        def run() -> None:
+            self._tree.create(path, mode, uid, gid)
+            self._appeared(path)
+        self._call(run)
         return 0
 
     def mkdir(self, path: str, mode: int) -> int:
         uid, gid = self._owner()
-        self._call(lambda: self._tree.mkdir(path, mode, uid, gid))
+
+        def run() -> None:
+            self._tree.mkdir(path, mode, uid, gid)
+            self._appeared(path)
+        self._call(run)
         return 0
 
     def symlink(self, target: str, source: str) -> int:
         # mfusepy's order: `target` is the new link's path, `source` what it points to.
         uid, gid = self._owner()
-        self._call(lambda: self._tree.symlink(target, source, uid, gid))
+
+        def run() -> None:
+            self._tree.symlink(target, source, uid, gid)
+            self._appeared(target)
+        self._call(run)
         return 0
 
     def readlink(self, path: str) -> str:
@@ -532,25 +687,33 @@ class LazyOperations:
         return 0
 
     def rename(self, old: str, new: str, flags: int = 0) -> int:
-        self._call(lambda: self._tree.rename(old, new, flags))
+        def run() -> None:
+            self._tree.rename(old, new, flags)
+            self._appeared(new)  # a name renamed into place appears too
+        self._call(run)
         return 0
 
     # -- files
     def open(self, path: str, flags: int) -> int:
-        return self._call(lambda: self._handle(self._tree.lookup(path)))
+        self._wait(path)
+        return self._call(lambda: self._handle(self._tree.lookup(path), path))
 
     def release(self, path: str | None, fh: int) -> int:
         with self._lock:  # also while powered off: the kernel must be able to let go
             self._handles.pop(fh, None)
+            self._paths.pop(fh, None)
         return 0
 
     def flush(self, path: str | None, fh: int) -> int:
+        self._wait(path, fh)
         return 0  # close(2) makes nothing durable
 
     def read(self, path: str | None, size: int, offset: int, fh: int) -> bytes:
+        self._wait(path, fh)
         return self._call(lambda: self._tree.read(self._node(path, fh), size, offset))
 
     def write(self, path: str | None, data: bytes, offset: int, fh: int) -> int:
+        self._wait(path, fh)
         return self._call(lambda: self._tree.write(self._node(path, fh), data, offset))
 
     def truncate(self, path: str | None, length: int, fh: int | None = None) -> int:
@@ -558,12 +721,14 @@ class LazyOperations:
         return 0
 
     def fsync(self, path: str | None, datasync: int, fh: int) -> int:
+        self._wait(path, fh)
         self._call(lambda: self._tree.fsync(self._node(path, fh)))
         return 0
 
     # -- folders
     def opendir(self, path: str) -> int:
-        return self._call(lambda: self._handle(self._tree.lookup(path)))
+        self._wait(path)
+        return self._call(lambda: self._handle(self._tree.lookup(path), path))
 
     def releasedir(self, path: str | None, fh: int) -> int:
         return self.release(path, fh)
@@ -580,6 +745,38 @@ class LazyOperations:
         return 0
 
     # -- the harness's commands
+    def hold(self, conn: socket.socket, args: dict[str, Any]) -> None:
+        """Serve one ``hold`` on its connection until the harness says ``release`` or goes
+        away (its end closed): then what is held goes on and nothing more is held."""
+        sending = threading.Lock()
+
+        def tell(message: dict[str, Any]) -> None:
+            with sending, contextlib.suppress(OSError):
+                conn.sendall(json.dumps(message).encode() + b"\n")
+
+        try:
+            pattern, count = str(args["pattern"]), int(args["count"])
+            max_s = min(float(args.get("max_s", HOLD_MAX_S)), HOLD_MAX_S)
+        except (KeyError, TypeError, ValueError) as exc:
+            tell({"ok": False, "error": f"hold needs pattern and count: {exc}"})
+            return
+        with self._lock:  # what already matches never counts, as for the inotify watch
+            existing = {h for rel in self._tree.paths() if (h := _head(pattern, rel))}
+            hold = _Hold(pattern, count, max_s, existing, tell)
+            self._holds = (*self._holds, hold)
+            tell({"ok": True})  # under the lock: before anything the hold could say
+        try:
+            with conn.makefile("rb") as lines:
+                for line in lines:
+                    if line.strip() == b"release":
+                        break
+        except OSError:
+            pass
+        finally:
+            hold.release()
+            with self._lock:
+                self._holds = tuple(h for h in self._holds if h is not hold)
+
     def control(self, name: str) -> dict[str, Any]:
         with self._lock:
             if name == "lose":
@@ -628,16 +825,129 @@ def command(name: str, what: str, timeout: float = 10.0) -> dict[str, Any]:
     return dict(answer)
 
 
+class Hold:
+    """The harness's end of a ``hold`` on the lazy filesystem ``name``: the job's next
+    operation after the ``count``-th new name matching ``pattern`` (relative to the mount's
+    root) waits until :meth:`close`, at most ``max_s`` seconds. It has the interface the
+    file triggers use for a fanotify gate (faults/_fanotify.py): the filesystem decides
+    itself, so :meth:`mark` and :meth:`settle` have nothing to do. Closing it, or the
+    harness dying (the connection closes), lets the held operation go on."""
+
+    whole_mount = True  # the filesystem sees every level of itself
+    sees_renames = True  # a name renamed into place arms it as a created one does
+
+    def __init__(self, name: str, pattern: str, count: int, max_s: float = HOLD_MAX_S,
+                 timeout: float = 10.0) -> None:
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._buffer = b""
+        self._held: Held | None = None
+        self.expired: dict[str, Any] | None = None  # the bound ended the hold, not we
+        # Readable never: stands in for the connection once the server is gone, so the
+        # trigger loop's select does not spin on an end of file.
+        self._idle_r, self._idle_w = os.pipe2(os.O_CLOEXEC)
+        try:
+            self._sock.settimeout(timeout)
+            self._sock.connect(_address(name))
+            self._sock.sendall(b"hold " + json.dumps(
+                {"pattern": pattern, "count": count, "max_s": max_s}).encode() + b"\n")
+            while b"\n" not in self._buffer:
+                chunk = self._sock.recv(4096)
+                if not chunk:
+                    break
+                self._buffer += chunk
+            line, _, self._buffer = self._buffer.partition(b"\n")
+            answer = json.loads(line or b"{}")
+            if not answer.get("ok"):
+                raise RuntimeError(f"lazy filesystem {name}: "
+                                   f"{answer.get('error', 'no answer to hold')}")
+            self._sock.setblocking(False)
+        except BaseException:
+            self.close()
+            raise
+        self._open = True
+
+    def fileno(self) -> int:
+        """Readable when the filesystem has something to say (for select)."""
+        return self._sock.fileno() if self._open else self._idle_r
+
+    def mark(self, rel: str) -> bool:
+        return True
+
+    def take(self) -> list[tuple[int, str, str, int, float]]:
+        """Read what the filesystem said (an operation held, or the bound let it go)."""
+        while self._open:
+            try:
+                chunk = self._sock.recv(65536)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                chunk = b""
+            if not chunk:
+                self._open = False  # the server is gone: whatever it held went with it
+                self._held = None
+                break
+            self._buffer += chunk
+        while b"\n" in self._buffer:
+            line, _, self._buffer = self._buffer.partition(b"\n")
+            with contextlib.suppress(ValueError):
+                self._heard(json.loads(line))
+        return []
+
+    def _heard(self, message: dict[str, Any]) -> None:
+        if isinstance(held := message.get("held"), dict):
+            self._held = Held(str(held["match"]), str(held["path"]), int(held["pid"]),
+                              time.monotonic())
+        elif isinstance(message.get("expired"), dict):
+            self._held = None
+            self.expired = message["expired"]
+
+    def settle(self, asked: list[tuple[int, str, str, int, float]], decide: Any) -> None:
+        """Nothing to decide: the filesystem holds its count-th match itself."""
+
+    def held(self) -> Held | None:
+        """The operation being held now, as of the last :meth:`take`."""
+        return self._held
+
+    def release(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Let what is held go on, and hold nothing more."""
+        if getattr(self, "_open", False):
+            with contextlib.suppress(OSError):
+                self._sock.setblocking(True)
+                self._sock.settimeout(2.0)
+                self._sock.sendall(b"release\n")
+        self._open = False
+        self._held = None
+        self._sock.close()
+        if self._idle_r >= 0:
+            os.close(self._idle_r)
+            os.close(self._idle_w)
+            self._idle_r = self._idle_w = -1
+
+
 def _serve_commands(ops: LazyOperations, name: str) -> socket.socket:
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(_address(name))
     server.listen(4)
 
+    def serve_hold(conn: socket.socket, args: str) -> None:
+        with conn:
+            try:
+                ops.hold(conn, json.loads(args))
+            except ValueError as exc:
+                conn.sendall(json.dumps({"ok": False, "error": f"hold: {exc}"}).encode() + b"\n")
+
     def loop() -> None:
         while True:
             conn, _ = server.accept()
+            line = conn.makefile("rb").readline().decode().strip()
+            if line.startswith("hold "):  # stays open: a thread of its own
+                threading.Thread(target=serve_hold, args=(conn, line[5:]), name="lazyfs-hold",
+                                 daemon=True).start()
+                continue
             with conn:
-                line = conn.makefile("rb").readline().decode().strip()
                 conn.sendall(json.dumps(ops.control(line)).encode() + b"\n")
 
     threading.Thread(target=loop, name="lazyfs-control", daemon=True).start()
@@ -812,10 +1122,11 @@ def main(argv: list[str] | None = None) -> int:
             fh = fip.contents.fh if fip else None
             return int(ops.truncate(None if path is None else os.fsdecode(path), length, fh))
 
-    # Single-threaded: requests are served one at a time, in the kernel's order. No kernel
-    # caching of names or attributes (every lookup asks us): after a loss, a lost name must
-    # be gone at once, not after a timeout.
-    Fuse(ops, str(folder), foreground=True, nothreads=True, fsname=args.name,
+    # Several threads, so that an operation held for the harness (`hold`) does not stop the
+    # others; the one lock still serves them one at a time. No kernel caching of names or
+    # attributes (every lookup asks us): after a loss, a lost name must be gone at once,
+    # not after a timeout.
+    Fuse(ops, str(folder), foreground=True, nothreads=False, fsname=args.name,
          subtype="aftershock-lazyfs", entry_timeout=0, attr_timeout=0, negative_timeout=0,
          hard_remove=True)
     return 0

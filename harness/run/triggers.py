@@ -7,11 +7,14 @@ instead of at its next tick.
 
 inotify only reports: on a starved machine the job commits its save before the harness
 reads that the file appeared, and a fault "inside the save" lands after it. So a `created`
-trigger also asks fanotify permission events (faults/_fanotify.py): the k-th match fires at
-the first open of it, or of anything in it (a folder), and that open waits in the kernel
-until the fault is in. The fault's record says whether the job was held (``file_held``);
-where it could not be (no CAP_SYS_ADMIN, another `when:`, a name renamed into place and not
-opened within :data:`OPEN_WAIT_S`), it fires on inotify alone and the record says why.
+trigger also holds the job: on an ordinary folder through fanotify permission events
+(faults/_fanotify.py): the k-th match fires at the first open of it, or of anything in it
+(a folder), and that open waits in the kernel until the fault is in. On the run's own lazy
+filesystem (storage.lose_unsynced) the filesystem holds it (``lazyfs.Hold``): the job's next
+operation after the k-th name appeared, created or renamed into place, waits there. The
+fault's record says whether the job was held (``file_held``); where it could not be (no
+CAP_SYS_ADMIN, another `when:`, another filesystem the run mounted, a name renamed into place
+and not opened within :data:`OPEN_WAIT_S`), it fires on inotify alone and the record says why.
 """
 
 from __future__ import annotations
@@ -22,9 +25,9 @@ import time
 from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from aftershock.faults import FaultUnavailable, FileWatch
+from aftershock.faults import FaultUnavailable, FileWatch, lazyfs
 from aftershock.faults import FileGate as Gate
 from aftershock.faults import file_matches as matches
 from aftershock.harness.scenario.spec import FileWhen
@@ -64,10 +67,32 @@ _NO_OPEN = {
 }
 
 
+class _Gate(Protocol):
+    """What holds a `created` trigger's job: a fanotify Gate, or the lazy filesystem's
+    own Hold (faults/lazyfs.py)."""
+
+    whole_mount: bool  # it sees every level under the root
+    sees_renames: bool  # a name renamed into place can still be held
+
+    def fileno(self) -> int: ...
+    def mark(self, rel: str) -> bool: ...
+    def take(self) -> list[tuple[int, str, str, int, float]]: ...
+    def settle(self, asked: list[tuple[int, str, str, int, float]],
+               decide: Callable[[str, str, int], bool | None]) -> None: ...
+    def held(self) -> lazyfs.Held | None: ...
+    def close(self) -> None: ...
+
+
+def _lazy_source(root: Path) -> str | None:
+    """The name of the run's lazy filesystem (storage.lose_unsynced) mounted on ``root``."""
+    source = lazyfs.mounted_source(root)
+    return source if source is not None and source.startswith(lazyfs.SOURCE_PREFIX) else None
+
+
 class FileTriggers:
     def __init__(self) -> None:
         self._watches: dict[int, FileWatch] = {}
-        self._gates: dict[int, Gate] = {}
+        self._gates: dict[int, _Gate] = {}
         self._counts: dict[int, int] = {}
         self._unheld: dict[int, str] = {}  # fault -> why its job cannot be held
         self._reached: dict[int, float] = {}  # fault -> when its count was first read
@@ -88,10 +113,19 @@ class FileTriggers:
                                    "inotify only")
             return
         if os.path.ismount(root):
-            # Not yet held on a filesystem the run mounted (the lazy FUSE one): a job stalled
-            # there once beside three CPU hogs, cause not yet found.
-            self._unheld[index] = ("its root is a filesystem the run mounted, whose opens "
-                                   "are not held: watched with inotify only")
+            # Never fanotify on a filesystem the run mounted: on FUSE a create's open asks
+            # while the kernel holds its folder's lock, and the harness's own look into that
+            # folder waits behind it (the likely cause of a job stalled there beside three
+            # CPU hogs). The lazy one holds the job itself.
+            source = _lazy_source(root)
+            if source is None:
+                self._unheld[index] = ("its root is a filesystem the run mounted, whose "
+                                       "opens are not held: watched with inotify only")
+                return
+            try:
+                self._gates[index] = lazyfs.Hold(source, pattern, count)
+            except (ConnectionError, RuntimeError, OSError, ValueError) as exc:
+                self._unheld[index] = f"{exc}; watched with inotify only"
             return
         try:
             gate = Gate(root, lambda rel: matches(pattern, rel))
@@ -164,7 +198,8 @@ class FileTriggers:
                 continue
             kinds = self._watches[index].how
             how = kinds[count - 1] if len(kinds) >= count else "created"
-            if how == "renamed" or (how == "scanned" and not gate.whole_mount):
+            if (how == "renamed" and not gate.sees_renames) or (
+                    how == "scanned" and not gate.whole_mount):
                 # No open of it is to come that the gate could see: the rename published
                 # it whole, or it was made in a folder before the folder's mark was in.
                 self._unheld.setdefault(index, _NO_OPEN[how])
