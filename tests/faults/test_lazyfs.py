@@ -14,7 +14,6 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -228,27 +227,6 @@ def test_after_any_loss_the_view_is_the_disk(tmp_path: Path, ops: list[tuple[obj
 # ------------------------------------------------------------------------ a real mount
 
 
-def _need_fuse() -> None:
-    if not os.path.exists("/dev/fuse"):
-        pytest.skip("no /dev/fuse")
-    if shutil.which("fusermount3") is None:
-        pytest.skip("fusermount3 not installed: apt-get install fuse3")
-    try:
-        import mfusepy  # noqa: F401
-    except (ImportError, OSError) as exc:
-        pytest.skip(f"mfusepy or libfuse3 missing: {exc}")
-
-
-@pytest.fixture
-def mount(tmp_path: Path) -> Iterator[tuple[Path, str]]:
-    _need_fuse()
-    folder = tmp_path / "ckpt"
-    folder.mkdir()
-    with lazyfs.mounted(folder, tmp_path / "lazyfs.log") as name:
-        yield folder, name
-    assert lazyfs.mounted_source(folder) is None
-
-
 def fsync_path(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -290,9 +268,9 @@ def test_a_mount_loses_what_was_not_fsynced(mount: tuple[Path, str]) -> None:
     assert (folder / "named_only").read_bytes() == b""
 
 
+@pytest.mark.usefixtures("fuse")
 @pytest.mark.timeout(60)
 def test_an_atomic_writer_survives_and_the_folder_below_keeps_it(tmp_path: Path) -> None:
-    _need_fuse()
     folder = tmp_path / "ckpt"
     folder.mkdir()
     with lazyfs.mounted(folder) as name:
@@ -395,11 +373,11 @@ def test_inotify_counts_each_file_once_in_folders_made_at_once(
         assert watch.hits == ["step_1/rank_0.pt"]
 
 
+@pytest.mark.usefixtures("fuse")
 @pytest.mark.timeout(60)
 def test_the_server_unmounts_itself_when_its_harness_goes(tmp_path: Path) -> None:
     """The harness holds the server's stdin: if the harness dies, the server takes its mount
     away by itself (the reaper and `aftershock heal` would too, from the journal)."""
-    _need_fuse()
     folder = tmp_path / "ckpt"
     folder.mkdir()
     name = lazyfs.SOURCE_PREFIX + "orphan" + os.urandom(3).hex()
@@ -433,9 +411,9 @@ def test_the_server_unmounts_itself_when_its_harness_goes(tmp_path: Path) -> Non
         lazyfs.unmount(folder, name)
 
 
+@pytest.mark.usefixtures("fuse")
 @pytest.mark.timeout(60)
 def test_a_launched_server_that_is_never_told_to_mount_goes_away(tmp_path: Path) -> None:
-    _need_fuse()
     folder = tmp_path / "ckpt"
     folder.mkdir()
     proc = lazyfs.launch(folder, lazyfs.SOURCE_PREFIX + "never")

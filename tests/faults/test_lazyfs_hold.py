@@ -13,7 +13,6 @@ import select
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -47,25 +46,6 @@ for i in range(n):
         sys.exit(1)
     print("saved", i, flush=True)
 """
-
-
-def _need_fuse() -> None:
-    if not os.path.exists("/dev/fuse"):
-        pytest.skip("no /dev/fuse")
-    try:
-        import mfusepy  # noqa: F401
-    except (ImportError, OSError) as exc:
-        pytest.skip(f"mfusepy or libfuse3 missing: {exc}")
-
-
-@pytest.fixture
-def mount(tmp_path: Path) -> Iterator[tuple[Path, str]]:
-    _need_fuse()
-    folder = tmp_path / "ckpt"
-    folder.mkdir()
-    with lazyfs.mounted(folder, tmp_path / "lazyfs.log") as name:
-        yield folder, name
-    assert lazyfs.mounted_source(folder) is None
 
 
 def start_writer(folder: Path, how: str, n: int = 4) -> subprocess.Popen[str]:

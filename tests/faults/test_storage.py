@@ -7,7 +7,6 @@ import contextlib
 import errno
 import hashlib
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -153,15 +152,6 @@ def test_full_unmounts_even_when_busy(tmp_path: Path) -> None:
 # ------------------------------------------------------------------ storage.lose_unsynced
 
 
-def _need_fuse() -> None:
-    if not os.path.exists("/dev/fuse") or shutil.which("fusermount3") is None:
-        pytest.skip("needs /dev/fuse and fusermount3 (apt-get install fuse3)")
-    try:
-        import mfusepy  # noqa: F401
-    except (ImportError, OSError) as exc:
-        pytest.skip(f"mfusepy or libfuse3 missing: {exc}")
-
-
 def _sleepers(count: int) -> list[subprocess.Popen[bytes]]:
     return [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
             for _ in range(count)]
@@ -175,9 +165,9 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+@pytest.mark.usefixtures("fuse")
 @pytest.mark.timeout(60)
 def test_lose_unsynced_loses_and_kills_together_then_unmounts(tmp_path: Path) -> None:
-    _need_fuse()
     journal = Journal.create("power", tmp_path / "journal", folders=[tmp_path])
     setup = LOSE_UNSYNCED.prepare({"root": str(tmp_path), "dir": "ckpt"}, journal)
     folder = tmp_path / "ckpt"
@@ -208,11 +198,11 @@ def test_lose_unsynced_loses_and_kills_together_then_unmounts(tmp_path: Path) ->
     assert sorted(os.listdir(folder)) == ["durable"]  # the folder holds what survived
 
 
+@pytest.mark.usefixtures("fuse")
 @pytest.mark.timeout(60)
 def test_lose_unsynced_is_undone_from_its_journal_record_alone(tmp_path: Path) -> None:
     """The reaper and `aftershock heal` are other processes: they know the record, not our
     child. The record says which mount and which server, and nothing else is touched."""
-    _need_fuse()
     journal = Journal.create("heal", tmp_path / "journal", folders=[tmp_path])
     setup = LOSE_UNSYNCED.prepare({"root": str(tmp_path), "dir": "ckpt"}, journal)
     server = ProcessRef.from_json(setup.undo["server"])
@@ -291,20 +281,20 @@ def _gone(runs: Path, state: Path, timeout: float = 20.0) -> tuple[list[str], li
     return _lazy_mounts_under(runs), list((state / "journal").glob("*.jsonl"))
 
 
+@pytest.mark.usefixtures("fuse")
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_a_sigkilled_harness_leaves_no_mount(tmp_path: Path) -> None:
-    _need_fuse()
     harness, runs = _harness_with_a_mount(tmp_path)
     harness.kill()
     harness.wait()
     assert _gone(runs, tmp_path / "state") == ([], [])
 
 
+@pytest.mark.usefixtures("fuse")
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_heal_cleans_up_a_mount_when_no_reaper_ran(tmp_path: Path) -> None:
-    _need_fuse()
     harness, runs = _harness_with_a_mount(tmp_path)
     for pid in all_pids():  # the reaper first (as a `kill -9` of the session might), then us
         with contextlib.suppress(OSError):
