@@ -151,18 +151,35 @@ def _ours() -> list[str]:
     return [line for line in text.splitlines() if line.startswith(_slurm.JOB_PREFIX)]
 
 
-def test_explore_on_slurm_without_a_cluster_is_one_line_and_exit_2(tmp_path: Path) -> None:
+@pytest.mark.parametrize("clients", ["installed", "missing"])
+def test_explore_on_slurm_without_a_cluster_is_one_line_and_exit_2(
+        tmp_path: Path, clients: str) -> None:
+    """Whatever this machine has: its Slurm clients are stand-ins that fail if called (the
+    check must not call them without a configuration), or none is on PATH at all."""
     scenario = tmp_path / "job.yaml"
     scenario.write_text(SCENARIO)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    if clients == "installed":
+        for program in ("sbatch", "squeue", "scontrol", "scancel", "sinfo"):
+            stand_in = bin_dir / program
+            stand_in.write_text("#!/bin/sh\necho called >&2\nexit 1\n")
+            stand_in.chmod(0o755)
+    path = os.pathsep.join([str(bin_dir), str(Path(sys.executable).parent)])
     proc = subprocess.run(
         [sys.executable, "-m", "aftershock", "explore", str(scenario), "--executor", "slurm",
          "--workers", "2", "--out", str(tmp_path / "out")], cwd=ROOT, capture_output=True,
         text=True, timeout=120, check=False,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "SLURM_CONF": str(tmp_path / "none")})
+        env={**os.environ, "PYTHONPATH": str(ROOT), "SLURM_CONF": str(tmp_path / "none"),
+             "PATH": path})
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert proc.stderr.strip().splitlines() == [
-        f"--executor slurm: no Slurm configuration at {tmp_path / 'none'} (SLURM_CONF): start "
-        "a test cluster with `make slurm-cluster`"]
+    said = {
+        "installed": f"--executor slurm: no Slurm configuration at {tmp_path / 'none'} "
+                     "(SLURM_CONF): start a test cluster with `make slurm-cluster`",
+        "missing": "--executor slurm: Slurm's `sbatch` is not installed (apt-get install "
+                   "slurm-client; `make slurm-cluster` installs a test cluster)",
+    }[clients]
+    assert proc.stderr.strip().splitlines() == [said]
     assert not list((tmp_path / "out").rglob("*.yaml"))  # nothing ran
 
 
