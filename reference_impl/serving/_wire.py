@@ -52,6 +52,11 @@ class Heartbeat:
     busy: bool  # the engine holds requests
     running: int
     stats: dict[str, float]  # the engine's counters after its last step
+    # The engine thread's scheduler account (/proc/self/task/TID/schedstat), cumulative
+    # seconds: on a CPU, and runnable but waiting for one (a busy machine, a CPU quota).
+    # None where the kernel does not keep it. Tells a starved step from a stuck one.
+    engine_cpu_s: float | None = None
+    engine_wait_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

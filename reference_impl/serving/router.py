@@ -23,13 +23,15 @@ Health. A worker is declared failed, with ``cause``:
 - ``heartbeat``: no heartbeat for ``dead_after`` seconds. Heartbeats come from their own
   thread in the worker, so a long engine step does not stop them; a frozen process does;
 - ``wedged``: heartbeats arrive, the engine holds work, but its step counter has not moved
-  for ``wedged_after`` seconds. A long prefill does not trip this: the engine chunks it over
-  steps (``EngineConfig.max_step_tokens`` prompt positions per step), so even a migration
-  that re-prefills ``max_batch`` long prompts advances the counter every step (a 512-token
-  step took 0.1-0.8 s on a 2-core machine), while an engine stuck in one call (a hung
-  device sync, a deadlock) does not. ``wedged_after`` must exceed the longest single step
-  on the machine at hand. Only a busy worker can be wedged: an idle one makes no progress
-  by design;
+  for ``wedged_after`` seconds, and in that time the engine thread was blocked (neither on a
+  CPU nor waiting for one, by the kernel's scheduler account that each heartbeat carries)
+  for ``wedged_after``, or ran on a CPU that long. A step that waits for a CPU (a busy
+  machine, a CPU quota) is slow, not stuck. A long prefill does not trip this either: the
+  engine chunks it over steps (``EngineConfig.max_step_tokens`` prompt positions per
+  step; a 512-token step took 0.05-0.8 s of CPU on a 2-core machine), while an engine
+  stuck in one call (a hung device sync, a deadlock) blocks. ``wedged_after`` must exceed
+  the CPU time of the longest single step. Only a busy worker can be wedged: an idle one
+  makes no progress by design;
 - ``xid``: the worker's GPU reported an Xid whose NVIDIA action is not ``none``
   (``aftershock.reference_impl.health.XidWatcher``); the worker reports it and exits. Xids with
   action
@@ -272,6 +274,9 @@ class _Slot:
     requests: set[str] = field(default_factory=set)
     last_heartbeat: float = 0.0
     progress_at: float = 0.0  # last time its step counter moved, or it was idle
+    # The engine thread's scheduler account (cpu, wait) at the last beat and at progress_at.
+    engine: tuple[float, float] | None = None
+    engine_at_progress: tuple[float, float] | None = None
     steps: int = 0
     busy: bool = False
     failures: int = 0
@@ -515,6 +520,7 @@ class Router:
             slot.link, slot.state, slot.pid = link, "ready", hello.pid
             slot.generation = hello.generation
             slot.last_heartbeat = slot.progress_at = now
+            slot.engine = slot.engine_at_progress = None
             slot.steps, slot.busy, slot.ever_ready = -1, False, True
             _log(f"worker {hello.worker} ready (pid {hello.pid}, generation "
                  f"{hello.generation}, link {link.id})")
@@ -532,8 +538,10 @@ class Router:
                 return
             now = time.monotonic()
             slot.last_heartbeat = now
+            slot.engine = (None if beat.engine_cpu_s is None or beat.engine_wait_s is None
+                           else (beat.engine_cpu_s, beat.engine_wait_s))
             if beat.steps != slot.steps or not beat.busy or not slot.busy:
-                slot.progress_at = now
+                slot.progress_at, slot.engine_at_progress = now, slot.engine
             slot.steps, slot.busy = beat.steps, beat.busy
             if slot.pid is not None:
                 self._engine_stats[slot.pid] = dict(beat.stats)
@@ -665,8 +673,27 @@ class Router:
                     if silent > self.config.dead_after:
                         self._fail_locked(slot, "heartbeat", silent_s=round(silent, 3))
                     elif slot.busy and now - slot.progress_at > self.config.wedged_after:
-                        self._fail_locked(slot, "wedged", steps=slot.steps,
-                                          stuck_s=round(now - slot.progress_at, 3))
+                        stuck = self._stuck(slot, now)
+                        if stuck is not None:
+                            self._fail_locked(slot, "wedged", steps=slot.steps, **stuck)
+
+    def _stuck(self, slot: _Slot, now: float) -> dict[str, float] | None:
+        """How a busy engine whose step counter has not moved for ``wedged_after`` spent that
+        time, if it is wedged; None if it is only starved. Wedged: blocked (neither on a CPU
+        nor waiting for one) for ``wedged_after``, or on a CPU that long without finishing a
+        step. A step that waits on the run queue (a busy machine, a CPU quota) is slow, not
+        stuck. Without the kernel's account, every second counts as blocked."""
+        stuck = now - slot.progress_at
+        ran = waited = 0.0
+        if slot.engine is not None and slot.engine_at_progress is not None:
+            ran = slot.engine[0] - slot.engine_at_progress[0]
+            waited = slot.engine[1] - slot.engine_at_progress[1]
+        blocked = stuck - ran - waited
+        limit = self.config.wedged_after
+        if blocked <= limit and ran <= limit:
+            return None
+        return {"stuck_s": round(stuck, 3), "cpu_s": round(ran, 3),
+                "cpu_wait_s": round(waited, 3), "blocked_s": round(blocked, 3)}
 
     def _fail_locked(self, slot: _Slot, cause: str, **detail: Any) -> None:
         link = slot.link

@@ -103,8 +103,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--dead-after", type=float, default=1.0,
         help="no heartbeat this long: the worker is dead (1.0)")
     add("--wedged-after", type=float, default=2.0,
-        help="busy without engine progress this long: the worker is wedged (2.0); must exceed "
-        "the longest legitimate engine step")
+        help="busy without engine progress this long, blocked or on a CPU (time waiting for a "
+        "CPU does not count): the worker is wedged (2.0); must exceed the CPU time of the "
+        "longest legitimate engine step")
     add("--recovery", default="migrate", choices=RECOVERIES,
         help="migrate: move a failed worker's requests, with their emitted tokens, to healthy "
         "workers; fail_stop: the baseline: error out every in-flight request and restart all "

@@ -13,6 +13,9 @@ process (``server.WorkerKeeper``) starts it. Threads and what each may touch:
   tell a busy engine (heartbeats, steps advancing) from a dead one (no heartbeats) and from
   a wedged one (heartbeats, no step for ``--wedged-after``). A step is short by the
   engine's design: a long prefill is chunked over steps (``EngineConfig.max_step_tokens``).
+  Each beat also carries the engine thread's scheduler account (CPU time and time spent
+  runnable, waiting for a CPU), so that a step slowed by a busy machine is not taken for
+  a stuck one.
   Finer progress signals were measured and dropped: counting every torch call of a step
   (a ``TorchFunctionMode``, ~1000 calls per step) cost a few percent of throughput, and
   sampling the engine thread's innermost frame gave false alarms (a freed frame's address
@@ -49,6 +52,17 @@ def _log(worker: int, message: str) -> None:
     print(f"[worker {worker} pid {os.getpid()}] {message}", file=sys.stderr, flush=True)
 
 
+def schedstat(tid: int) -> tuple[float | None, float | None]:
+    """Seconds thread ``tid`` of this process has run, and has waited runnable for a CPU
+    (the run queue, or a CPU quota's throttling), from the kernel's scheduler account."""
+    try:
+        with open(f"/proc/self/task/{tid}/schedstat", "rb") as account:
+            ran, waited = account.read(256).split()[:2]
+        return int(ran) / 1e9, int(waited) / 1e9
+    except (OSError, ValueError):
+        return None, None
+
+
 class Worker:
     def __init__(self, args: argparse.Namespace) -> None:
         import torch
@@ -79,6 +93,7 @@ class Worker:
         self._cpu_at_hello = time.process_time()  # reset at hello: serving, not start-up
         self._send_lock = threading.Lock()
         self._sock: socket.socket | None = None
+        self._engine_tid = threading.get_native_id()  # the main thread runs the engine
 
     # -- reports
     def _checksum_failure(self, block: int, request_id: str, where: str) -> None:
@@ -167,8 +182,9 @@ class Worker:
     def _beat(self, lost: threading.Event) -> None:
         while not lost.is_set():
             try:
+                cpu_s, wait_s = schedstat(self._engine_tid)
                 self.send(_wire.Heartbeat(self.steps, self.busy, len(self.epochs),
-                                          self.stats))
+                                          self.stats, cpu_s, wait_s))
             except OSError:
                 lost.set()
                 return

@@ -463,3 +463,26 @@ def test_a_request_is_acknowledged_only_once_its_record_is_written(tmp_path: Pat
     finally:
         held.gate.set()
         journal.close()
+
+
+@pytest.mark.parametrize(("ran", "waited", "wedged"), [
+    (0.2, 2.7, False),  # starved: runnable all along, waiting for a CPU
+    (0.01, 0.01, True),  # blocked: a deadlock, a hung device sync, a hang fault's sleep
+    (2.5, 0.4, True),  # spinning: on a CPU for longer than wedged_after, no step done
+    (None, None, True),  # no scheduler account: every stuck second counts as blocked
+])
+def test_a_stuck_step_is_wedged_only_when_it_is_not_waiting_for_a_cpu(
+        workers, ran: float | None, waited: float | None, wedged: bool) -> None:
+    """A busy worker's step counter stands still 3 s (wedged_after 2 s); the engine
+    thread's scheduler account in its heartbeats tells a starved step from a stuck one."""
+    router = start(Router, workers)
+    worker = workers[0]
+    account = (None, None) if ran is None else (100.0, 50.0)
+    router._dispatch(worker.link, _wire.Heartbeat(7, True, 1, {}, *account))
+    later = (None, None) if ran is None or waited is None else (100.0 + ran, 50.0 + waited)
+    router._dispatch(worker.link, _wire.Heartbeat(7, True, 1, {}, *later))
+    slot = router._slots[worker.index]
+    stuck = router._stuck(slot, slot.progress_at + 3.0)
+    assert (stuck is not None) == wedged, stuck
+    if stuck is not None and ran is not None:
+        assert stuck["blocked_s"] == pytest.approx(3.0 - ran - (waited or 0.0), abs=1e-3)
