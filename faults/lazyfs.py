@@ -46,9 +46,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import glob
 import json
 import logging
 import os
+import posixpath
 import select
 import shutil
 import socket
@@ -837,7 +839,12 @@ class Hold:
     sees_renames = True  # a name renamed into place arms it as a created one does
 
     def __init__(self, name: str, pattern: str, count: int, max_s: float = HOLD_MAX_S,
-                 timeout: float = 10.0) -> None:
+                 timeout: float = 10.0, within: str = "") -> None:
+        # ``within``: the trigger's root is this folder of the mount; ``pattern`` and the
+        # paths :meth:`held` gives are relative to it.
+        self._within = within.strip("/")
+        if self._within:
+            pattern = f"{glob.escape(self._within)}/{pattern}"
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._buffer = b""
         self._held: Held | None = None
@@ -895,11 +902,15 @@ class Hold:
 
     def _heard(self, message: dict[str, Any]) -> None:
         if isinstance(held := message.get("held"), dict):
-            self._held = Held(str(held["match"]), str(held["path"]), int(held["pid"]),
-                              time.monotonic())
+            self._held = Held(self._rel(str(held["match"])), self._rel(str(held["path"])),
+                              int(held["pid"]), time.monotonic())
         elif isinstance(message.get("expired"), dict):
             self._held = None
             self.expired = message["expired"]
+
+    def _rel(self, path: str) -> str:
+        """``path`` (relative to the mount) relative to the trigger's root."""
+        return posixpath.relpath(path, self._within) if self._within else path
 
     def settle(self, asked: list[tuple[int, str, str, int, float]], decide: Any) -> None:
         """Nothing to decide: the filesystem holds its count-th match itself."""

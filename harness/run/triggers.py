@@ -10,7 +10,8 @@ reads that the file appeared, and a fault "inside the save" lands after it. So a
 trigger also holds the job: on an ordinary folder through fanotify permission events
 (faults/_fanotify.py): the k-th match fires at the first open of it, or of anything in it
 (a folder), and that open waits in the kernel until the fault is in. On the run's own lazy
-filesystem (storage.lose_unsynced) the filesystem holds it (``lazyfs.Hold``): the job's next
+filesystem (storage.lose_unsynced), for a root at its mount or in a folder of it, the
+filesystem holds it (``lazyfs.Hold``): the job's next
 operation after the k-th name appeared, created or renamed into place, waits there. The
 fault's record says whether the job was held (``file_held``); where it could not be (no
 CAP_SYS_ADMIN, another `when:`, another filesystem the run mounted, a name renamed into place
@@ -89,6 +90,16 @@ def _lazy_source(root: Path) -> str | None:
     return source if source is not None and source.startswith(lazyfs.SOURCE_PREFIX) else None
 
 
+def _lazy_mount_above(root: Path) -> tuple[Path | None, str | None]:
+    """The run's lazy filesystem that ``root`` lies on (its mount point and name): the
+    nearest mount at or above ``root``, if it is one."""
+    for folder in (root, *root.parents):
+        if os.path.ismount(folder):
+            source = _lazy_source(folder)
+            return (folder, source) if source is not None else (None, None)
+    return None, None
+
+
 class FileTriggers:
     def __init__(self) -> None:
         self._watches: dict[int, FileWatch] = {}
@@ -112,18 +123,19 @@ class FileTriggers:
             self._unheld[index] = (f"`when: {when}` has no open to hold: watched with "
                                    "inotify only")
             return
-        if os.path.ismount(root):
-            # Never fanotify on a filesystem the run mounted: on FUSE a create's open asks
-            # while the kernel holds its folder's lock, and the harness's own look into that
-            # folder waits behind it (the likely cause of a job stalled there beside three
-            # CPU hogs). The lazy one holds the job itself.
-            source = _lazy_source(root)
-            if source is None:
-                self._unheld[index] = ("its root is a filesystem the run mounted, whose "
-                                       "opens are not held: watched with inotify only")
-                return
+        # Never fanotify on a filesystem the run mounted: on FUSE a create's open asks while
+        # the kernel holds its folder's lock, and the harness's own look into that folder
+        # waits behind it (a job stalled there beside three CPU hogs). The lazy one holds the
+        # job itself, for a root at its mount or in a folder of it.
+        mount, source = _lazy_mount_above(root)
+        if mount is None and os.path.ismount(root):
+            self._unheld[index] = ("its root is a filesystem the run mounted, whose "
+                                   "opens are not held: watched with inotify only")
+            return
+        if mount is not None and source is not None:
             try:
-                self._gates[index] = lazyfs.Hold(source, pattern, count)
+                self._gates[index] = lazyfs.Hold(source, pattern, count,
+                                                 within=root.relative_to(mount).as_posix())
             except (ConnectionError, RuntimeError, OSError, ValueError) as exc:
                 self._unheld[index] = f"{exc}; watched with inotify only"
             return

@@ -190,12 +190,18 @@ def test_a_harness_that_dies_lets_the_writer_go(mount: tuple[Path, str]) -> None
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.parametrize("within", ["", "work/[x]"], ids=["at-the-mount", "in-a-folder"])
 def test_a_created_trigger_on_the_lazy_mount_is_held_by_the_filesystem(
-    mount: tuple[Path, str],
+    mount: tuple[Path, str], within: str,
 ) -> None:
-    """The file trigger chooses the filesystem's hold on the run's lazy mount: the k-th
-    match is reached while the writer waits, and its record says the job was held."""
+    """The file trigger chooses the filesystem's hold on the run's lazy mount, whether its
+    root is the mount or a folder in it (whose name has a glob character): the k-th match
+    is reached while the writer waits, and its record says the job was held, with paths
+    relative to the root."""
     folder, _ = mount
+    if within:
+        folder = folder / within
+        folder.mkdir(parents=True)
     triggers = FileTriggers()
     triggers.watch(0, folder, "step_*/rank_0.pt", "created", count=2)
     assert isinstance(triggers._gates[0], lazyfs.Hold)
