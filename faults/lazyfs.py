@@ -906,7 +906,8 @@ class Hold:
                               int(held["pid"]), time.monotonic())
         elif isinstance(message.get("expired"), dict):
             self._held = None
-            self.expired = message["expired"]
+            self.expired = dict(message["expired"])
+            self.expired["match"] = self._rel(str(self.expired.get("match", "")))
 
     def _rel(self, path: str) -> str:
         """``path`` (relative to the mount) relative to the trigger's root."""

@@ -134,7 +134,7 @@ class FileTriggers:
             return
         if mount is not None and source is not None:
             try:
-                self._gates[index] = lazyfs.Hold(source, pattern, count,
+                self._gates[index] = lazyfs.Hold(source, pattern, count, lazyfs.HOLD_MAX_S,
                                                  within=root.relative_to(mount).as_posix())
             except (ConnectionError, RuntimeError, OSError, ValueError) as exc:
                 self._unheld[index] = f"{exc}; watched with inotify only"
@@ -229,6 +229,12 @@ class FileTriggers:
         held = gate.held() if gate is not None else None
         if held is not None:
             return {"file_held": True, "held_open": held.path, "held_pid": held.pid}
+        expired = getattr(gate, "expired", None)
+        if isinstance(expired, dict):
+            return {"file_held": False, "file_held_why": (
+                f"the lazy filesystem held the job after {expired.get('match')} appeared for "
+                f"{expired.get('after_s')} s, its bound, and let it go before the fault was "
+                "in: the harness was late (a starved machine?); it fired unheld")}
         why = self._unheld.get(index) or (
             f"its match was not opened within {OPEN_WAIT_S:g} s of appearing (a name renamed "
             "into place, or a folder filled before its mark was in): fired on inotify alone")

@@ -221,3 +221,32 @@ def test_a_created_trigger_on_the_lazy_mount_is_held_by_the_filesystem(
         assert lines(writer) == [f"saved {i}" for i in range(4)]
     finally:
         triggers.close()
+
+
+@pytest.mark.timeout(90)
+def test_a_trigger_whose_hold_ran_out_says_so(mount: tuple[Path, str],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A harness too late to use its hold (here it never releases it): the hold ends at
+    its bound, the job goes on, and the fault's record says the job was not held and why."""
+    folder, _ = mount
+    monkeypatch.setattr(lazyfs, "HOLD_MAX_S", 1.0)
+    triggers = FileTriggers()
+    triggers.watch(0, folder, "step_*/rank_0.pt", "created", count=1)
+    writer = start_writer(folder, "create", n=2)
+    try:
+        deadline = time.monotonic() + 20
+        while triggers.hits().get(0, 0) < 1 and time.monotonic() < deadline:
+            triggers.poll()
+            triggers.wait(0.05)
+        assert triggers.landing(0)["file_held"] is True
+        assert lines(writer) == ["saved 0", "saved 1"]  # let go by the bound, not by us
+        gate = triggers._gates[0]
+        while getattr(gate, "expired", None) is None and time.monotonic() < deadline:
+            triggers.poll()
+            triggers.wait(0.05)
+        landing = triggers.landing(0)
+        assert landing["file_held"] is False
+        assert "step_0/rank_0.pt" in landing["file_held_why"]
+        assert "its bound" in landing["file_held_why"]
+    finally:
+        triggers.close()
