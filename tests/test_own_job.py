@@ -370,3 +370,47 @@ expect: {{completes: true}}
     assert row.pid == started[-1]["pid"]
     assert row.generation == 1
     assert row.status.plain == "exited 0"
+
+
+# ---------------------------------------------------------------- files from before the launch
+
+APPENDER = """\
+import os, sys
+path, mode, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+os.makedirs(os.path.dirname(path), exist_ok=True)
+with open(path, mode, buffering=1) as log:
+    for step in range(steps):
+        log.write(f"epoch {step} loss 0.5\\n")
+"""
+
+
+@pytest.mark.parametrize("where", ["run-folder", "elsewhere"])
+@pytest.mark.parametrize("mode", ["a", "w"])
+def test_lines_written_before_the_launch_are_not_this_runs(
+        tmp_path: Path, where: str, mode: str) -> None:
+    """A log file a `logs:` glob matches that was there before the launch (a reused run
+    folder's torchrun/ logs, a server's log that persists) holds an earlier run's lines:
+    they are never read as this run's. Lines appended after the launch are, and so is a
+    file the job rewrites from its start."""
+    (tmp_path / "appender.py").write_text(APPENDER)
+    log = ("${run_dir}/ranks/attempt_0/0/stdout.log" if where == "run-folder"
+           else str(tmp_path / "var" / "job.log"))
+
+    def run_with(steps: int) -> list[int]:
+        path = tmp_path / f"appender-{steps}.yaml"
+        path.write_text(f"""\
+name: appender
+system:
+  command: [{sys.executable}, {tmp_path / 'appender.py'}, '{log}', '{mode}', '{steps}']
+  logs: ['{log}']
+  probes: [{{pattern: 'epoch (?P<step>\\d+) loss', event: step, stream: logs}}]
+expect: {{completes: true}}
+""")
+        run_dir = tmp_path / "run"
+        assert run_scenario(load_scenario(path), run_dir=run_dir).passed
+        lines = (run_dir / "events.jsonl").read_text().splitlines()
+        return [e["step"] for e in map(json.loads, lines) if e["event"] == "step"]
+
+    assert run_with(5) == [0, 1, 2, 3, 4]
+    assert run_with(0) == []  # the same folder again: the first run's lines stay its own
+    assert run_with(2) == [0, 1]  # appended after them, or the file rewritten from its start

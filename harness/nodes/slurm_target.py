@@ -46,6 +46,7 @@ from aftershock.harness.run.target import (
     Launch,
     Teardown,
     _Tailer,
+    files_before,
     interpreter_bin,
     read_file_line,
 )
@@ -131,6 +132,7 @@ class SlurmTarget:
         script.chmod(0o755)
         argv = ["sbatch", "--parsable", f"--job-name={self.name}",
                 f"--chdir={self.launch.cwd}", *getattr(self.launch, "sbatch", ()), str(script)]
+        before = files_before(self.launch.tails)
         self._submitted = True
         done = subprocess.run(argv, capture_output=True, text=True, env=self.env(),
                               timeout=slurm.CALL_TIMEOUT_S)
@@ -142,7 +144,7 @@ class SlurmTarget:
         if self.launch.tails:
             self._tailer = _Tailer(self.launch.tails, self._on_line(),
                                    self.run_dir / "logs" / TAILED_TIMES,
-                                   self._file_appeared, self.timeline.room)
+                                   self._file_appeared, self.timeline.room, before)
             self._tailer.start()
 
     def _write_files(self) -> None:

@@ -28,13 +28,14 @@ import os
 import select
 import shutil
 import signal
+import stat
 import struct
 import subprocess
 import sys
 import termios
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, ClassVar, Protocol
@@ -316,6 +317,19 @@ class _LogPump:
             self._on_line(raw, read_t)
 
 
+def files_before(patterns: Sequence[str]) -> dict[str, tuple[int, int, int]]:
+    """The regular files ``patterns`` match now, before a launch: each one's device, inode
+    and size (:class:`_Tailer` reads none of what they hold now)."""
+    found: dict[str, tuple[int, int, int]] = {}
+    for pattern in patterns:
+        for path in glob.glob(pattern, recursive=True):
+            with contextlib.suppress(OSError):
+                info = os.lstat(path)
+                if stat.S_ISREG(info.st_mode):
+                    found[path] = (info.st_dev, info.st_ino, info.st_size)
+    return found
+
+
 class _Tailer:
     """Follows per-process log files (torchrun's ``--log-dir``/``--redirects`` files) as
     they appear and grow, and feeds each whole line to the log probes, stamped when it is
@@ -329,9 +343,14 @@ class _Tailer:
                  on_line: Callable[[str, bytes, float], None],
                  times: Path | None = None,
                  on_appear: Callable[[str, float | None], None] | None = None,
-                 room: Room | None = None) -> None:
+                 room: Room | None = None,
+                 before: Mapping[str, tuple[int, int, int]] | None = None) -> None:
         self.patterns = patterns
         self._on_line = on_line
+        # The files the patterns matched before the launch (:func:`files_before`): what they
+        # held then is an earlier run's (a reused run folder, a log that persists), so each
+        # is read from where it ended then, unless it was replaced or cut short since.
+        self._before = dict(before or {})
         # Each new file, with when it was last seen absent: the start of the previous pass,
         # whose look would have found it had it existed (None at the first pass). Every line
         # in it was written later, by a writer that had not yet opened it.
@@ -378,7 +397,8 @@ class _Tailer:
         began = time.monotonic()
         for pattern in self.patterns:
             for path in sorted(glob.glob(pattern, recursive=True)):
-                if path not in self._files and self._on_appear is not None:
+                if path not in self._files and self._on_appear is not None and (
+                        path not in self._before):
                     with contextlib.suppress(Exception):
                         self._on_appear(path, self._last_pass)
                 offset, partial, start = self._files.setdefault(path, (0, bytearray(), 0))
@@ -388,10 +408,18 @@ class _Tailer:
                     with _files.open_regular(Path(path)) as handle:
                         if handle is None:
                             continue
+                        now = os.fstat(handle.fileno())
+                        then = self._before.pop(path, None)
+                        if then is not None and then[:2] == (now.st_dev, now.st_ino):
+                            offset = start = then[2]  # the earlier run's lines: not read
+                        if now.st_size < offset:  # rewritten from its start (or cut short)
+                            offset = start = 0
+                            partial.clear()
                         handle.seek(offset)
                         chunk = handle.read(1 << 20)
                 except OSError:
                     continue
+                self._files[path] = (offset, partial, start)
                 if not chunk:
                     continue
                 # Where each whole line began: the partial one's start, then past each newline
@@ -532,6 +560,7 @@ class LocalTarget:
                               f"{str(cwd)!r} does not exist")
         env = self.env()
         program = self._program(env)
+        before = files_before(self.launch.tails)
         if self.cgroup is not None:
             try:
                 self.cgroup.mkdir()
@@ -571,7 +600,7 @@ class LocalTarget:
         if self.launch.tails:
             self._tailer = _Tailer(self.launch.tails, self._file_line_handler(),
                                    self._logs / TAILED_TIMES, self._file_appeared,
-                                   self.timeline.room)
+                                   self.timeline.room, before)
             self._tailer.start()
 
     def _file_appeared(self, path: str, absent_at: float | None) -> None:
