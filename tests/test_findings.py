@@ -196,8 +196,13 @@ def test_a_kill_inside_the_save_leaves_a_snapshot_no_restart_can_load(
     errors = attempts(run_dir, "stderr.log")
     restarted = {key: text for key, text in errors.items() if key[0] >= 1}
     assert {attempt for attempt, _ in restarted} == {1, 2, 3}  # --max-restarts=3, all spent
-    for key, text in restarted.items():
-        assert "in _load_snapshot" in text, (key, text[-2000:])
+    # Each restart ended in the load: the rank that died first died in it. Not every rank:
+    # torchrun stops the others then, and on a busy machine one may not have got that far
+    # (an empty stderr.log, seen beside three CPU hogs).
+    for attempt in (1, 2, 3):
+        texts = [text for (a, _), text in restarted.items() if a == attempt]
+        assert any("in _load_snapshot" in text for text in texts), (
+            attempt, [text[-2000:] for text in texts])
 
 
 @slow
