@@ -224,6 +224,8 @@ before = time.monotonic()
 (folder / "attempt_1" / "0" / "stdout.log").write_text("step 2\\n")
 after = time.monotonic()
 (folder / "created.txt").write_text(f"{before} {after}")
+with open(folder / "before" / "stdout.log", "a") as early:  # a file there before the launch
+    early.write("step 3\\n")
 time.sleep(0.3)
 """
 
@@ -235,7 +237,7 @@ def test_the_tailer_records_when_each_log_file_was_last_seen_absent(tmp_path: Pa
     from aftershock.harness.scenario.spec import LogProbe
 
     logs = tmp_path / "logs"
-    early = logs / "before" / "stdout.log"  # there before the job starts
+    early = logs / "before" / "stdout.log"  # there before the job starts: an earlier run's
     early.parent.mkdir(parents=True)
     early.write_text("step 0\n")
     probe = LogProbe(pattern=r"step (?P<step>\d+)", event="step")
@@ -251,7 +253,7 @@ def test_the_tailer_records_when_each_log_file_was_last_seen_absent(tmp_path: Pa
     timeline.close()
     events = read_events(run_dir / "events.jsonl")
     seen = {e.fields["path"]: e for e in events if e.event == "log_appeared"}
-    assert seen[str(early)].fields["absent_at"] is None  # found at the first look
+    assert str(early) not in seen  # it did not appear: it was there before the launch
     before, after = map(float, (logs / "created.txt").read_text().split())
     late = seen[str(logs / "attempt_1" / "0" / "stdout.log")]
     # Absent at a moment before it was created (its look did not find it), found after.
@@ -261,4 +263,7 @@ def test_the_tailer_records_when_each_log_file_was_last_seen_absent(tmp_path: Pa
     # Its line is proven written after that moment; the early file's lines are not.
     by_step = {c.step: c for c in metrics.Reading.of(events).commits}
     assert by_step[2].written_after == late.fields["absent_at"]
-    assert by_step[0].written_after is None
+    # What the early file held before the launch is an earlier run's: not read. What the
+    # job appended to it is, proven written after nothing (the file was there all along).
+    assert 0 not in by_step
+    assert by_step[3].written_after is None
