@@ -111,3 +111,30 @@ def test_the_scenario_format_guards_the_check() -> None:
     with pytest.raises(SpecError, match="needs a training system"):
         parse_scenario("name: x\nsystem: {reference: server}\n" + fault
                        + "expect: {checkpoint_durable: true}\n")
+
+
+def test_a_resume_from_a_checkpoint_saved_again_after_the_fault_proves_nothing() -> None:
+    """Seen on a loaded CI machine with PyTorch's DDP tutorial: the power loss took its
+    snapshot, every rank started over (no resume) and saved epochs 0 and 5 again; a later
+    failure then restarted it "from snapshot at Epoch 5", the new one. That resume passed
+    the check, though the snapshot saved before the fault was lost."""
+    before = [ev(1.0, "checkpoint_saved", 0, step=0), ev(2.0, "checkpoint_saved", 0, step=5)]
+    fault = ev(2.5, "fault_injected", kind="storage.lose_unsynced")
+    again = [ev(4.0, "checkpoint_saved", 0, step=0), ev(5.0, "checkpoint_saved", 0, step=5)]
+    result = check([*before, fault, *again, ev(7.0, "checkpoint_loaded", 0, step=5),
+                    ev(7.0, "checkpoint_loaded", 1, step=5)])
+    assert not result.passed, result
+    assert "rank 0 saved step 0 again, before any resume" in result.message
+    assert "it started over" in result.message
+    # The same step saved again with nothing older: not proof of a loss, nor of survival.
+    result = check([*before, fault, again[1], ev(7.0, "checkpoint_loaded", 0, step=5)])
+    assert not result.passed, result
+    assert result.message.startswith("not observed: 2.50s after the fault")
+    # A resume first, then the same step saved again (a save on resume): that passes.
+    assert check([*before, fault, ev(3.0, "checkpoint_loaded", 0, step=5), again[1]]).passed
+    # A peer's report of the same save, read just after the fault, is no save again.
+    assert check([*before, fault, ev(2.6, "checkpoint_saved", 1, step=5),
+                  ev(7.0, "checkpoint_loaded", 0, step=5)]).passed
+    # A new step saved after the fault (a save in flight) is no step trained again.
+    assert check([*before, fault, ev(2.6, "checkpoint_saved", 0, step=10),
+                  ev(7.0, "checkpoint_loaded", 0, step=10)]).passed

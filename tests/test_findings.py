@@ -160,15 +160,21 @@ def test_a_snapshot_reported_saved_does_not_survive_a_power_loss(
         assert min(loaded) >= 5, loaded  # the snapshot of epoch 5, or newer
         return
     # It said "Epoch 5 | Training snapshot saved", lost power, and started over from
-    # nothing: no snapshot was left to resume from.
+    # nothing: no snapshot was left to resume from. (On a loaded CI machine a later crash
+    # once restarted it again, "from snapshot at Epoch 5", the one saved after the loss:
+    # that resume must not pass the check either.)
+    said = {c["name"]: c["message"] for c in record["checks"]}
+    why = json.dumps({"checks": said, "faults": record["faults"], "loaded": loaded}, indent=1)
     assert checks(record) == {"completes": True, "faults_injected": True,
-                              "checkpoint_durable": False}
-    assert loaded == []
-    restarted = [text for (attempt, _), text in attempts(run_dir, "stdout.log").items()
-                 if attempt >= 1]
+                              "checkpoint_durable": False}, why
+    logs = attempts(run_dir, "stdout.log")
+    restarted = [text for (attempt, _), text in logs.items() if attempt == 1]
     assert restarted, "no restart after the power loss"
     for text in restarted:
         assert re.match(r"\[GPU\d\] Epoch 0 \|", text), text[:200]
+    if loaded:  # only after another restart, from what was saved after the loss
+        assert max(attempt for attempt, _ in logs) >= 2, why
+        assert "saved step 0 again" in said["checkpoint_durable"], why
 
 
 @slow

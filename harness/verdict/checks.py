@@ -706,6 +706,8 @@ def _checkpoint_durable(events: Sequence[Event]) -> CheckResult:
                            "not observed: the system reported no checkpoint saved before the "
                            "fault, so none had to survive it")
     loads = [e for e in _with_step(events, contract.CHECKPOINT_LOADED) if e.t > fault.t]
+    if (redone := _saved_again(events, loads)) is not None:
+        return redone
     if not loads:
         last = max(step for _, step in saved)
         return CheckResult(name, False, "no resume", f"resume from step >= {last}, none "
@@ -713,6 +715,45 @@ def _checkpoint_durable(events: Sequence[Event]) -> CheckResult:
                            "checkpoint_loaded after the fault (it started over, or never "
                            "restarted)")
     return _resumes_kept(events, fault, loads, saves)
+
+
+def _saved_again(events: Sequence[Event], loads: Sequence[Event]) -> CheckResult | None:
+    """A fault after which a rank reported saving a step it had itself reported saved before
+    the fault, with no resume between (within the fault's window, up to the next fault): it
+    trained that step again, so it did not resume from what it had saved. Any later resume
+    (after another failure) may be from the new save, which proves nothing of the old one:
+    a run that started over from nothing after a power loss, saved again and crashed again
+    once resumed "from step 5" and passed. The same rank's own report, not any rank's: a
+    peer's report of the same save may come (or be read) just after the fault."""
+    saves = _with_step(events, contract.CHECKPOINT_SAVED)
+    faults = sorted(e.t for e in events if e.event == contract.FAULT_INJECTED)
+    for k, at in enumerate(faults):
+        end = faults[k + 1] if k + 1 < len(faults) else float("inf")
+        before = {(e.rank, e.fields["step"]) for e in saves if e.t < at}
+        if not before:
+            continue
+        owed = max(step for _, step in before)
+        resumed = min((e.t for e in loads if at < e.t < end), default=end)
+        again = [e for e in saves if at < e.t < resumed and (e.rank, e.fields["step"]) in before]
+        if not again:
+            continue
+        first = min(again, key=lambda e: e.t)
+        step, after = first.fields["step"], first.t - at
+        who = f"rank {first.rank}" if first.rank is not None else "the system"
+        observed = f"saved step {step} again"
+        expected = f"resume from step >= {owed}, none rejected"
+        if step < owed:
+            return CheckResult(
+                "checkpoint_durable", False, observed, expected,
+                f"{after:.2f}s after the fault {who} saved step {step} again, before any "
+                f"resume: it trained from older than step {owed}, which it had reported saved "
+                "before the fault, so that checkpoint did not survive (it started over)")
+        return CheckResult(
+            "checkpoint_durable", False, observed, expected,
+            f"not observed: {after:.2f}s after the fault {who} saved step {step} again before "
+            "reporting any resume, so a later resume may be from that new save; nothing shows "
+            "the one saved before the fault survived")
+    return None
 
 
 def _with_step(events: Sequence[Event], kind: str) -> list[Event]:
