@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
+
+from aftershock.harness.errors import SpecError
 from aftershock.harness.run.schedule import Progress, Schedule
 from aftershock.harness.scenario.load import parse_scenario
 from aftershock.harness.scenario.spec import in_process
@@ -123,3 +126,24 @@ def test_give_up_ends_a_fault_and_it_does_not_count_as_never_reached() -> None:
     s.give_up(0)
     assert s.due(at(1.0, step=50)) == []
     assert s.never_fired() == [1]
+
+
+def test_a_trigger_with_after_waits_for_that_event_too() -> None:
+    """``after``: the spare's hello came after step 20 (a loaded machine); the kill waits
+    for it and lands at the first moment both hold, not at step 20 on a job without it."""
+    s = schedule(KILL + "at: {step: 20, after: {event: hello, role: spare}}}",
+                 KILL + "at: {time: 1s, after: {event: checkpoint_saved, count: 2}}}")
+
+    def p(now: float, step: int, hellos: int, saves: int) -> Progress:
+        return Progress(now=now, elapsed=now, max_step=step, awaited={0: hellos, 1: saves})
+
+    assert s.due(p(2.0, 25, 0, 1)) == []  # past step 20 and 1 s, neither event yet
+    assert s.due(p(2.1, 26, 1, 1)) == [0]
+    assert s.due(p(2.2, 27, 1, 2)) == [0, 1]
+    s.fired(0, p(2.2, 27, 1, 2))
+    assert s.never_fired() == [1]
+
+
+def test_after_is_refused_on_a_file_trigger() -> None:
+    with pytest.raises(SpecError, match="`after` works with `step`, `time` or `event`"):
+        schedule(KILL + "at: {file: 'step_*', after: {event: hello}}}")

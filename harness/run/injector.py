@@ -181,12 +181,19 @@ class Injector:
         self.records.append(FaultRecord(spec.kind, spec.target.describe(), None, None,
                                         f"could not be applied: {reason}", index))
 
-    def unreached(self, index: int, repetition: tuple[int, int] | None = None) -> None:
-        """Fault ``index`` never fired; ``repetition`` (k, of n): its k-th repetition."""
+    def unreached(self, index: int, repetition: tuple[int, int] | None = None, *,
+                  awaited: int = 0) -> None:
+        """Fault ``index`` never fired; ``repetition`` (k, of n): its k-th repetition;
+        ``awaited``: how often the event its ``at: {after}`` waits for was seen."""
         spec = self._faults[index]
+        after = getattr(spec.at, "after", None)
         if repetition is not None:
             k, n = repetition
             detail = f"repetition {k} of {n} never came: the run ended first"
+        elif after is not None and awaited < after.count:
+            detail = (f"trigger {spec.at.describe()} not reached: the system reported "
+                      f"{after.describe()} {awaited} of {after.count} time(s), so the state "
+                      "the fault is meant for was never observed")
         else:
             detail = (f"trigger {spec.at.describe()} not reached, or the target never "
                       "appeared")

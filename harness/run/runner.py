@@ -18,7 +18,7 @@ import tempfile
 import time
 import traceback
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
@@ -239,7 +239,7 @@ def execute(
     # A writer found the disk full after the loop's last look (the job's last lines): what
     # was recorded is not whole, so the run is not judged.
     timeline.room.check()
-    _note_unreached(schedule, injector)
+    _note_unreached(schedule, injector, loop.awaited)
     # Judged only whole: a line that is not an event (a fault or a writer that touched the
     # timeline) raises DamagedTimeline, a harness error (exit 3), instead of metrics from
     # what was left; the harness's run_end closed it, so not even a torn last line is fine.
@@ -282,10 +282,12 @@ def _stop_all(spec: Scenario, loop: _Loop, target: Target, injector: Injector,
     return errors, teardown
 
 
-def _note_unreached(schedule: Schedule, injector: Injector) -> None:
-    """Record each fault that never fired, and each repeat that did not all happen."""
+def _note_unreached(schedule: Schedule, injector: Injector, awaited: Mapping[int, int]
+                    ) -> None:
+    """Record each fault that never fired, and each repeat that did not all happen;
+    ``awaited``: how often each fault's ``at: {after}`` event was seen."""
     for index in schedule.never_fired():
-        injector.unreached(index)
+        injector.unreached(index, awaited=awaited.get(index, 0))
     for index, k, n in schedule.missing_repeats():
         injector.unreached(index, (k, n))
 
@@ -387,6 +389,10 @@ class _Loop:
         self.max_step = -1
         self.first_step: int | None = None  # the first committed step the run showed
         self.seen: dict[str, int] = {}  # event name -> occurrences, for `at: {event}` triggers
+        # fault -> the system's events matching its `at: {after}` so far
+        self.awaited: dict[int, int] = {}
+        self._after = [(i, f.at.after) for i, f in enumerate(faults_)
+                       if getattr(f.at, "after", None) is not None]
 
     def run(self) -> None:
         while True:
@@ -401,7 +407,8 @@ class _Loop:
             for ev in self.timeline.poll():
                 self._read(ev)
             progress = Progress(now=now, elapsed=now - self.t0, max_step=self.max_step,
-                                seen=self.seen, file_hits=self.triggers.hits())
+                                seen=self.seen, file_hits=self.triggers.hits(),
+                                awaited=self.awaited)
             for index in self.schedule.due(progress):
                 if self._apply(index):
                     self.schedule.fired(index, progress)
@@ -414,6 +421,9 @@ class _Loop:
     def _read(self, ev: Event) -> None:
         if ev.source != "harness":
             self.seen[ev.event] = self.seen.get(ev.event, 0) + 1
+            for index, after in self._after:
+                if after.matches(ev.event, ev.rank, ev.fields.get("role")):
+                    self.awaited[index] = self.awaited.get(index, 0) + 1
             self.injector.observe(ev)
         if ev.event == contract.STEP and isinstance(ev.fields.get("step"), int):
             self.max_step = max(self.max_step, ev.fields["step"])

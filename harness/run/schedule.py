@@ -33,6 +33,8 @@ class Progress:
     max_step: int = -1  # the highest committed step seen; -1 before the first
     seen: Mapping[str, int] = field(default_factory=dict)  # event -> occurrences (the system's)
     file_hits: Mapping[int, int] = field(default_factory=dict)  # fault -> matches (watched only)
+    # fault -> events matching its `at.after` so far (faults with one only)
+    awaited: Mapping[int, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -73,6 +75,9 @@ class Schedule:
             return ((state.next_step is not None and p.max_step >= state.next_step)
                     or (state.next_time is not None and p.now >= state.next_time))
         at = self._faults[index].at
+        after = getattr(at, "after", None)
+        if after is not None and p.awaited.get(index, 0) < after.count:
+            return False  # the state the fault is meant for is not there yet
         if at.step is not None:
             return self._inside[index] or p.max_step >= int(at.step)
         if at.time is not None:

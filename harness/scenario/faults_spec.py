@@ -150,11 +150,38 @@ FileWhen = Literal["created", "opened", "modified", "closed", "deleted"]
 WINDOWED: tuple[str, ...] = ("created", "opened", "modified")
 
 
+class Awaited(_Strict):
+    """``at: {step: 20, after: {event: hello, role: spare}}``: a timeline event the system
+    must have reported (its k-th occurrence, optionally one rank's or one role's) before the
+    fault may fire. The fault then fires at the first moment both hold, so it hits the state
+    the scenario means to test however slowly a loaded machine brings the system there; if
+    the event never comes, the fault never fires and `faults_injected` says what it waited
+    for."""
+
+    event: str = Field(pattern=r"^[a-z_]+$", description="a timeline event, e.g. hello")
+    rank: int | None = Field(None, ge=0, lt=MAX_WORLD,
+                             description="only this rank's event (its `rank` field)")
+    role: str | None = Field(None, pattern=r"^[a-z_]+$",
+                             description="only events with this `role` field (a warm spare's "
+                             "hello says role: spare)")
+    count: int = Field(1, ge=1, le=MAX_STEPS, description="its k-th occurrence")
+
+    def matches(self, event: str, rank: int | None, role: Any) -> bool:
+        return (event == self.event and (self.rank is None or rank == self.rank)
+                and (self.role is None or role == self.role))
+
+    def describe(self) -> str:
+        who = [f"rank {self.rank}" if self.rank is not None else "",
+               f"role {self.role}" if self.role is not None else ""]
+        return (self.event + "".join(f" of {w}" for w in who if w)
+                + (f" #{self.count}" if self.count > 1 else ""))
+
+
 class At(_Strict):
     """When a fault fires: once step N is committed (optionally at a phase of that step,
     for in-process faults), at a time after launch, on the k-th timeline event of a kind, or
     on the k-th time a file matching a glob is created, opened for writing, modified, closed or
-    deleted."""
+    deleted; with ``after``, not before the system has also reported a given event."""
 
     step: int | None = Field(None, ge=0, le=MAX_STEPS)
     phase: Phase | None = Field(
@@ -183,6 +210,10 @@ class At(_Strict):
     )
     count: int = Field(1, ge=1, le=MAX_STEPS,
                        description="with `event` or `file`: fire on its k-th occurrence")
+    after: Awaited | None = Field(
+        None, description="with `step`, `time` or `event`: not before the system has reported "
+        "this event too (e.g. {event: hello, role: spare}: a warm spare is up); the fault "
+        "fires at the first moment both hold")
 
     @field_validator("file")
     @classmethod
@@ -203,17 +234,23 @@ class At(_Strict):
             raise ValueError("`phase` needs `step`")
         if "when" in self.model_fields_set and self.file is None:
             raise ValueError("`when` needs `file`")
+        if self.after is not None and self.file is not None:
+            # A file trigger is decided by the watch itself (as root, the job's open waits
+            # for it), before the harness could know whether the event came.
+            raise ValueError("`after` works with `step`, `time` or `event`, not `file`")
         return self
 
     def describe(self) -> str:
+        after = f" after {self.after.describe()}" if self.after is not None else ""
         if self.step is not None:
-            return f"step {self.step}" + (f" {self.phase}" if self.phase else "")
+            return f"step {self.step}" + (f" {self.phase}" if self.phase else "") + after
         if self.event is not None:
-            return f"event {self.event}" + (f" #{self.count}" if self.count > 1 else "")
+            return (f"event {self.event}" + (f" #{self.count}" if self.count > 1 else "")
+                    + after)
         if self.file is not None:
             return f"file {self.file} {self.when}" + (f" #{self.count}" if self.count > 1 else "")
         assert self.time is not None
-        return f"t+{self.time.total_seconds():g}s"
+        return f"t+{self.time.total_seconds():g}s" + after
 
 
 class Every(_Strict):
