@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from _helpers import ROOT, cli, read_events
 
+from aftershock import faults
 from aftershock.faults import FaultUnavailable
 from aftershock.faults._fanotify import Gate
 from aftershock.faults._fanotify import available as fanotify_available
@@ -176,13 +177,28 @@ def test_a_fast_save_over_a_file_is_judged_by_what_the_file_was(tmp_path: Path) 
         assert "missed its window" in message
 
 
-def test_an_open_for_writing_is_told_by_who_holds_the_file(tmp_path: Path) -> None:
+@pytest.mark.parametrize("slow_look", [False, True], ids=["quick", "slow-look"])
+def test_an_open_for_writing_is_told_by_who_holds_the_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, slow_look: bool) -> None:
     """A save that rewrites its file in place changes nothing on open: only a process of the
-    run seen holding it for writing says the open was a save's, before its first write."""
+    run seen holding it for writing says the open was a save's, before its first write.
+    slow-look: the harness takes 2 s between its look at the file and the kill, as a loaded
+    machine once made it (CI at stop 57): the save finished in between, and the record still
+    said the kill came while the file was open. The kill's target is stopped for the look."""
+    if slow_look:
+        look = faults.file_writers
+
+        def slow(*args: Any, **kwargs: Any) -> Any:
+            found = look(*args, **kwargs)
+            time.sleep(2.0)  # longer than what is left of the save (8 writes, 0.2 s apart)
+            return found
+
+        monkeypatch.setattr(faults, "file_writers", slow)
     run_dir, checks = save_over(tmp_path, "opened", chunks=8, pause=0.2, mode="r+b")
     (hit,) = read_events(run_dir / "events.jsonl", "fault_injected")
     assert hit["file_open"] is True
     assert hit["file_writers"] == [hit["pid"]]
+    assert hit["file_looked_stopped"] is True
     snapshot = (run_dir / "out" / "snapshot.pt").read_bytes()
     assert len(snapshot) == 8 * 1024
     assert snapshot.count(2) < 8 * 1024  # the first save's bytes remain: torn

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 import re
+import signal
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -76,6 +77,23 @@ class _Chosen:
     ranks: dict[int, ProcessRef]
     chosen: list[int]
     label: str | None
+
+
+#: How long a kill's targets may take to stop (SIGSTOP) before the look at its file: a
+#: process inside a write stops when the write returns.
+STOP_WAIT_S = 2.0
+
+
+def _stop_for_the_look(refs: Sequence[ProcessRef]) -> list[ProcessRef]:
+    """SIGSTOP ``refs`` and wait (STOP_WAIT_S at most) until each is stopped: from then on
+    none writes, so what the harness reads of a file is what the kill that follows finds.
+    The ones signalled (the caller continues them: a process the kill missed runs on)."""
+    sent = [ref for ref in refs if ref.signal(signal.SIGSTOP)]
+    deadline = time.monotonic() + STOP_WAIT_S
+    while any(ref.alive() and not ref.stopped() for ref in sent) and (
+            time.monotonic() < deadline):
+        time.sleep(0.001)
+    return sent
 
 
 def _injected_fields(ranks: Mapping[int, ProcessRef], group: list[int], label: str | None,
@@ -394,19 +412,8 @@ class Injector:
                     params = resolve(params, self._published.get(rank, {}))
                 except ValueError as exc:
                     raise ValueError(f"rank {rank} {exc}") from None
-            # What the file was at the fault's moment, read just before it is sent: a kill
-            # closes the writer's descriptors, so afterwards nothing would say it was open.
-            state = self._file_state(index, file) if file is not None else None
-            if state is not None and landing:
-                state.update(landing)
-            # The fault's moment is when applying it began: `ss -K` or a tmpfs copy take
-            # long enough that the system can notice before inject() returns.
-            began = time.monotonic()
-            if together:
-                assert isinstance(kind, faults.GroupKind)
-                applied = kind.inject_group([ranks[r] for r in group], params, self._journal)
-            else:
-                applied = kind.inject(ranks[rank], params, self._journal)
+            applied, state, began = self._look_and_apply(
+                index, [ranks[r] for r in group], params, file, landing, together=together)
             fields = _injected_fields(ranks, group, label, file, state)
             ev = self._timeline.emit(
                 contract.FAULT_INJECTED, kind=spec.kind, detail=applied.detail, fault=index,
@@ -418,6 +425,38 @@ class Injector:
                 self._watched.append((ranks[r], {"pid": ranks[r].pid, "kind": spec.kind,
                                                  "fault": index, **extra}))
             self._note_applied(index, applied, ev, group, label, file, state, duration)
+
+    def _look_and_apply(self, index: int, refs: list[ProcessRef], params: dict[str, Any],
+                        file: str | None, landing: Mapping[str, Any] | None, *, together: bool
+                        ) -> tuple[faults.Applied, dict[str, Any] | None, float]:
+        """Apply fault ``index`` to ``refs`` (together, or the one), with what its trigger's
+        file was at that moment, and when applying began."""
+        spec = self._faults[index]
+        kind = faults.get(spec.kind)
+        # What the file was at the fault's moment, read just before it is sent: a kill
+        # closes the writer's descriptors, so afterwards nothing would say it was open.
+        # A kill's targets are stopped first, so the file cannot change (nor its save end)
+        # between that look and the kill however long a loaded machine makes it.
+        stopped = (_stop_for_the_look(refs)
+                   if file is not None and spec.kind == "process.kill" else [])
+        try:
+            state = self._file_state(index, file) if file is not None else None
+            if state is not None and landing:
+                state.update(landing)
+            # The fault's moment is when applying it began: `ss -K` or a tmpfs copy take
+            # long enough that the system can notice before inject() returns.
+            began = time.monotonic()
+            if together:
+                assert isinstance(kind, faults.GroupKind)
+                applied = kind.inject_group(refs, params, self._journal)
+            else:
+                applied = kind.inject(refs[0], params, self._journal)
+        finally:
+            for ref in stopped:  # killed: gone; not applied: running again
+                ref.signal(signal.SIGCONT)
+        if state is not None and stopped:
+            state["file_looked_stopped"] = True
+        return applied, state, began
 
     def _note_applied(self, index: int, applied: faults.Applied, ev: Event, group: list[int],
                       label: str | None, file: str | None, state: dict[str, Any] | None,
