@@ -51,8 +51,9 @@ def run_with(scenario: Path, bug: str, tmp_path: Path, cache: Path) -> dict[str,
 
 
 @pytest.mark.parametrize(("scenario", "bug", "says"), [
-    # Nothing reaches the disk: the restarted trainer finds no checkpoint and starts over.
-    (POWER_LOSS, "no_fsync", "reported no checkpoint_loaded after the fault"),
+    # Nothing reaches the disk: the restarted trainer finds no checkpoint, starts over and
+    # saves its first checkpoint again.
+    (POWER_LOSS, "no_fsync", "before any resume: it trained from older than step"),
     # The save cut short looks like a checkpoint; only the checksums keep it from loading.
     (KILL_ON_FILE, "no_commit_marker", "had to reject"),
 ], ids=["no_fsync", "no_commit_marker"])

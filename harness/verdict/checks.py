@@ -727,33 +727,34 @@ def _saved_again(events: Sequence[Event], loads: Sequence[Event]) -> CheckResult
     peer's report of the same save may come (or be read) just after the fault."""
     saves = _with_step(events, contract.CHECKPOINT_SAVED)
     faults = sorted(e.t for e in events if e.event == contract.FAULT_INJECTED)
-    for k, at in enumerate(faults):
-        end = faults[k + 1] if k + 1 < len(faults) else float("inf")
+    for at, end in zip(faults, [*faults[1:], float("inf")], strict=True):
         before = {(e.rank, e.fields["step"]) for e in saves if e.t < at}
-        if not before:
-            continue
-        owed = max(step for _, step in before)
         resumed = min((e.t for e in loads if at < e.t < end), default=end)
         again = [e for e in saves if at < e.t < resumed and (e.rank, e.fields["step"]) in before]
-        if not again:
-            continue
-        first = min(again, key=lambda e: e.t)
-        step, after = first.fields["step"], first.t - at
-        who = f"rank {first.rank}" if first.rank is not None else "the system"
-        observed = f"saved step {step} again"
-        expected = f"resume from step >= {owed}, none rejected"
-        if step < owed:
-            return CheckResult(
-                "checkpoint_durable", False, observed, expected,
-                f"{after:.2f}s after the fault {who} saved step {step} again, before any "
-                f"resume: it trained from older than step {owed}, which it had reported saved "
-                "before the fault, so that checkpoint did not survive (it started over)")
+        if again:
+            return _trained_again(min(again, key=lambda e: e.t), at,
+                                  max(step for _, step in before))
+    return None
+
+
+def _trained_again(save: Event, at: float, owed: int) -> CheckResult:
+    """checkpoint_durable, failed by ``save``: a step saved again after the fault at ``at``
+    before any resume, where ``owed`` was the newest step saved before it."""
+    step, after = save.fields["step"], save.t - at
+    who = f"rank {save.rank}" if save.rank is not None else "the system"
+    observed = f"saved step {step} again"
+    expected = f"resume from step >= {owed}, none rejected"
+    if step < owed:
         return CheckResult(
             "checkpoint_durable", False, observed, expected,
-            f"not observed: {after:.2f}s after the fault {who} saved step {step} again before "
-            "reporting any resume, so a later resume may be from that new save; nothing shows "
-            "the one saved before the fault survived")
-    return None
+            f"{after:.2f}s after the fault {who} saved step {step} again, before any resume: "
+            f"it trained from older than step {owed}, which it had reported saved before the "
+            "fault, so that checkpoint did not survive (it started over)")
+    return CheckResult(
+        "checkpoint_durable", False, observed, expected,
+        f"not observed: {after:.2f}s after the fault {who} saved step {step} again before "
+        "reporting any resume, so a later resume may be from that new save; nothing shows the "
+        "one saved before the fault survived")
 
 
 def _with_step(events: Sequence[Event], kind: str) -> list[Event]:
