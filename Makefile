@@ -34,18 +34,25 @@ demo: system-packages venv
 bytecode: venv
 	$(PY) -m compileall -q -j 0 aftershock harness faults reference_impl bench tests examples
 
-# Two test processes (pytest-xdist): the suite waits on real processes, signals, sockets and
-# timeouts for about half its wall time, so one process kept one of this 2-core machine's
-# cores idle (docs/benchmarks.md, "The suite's length"). TEST_WORKERS=0 runs it in one.
-TEST_WORKERS ?= 2
+# Three test processes (pytest-xdist) on a 2-core machine: the suite waits on real processes,
+# signals, sockets and timeouts for about half its wall time, so fewer leave cores idle
+# (14.5 -> 10 minutes from two to three; docs/benchmarks.md, "CI's length"). Its verdicts
+# hold beside heavier load (make test-busy). TEST_WORKERS=0 runs it in one.
+TEST_WORKERS ?= 3
 test: system-packages venv bytecode
 	$(PY) -m pytest -m "not scenarios and not explore and not explore_long and not slurm" -n $(TEST_WORKERS)
 
 # Every shipped scenario, through the CLI and the pytest plugin, with its timeline evidence,
 # and the shipped scenarios against the broken trainers they exist to catch.
 # The scenario sweep runs examples/torchft_ddp too, so it installs torchft first.
+# Two workers, as `make test`: a scenario waits on its job's steps and recoveries for much of
+# its time, and its verdicts hold beside other load (docs/metrics.md, "How starved the machine
+# was"); 46 -> 30 minutes on a 2-core machine (docs/benchmarks.md, "CI's length"). `worksteal`
+# hands a worker that ran out a test another has not started, so no long test waits behind
+# others while a worker idles. SCENARIO_WORKERS=0 runs it in one process.
+SCENARIO_WORKERS ?= 2
 test-scenarios: torchft bytecode
-	$(PY) -m pytest -m "scenarios and not long"
+	$(PY) -m pytest -m "scenarios and not long" -n $(SCENARIO_WORKERS) --dist worksteal
 
 # torchft 0.2.0 without its dependencies, so it cannot pull a CUDA build of torch over the
 # pinned CPU one; the OpenTelemetry packages it imports are installed by name.
@@ -75,8 +82,10 @@ test-slurm: slurm-cluster bytecode
 
 # aftershock explore against deliberately broken reference trainers that every shipped
 # scenario misses: each must be found and shrunk within 40 runs (tests/test_explore_broken.py).
+# Its two long searches side by side, in two workers as the sweep (EXPLORE_WORKERS=0: one).
+EXPLORE_WORKERS ?= 2
 test-explore: venv bytecode
-	$(PY) -m pytest -m explore
+	$(PY) -m pytest -m explore -n $(EXPLORE_WORKERS) --dist worksteal
 
 # The searches that take about ten minutes each (tests/test_explore_broken_recovery.py,
 # tests/test_explore_serving_broken.py).
