@@ -407,6 +407,12 @@ def _each_detected(budget: DetectBudget, found: Sequence[_metrics.FaultDetection
 def _time_to_recover(observed: float | None, limit_s: float, events: Sequence[Event] | None,
                      world: int | None) -> CheckResult:
     result = _budget("time_to_recover", observed, limit_s, "recovery")
+    if events and _metrics.is_serving(events):  # judged from the clients' requests
+        if observed is not None:
+            return result
+        why = _metrics.serving_unrecovered(events)
+        return CheckResult(result.name, False, None, result.expected,
+                           "recovery was not observed" + (f": {why}" if why else ""))
     found = _metrics.recovery(events, world) if events else None
     if observed is not None:
         if found is None or found.proof != _metrics.PROOF_WRITER_STARTED \

@@ -1029,23 +1029,46 @@ def serving_time_to_recover(records: Sequence[RequestRecord], t_fault: float | N
     after the fault never finished (the server stopped serving new work), or if no request
     was in flight (then the fault
     hit nothing a client could see, and a budget on it would pass vacuously)."""
-    if t_fault is None:
-        return None
+    return _serving_stall(records, t_fault)[0] if t_fault is not None else None
+
+
+def _serving_stall(records: Sequence[RequestRecord], t_fault: float
+                   ) -> tuple[float | None, str]:
+    """``serving_time_to_recover``, with why it is None: the first request that shows it."""
     worst: float | None = None
     for r in records:
         if r.sent >= t_fault:
-            if not r.done:
-                return None  # sent after the fault, never served whole: it never came back
+            if not r.done:  # sent after the fault, never served whole: it never came back
+                return None, f"{r.id}, sent after the fault, was never served whole"
             continue
         if r.done and r.times and r.times[-1] <= t_fault:
             continue  # finished before the fault
         points = (r.sent, *r.times)
         waits = [(b - a, b) for a, b in itertools.pairwise(points) if b > t_fault]
-        if not waits or not r.done:
-            return None  # it never streamed again, or its last wait never ended
+        if not waits:
+            return None, f"{r.id}, in flight at the fault, never got another token"
+        if not r.done:  # its last wait never ended
+            return None, (f"{r.id}, in flight at the fault, never finished "
+                          f"({len(r.tokens)} of {r.max_tokens} tokens)")
         _, resumed = max(waits)
         worst = max(worst or 0.0, resumed - t_fault)
-    return worst
+    if worst is None:
+        return None, ("no request was in flight at the fault: it hit nothing a client "
+                      "could see")
+    return worst, ""
+
+
+def serving_unrecovered(events: Sequence[Event]) -> str:
+    """Why ``serving_recovery`` is None (the first fault whose requests show it), or ""."""
+    records = requests(events)
+    faults = [e.t for e in events if e.event == contract.FAULT_INJECTED]
+    if not faults:
+        return "no fault was injected"
+    for i, t in enumerate(faults):
+        taken, why = _serving_stall(records, t)
+        if taken is None:
+            return why if len(faults) == 1 else f"fault {i + 1}: {why}"
+    return ""
 
 
 def streamed_after_faults(events: Sequence[Event]) -> bool:

@@ -500,6 +500,56 @@ def test_a_request_that_streamed_once_more_and_then_died_did_not_recover() -> No
     assert metrics.serving(finished)["time_to_recover_s"] == pytest.approx(0.5)
 
 
+RECOVER = """
+name: s
+system: {reference: server}
+faults: [{kind: process.kill, target: {role: router}, at: {time: 1s}}]
+expect:
+  time_to_recover: {max: 30s}
+"""
+
+
+def _recover(events: list[Event]) -> Any:
+    results = evaluate(parse_scenario(RECOVER).expect, outcome=Outcome(0, False, 1.0),
+                       metrics=metrics.serving(events), faults=[], digests={}, baseline=None,
+                       events=events)
+    (check,) = [r for r in results if r.name == "time_to_recover"]
+    return check
+
+
+def test_a_server_not_observed_recovering_says_which_request_shows_it() -> None:
+    # A power loss under the journal at 1.0 takes request b's only record: b never gets
+    # another token, while a streams again. The reason named a trainer's ("no step was
+    # reported after the fault"), which a server never reports.
+    start = [ev(0.0, "load_started", requests=2), ev(0.0, "request_sent", request="a"),
+             ev(0.0, "request_sent", request="b"),
+             ev(1.0, "fault_injected", "harness", kind="storage.lose_unsynced", applied_at=1.0),
+             done("a", 0.0, [0.1, 0.9, 1.5, 1.6])]
+    check = _recover([*start, _failed("b", 0.0, [0.1, 0.5])])
+    assert not check.passed
+    assert check.message.startswith("recovery was not observed"), check.message
+    assert "step" not in check.message, check.message
+    assert "b, in flight at the fault, never got another token" in check.message, check.message
+    # One more token, then it died: the wait that followed never ended.
+    check = _recover([*start, _failed("b", 0.0, [0.1, 0.5, 1.4])])
+    assert "b, in flight at the fault, never finished (3 of 4 tokens)" in check.message, \
+        check.message
+    # A request sent after the fault that never came back.
+    check = _recover([*start, done("b", 0.0, [0.1, 1.2, 1.3]),
+                      ev(1.5, "request_sent", request="c"), _failed("c", 1.5, [])])
+    assert "c, sent after the fault, was never served whole" in check.message, check.message
+    # A fault after the last request was served hit nothing a client could see.
+    late = [ev(0.0, "load_started", requests=1), ev(0.0, "request_sent", request="a"),
+            done("a", 0.0, [0.1, 0.2]),
+            ev(1.0, "fault_injected", "harness", kind="process.kill", applied_at=1.0)]
+    check = _recover(late)
+    assert "no request was in flight at the fault" in check.message, check.message
+    # Recovered: the budget judges it, and no reason is given.
+    check = _recover([*start, done("b", 0.0, [0.1, 0.5, 1.7, 1.8])])
+    assert check.passed, check.message
+    assert check.observed == pytest.approx(0.7)
+
+
 def test_a_server_that_serves_no_new_request_after_the_fault_did_not_recover() -> None:
     # Request a, in flight at the kill, moves and finishes; request c, sent after the kill,
     # never gets a token (the router stopped accepting work). Every request the fault hit
