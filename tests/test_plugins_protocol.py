@@ -105,7 +105,9 @@ def test_a_system_kind_is_checked_against_its_protocol() -> None:
         systems.register(Half())  # type: ignore[arg-type]
     assert "half" not in systems.KINDS
     assert systems.unresolved(built_in) is not None  # the command kind's optional hook
-    assert systems.unresolved(systems.get("trainer")) is None
+    assert systems.unawaited(systems.get("trainer")) is not None  # the trainer's
+    assert systems.unresolved(systems.get("slurm")) is None
+    assert systems.unawaited(built_in) is None
 
 
 def test_a_broken_plugin_is_matched_by_what_it_claims_or_by_its_entry_points_name() -> None:

@@ -11,7 +11,8 @@ from aftershock.harness.scenario.spec import in_process
 
 
 def schedule(*faults: str) -> Schedule:
-    text = "name: s\nsystem: {reference: trainer}\nfaults:\n" + "".join(
+    # hot_spare: its warm spare says hello as role spare, which `after` may wait for.
+    text = "name: s\nsystem: {reference: trainer, recovery: hot_spare}\nfaults:\n" + "".join(
         f"  - {f}\n" for f in faults)
     spec = parse_scenario(text)
     return Schedule(spec.faults, [in_process(f) for f in spec.faults])

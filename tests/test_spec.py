@@ -263,3 +263,70 @@ def test_lose_unsynced_defaults_and_limits() -> None:
     assert parse_scenario(command.replace("at: {step: 5}", "dir: ckpt, at: {step: 5}"))
     (problem,) = problems(command.replace("at: {step: 5}", "dir: ../x, at: {step: 5}"))
     assert "dir must be a relative path" in problem
+
+
+def _kill(system: str, target: str, at: str = "{step: 3}") -> list[str]:
+    try:
+        parse_scenario(f"name: x\nsystem: {system}\nfaults:\n  - kind: process.kill\n"
+                       f"    target: {target}\n    at: {at}\n")
+    except SpecError as exc:
+        return exc.problems
+    return []
+
+
+TRAINER_2X2 = "{reference: trainer, world: {replicas: 2, shards: 2}}"
+
+
+def test_validate_refuses_a_target_the_reference_systems_never_have() -> None:
+    """`target: {rank: 5}` on a 4-rank trainer validated, then failed when due as "never
+    injected: ... or the target never appeared"."""
+    (problem,) = _kill(TRAINER_2X2, "{rank: 5}")
+    assert problem.startswith("<string>:4:5: faults.0: target rank 5 can never be found: "
+                              "the trainer's world (2 replicas × 2 shards) has ranks 0-3"), \
+        problem
+    assert "replicas 0-1" in _kill(TRAINER_2X2, "{replica: 2}")[0]
+    assert "shards 0-1" in _kill(TRAINER_2X2, "{replica: 1, shard: 2}")[0]
+    assert "ranks 0-3" in _kill(TRAINER_2X2, "{worker: 4}")[0]
+    (spare,) = _kill("{reference: trainer, recovery: restart}", "{role: spare}")
+    assert "target role spare can never be found: only `recovery: hot_spare` with " \
+        "`spares` of 1 or more has warm spares" in spare, spare
+    assert "spares" in _kill("{reference: trainer, recovery: hot_spare, spares: 0}",
+                             "{role: spare}")[0]
+    (router,) = _kill(TRAINER_2X2, "{role: router}")
+    assert "the trainer has no router" in router, router
+    (worker,) = _kill("{reference: server, workers: 3}", "{worker: 3}")
+    assert "the server's 3 workers are workers 0-2" in worker, worker
+    assert "spare" in _kill("{reference: server}", "{role: spare}")[0]
+    # What they have validates, as before.
+    for system, target in ((TRAINER_2X2, "{rank: 3}"), (TRAINER_2X2, "{replica: 1, shard: 1}"),
+                           (TRAINER_2X2, "{role: launcher}"), (TRAINER_2X2, "{role: worker}"),
+                           ("{reference: trainer, recovery: hot_spare}", "{role: spare}"),
+                           ("{reference: server, workers: 3}", "{worker: 2}"),
+                           ("{reference: server}", "{role: router}")):
+        assert _kill(system, target) == [], (system, target)
+
+
+def test_validate_refuses_an_awaited_hello_the_reference_systems_never_say() -> None:
+    """`after: {event: hello, role: spare}` without spares validated, and the fault then
+    waited for the whole run."""
+    (problem,) = _kill(TRAINER_2X2, "{rank: 0}",
+                       "{step: 3, after: {event: hello, role: spare}}")
+    assert "faults.0.at.after: the trainer never says hello as role spare" in problem, problem
+    assert "(its roles here: none)" in problem, problem
+    (rank,) = _kill(TRAINER_2X2, "{rank: 0}", "{step: 3, after: {event: hello, rank: 4}}")
+    assert "the trainer never says hello as rank 4 (its ranks: 0-3)" in rank, rank
+    (server,) = _kill("{reference: server}", "{worker: 0}",
+                      "{time: 1s, after: {event: hello, role: spare}}")
+    assert "the server never says hello as role spare (its roles here: router, worker)" \
+        in server, server
+    for system, at in (
+            ("{reference: trainer, recovery: hot_spare}",
+             "{step: 3, after: {event: hello, role: spare}}"),
+            ("{reference: trainer, recovery: elastic}",
+             "{step: 3, after: {event: hello, role: trainer}}"),
+            (TRAINER_2X2, "{step: 3, after: {event: hello, rank: 3}}"),
+            ("{reference: server}", "{time: 1s, after: {event: hello, role: router}}"),
+            # Other events: what carries a role there is not the system's alone to say.
+            (TRAINER_2X2, "{step: 3, after: {event: checkpoint_saved, role: spare}}")):
+        assert _kill(system, "{rank: 0}" if "trainer" in system else "{worker: 0}", at) \
+            == [], (system, at)

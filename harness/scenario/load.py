@@ -192,6 +192,17 @@ def unreachable(spec: Scenario, scenario_dir: Path | None) -> list[tuple[int, st
     return found
 
 
+def unawaited(spec: Scenario) -> list[tuple[int, str]]:
+    """Faults whose ``at.after`` waits for an event the system never reports, by index, each
+    with why (``SystemKind.unawaited``): the fault would wait for the whole run."""
+    hook = systems.unawaited(systems.of(spec.system))
+    if hook is None:
+        return []
+    return [(index, why) for index, fault in enumerate(spec.faults)
+            if fault.at.after is not None
+            for why in [hook(spec.system, fault.at.after)] if why is not None]
+
+
 _Where = tuple[str | int, ...]
 
 
@@ -328,6 +339,10 @@ def _file_problems(spec: Scenario, base: Path | None, marks: _Marks, file: str) 
     for index, problem in unreachable(spec, base):
         line, col = marks.values.get(("faults", index), (1, 1))
         problems.append(f"{file}:{line}:{col}: faults.{index}: {problem}")
+    for index, problem in unawaited(spec):
+        line, col = (marks.values.get(("faults", index, "at", "after"))
+                     or marks.values.get(("faults", index), (1, 1)))
+        problems.append(f"{file}:{line}:{col}: faults.{index}.at.after: {problem}")
     for index, field, problem in own_records.refused(spec, base):
         line, col = (marks.values.get(("faults", index, field))
                      or marks.values.get(("faults", index, "root"))

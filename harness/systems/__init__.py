@@ -186,6 +186,14 @@ class Unresolves(Protocol):
     def unresolved(self, system: Any, target: Any, probed: bool) -> str | None: ...
 
 
+class Unawaited(Protocol):
+    """Optional on a system kind: why it never reports the event a fault's ``at.after``
+    waits for (its ``event``, ``rank`` and ``role``: a hello from a role it has not), or
+    None, also where it cannot tell."""
+
+    def unawaited(self, system: Any, after: Any) -> str | None: ...
+
+
 def _is_model(value: Any) -> bool:
     from pydantic import BaseModel
 
@@ -205,8 +213,8 @@ _METHODS = ("launch", "target", "capabilities", "probe", "world", "steps", "defa
             "root_is_run_folder", "twin", "twin_key", "fingerprint", "device", "driver",
             "log_probes", "replays", "file_problems", "problems")
 
-#: The protocol every system kind is checked against when it registers (:class:`SystemKind`
-#: and :class:`Unresolves`, optional).
+#: The protocol every system kind is checked against when it registers (:class:`SystemKind`;
+#: :class:`Unresolves` and :class:`Unawaited`, optional).
 PROTOCOL: tuple[plugins.Attr, ...] = (
     plugins.required("name", "a name (a str without spaces)", _is_name),
     plugins.required("model", "a pydantic model (aftershock.harness.scenario.schema.Strict)",
@@ -220,6 +228,7 @@ PROTOCOL: tuple[plugins.Attr, ...] = (
     *(plugins.required(name, "a method", plugins.is_callable) for name in _METHODS),
     plugins.optional("unresolved", "a method: unresolved(system, target, probed)",
                      plugins.is_callable),
+    plugins.optional("unawaited", "a method: unawaited(system, after)", plugins.is_callable),
 )
 
 
@@ -265,6 +274,12 @@ def broken_for(raw: Mapping[str, Any]) -> plugins.Broken | None:
 def unresolved(kind: SystemKind) -> Callable[[Any, Any, bool], str | None] | None:
     """``kind``'s ``unresolved`` (:class:`Unresolves`), or None when it gives none."""
     hook: Callable[[Any, Any, bool], str | None] | None = getattr(kind, "unresolved", None)
+    return hook  # callable: checked when it registered
+
+
+def unawaited(kind: SystemKind) -> Callable[[Any, Any], str | None] | None:
+    """``kind``'s ``unawaited`` (:class:`Unawaited`), or None when it gives none."""
+    hook: Callable[[Any, Any], str | None] | None = getattr(kind, "unawaited", None)
     return hook  # callable: checked when it registered
 
 

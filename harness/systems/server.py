@@ -185,5 +185,30 @@ class Server:
     def problems(self, scenario: Any) -> list[str]:
         return []
 
+    def unresolved(self, system: ServerSystem, target: Any, probed: bool) -> str | None:
+        """Why ``target`` can never name a process of the reference server, or None: its
+        workers (which report their index as their rank) are ``workers`` many, and it has
+        no warm spare and no replicas or shards."""
+        index = target.index
+        if index is not None and index >= system.workers:
+            return (f"the server's {system.workers} workers are workers "
+                    f"0-{system.workers - 1}; give one of them, or correct `workers`")
+        if target.role == "spare":
+            return "the server has no warm spare (a spare is the hot_spare trainer's)"
+        if target.replica is not None or target.shard is not None:
+            return "the server's workers have no replica or shard: name one with `worker: N`"
+        return None
+
+    def unawaited(self, system: ServerSystem, after: Any) -> str | None:
+        """Why the server never says the ``hello`` that ``after`` waits for, or None (any
+        other event: None): its router says it as role ``router``, its workers as role
+        ``worker``."""
+        roles = ("router", "worker")
+        if after.event == "hello" and after.role is not None and after.role not in roles:
+            return (f"the server never says hello as role {after.role} (its roles here: "
+                    f"{', '.join(roles)}); a fault waiting for it would wait for the whole "
+                    "run")
+        return None
+
 
 SERVER = register(Server())

@@ -187,5 +187,52 @@ class Trainer:
     def problems(self, scenario: Any) -> list[str]:
         return []
 
+    def unresolved(self, system: TrainerSystem, target: Any, probed: bool) -> str | None:
+        """Why ``target`` can never name a process of the reference trainer, or None. Its
+        ranks are those of ``world`` (a warm spare that took a rank over reports that rank:
+        the spares add none), so are its replicas and shards; only ``hot_spare`` with spares
+        has a warm spare, and a router is the server's."""
+        world = system.world
+        shape = f"the trainer's world ({world.replicas} replicas × {world.shards} shards)"
+        for name, value, size in (("rank", target.rank, world.size),
+                                  ("worker", target.worker, world.size),
+                                  ("replica", target.replica, world.replicas),
+                                  ("shard", target.shard, world.shards)):
+            if value is not None and value >= size:
+                what = "ranks" if name in ("rank", "worker") else f"{name}s"
+                return (f"{shape} has {what} 0-{size - 1}; give one of them, or correct "
+                        "`world`")
+        if target.role == "spare" and not _spares(system):
+            return ("only `recovery: hot_spare` with `spares` of 1 or more has warm spares; "
+                    f"this trainer's recovery is {system.recovery}"
+                    + (" with `spares: 0`" if system.recovery == "hot_spare" else ""))
+        if target.role == "router":
+            return "a router is the reference server's (`reference: server`); the trainer " \
+                "has no router"
+        return None
+
+    def unawaited(self, system: TrainerSystem, after: Any) -> str | None:
+        """Why the trainer never says the ``hello`` that ``after`` waits for, or None (any
+        other event: None). Its ranks say hello as ranks of ``world``; a warm spare says it
+        as role ``spare``, and a process that takes a rank over (hot_spare, elastic) as role
+        ``trainer``."""
+        if after.event != "hello":
+            return None
+        size = system.world.size
+        if after.rank is not None and after.rank >= size:
+            return (f"the trainer never says hello as rank {after.rank} (its ranks: "
+                    f"0-{size - 1})")
+        roles = (["spare"] if _spares(system) else []) + (
+            ["trainer"] if system.recovery in ("hot_spare", "elastic") else [])
+        if after.role is not None and after.role not in roles:
+            return (f"the trainer never says hello as role {after.role} (its roles here: "
+                    f"{', '.join(roles) or 'none'}); a fault waiting for it would wait for "
+                    "the whole run")
+        return None
+
+
+def _spares(system: TrainerSystem) -> int:
+    return system.spares if system.recovery == "hot_spare" else 0
+
 
 TRAINER = register(Trainer())
