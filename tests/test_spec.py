@@ -330,3 +330,19 @@ def test_validate_refuses_an_awaited_hello_the_reference_systems_never_say() -> 
             (TRAINER_2X2, "{step: 3, after: {event: checkpoint_saved, role: spare}}")):
         assert _kill(system, "{rank: 0}" if "trainer" in system else "{worker: 0}", at) \
             == [], (system, at)
+
+
+def test_validate_refuses_what_the_trainer_on_nodes_never_has() -> None:
+    """The same rules for the reference trainer on nodes (`nodes: N`), whose world is
+    nodes × per_node ranks; a program's ranks are its world's."""
+    nodes = "{nodes: 2, per_node: 1, trainer: {recovery: restart}}"
+    (rank,) = _kill(nodes, "{rank: 2}")
+    assert "has ranks 0-1; give one of them, or correct `nodes` or `per_node`" in rank, rank
+    assert "warm spares" in _kill(nodes, "{role: spare}")[0]
+    (hello,) = _kill(nodes, "{rank: 0}", "{step: 3, after: {event: hello, role: spare}}")
+    assert "never says hello as role spare" in hello, hello
+    spare = "{nodes: 2, per_node: 1, restart: 'no', trainer: {recovery: hot_spare, spares: 1}}"
+    assert _kill(spare, "{role: spare}", "{step: 3, after: {event: hello, role: spare}}") == []
+    program = "{nodes: 2, per_node: 2, program: [python, train.py]}"
+    assert "the nodes' world (4 ranks) has ranks 0-3" in _kill(program, "{rank: 4}")[0]
+    assert _kill(program, "{rank: 3}") == []

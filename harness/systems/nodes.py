@@ -21,7 +21,7 @@ from aftershock.harness.run.timeline import Timeline
 from aftershock.harness.scenario.schema import MAX_STEPS, MAX_WORLD, Duration, Strict
 from aftershock.harness.systems import Driver, register
 from aftershock.harness.systems._reference import fingerprint
-from aftershock.harness.systems.trainer import TrainerSystem, World, trainer_program
+from aftershock.harness.systems.trainer import Trainer, TrainerSystem, World, trainer_program
 
 MAX_NODES = 8  # containers of one run; each costs a torchrun agent and its ranks' start-up
 #: torchrun's rendezvous id: one per run is enough, since every run's nodes are on a network
@@ -154,6 +154,8 @@ class NodesLaunch(Launch):
 #: Settings that pace a run, detect or recover failures: never the math of a fault-free run.
 TIMING = ("restart", "node_restarts", "max_restarts", "rdzv_conf", "timeout", "env")
 TRAINER_TIMING = ("collective_timeout", "step_sleep", "checkpoint_every", "spares")
+#: The reference trainer's rules for what a target or an awaited hello can name.
+_TRAINER = Trainer()
 
 
 class Nodes:
@@ -267,6 +269,27 @@ class Nodes:
                 f"{nodes} nodes (0..{nodes - 1})"
                 for index, fault in enumerate(scenario.faults)
                 if fault.target.node is not None and fault.target.node >= nodes]
+
+    def unresolved(self, system: NodesSystem, target: Any, probed: bool) -> str | None:
+        """Why ``target`` can never name a process on these nodes, or None: the reference
+        trainer's as on one host (its world is nodes × per_node ranks); a program's ranks
+        are those of its world."""
+        if system.trainer is not None:
+            why = _TRAINER.unresolved(system.as_trainer(), target, probed)
+            return why.replace("correct `world`", "correct `nodes` or `per_node`") if why \
+                else None
+        world = self.world(system)
+        if target.rank is not None and world is not None and target.rank >= world:
+            return (f"the nodes' world ({world} ranks) has ranks 0-{world - 1}; give a rank "
+                    "of the world, or correct `world`, `nodes` or `per_node`")
+        return None
+
+    def unawaited(self, system: NodesSystem, after: Any) -> str | None:
+        """The reference trainer's hellos, as on one host; a program's: None (only the job
+        says what it reports)."""
+        if system.trainer is None:
+            return None
+        return _TRAINER.unawaited(system.as_trainer(), after)
 
 
 NODES = register(Nodes())
