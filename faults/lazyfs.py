@@ -76,6 +76,8 @@ _RENAME_EXCHANGE = 2
 #: The longest a held operation waits for its harness (``hold``): the harness lets it go as
 #: soon as its fault is in (milliseconds); this only bounds a harness that stalled or died.
 HOLD_MAX_S = 10.0
+#: fsyncs remembered per file (``syncs``): a test run's journal fsyncs thousands of times.
+SYNCS_KEPT = 200_000
 
 
 def _now() -> int:
@@ -98,6 +100,10 @@ class Node:
     # Folders: the entries now, and as of the folder's last fsync.
     entries: dict[str, Node] = field(default_factory=dict)
     durable: dict[str, Node] = field(default_factory=dict)
+    # Files: when each fsync that changed the content returned, and the size it made
+    # durable (monotonic seconds): what a client was shown can be checked against it.
+    syncs: list[tuple[float, int]] = field(default_factory=list)
+    syncs_cut: bool = False  # the oldest were dropped (SYNCS_KEPT)
 
     @property
     def is_dir(self) -> bool:
@@ -320,6 +326,10 @@ class LazyTree:
         node.synced, node.data = bytes(node.data), None
         for rel in self._durable_paths(node):
             self._write_below(rel, node)
+        if len(node.syncs) >= SYNCS_KEPT:  # the oldest half goes, and `syncs` says so
+            del node.syncs[:SYNCS_KEPT // 2]
+            node.syncs_cut = True
+        node.syncs.append((time.monotonic(), len(node.synced)))  # durable from here on
 
     def fsyncdir(self, node: Node) -> None:
         """The folder's entries become durable: below, names removed or replaced since its
@@ -795,7 +805,22 @@ class LazyOperations:
                         "entries": loss.entries}
             if name == "ping":
                 return {"ok": True}
+            if name.startswith("syncs "):
+                return self._syncs(name[len("syncs "):])
         return {"ok": False, "error": f"unknown command {name!r}"}
+
+    def _syncs(self, path: str) -> dict[str, Any]:
+        """The fsyncs of the file at ``path`` (from the mount's root): ``[[monotonic time
+        it returned, size made durable], ...]`` oldest first. Only those that changed the
+        content; an fsync with nothing new to make durable changes nothing."""
+        try:
+            node = self._tree.lookup("/" + path.lstrip("/"))
+        except OSError as exc:
+            return {"ok": False, "error": f"syncs {path}: {os.strerror(exc.errno or 0)}"}
+        if node.is_dir:
+            return {"ok": False, "error": f"syncs {path}: a folder"}
+        return {"ok": True, "syncs": [[t, size] for t, size in node.syncs],
+                "complete": not node.syncs_cut}
 
 
 # ---------------------------------------------------------------------- control channel

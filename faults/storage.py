@@ -849,6 +849,27 @@ class LoseUnsynced:
             raise UndoRefused(f"server {server!r} does not name a process (pid and start time)")
 
 
+def sync_history(applied: Applied, path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The fsyncs of the file at ``path`` where ``applied`` (a prepared
+    ``storage.lose_unsynced``) has it on its lazy filesystem: ``{"syncs": [[monotonic time
+    the fsync returned, size it made durable], ...], "complete": bool}`` (``complete``
+    false: the oldest were dropped); None where ``path`` is not under it or the filesystem
+    no longer answers."""
+    if applied.kind != LoseUnsynced.info.kind or "source" not in applied.undo:
+        return None
+    rel = os.path.relpath(os.path.abspath(path), os.path.abspath(str(applied.undo["mount"])))
+    if rel == os.curdir or rel.startswith(os.pardir):
+        return None
+    try:
+        answer = lazyfs.command(str(applied.undo["source"]), f"syncs {rel}")
+    except (ConnectionError, RuntimeError, OSError, ValueError):
+        return None
+    syncs = answer.get("syncs")
+    if not isinstance(syncs, list):
+        return None
+    return {"syncs": syncs, "complete": bool(answer.get("complete"))}
+
+
 CORRUPT = register(Corrupt())
 TRUNCATE = register(Truncate())
 DELETE = register(Delete())

@@ -70,6 +70,27 @@ def test_a_new_journal_makes_its_name_durable(tmp_path: Path, monkeypatch) -> No
     assert len(synced) >= 2  # the folder, then the file at close
 
 
+def test_a_reopened_journal_is_durable_before_anything_is_served_from_it(
+        tmp_path: Path, monkeypatch) -> None:
+    """A router killed between writing a batch and fsyncing it leaves the batch in the
+    kernel only; its successor replays it and streams it to resuming clients, so opening
+    fsyncs what it replayed (scenarios/serving/crash_router_then_power_loss.yaml)."""
+    path = tmp_path / "j.wal"
+    first = Journal(path, fsync_interval=3600)
+    first.request("a", [1], 2)  # written, never fsynced: the writer died here
+    synced: list[int] = []
+    real = __import__("os").fsync
+    monkeypatch.setattr("os.fsync", lambda fd: (synced.append(fd), real(fd))[1])
+    second, replayed = Journal.open(path, fsync_interval=3600)
+    try:
+        assert "a" in replayed.requests
+        assert synced == [second._fd]  # before the caller could serve anything from it
+    finally:
+        second.close()
+        first._closed = True  # died: its descriptor goes without the fsync close() makes
+        __import__("os").close(first._fd)
+
+
 def test_each_token_event_says_where_its_record_is() -> None:
     render = token_event("r1", "m", [0, 120])
     body = json.loads(render(1, 1, 65, "d", False)[6:])
@@ -193,6 +214,41 @@ def test_an_acknowledged_request_the_journal_lacks_is_unknown(tmp_path: Path) ->
     assert judge(parse(data), [_client("b", [], [], acknowledged=False)])["unknown_requests"] == 0
 
 
+def test_a_token_received_before_its_record_was_fsynced_is_early(tmp_path: Path) -> None:
+    """The journal's fsyncs as the harness's lazy filesystem saw them (when each returned,
+    the size it made durable): a token whose record no fsync had covered when the client
+    received it was shown before it was durable, whether or not a power loss then took it."""
+    data, at = _journal(tmp_path, [request_record("a", [1], 3),
+                                   tokens_record("a", 0, [5], ["d5"]),
+                                   tokens_record("a", 1, [6], ["d6"]),
+                                   tokens_record("a", 2, [7], ["d7"])])
+    ends = [*at[1:], len(data)]  # where each record's line ends
+    # Durable through token 5's record at 1.0, through 6's at 2.0; 7's never.
+    syncs = {"syncs": [[1.0, ends[1]], [2.0, ends[2]]], "complete": True}
+    client = _client("a", [5, 6, 7], [at[1], at[2], at[3]], times=[1.5, 1.9, 2.5])
+    facts = judge(parse(data), [client], syncs)
+    assert (facts["tokens_proven"], facts["tokens_timed"], facts["early_tokens"]) == (3, 3, 2)
+    assert facts["fsyncs_seen"] == 2
+    assert facts["early"] == [
+        f"a token 1 (6) at offset {at[2]}: received 0.100 s before the fsync that made its "
+        "record durable",
+        f"a token 2 (7) at offset {at[3]}: received before its record was durable: no fsync "
+        "covered it before the run's end"]
+    # Received only after the fsync returned: durable first, as a correct server does.
+    late = judge(parse(data), [_client("a", [5, 6], [at[1], at[2]], times=[1.5, 2.01])], syncs)
+    assert (late["tokens_timed"], late["early_tokens"]) == (2, 0)
+    # At the very instant the fsync returned is not after it.
+    same = judge(parse(data), [_client("a", [5, 6], [at[1], at[2]], times=[1.5, 2.0])], syncs)
+    assert same["early_tokens"] == 1
+    # Where the oldest fsyncs were dropped, a token received before the first kept one is
+    # not judged; without the fsyncs (no lazy filesystem) none is.
+    cut = judge(parse(data), [_client("a", [5], [at[1]], times=[0.5])],
+                {"syncs": [[1.0, ends[1]]], "complete": False})
+    assert (cut["tokens_timed"], cut["early_tokens"]) == (0, 0)
+    blind = judge(parse(data), [client])
+    assert (blind["fsyncs_seen"], blind["tokens_timed"], blind["early_tokens"]) == (None, 0, 0)
+
+
 def _events(facts: dict[str, Any] | None, *, fault_at: float | None,
             times: list[float]) -> list[Event]:
     events = [Event(0.0, "request_sent", "client", {"request": "a"})]
@@ -238,6 +294,21 @@ def test_acknowledged_durable_names_what_is_missing() -> None:
     assert not result.passed
     assert "1 tokens a client received are not in the journal" in result.message
     assert "a token 1 (5) at offset 9" in result.message
+
+
+def test_acknowledged_durable_fails_tokens_shown_before_they_were_durable() -> None:
+    early = {**GOOD, "fsyncs_seen": 12, "tokens_timed": 2, "early_tokens": 1,
+             "early": ["a token 1 (5) at offset 9: received 0.040 s before the fsync that "
+                       "made its record durable"]}
+    result = acknowledged_durable(_events(early, fault_at=1.5, times=[1.0, 2.0]))
+    assert not result.passed
+    assert "1 tokens a client received before their journal record was durable (fsynced): " \
+        "a token 1 (5) at offset 9: received 0.040 s before" in result.message, result.message
+    timed = {**early, "early_tokens": 0, "early": []}
+    result = acknowledged_durable(_events(timed, fault_at=1.5, times=[1.0, 2.0]))
+    assert result.passed, result.message
+    assert "2 of them durable before they were received (12 fsyncs of the journal seen)" \
+        in result.message, result.message
 
 
 # --- a client that never submits a request twice ------------------------------------------

@@ -18,12 +18,19 @@ a client received:
   the client was told the request failed (an error event: a retry is then what it asked for).
 
 And for every request the server acknowledged (answered 200): does the journal hold its
-``req`` record? The facts go on the timeline (``journal_checked``), so ``acknowledged_durable``
-is judged from the timeline alone, like every other check.
+``req`` record? Where the journal's folder is the harness's lazy filesystem
+(``storage.lose_unsynced``), which notes when each fsync of the file returned and the size it
+made durable, one more question for every token found: was its record durable *before* the
+client received it (an fsync covering it returned earlier, on the same monotonic clock)? A
+server that streams first and fsyncs later loses those tokens only to a power loss that lands
+in between; this asks it of every token of every run, wherever the power loss lands. The
+facts go on the timeline (``journal_checked``), so ``acknowledged_durable`` is judged from the
+timeline alone, like every other check.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import zlib
 from collections.abc import Mapping, Sequence
@@ -43,6 +50,7 @@ class JournalFile:
     records: Mapping[int, dict[str, Any]]
     good_bytes: int
     bad_bytes: int  # a torn or damaged tail
+    ends: Mapping[int, int] = field(default_factory=dict)  # record offset -> its line's end
 
     def writer_at(self, offset: int) -> str | None:
         """The writer the record at ``offset`` names, if it names one."""
@@ -80,6 +88,7 @@ def _strs(value: Any) -> list[str]:
 def parse(data: bytes) -> JournalFile:
     """Every record whose line is whole and whose CRC matches, up to the first that is not."""
     records: dict[int, dict[str, Any]] = {}
+    ends: dict[int, int] = {}
     offset = 0
     while offset < len(data):
         end = data.find(b"\n", offset)
@@ -96,27 +105,68 @@ def parse(data: bytes) -> JournalFile:
         if not isinstance(record, dict):
             break
         records[offset] = record
+        ends[offset] = end + 1
         offset = end + 1
-    return JournalFile(records, offset, len(data) - offset)
+    return JournalFile(records, offset, len(data) - offset, ends)
 
 
-def judge(journal: JournalFile, clients: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class Syncs:
+    """When each fsync of the journal returned (monotonic seconds) and the size it made
+    durable, oldest first, as the harness's lazy filesystem saw them; ``complete`` false
+    where its oldest were dropped (then nothing before the first is known)."""
+
+    times: tuple[float, ...]
+    sizes: tuple[int, ...]
+    complete: bool
+
+    @classmethod
+    def of(cls, data: Mapping[str, Any] | None) -> Syncs | None:
+        if data is None or not isinstance(data.get("syncs"), list):
+            return None
+        pairs = sorted((float(t), int(n)) for t, n in data["syncs"])
+        return cls(tuple(t for t, _ in pairs), tuple(n for _, n in pairs),
+                   bool(data.get("complete")))
+
+    def durable_before(self, t: float) -> int | None:
+        """The size durable by fsyncs that returned before ``t``; None: not known."""
+        i = bisect.bisect_left(self.times, t)
+        if i == 0:
+            return 0 if self.complete else None
+        return self.sizes[i - 1]
+
+    def durable_from(self, end: int, after: float) -> float | None:
+        """When an fsync at or after ``after`` first made ``end`` bytes durable, if one did."""
+        for i in range(bisect.bisect_left(self.times, after), len(self.times)):
+            if self.sizes[i] >= end:
+                return self.times[i]
+        return None
+
+
+def judge(journal: JournalFile, clients: Sequence[Mapping[str, Any]],
+          syncs: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The facts of ``journal`` against the clients' request records (the fields of their
-    ``request_done``/``request_failed`` events), as JSON for the timeline."""
+    ``request_done``/``request_failed`` events), as JSON for the timeline. ``syncs``: the
+    journal's fsyncs (``storage.sync_history``), where the harness's filesystem saw them."""
     starts: dict[str, list[int]] = {}  # request id -> offsets of its `req` records
     for offset, record in journal.records.items():
         if record.get("r") == "req":
             starts.setdefault(str(record.get("id")), []).append(offset)
     tally = _Tally()
+    timed = Syncs.of(syncs)
     for client in clients:
-        _judge_client(journal, starts, client, tally)
+        _judge_client(journal, starts, client, tally, timed)
     return {"found": True, "bytes": journal.good_bytes + journal.bad_bytes,
             "records": len(journal.records), "bad_bytes": journal.bad_bytes,
             "tokens_seen": tally.seen, "tokens_proven": tally.proven,
             "tokens_unplaced": tally.unplaced,
             "missing_tokens": tally.counts["missing"], "missing": tally.examples["missing"],
             "redone_requests": tally.counts["redone"], "redone": tally.examples["redone"],
-            "unknown_requests": tally.counts["unknown"], "unknown": tally.examples["unknown"]}
+            "unknown_requests": tally.counts["unknown"], "unknown": tally.examples["unknown"],
+            # None: the journal's fsyncs were not seen (no lazy filesystem under it).
+            "fsyncs_seen": len(timed.times) if timed is not None else None,
+            "tokens_timed": tally.timed,
+            "early_tokens": tally.counts["early"], "early": tally.examples["early"]}
 
 
 @dataclass
@@ -126,10 +176,11 @@ class _Tally:
     seen: int = 0
     proven: int = 0
     unplaced: int = 0
+    timed: int = 0  # proven tokens whose receipt was checked against the fsyncs
     counts: dict[str, int] = field(
-        default_factory=lambda: {"missing": 0, "redone": 0, "unknown": 0})
+        default_factory=lambda: {"missing": 0, "redone": 0, "unknown": 0, "early": 0})
     examples: dict[str, list[str]] = field(
-        default_factory=lambda: {"missing": [], "redone": [], "unknown": []})
+        default_factory=lambda: {"missing": [], "redone": [], "unknown": [], "early": []})
 
     def note(self, finding: str, example: str) -> None:
         self.counts[finding] += 1
@@ -142,7 +193,7 @@ def _listed(value: Any) -> list[Any]:
 
 
 def _judge_client(journal: JournalFile, starts: Mapping[str, list[int]],
-                  client: Mapping[str, Any], tally: _Tally) -> None:
+                  client: Mapping[str, Any], tally: _Tally, syncs: Syncs | None) -> None:
     """One client's request: each token it received found in the journal where the server
     said it was written, and whether the request was journaled again from scratch."""
     rid = str(client.get("request"))
@@ -150,6 +201,7 @@ def _judge_client(journal: JournalFile, starts: Mapping[str, list[int]],
     digests = _listed(client.get("digests"))
     offsets = _listed(client.get("journal_offsets"))
     writers = _listed(client.get("journal_writers"))
+    times = _listed(client.get("times"))
     if client.get("acknowledged") and rid not in starts:
         tally.note("unknown", f"{rid} (acknowledged; {len(tokens)} tokens received)")
     told_failed = bool(client.get("server_errors"))
@@ -171,6 +223,14 @@ def _judge_client(journal: JournalFile, starts: Mapping[str, list[int]],
             tally.note("missing", verdict)
             continue
         tally.proven += 1
+        received = times[index] if index < len(times) else None
+        if syncs is not None and isinstance(received, int | float):
+            early = _shown_early(journal, syncs, where, float(received))
+            if early is not None:
+                tally.timed += 1
+                if early:
+                    tally.note("early", f"{rid} token {index} ({token}) at offset {where}: "
+                                        f"{early}")
         if where < last_start and not told_failed and not redo_seen:
             redo_seen = True
             tally.note("redone", f"{rid}: token {index} the client received is journaled at "
@@ -198,6 +258,22 @@ def _token_verdict(journal: JournalFile, rid: str, index: int, token: int, where
     return ""
 
 
+def _shown_early(journal: JournalFile, syncs: Syncs, where: int, received: float
+                 ) -> str | None:
+    """Whether the record at ``where`` was durable before a client received its token at
+    ``received``: "" if it was, how late it was if not, None where it cannot be told."""
+    end = journal.ends.get(where)
+    durable = syncs.durable_before(received)
+    if end is None or durable is None:
+        return None
+    if durable >= end:
+        return ""
+    later = syncs.durable_from(end, received)
+    return ("received before its record was durable: no fsync covered it before the run's "
+            "end" if later is None else
+            f"received {later - received:.3f} s before the fsync that made its record durable")
+
+
 def _held(journal: JournalFile, offset: int, rid: str, index: int) -> tuple[int, str] | None:
     """(token, digest) the record at ``offset`` holds for ``rid`` at ``index``, if any."""
     for run_id, start, tokens, digests in journal.requests_at(offset):
@@ -215,7 +291,9 @@ def _findings(facts: Mapping[str, Any]) -> list[str]:
                  "server said", "missing"),
                 ("unknown_requests", "acknowledged requests are not in the journal", "unknown"),
                 ("redone_requests", "requests were started again from scratch instead of "
-                 "resumed from the journal", "redone"))
+                 "resumed from the journal", "redone"),
+                ("early_tokens", "tokens a client received before their journal record was "
+                 "durable (fsynced)", "early"))
             if facts.get(k)]
 
 
@@ -255,7 +333,11 @@ def acknowledged_durable(events: Sequence[Any]) -> Any:
         return CheckResult(name, False, observed, expected, "not observed: no request "
                            "streamed across a fault (tokens before it landed and after), so "
                            "no resume was put to the test")
+    timed = facts.get("fsyncs_seen")
+    durable = ("" if timed is None else
+               f"; {facts.get('tokens_timed')} of them durable before they were received "
+               f"({timed} fsyncs of the journal seen)")
     return CheckResult(name, True, observed, expected,
                        f"all {seen} tokens clients received are in the journal where the "
-                       f"server said; {len(across)} requests streamed across the fault, "
-                       "resumed, none started again")
+                       f"server said{durable}; {len(across)} requests streamed across the "
+                       "fault, resumed, none started again")

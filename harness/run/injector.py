@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aftershock import faults
-from aftershock.faults import ProcessRef, contract, parent_pid
+from aftershock.faults import ProcessRef, contract, parent_pid, storage
 from aftershock.faults import process_command_line as command_line
 from aftershock.faults.journal import Journal
 from aftershock.harness.run.records import Event, FaultRecord
@@ -171,6 +171,15 @@ class Injector:
             self._observer.event(self._timeline.emit("fault_prepared", kind=spec.kind,
                                                      fault=index, detail=applied.detail))
         return failed
+
+    def sync_history(self, path: Path) -> dict[str, Any] | None:
+        """When each fsync of the file at ``path`` returned and the size it made durable,
+        where a prepared lazy filesystem (``storage.lose_unsynced``) has it; else None."""
+        for applied in self._prepared.values():
+            found = storage.sync_history(applied, path)
+            if found is not None:
+                return found
+        return None
 
     # ------------------------------------------------------------------ while running
 

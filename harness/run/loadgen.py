@@ -29,6 +29,7 @@ import random
 import string
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -481,6 +482,10 @@ class LoadDriver:
                  ready: Ready | None = None, journal: Path | None = None) -> None:
         self.load = load
         self.journal = journal  # the server's journal file, checked against the clients
+        # When each fsync of the journal returned, where the harness's lazy filesystem has
+        # it (storage.lose_unsynced over its folder; the runner sets it): what proves a
+        # token durable before a client was shown it.
+        self.sync_history: Callable[[Path], dict[str, Any] | None] | None = None
         self.seed = seed
         self.timeline = timeline
         self.url = url
@@ -552,8 +557,9 @@ class LoadDriver:
         if self.generator is None:
             return self._not_ready
         if self.journal is not None:
+            syncs = self.sync_history(self.journal) if self.sync_history is not None else None
             self.timeline.emit(JOURNAL_CHECKED, source="harness",
-                               **check_journal(self.journal, self.generator.records))
+                               **check_journal(self.journal, self.generator.records, syncs))
         stats = fetch_json(self.generator.url, "/v1/stats")
         return self.timeline.emit("serving_stats", source="client", **serving_stats(stats))
 
@@ -568,10 +574,12 @@ class LoadDriver:
 _JOURNAL_LIMIT = 256 << 20  # bytes of a journal the harness reads
 
 
-def check_journal(path: Path, records: list[dict[str, Any]]) -> dict[str, Any]:
+def check_journal(path: Path, records: list[dict[str, Any]],
+                  syncs: dict[str, Any] | None = None) -> dict[str, Any]:
     """What the server's journal file holds of what its clients received
     (harness/oracle/serving_journal.py), read while the server still runs: every token a
-    client saw was durable before it was sent, so it is there already."""
+    client saw was durable before it was sent, so it is there already. ``syncs``: the
+    journal's fsyncs (``storage.sync_history``), where the harness's filesystem saw them."""
     from aftershock.harness.oracle.serving_journal import judge, parse
 
     try:
@@ -579,7 +587,7 @@ def check_journal(path: Path, records: list[dict[str, Any]]) -> dict[str, Any]:
             data = handle.read(_JOURNAL_LIMIT)
     except OSError as exc:
         return {"found": False, "path": str(path), "error": f"{type(exc).__name__}: {exc}"}
-    return {"path": str(path), **judge(parse(data), list(records))}
+    return {"path": str(path), **judge(parse(data), list(records), syncs)}
 
 
 def scenario_load_driver(load: ScenarioLoad, variables: dict[str, str], *, seed: int,

@@ -32,7 +32,7 @@ from aftershock.harness import systems
 from aftershock.harness.errors import AftershockError, HarnessError, PreflightError, RunFailed
 from aftershock.harness.run import _load, _room, attempts
 from aftershock.harness.run.injector import Injector, acts_on_files, fault_params
-from aftershock.harness.run.loadgen import scenario_load_driver
+from aftershock.harness.run.loadgen import LoadDriver, scenario_load_driver
 from aftershock.harness.run.records import CheckResult, Event, FaultRecord, ProcessEnd, RunResult
 from aftershock.harness.run.rundir import RESULT_STAGED, claimed, write_result
 from aftershock.harness.run.schedule import Progress, Schedule
@@ -193,6 +193,8 @@ def execute(
                                              timeline=timeline)
                  if spec.load is not None else
                  kind.driver(spec.system, seed=seed, timeline=timeline))
+    if isinstance(loop.driver, LoadDriver):
+        loop.driver.sync_history = injector.sync_history
     monitor = _load.LoadMonitor(timeline, getattr(target, "cgroup", None))
     try:
         with _sigterm_unwinds():

@@ -120,7 +120,8 @@ class Expect(_Strict):
         False, description="load: every token a client received is in the server's journal "
         "where the server said (`journal_offset`), every acknowledged request is in it, and a "
         "request in flight at a crash was resumed from it, not started again (the reference "
-        "server's journal)"
+        "server's journal); under storage.lose_unsynced, every token was received after the "
+        "fsync that made its record durable"
     )
     checkpoint_durable: bool = Field(
         False, description="after the first fault, the system resumes (checkpoint_loaded) from "

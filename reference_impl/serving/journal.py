@@ -36,7 +36,9 @@ stream a token), so what a client saw survives a crash of the router process and
 loss alike (``storage.lose_unsynced`` on the journal's folder shows it). The caller never
 waits for the disk under its own lock: records posted while an fsync runs go in the next
 write (group commit: one fsync per batch, however many records it holds). A new journal's
-name is made durable too (its folder is fsynced when the file is created). The stages of
+name is made durable too (its folder is fsynced when the file is created), and a reopened
+one is fsynced before anything is served from it (a router that died between writing a
+batch and fsyncing it left that batch in the kernel only). The stages of
 one batch are fault points (``listen``'s ``point``: ``journal_appended`` after the write,
 ``journal_synced`` after the fsync), so a scenario can crash the router between them.
 
@@ -266,12 +268,16 @@ class Journal:
     @classmethod
     def open(cls, path: str | os.PathLike[str], *,
              fsync_interval: float = 0.05) -> tuple[Journal, Replay]:
-        """Replay ``path``, cut off its torn or damaged tail, and open it for appending."""
+        """Replay ``path``, cut off its torn or damaged tail, and open it for appending,
+        with what it replayed made durable: a predecessor that died between writing a
+        batch and fsyncing it left that batch in the kernel only, and the caller is about
+        to serve from it."""
         found = replay(path)
         if found.ignored_bytes:
             os.truncate(path, found.valid_bytes)
         journal = cls(path, fsync_interval=fsync_interval)
         journal._earlier = dict(found.writers)
+        journal.sync()
         return journal, found
 
     def writer_at(self, offset: int) -> str | None:

@@ -268,6 +268,45 @@ def test_a_mount_loses_what_was_not_fsynced(mount: tuple[Path, str]) -> None:
     assert (folder / "named_only").read_bytes() == b""
 
 
+@pytest.mark.timeout(60)
+def test_each_fsync_is_remembered_with_when_it_returned_and_what_it_made_durable(
+        mount: tuple[Path, str]) -> None:
+    """What acknowledged_durable times a server's tokens against (storage.sync_history): an
+    fsync that made something durable, with the monotonic time it returned; one with nothing
+    new changes nothing."""
+    from aftershock.faults import storage
+    from aftershock.faults.registry import Applied
+
+    folder, name = mount
+    began = time.monotonic()
+    fd = os.open(folder / "journal.wal", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, b"one\n")
+        os.fsync(fd)
+        between = time.monotonic()
+        os.fsync(fd)  # nothing new
+        os.write(fd, b"two\n")
+        os.fsync(fd)
+        os.write(fd, b"three\n")  # never fsynced
+    finally:
+        os.close(fd)
+    ended = time.monotonic()
+    syncs = lazyfs.command(name, "syncs journal.wal")
+    assert [size for _, size in syncs["syncs"]] == [4, 8]
+    (first, _), (second, _) = syncs["syncs"]
+    assert began < first < between < second < ended  # the harness's own clock
+    assert syncs["complete"]
+    with pytest.raises(RuntimeError, match="syncs nope"):
+        lazyfs.command(name, "syncs nope")
+    prepared = Applied("storage.lose_unsynced", None, {"mount": str(folder), "source": name}, "")
+    assert storage.sync_history(prepared, folder / "journal.wal") == {
+        "syncs": syncs["syncs"], "complete": True}
+    assert storage.sync_history(prepared, folder.parent / "elsewhere.wal") is None
+    assert storage.sync_history(prepared, folder) is None
+    other = Applied("storage.corrupt", None, {"mount": str(folder), "source": name}, "")
+    assert storage.sync_history(other, folder / "journal.wal") is None
+
+
 @pytest.mark.usefixtures("fuse")
 @pytest.mark.timeout(60)
 def test_an_atomic_writer_survives_and_the_folder_below_keeps_it(tmp_path: Path) -> None:
