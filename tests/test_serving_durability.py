@@ -247,6 +247,8 @@ def test_a_token_received_before_its_record_was_fsynced_is_early(tmp_path: Path)
     assert (cut["tokens_timed"], cut["early_tokens"]) == (0, 0)
     blind = judge(parse(data), [client])
     assert (blind["fsyncs_seen"], blind["tokens_timed"], blind["early_tokens"]) == (None, 0, 0)
+    garbled = judge(parse(data), [client], {"syncs": [["x", 1], [1.0]], "complete": True})
+    assert (garbled["fsyncs_seen"], garbled["tokens_timed"]) == (None, 0)
 
 
 def _events(facts: dict[str, Any] | None, *, fault_at: float | None,

@@ -124,7 +124,10 @@ class Syncs:
     def of(cls, data: Mapping[str, Any] | None) -> Syncs | None:
         if data is None or not isinstance(data.get("syncs"), list):
             return None
-        pairs = sorted((float(t), int(n)) for t, n in data["syncs"])
+        try:
+            pairs = sorted((float(t), int(n)) for t, n in data["syncs"])
+        except (TypeError, ValueError):  # not what the lazy filesystem sends: not known
+            return None
         return cls(tuple(t for t, _ in pairs), tuple(n for _, n in pairs),
                    bool(data.get("complete")))
 
