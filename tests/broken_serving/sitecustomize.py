@@ -17,10 +17,6 @@ Variants:
 - ``never_synced`` (journal): the same, but the journal is never fsynced while it serves (the
   page cache is trusted, the classic form): a power loss at any moment after a token was
   shown loses it, so one run of ``journal_power_loss`` always shows it;
-- ``replayed_unsynced`` (journal replay): a restarted router serves what it replayed from
-  the journal without making it durable first: the batch its predecessor wrote and died
-  before fsyncing is streamed to resuming clients, and only its own next write's fsync
-  makes it durable (or none, when nothing more is written);
 - ``redo_after_crash`` (journal replay): a restarted router does not resume the requests the
   journal holds unfinished; it treats them as failed, so a client's re-POST starts each again
   from scratch (deterministic decoding gives the same tokens: invisible to output checks).
@@ -63,20 +59,6 @@ def never_synced(journal: ModuleType) -> None:
     journal.Journal.sync = sync
 
 
-def replayed_unsynced(journal: ModuleType) -> None:
-    cls = journal.Journal
-
-    def open_(path: Any, *, fsync_interval: float = 0.05) -> Any:
-        found = journal.replay(path)
-        if found.ignored_bytes:
-            os.truncate(path, found.valid_bytes)
-        opened = cls(path, fsync_interval=fsync_interval)
-        opened._earlier = dict(found.writers)
-        return opened, found  # not fsynced: what was replayed may be in the kernel only
-
-    cls.open = staticmethod(open_)
-
-
 def redo_after_crash(router: ModuleType) -> None:
     original = router.Router._restore
 
@@ -93,8 +75,7 @@ def redo_after_crash(router: ModuleType) -> None:
 
 PATCHES: dict[str, dict[str, Callable[[ModuleType], None]]] = {
     "aftershock.reference_impl.serving.journal": {"shown_before_durable": shown_before_durable,
-                                                   "never_synced": never_synced,
-                                                   "replayed_unsynced": replayed_unsynced},
+                                                   "never_synced": never_synced},
     "aftershock.reference_impl.serving.router": {"redo_after_crash": redo_after_crash},
 }
 
