@@ -226,14 +226,8 @@ def _judge_client(journal: JournalFile, starts: Mapping[str, list[int]],
             tally.note("missing", verdict)
             continue
         tally.proven += 1
-        received = times[index] if index < len(times) else None
-        if syncs is not None and isinstance(received, int | float):
-            early = _shown_early(journal, syncs, where, float(received))
-            if early is not None:
-                tally.timed += 1
-                if early:
-                    tally.note("early", f"{rid} token {index} ({token}) at offset {where}: "
-                                        f"{early}")
+        _time_token(journal, syncs, tally, f"{rid} token {index} ({token}) at offset {where}",
+                    where, times[index:index + 1])
         if where < last_start and not told_failed and not redo_seen:
             redo_seen = True
             tally.note("redone", f"{rid}: token {index} the client received is journaled at "
@@ -259,6 +253,22 @@ def _token_verdict(journal: JournalFile, rid: str, index: int, token: int, where
                  else "a record without this token")
         return f"{rid} token {index} ({token}) at offset {where}: {there}"
     return ""
+
+
+def _time_token(journal: JournalFile, syncs: Syncs | None, tally: _Tally, token: str,
+                where: int, time: list[Any]) -> None:
+    """Count a proven ``token`` (its record at ``where``, received at ``time``: [t], or []
+    where the client recorded none) as timed, and as early where the client received it
+    before its record was durable; nothing without the journal's fsyncs."""
+    received = time[0] if time else None
+    if syncs is None or not isinstance(received, int | float) or isinstance(received, bool):
+        return
+    early = _shown_early(journal, syncs, where, float(received))
+    if early is None:
+        return
+    tally.timed += 1
+    if early:
+        tally.note("early", f"{token}: {early}")
 
 
 def _shown_early(journal: JournalFile, syncs: Syncs, where: int, received: float
@@ -336,11 +346,15 @@ def acknowledged_durable(events: Sequence[Any]) -> Any:
         return CheckResult(name, False, observed, expected, "not observed: no request "
                            "streamed across a fault (tokens before it landed and after), so "
                            "no resume was put to the test")
-    timed = facts.get("fsyncs_seen")
-    durable = ("" if timed is None else
-               f"; {facts.get('tokens_timed')} of them durable before they were received "
-               f"({timed} fsyncs of the journal seen)")
     return CheckResult(name, True, observed, expected,
                        f"all {seen} tokens clients received are in the journal where the "
-                       f"server said{durable}; {len(across)} requests streamed across the "
-                       "fault, resumed, none started again")
+                       f"server said{_timed(facts)}; {len(across)} requests streamed across "
+                       "the fault, resumed, none started again")
+
+
+def _timed(facts: Mapping[str, Any]) -> str:
+    """What the journal's fsyncs proved of the tokens, for a passing check's message."""
+    if facts.get("fsyncs_seen") is None:
+        return ""
+    return (f"; {facts.get('tokens_timed')} of them durable before they were received "
+            f"({facts.get('fsyncs_seen')} fsyncs of the journal seen)")

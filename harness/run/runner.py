@@ -193,8 +193,7 @@ def execute(
                                              timeline=timeline)
                  if spec.load is not None else
                  kind.driver(spec.system, seed=seed, timeline=timeline))
-    if isinstance(loop.driver, LoadDriver):
-        loop.driver.sync_history = injector.sync_history
+    _hand_fsyncs(loop.driver, injector)
     monitor = _load.LoadMonitor(timeline, getattr(target, "cgroup", None))
     try:
         with _sigterm_unwinds():
@@ -250,6 +249,13 @@ def execute(
     ended = loop.ended or time.monotonic()
     outcome = Outcome(loop.exit_code, loop.timed_out, round(ended - t0, 3))
     return Execution(events, outcome, injector.in_scenario_order(), run_dir)
+
+
+def _hand_fsyncs(driver: Driver | None, injector: Injector) -> None:
+    """A load's journal check reads the journal's fsyncs where a fault's lazy filesystem
+    keeps them (storage.lose_unsynced)."""
+    if isinstance(driver, LoadDriver):
+        driver.sync_history = injector.sync_history
 
 
 def _stop_all(spec: Scenario, loop: _Loop, target: Target, injector: Injector,
