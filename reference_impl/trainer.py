@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from aftershock.faults import process_start_time
 from aftershock.harness import probe
-from aftershock.reference_impl import _memory, checkpoint, health
+from aftershock.reference_impl import _forked, _memory, checkpoint, health
 from aftershock.reference_impl import model as model_lib
 from aftershock.reference_impl._star import Star
 from aftershock.reference_impl.model import (
@@ -781,6 +781,8 @@ def _exit_now(code: int) -> NoReturn:
     busy host, which torchrun waits for before it exits or restarts."""
     sys.stdout.flush()
     sys.stderr.flush()
+    if _forked.forked():  # forked by the warm launcher: end through torchrun's worker
+        raise _forked.Exit(code)
     os._exit(code)
 
 

@@ -15,6 +15,7 @@ with one thread like a rank.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -145,6 +146,22 @@ def ask(module: str, request: Mapping[str, Any],
     its stdin, its answer as a JSON object on its stdout; or why there is none ("did not
     run (...)", "failed (...)", "said nothing usable (...)")."""
     child = {**os.environ, **(env or {}), "PYTHONPATH": child_pythonpath()}
+    asked = (module, json.dumps(request, sort_keys=True), tuple(sorted(child.items())))
+    if asked in _ANSWERS:
+        return copy.deepcopy(_ANSWERS[asked])
+    answer = _ask(module, request, child)
+    if isinstance(answer, dict):
+        _ANSWERS[asked] = copy.deepcopy(answer)
+    return answer
+
+
+#: The oracles' answers in this process, by module, request and environment: an oracle is a
+#: pure computation of those, and a search asks the same question (its twin's) every run.
+_ANSWERS: dict[tuple[str, str, tuple[tuple[str, str], ...]], dict[str, Any]] = {}
+
+
+def _ask(module: str, request: Mapping[str, Any], child: dict[str, str]) -> dict[str, Any] | str:
+    """``ask`` in a fresh process, every time."""
     try:
         proc = subprocess.run([sys.executable, "-m", module], input=json.dumps(request),
                               capture_output=True, text=True, timeout=TIMEOUT_S, env=child,

@@ -69,12 +69,15 @@ class TrainerSystem(Strict):
 
 
 def trainer_argv(system: TrainerSystem, run_dir: Path, seed: int) -> list[str]:
-    """torchrun running the reference trainer: the harness reaches it only by command line."""
+    """torchrun running the reference trainer: the harness reaches it only by command line.
+    torchrun is started warm (reference_impl/launch.py): it forks the ranks from an
+    interpreter that has imported torch and the trainer once."""
     spares = system.spares if system.recovery == "hot_spare" else 0
     return [
         sys.executable,
+        "-u",
         "-m",
-        "torch.distributed.run",
+        "aftershock.reference_impl.launch",
         "--standalone",
         f"--nproc-per-node={system.world.size + spares}",
         f"--max-restarts={system.max_restarts}",
