@@ -25,6 +25,10 @@ import sys
 from aftershock.reference_impl import _forked
 
 TRAINER = ("-m", "aftershock.reference_impl.trainer")
+#: What a launcher and its ranks import before anything runs: imported once by the warm
+#: server a harness forks launchers from (harness/run/warm.py), and so by each fork.
+PRELOAD = ("torch", "torch._dynamo", "torch.distributed.run", "aftershock.reference_impl.trainer",
+           "aftershock.reference_impl.resilient")
 ENV_OFF = "AFTERSHOCK_FORK_RANKS"  # "0": start every rank as a fresh interpreter
 
 

@@ -45,7 +45,7 @@ from aftershock.faults import cgroup as _cgroup
 from aftershock.faults import parent_pid as _parent
 from aftershock.harness import probe
 from aftershock.harness.errors import TargetError
-from aftershock.harness.run import _files
+from aftershock.harness.run import _files, warm
 from aftershock.harness.run._room import Room
 from aftershock.harness.run.logprobe import (
     LOG_UNREAD,
@@ -83,6 +83,9 @@ class Launch:
     #: The run's values of the variables its system expands (``${port}``: the free port a
     #: `command:` got), for what else the scenario expands them in (a load's ``url``).
     variables: dict[str, str] = field(default_factory=dict)
+    #: Modules a warm server imports once for every run of this launcher, which is then
+    #: forked from it instead of started fresh (harness/run/warm.py); () for a fresh start.
+    warm: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -469,7 +472,7 @@ class LocalTarget:
         self.run_dir = run_dir
         self.run_id = run_id
         self.timeline = timeline
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: subprocess.Popen[bytes] | warm.WarmProcess | None = None
         self._pumps: list[_LogPump] = []
         self._tailer: _Tailer | None = None
         self._workers_seen: set[int] = set()
@@ -567,8 +570,37 @@ class LocalTarget:
             except OSError as exc:
                 self.tracking_note = f"cannot create {self.cgroup}: {exc.strerror}"
                 self.cgroup = None
+        proc = self._warm(program, cwd, env) or self._popen(program, cwd, env)
+        self.proc = proc
+        assert proc.stdout is not None
+        assert proc.stderr is not None
+        for name, stream in (("stdout", proc.stdout), ("stderr", proc.stderr)):
+            pump = _LogPump(name, stream, self._logs / f"launcher.{name}.log",
+                            self._line_handler(name), self.timeline.room)
+            pump.start()
+            self._pumps.append(pump)
+        if self.launch.tails:
+            self._tailer = _Tailer(self.launch.tails, self._file_line_handler(),
+                                   self._logs / TAILED_TIMES, self._file_appeared,
+                                   self.timeline.room, before)
+            self._tailer.start()
+
+    def _warm(self, program: str, cwd: Path, env: dict[str, str]) -> warm.WarmProcess | None:
+        """The launcher forked from a warm server where its launch names one and this run
+        may have one (harness/run/warm.py); else None."""
+        if not self.launch.warm:
+            return None
         try:
-            self.proc = subprocess.Popen(
+            return warm.start(self.launch.warm, [program, *self.launch.argv[1:]], env=env,
+                              cwd=cwd, cgroup=self.cgroup)
+        except warm.WarmError as exc:
+            self._drop_group()
+            raise TargetError(f"cannot launch {self.launch.argv[0]!r}: {exc}") from exc
+
+    def _popen(self, program: str, cwd: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+        """The launcher as a fresh process."""
+        try:
+            return subprocess.Popen(
                 self.launch.argv,
                 executable=program,
                 cwd=cwd,
@@ -590,18 +622,6 @@ class LocalTarget:
             self._drop_group()
             raise TargetError(f"cannot launch {self.launch.argv[0]!r} inside its cgroup "
                               f"{self.cgroup}: {exc}") from exc
-        assert self.proc.stdout is not None
-        assert self.proc.stderr is not None
-        for name, stream in (("stdout", self.proc.stdout), ("stderr", self.proc.stderr)):
-            pump = _LogPump(name, stream, self._logs / f"launcher.{name}.log",
-                            self._line_handler(name), self.timeline.room)
-            pump.start()
-            self._pumps.append(pump)
-        if self.launch.tails:
-            self._tailer = _Tailer(self.launch.tails, self._file_line_handler(),
-                                   self._logs / TAILED_TIMES, self._file_appeared,
-                                   self.timeline.room, before)
-            self._tailer.start()
 
     def _file_appeared(self, path: str, absent_at: float | None) -> None:
         """A per-process log file the tailer found: ``log_appeared``, with when it was last

@@ -16,6 +16,7 @@ from aftershock.harness.run.timeline import Timeline
 from aftershock.harness.scenario.schema import MAX_STEPS, MAX_WORLD, Duration, Strict
 from aftershock.harness.systems import Driver, register
 from aftershock.harness.systems._reference import fingerprint
+from aftershock.reference_impl import launch
 
 
 class World(Strict):
@@ -134,7 +135,7 @@ class Trainer:
                extra_args: tuple[str, ...] = ()) -> Launch:
         env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **system.env}
         argv = [*trainer_argv(system, run_dir, seed), *extra_args]
-        return Launch(argv, Path.cwd(), env, system.world.size, ())
+        return Launch(argv, Path.cwd(), env, system.world.size, (), warm=launch.PRELOAD)
 
     def target(self, launch: Launch, *, run_dir: Path, run_id: str,
                timeline: Timeline) -> Target:
