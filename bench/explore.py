@@ -31,6 +31,7 @@ import contextlib
 import json
 import os
 import platform
+import resource
 import shutil
 import statistics
 import subprocess
@@ -42,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from aftershock.harness.search.team import searcher_seeds
 from bench.status import code_identity
 
 REPO = Path(__file__).resolve().parent.parent
@@ -99,9 +101,12 @@ def scenario_for(system: System, checkout: Path, folder: Path) -> Path:
 
 
 def explore_once(checkout: Path, scenario: Path, work: Path, *, runs: int, seed: int,
-                 shrink_runs: int, max_faults: int | None) -> dict[str, Any]:
+                 shrink_runs: int, max_faults: int | None, workers: int = 1,
+                 cache: Path | None = None) -> dict[str, Any]:
     """Run ``aftershock explore`` of ``checkout`` once on ``scenario``, with a fresh twin cache
-    and no example database under ``work``; what it did, timed from outside."""
+    (``cache``, default one under ``work``) and no example database under ``work``, with
+    ``workers`` searchers side by side; what it did, timed from outside, with the CPU
+    seconds it and every process it waited for used."""
     work.mkdir(parents=True, exist_ok=True)
     report = work / "explore.json"
     argv = [sys.executable, "-m", cli_module(checkout), "explore", str(scenario),
@@ -109,22 +114,28 @@ def explore_once(checkout: Path, scenario: Path, work: Path, *, runs: int, seed:
             "--no-db", "--plain", "--out", str(work / "out"), "--json", str(report)]
     if max_faults is not None:
         argv += ["--max-faults", str(max_faults)]
-    env = {**os.environ, "AFTERSHOCK_CACHE_DIR": str(work / "cache"),
+    if workers > 1:
+        argv += ["--workers", str(workers)]
+    env = {**os.environ, "AFTERSHOCK_CACHE_DIR": str(cache or work / "cache"),
            # The measured checkout first: its ranks are started with its own root first too.
            "PYTHONPATH": os.pathsep.join(filter(None, [str(checkout),
                                                        os.environ.get("PYTHONPATH")]))}
     load_start = os.getloadavg()[0]
     # A file, not a pipe: the CLI must never block on a full pipe.
     with open(work / "cli.out", "w+") as out:
+        cpu = _children_cpu_s()
         started = time.monotonic()
         code = subprocess.run(argv, cwd=checkout, env=env, stdout=out,
                               stderr=subprocess.STDOUT, check=False).returncode
         wall = time.monotonic() - started
+        cpu = _children_cpu_s() - cpu
         out.seek(0)
         output = out.read()
     found = json.loads(report.read_text()) if report.exists() else []
     exploration: dict[str, Any] = found[0] if found else {}
-    attempts = exploration.get("attempts", [])
+    # A team's runs, searcher by searcher: the order of the same seeds explored in turn.
+    attempts = sorted(exploration.get("attempts", []),
+                      key=lambda a: (a.get("searcher", 0), a["index"]))
     return {
         "exit": code,
         # 0: budget spent, nothing failed; 1: a failure found and written; both measured.
@@ -134,6 +145,8 @@ def explore_once(checkout: Path, scenario: Path, work: Path, *, runs: int, seed:
         "runs_per_minute": exploration.get("runs_per_minute"),
         "end_to_end_per_minute": round(60 * len(attempts) / wall, 2) if wall > 0 else None,
         "runs_s": round(sum(a["duration_s"] for a in attempts), 2),
+        "cpu_s": round(cpu, 1),
+        "cpu_s_per_run": round(cpu / len(attempts), 2) if attempts else None,
         "twin": exploration.get("twin"),
         "stopped": exploration.get("stopped"),
         "verdicts": [[a["stage"], a["schedule"], a["verdict"]] for a in attempts],
@@ -141,6 +154,46 @@ def explore_once(checkout: Path, scenario: Path, work: Path, *, runs: int, seed:
         "loadavg_start": round(load_start, 1),
         "loadavg_end": round(os.getloadavg()[0], 1),
         "out": str(work / "out"),
+    }
+
+
+def _children_cpu_s() -> float:
+    """CPU seconds (user and system) of the processes this one has waited for, and theirs."""
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime
+
+
+def explore_in_turn(checkout: Path, scenario: Path, work: Path, *, runs: int, seeds: Sequence[int],
+                    shrink_runs: int, max_faults: int | None) -> dict[str, Any]:
+    """What a team of ``len(seeds)`` searchers runs, explored one seed after the other by
+    ``checkout`` (code without ``--workers``): one exploration per seed sharing one twin
+    cache (the twin is paid once, as a team pays it), summed as one."""
+    parts = [explore_once(checkout, scenario, work / f"seed-{k}", runs=runs, seed=seed,
+                          shrink_runs=shrink_runs, max_faults=max_faults, cache=work / "cache")
+             for k, seed in enumerate(seeds)]
+    total = sum(p["runs"] for p in parts)
+    search_s = sum(60 * p["runs"] / p["runs_per_minute"] for p in parts
+                   if p["runs_per_minute"])
+    wall = sum(p["wall_s"] for p in parts)
+    cpu = sum(p["cpu_s"] for p in parts)
+    return {
+        "exit": max(p["exit"] for p in parts),
+        "error": next((p["error"] for p in parts if p["error"]), None),
+        "wall_s": round(wall, 2),
+        "runs": total,
+        "runs_per_minute": round(60 * total / search_s, 2) if search_s > 0 else None,
+        "end_to_end_per_minute": round(60 * total / wall, 2) if wall > 0 else None,
+        "runs_s": round(sum(p["runs_s"] for p in parts), 2),
+        "cpu_s": round(cpu, 1),
+        "cpu_s_per_run": round(cpu / total, 2) if total else None,
+        "twin": parts[0]["twin"],
+        "stopped": ", ".join(str(p["stopped"]) for p in parts),
+        "verdicts": [v for p in parts for v in p["verdicts"]],
+        "attempts": [a for p in parts for a in p["attempts"]],
+        "loadavg_start": parts[0]["loadavg_start"],
+        "loadavg_end": parts[-1]["loadavg_end"],
+        "out": parts[0]["out"],
+        "parts": parts,
     }
 
 
@@ -285,7 +338,8 @@ def split_exploration(result: dict[str, Any]) -> dict[str, Any]:
     folders: list[tuple[str, Path, float | None]] = []
     if twin is not None and (twin / "events.jsonl").exists():
         folders.append(("twin", twin, None))
-    folders += [(f"{a['index']} {a['stage']}", Path(a["run_dir"]), a["duration_s"])
+    folders += [((f"searcher {a['searcher']}, " if a.get("searcher") else "")
+                 + f"{a['index']} {a['stage']}", Path(a["run_dir"]), a["duration_s"])
                 for a in result["attempts"]]
     for label, folder, duration in folders:
         events = read_events(folder)
@@ -401,7 +455,10 @@ def markdown(record: dict[str, Any]) -> str:
         f"Command: `{record['command']}`  ",
         f"Machine: {record['machine']['description']}, at the end "
         f"{record['machine']['loadavg_end'][0]:.1f}  ",
-        f"Exploration: seed {settings['seed']}, {settings['runs']} schedule(s) per system, "
+        f"Exploration: seed {settings['seed']}, {settings['runs']} schedule(s) per system"
+        + (f" and searcher ({settings['workers']} searchers: this code side by side "
+           "(`--workers`), the baseline their seeds in turn, sharing one twin)"
+           if settings.get("workers", 1) > 1 else "") + ", "
         f"shrink runs {settings['shrink_runs']}, max faults "
         f"{_num(settings['max_faults']) if settings['max_faults'] else 'the space’s'}; a fresh "
         "twin cache and no example database per exploration", "",
@@ -412,16 +469,18 @@ def markdown(record: dict[str, Any]) -> str:
         # either code is.
         lines += [f"{busy}: the figures below are not a measurement of speed.", ""]
     lines += [
-        "| system | code | exit | runs | pass / fail / discarded | runs/min (runs only) "
-        "| schedules/min (end to end) | CLI wall s | twin | load average |",
-        "| --- | --- | ---: | ---: | --- | ---: | ---: | ---: | --- | ---: |",
+        "| system | code | how | exit | runs | pass / fail / discarded | runs/min (runs only) "
+        "| schedules/min (end to end) | CLI wall s | CPU s per run | twin | load average |",
+        "| --- | --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- | ---: |",
     ]
     for row in record["rows"]:
         twin = (row["twin"] or "–").split(" (")[0]
         lines.append(
-            f"| `{row['system']}` | {row['code']} | {row['exit']} | {row['runs']} "
+            f"| `{row['system']}` | {row['code']} | {row.get('how', 'one search')} "
+            f"| {row['exit']} | {row['runs']} "
             f"| {_verdict_counts(row['verdicts'])} | {_num(row['runs_per_minute'])} "
-            f"| {_num(row['end_to_end_per_minute'])} | {row['wall_s']} | {twin} "
+            f"| {_num(row['end_to_end_per_minute'])} | {row['wall_s']} "
+            f"| {_num(row.get('cpu_s_per_run'))} | {twin} "
             f"| {row['loadavg_start']}–{row['loadavg_end']} |")
     if record.get("comparisons"):
         lines += ["", f"Baseline: `{record['baseline_ref']}`. Ratios this / baseline:", "",
@@ -483,6 +542,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-faults", type=int, default=None)
     parser.add_argument("--baseline-ref", metavar="GIT_REF",
                         help="also run the explorations on a worktree of this ref")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="searchers: this code's side by side (`explore --workers`), the "
+                             "baseline's the same seeds in turn; --runs is each one's")
     parser.add_argument("--split", action="store_true", help="where each run's seconds go")
     parser.add_argument("--keep", type=Path, metavar="DIR",
                         help="keep the explorations' run folders here")
@@ -490,7 +552,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     names = [n for n in args.systems.split(",") if n]
     unknown = [n for n in names if n not in SYSTEMS]
-    if unknown or not names or args.runs < 1:
+    if unknown or not names or args.runs < 1 or args.workers < 1:
         parser.error(f"unknown system(s) {unknown}; choose from {', '.join(SYSTEMS)}"
                      if unknown else "give at least one system and one run")
     machine = _machine()
@@ -506,10 +568,20 @@ def main(argv: list[str] | None = None) -> int:
             for code in list(codes)[:: 1 if index % 2 == 0 else -1]:
                 work = tmp / f"{name}-{code}"
                 scenario = scenario_for(SYSTEMS[name], codes[code], work / "space")
-                result = explore_once(codes[code], scenario, work, runs=args.runs,
-                                      seed=args.seed, shrink_runs=args.shrink_runs,
-                                      max_faults=args.max_faults)
-                row = {"system": name, "code": code, **result}
+                if args.workers > 1 and code == "baseline":
+                    result = explore_in_turn(
+                        codes[code], scenario, work, runs=args.runs,
+                        seeds=searcher_seeds(args.seed, args.workers),
+                        shrink_runs=args.shrink_runs, max_faults=args.max_faults)
+                    how = f"{args.workers} seeds in turn"
+                else:
+                    result = explore_once(codes[code], scenario, work, runs=args.runs,
+                                          seed=args.seed, shrink_runs=args.shrink_runs,
+                                          max_faults=args.max_faults, workers=args.workers)
+                    how = (f"{args.workers} searchers side by side" if args.workers > 1
+                           else "one search")
+                result.pop("parts", None)
+                row = {"system": name, "code": code, "how": how, **result}
                 if args.split:
                     row["split"] = split_exploration(result)
                 rows.append(row)
@@ -525,6 +597,7 @@ def main(argv: list[str] | None = None) -> int:
         "code": code_identity(),
         "baseline_ref": args.baseline_ref,
         "settings": {"systems": names, "runs": args.runs, "seed": args.seed,
+                     "workers": args.workers,
                      "shrink_runs": args.shrink_runs, "max_faults": args.max_faults},
         "rows": [{k: v for k, v in r.items() if k not in ("attempts", "split", "out")}
                  for r in rows],

@@ -349,8 +349,9 @@ def explore(
         help="where the searches run: here (local), or as the tasks of one Slurm array job "
              "(slurm; docs/scale-out.md)")] = Executor.local,
     workers: Annotated[int, typer.Option(
-        min=1, max=1000, help="searchers at once, sharing the example database (needs "
-        "--executor slurm); --runs, --time and --shrink-runs are each one's")] = 1,
+        min=1, max=1000, help="searchers at once, sharing the example database: side by "
+        "side here, or as Slurm tasks (--executor slurm); --runs, --time and --shrink-runs "
+        "are each one's")] = 1,
 ) -> None:
     """Search each scenario's `explore:` space for a fault schedule that fails its `expect`;
     shrink it, re-run it and write it as a scenario (docs/explore.md).
@@ -383,8 +384,7 @@ def explore(
             _explore_each(loaded, console, live=console.is_terminal and not plain, kwargs=dict(
                 runs=runs, time_limit_s=limit_s, seed=search_seed, max_faults=max_faults,
                 out=out_dir, shrink_runs=shrink_runs, confirm=confirm, use_cache=not no_cache,
-                database=database, sink=done), workers=workers
-                if executor is Executor.slurm else None)
+                database=database, sink=done), executor=executor, workers=workers)
     except (KeyboardInterrupt, Exception) as exc:
         code = _explore_stopped(exc, done)
     finally:
@@ -442,8 +442,7 @@ def _explorable(paths: list[Path], problems: list[str]) -> tuple[list[Any], bool
 def _executor_problems(executor: Executor, *, workers: int, no_db: bool) -> list[str]:
     """What keeps ``--executor``/``--workers`` from running here, each in a line."""
     if executor is Executor.local:
-        return [] if workers == 1 else [
-            f"--workers {workers}: parallel searchers run as Slurm jobs: add --executor slurm"]
+        return []
     from aftershock.faults import slurm_cli
 
     problem = slurm_cli.problem()
@@ -454,19 +453,25 @@ def _executor_problems(executor: Executor, *, workers: int, no_db: bool) -> list
 
 
 def _explore_each(loaded: list[Any], console: Console, *, live: bool,
-                  kwargs: dict[str, Any], workers: int | None = None) -> None:
+                  kwargs: dict[str, Any], executor: Executor = Executor.local,
+                  workers: int = 1) -> None:
     """Search each scenario in turn, shown live on a terminal, else as plain lines; with
-    ``workers``, by that many searchers on Slurm (harness/nodes/slurm_explore.py)."""
+    ``workers`` above one, by that many searchers (harness/search/team.py), side by side
+    here or on Slurm."""
     from functools import partial
 
     from aftershock.harness.reporting.report import ExploreLiveObserver, ExplorePlainObserver
     from aftershock.harness.search.explore import explore
 
     explore_scenario: Callable[..., Any] = explore
-    if workers is not None:
+    if executor is Executor.slurm:
         from aftershock.harness.nodes.slurm_explore import explore_on_slurm
 
         explore_scenario = partial(explore_on_slurm, workers=workers)
+    elif workers > 1:
+        from aftershock.harness.search.team import explore_side_by_side
+
+        explore_scenario = partial(explore_side_by_side, workers=workers)
 
     for scenario in loaded:
         if live:

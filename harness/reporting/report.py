@@ -557,10 +557,10 @@ class _RunProgress:
         pass
 
 
-def _attempt_line(attempt: Attempt, name: str = "") -> str:
+def _attempt_line(attempt: Attempt, name: str = "", *, team: bool = False) -> str:
     verdict = {"pass": "pass", "fail": "FAIL", "discarded": "discarded"}[attempt.verdict]
     why = f"  {attempt.reason}" if attempt.reason else ""
-    head = f"[{name}] " if name else ""
+    head = (f"[{name}] " if name else "") + (f"searcher {attempt.searcher} " if team else "")
     return (f"{head}run {attempt.index:3d} {attempt.stage:8} {verdict:9} "
             f"{attempt.duration_s:6.1f}s  {attempt.schedule}{why}")
 
@@ -571,6 +571,7 @@ class ExplorePlainObserver:
     def __init__(self, console: Console) -> None:
         self.console = console
         self.name = ""
+        self.team = False
 
     def _line(self, text: str) -> None:
         self.console.print(_text(text), highlight=False)
@@ -578,6 +579,7 @@ class ExplorePlainObserver:
     def started(self, exploration: Exploration, *, time_limit_s: float | None,
                 shrink_runs: int) -> None:
         self.name = exploration.name
+        self.team = exploration.workers > 1
         limit = f", at most {_clock(time_limit_s)}" if time_limit_s is not None else ""
         self._line(f"[{self.name}] exploring {exploration.file}: up to "
                    f"{exploration.budget_runs} schedules of 1..{exploration.max_faults} "
@@ -588,7 +590,7 @@ class ExplorePlainObserver:
         return _RunProgress(lambda: None)
 
     def finished_run(self, attempt: Attempt) -> None:
-        self._line(_attempt_line(attempt, self.name))
+        self._line(_attempt_line(attempt, self.name, team=self.team))
 
     def note(self, text: str) -> None:
         self._line(f"[{self.name}] {text}")
@@ -634,7 +636,8 @@ class ExploreLiveObserver:
         self.current = None
         style = "red" if attempt.verdict == "fail" else "dim" if attempt.verdict == "discarded" \
             else ""
-        self.live.console.print(Text(visible(_attempt_line(attempt)), style=style),
+        team = self.exploration is not None and self.exploration.workers > 1
+        self.live.console.print(Text(visible(_attempt_line(attempt, team=team)), style=style),
                                 highlight=False)
 
     def note(self, text: str) -> None:

@@ -16,7 +16,7 @@ twice, the smallest that failed once is reported as flaky.
 
 Searchers that run at once (``--executor slurm --workers N``) form a Team sharing one example
 database: the first to confirm a failure shrinks it; the others stop searching and replay it
-from the database, read only, as `replay` runs (harness/nodes/slurm_explore.py).
+from the database, read only, as `replay` runs (harness/search/team.py).
 
 The engine stays out of the run loop: it builds Scenario objects (the type users write) and
 calls the runner. The fault-free twin is computed once, before the search, and every run
@@ -101,6 +101,7 @@ class Exploration:
     stopped: str = ""  # budget | time | found | interrupted
     twin: str = ""
     searchers: list[Searcher] = field(default_factory=list)  # a team's, one each; else none
+    workers: int = 1  # searchers at once (harness/search/team.py)
     started: float = field(default_factory=time.monotonic)
     elapsed_s: float = 0.0
     search_s: float = 0.0  # the runs only: what `runs_per_minute` divides by
@@ -155,7 +156,7 @@ class Searcher:
 
 class Team(Protocol):
     """Searchers of one space that run at once and share one example database
-    (harness/nodes/slurm_explore.py): the first to confirm a failure shrinks it; the others
+    (harness/search/team.py): the first to confirm a failure shrinks it; the others
     stop searching and replay it from the database."""
 
     def share(self, database: ExampleDatabase) -> ExampleDatabase:
@@ -485,7 +486,7 @@ def explore(
     none. ``time_limit_s`` ends the search and the shrinking early. KeyboardInterrupt (and
     runner.Interrupted, SIGTERM) propagate after what was found so far is written; ``sink``
     gets the Exploration as soon as it starts, so a caller has it even then. ``team``: this
-    is one of several searchers sharing ``database`` (harness/nodes/slurm_explore.py)."""
+    is one of several searchers sharing ``database`` (harness/search/team.py)."""
     from hypothesis import HealthCheck, Phase, Verbosity, given, reject, settings
     from hypothesis import seed as hypothesis_seed
     from hypothesis.database import DirectoryBasedExampleDatabase, ReadOnlyDatabase
@@ -505,7 +506,7 @@ def explore(
     if not space.kinds:
         raise PreflightError(f"{loaded.path}: this machine cannot cause any fault kind of the "
                              "search: " + "; ".join(f"{k}: {w}" for k, w in unavailable))
-    exploration.twin = _prepare_twin(loaded, out=out, use_cache=use_cache, observer=observer)
+    exploration.twin = prepare_twin(loaded, out=out, use_cache=use_cache, observer=observer)
     search = _Search(loaded, exploration, runs=runs, shrink_runs=shrink_runs,
                      deadline=deadline, out=out, seed=spec.seed, observer=observer,
                      team=team)
@@ -724,7 +725,7 @@ def _database_key(loaded: LoadedScenario) -> str:
     return f"{loaded.spec.name}-{where}"
 
 
-def _prepare_twin(loaded: LoadedScenario, *, out: Path, use_cache: bool,
+def prepare_twin(loaded: LoadedScenario, *, out: Path, use_cache: bool,
                   observer: ExploreObserver) -> str:
     """Compute (or find) the fault-free twin once, so that every run reads it from the
     cache, and check it against its golden: a wrong twin would make every verdict wrong."""

@@ -24,7 +24,7 @@ import pytest
 from hypothesis.database import InMemoryExampleDatabase
 
 from aftershock.faults import slurm_cli as _slurm
-from aftershock.harness.nodes.slurm_explore import FileTeam, searcher_seeds
+from aftershock.harness.search.team import FileTeam, searcher_seeds
 
 ROOT = Path(__file__).resolve().parents[2]
 JOB = ROOT / "tests" / "fixtures" / "explore_job.py"
@@ -181,15 +181,6 @@ def test_explore_on_slurm_without_a_cluster_is_one_line_and_exit_2(
     }[clients]
     assert proc.stderr.strip().splitlines() == [said]
     assert not list((tmp_path / "out").rglob("*.yaml"))  # nothing ran
-
-
-def test_workers_without_slurm_are_refused(tmp_path: Path) -> None:
-    scenario = tmp_path / "job.yaml"
-    scenario.write_text(SCENARIO)
-    proc = _aftershock("explore", str(scenario), "--workers", "3", timeout=120)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "--workers 3: parallel searchers run as Slurm jobs: add --executor slurm" \
-        in proc.stderr
 
 
 def test_searcher_seeds_start_at_the_users_and_are_distinct() -> None:
