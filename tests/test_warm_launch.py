@@ -126,3 +126,28 @@ def test_a_launcher_whose_server_died_never_counts_as_a_success(
             stream.close()
 
 
+
+
+def test_a_server_that_cannot_preload_is_not_started_again_for_every_run(
+        job: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A preload that fails (a module this environment lacks) means a fresh launcher for the
+    run, and for every later run of that environment: not one more server that imports
+    for seconds and fails again, each run."""
+    spawned: list[tuple[str, ...]] = []
+    spawn = warm._spawn
+
+    def counted(preload: tuple[str, ...], env: dict[str, str], cwd: Path) -> object:
+        spawned.append(tuple(preload))
+        return spawn(preload, env, cwd)
+
+    monkeypatch.setattr(warm, "_spawn", counted)
+    argv = [sys.executable, "-u", "-m", "warm_child", "0"]
+    missing = ("json", "no_such_module_anywhere")
+    for run_id in ("r1", "r2", "r3"):
+        assert warm.start(missing, argv, env={**job, "AFTERSHOCK_RUN_ID": run_id},
+                          cwd=tmp_path, cgroup=None) is None
+    assert spawned == [missing]
+    # Another environment is another server, tried once in its turn.
+    assert warm.start(missing, argv, env={**job, "SOME_SETTING": "2"}, cwd=tmp_path,
+                      cgroup=None) is None
+    assert spawned == [missing, missing]

@@ -169,6 +169,9 @@ class _Server:
 
 _servers: dict[tuple[Any, ...], _Server] = {}
 _servers_lock = threading.Lock()
+#: Environments whose server could not start (a preload failed, or timed out): their runs
+#: start fresh, without a server importing for seconds and failing again every run.
+_failed: set[tuple[Any, ...]] = set()
 
 
 def start(preload: Sequence[str], argv: Sequence[str], *, env: Mapping[str, str], cwd: Path,
@@ -222,6 +225,8 @@ def start(preload: Sequence[str], argv: Sequence[str], *, env: Mapping[str, str]
 def _server(preload: Sequence[str], env: Mapping[str, str], cwd: Path) -> _Server | None:
     key = _key(preload, env, cwd)
     with _servers_lock:
+        if key in _failed:
+            return None
         found = _servers.get(key)
         if found is not None and not found.dead and found.proc.poll() is None:
             return found
@@ -234,6 +239,8 @@ def _server(preload: Sequence[str], env: Mapping[str, str], cwd: Path) -> _Serve
         server = _spawn(preload, {k: v for k, v in env.items() if k not in PER_RUN}, cwd)
         if server is not None:
             _servers[key] = server
+        else:
+            _failed.add(key)
         return server
 
 
