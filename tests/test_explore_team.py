@@ -24,8 +24,6 @@ from _helpers import ROOT
 
 from aftershock.harness.search.team import searcher_seeds
 
-pytestmark = pytest.mark.explore
-
 JOB = ROOT / "tests" / "fixtures" / "explore_job.py"
 
 
