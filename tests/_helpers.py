@@ -204,3 +204,45 @@ def on_threads(size: int, body: Callable[[int], Any], join_s: float = 60.0) -> l
         t.join(join_s)
     assert not any(t.is_alive() for t in threads), "a rank never returned"
     return out
+
+
+#: A torch-free job that survives one kill at a time and gives up on a second during a
+#: recovery (tests/fixtures/explore_job.py): what the explore tests search.
+EXPLORE_JOB = ROOT / "tests" / "fixtures" / "explore_job.py"
+
+
+def explore_job_scenario(name: str, *, duration: float, timeout: str = "30s",
+                         max_step: int = 3, max_faults: int = 2, explore: bool = True,
+                         one_kill: bool = False) -> str:
+    """A scenario of EXPLORE_JOB running ``duration`` seconds, whose `explore:` space kills
+    ranks at steps 1 to ``max_step`` or on a failure (1 to ``max_faults`` kills);
+    ``one_kill``: with a hand-written kill of rank 1 at step 5 too."""
+    faults = """\
+faults:
+  - kind: process.kill
+    target: {rank: 1}
+    at: {step: 5}
+""" if one_kill else ""
+    block = f"""\
+explore:
+  faults: {{min: 1, max: {max_faults}}}
+  kinds: [process.kill]
+  targets: [rank]
+  at:
+    step: {{min: 1, max: {max_step}}}
+    events: [failure_detected]
+""" if explore else ""
+    return f"""\
+name: {name}
+system:
+  command: [{sys.executable}, {EXPLORE_JOB}]
+  world: 2
+  timeout: {timeout}
+  env: {{JOB_DURATION: "{duration}", JOB_RECOVERY: "0.5"}}
+  probes:
+    - {{pattern: 'rank (?P<rank>\\d+) step (?P<step>\\d+)', event: step}}
+    - {{pattern: 'failure_detected rank (?P<rank>\\d+)', event: failure_detected}}
+    - {{pattern: 'recovery_done rank (?P<rank>\\d+)', event: recovery_done}}
+{faults}expect:
+  completes: true
+{block}"""

@@ -17,44 +17,19 @@ import time
 from pathlib import Path
 
 import pytest
-from _helpers import ROOT, cli
+from _helpers import EXPLORE_JOB, ROOT, cli, explore_job_scenario
 
 from aftershock.faults._proc import environ
 from aftershock.harness.scenario.load import load_scenario
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-JOB = ROOT / "tests" / "fixtures" / "explore_job.py"
+JOB = EXPLORE_JOB
 
 
 def job_scenario(name: str, max_faults: int = 2, explore: bool = True) -> str:
-    block = f"""\
-explore:
-  faults: {{min: 1, max: {max_faults}}}
-  kinds: [process.kill]
-  targets: [rank]
-  at:
-    step: {{min: 1, max: 12}}
-    events: [failure_detected]
-""" if explore else ""
-    return f"""\
-name: {name}
-system:
-  command: [{sys.executable}, {JOB}]
-  world: 2
-  timeout: 30s
-  env: {{JOB_DURATION: "1.2", JOB_RECOVERY: "0.5"}}
-  probes:
-    - {{pattern: 'rank (?P<rank>\\d+) step (?P<step>\\d+)', event: step}}
-    - {{pattern: 'failure_detected rank (?P<rank>\\d+)', event: failure_detected}}
-    - {{pattern: 'recovery_done rank (?P<rank>\\d+)', event: recovery_done}}
-faults:
-  - kind: process.kill
-    target: {{rank: 1}}
-    at: {{step: 5}}
-expect:
-  completes: true
-{block}"""
+    return explore_job_scenario(name, duration=1.2, max_step=12, max_faults=max_faults,
+                                explore=explore, one_kill=True)
 
 
 def write(tmp_path: Path, name: str, text: str) -> Path:

@@ -20,35 +20,13 @@ import time
 from pathlib import Path
 
 import pytest
-from _helpers import ROOT
+from _helpers import ROOT, explore_job_scenario
 
 from aftershock.harness.search.team import searcher_seeds
 
-JOB = ROOT / "tests" / "fixtures" / "explore_job.py"
-
 
 def _scenario(duration: float) -> str:
-    return f"""\
-name: team-explore
-system:
-  command: [{sys.executable}, {JOB}]
-  world: 2
-  timeout: 60s
-  env: {{JOB_DURATION: "{duration}", JOB_RECOVERY: "0.5"}}
-  probes:
-    - {{pattern: 'rank (?P<rank>\\d+) step (?P<step>\\d+)', event: step}}
-    - {{pattern: 'failure_detected rank (?P<rank>\\d+)', event: failure_detected}}
-    - {{pattern: 'recovery_done rank (?P<rank>\\d+)', event: recovery_done}}
-expect:
-  completes: true
-explore:
-  faults: {{min: 1, max: 2}}
-  kinds: [process.kill]
-  targets: [rank]
-  at:
-    step: {{min: 1, max: 3}}
-    events: [failure_detected]
-"""
+    return explore_job_scenario("team-explore", duration=duration, timeout="60s")
 
 
 SEARCH = ["--seed", "5", "--runs", "30", "--shrink-runs", "12", "--plain"]

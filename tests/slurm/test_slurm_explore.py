@@ -21,34 +21,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _helpers import explore_job_scenario
 from hypothesis.database import InMemoryExampleDatabase
 
 from aftershock.faults import slurm_cli as _slurm
 from aftershock.harness.search.team import FileTeam, searcher_seeds
 
 ROOT = Path(__file__).resolve().parents[2]
-JOB = ROOT / "tests" / "fixtures" / "explore_job.py"
-SCENARIO = f"""\
-name: slurm-explore
-system:
-  command: [{sys.executable}, {JOB}]
-  world: 2
-  timeout: 30s
-  env: {{JOB_DURATION: "2", JOB_RECOVERY: "0.5"}}
-  probes:
-    - {{pattern: 'rank (?P<rank>\\d+) step (?P<step>\\d+)', event: step}}
-    - {{pattern: 'failure_detected rank (?P<rank>\\d+)', event: failure_detected}}
-    - {{pattern: 'recovery_done rank (?P<rank>\\d+)', event: recovery_done}}
-expect:
-  completes: true
-explore:
-  faults: {{min: 1, max: 2}}
-  kinds: [process.kill]
-  targets: [rank]
-  at:
-    step: {{min: 1, max: 3}}
-    events: [failure_detected]
-"""
+SCENARIO = explore_job_scenario("slurm-explore", duration=2)
 # A narrow space (kills at steps 1 to 3): found at the 8th schedule, shrunk in a few runs,
 # while the other searcher is still searching.
 SEARCH = ["--seed", "5", "--runs", "30", "--shrink-runs", "12", "--plain"]
