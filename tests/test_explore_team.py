@@ -102,31 +102,37 @@ def test_two_searchers_side_by_side_shrink_what_a_lone_explore_does_and_share_it
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL],
-                         ids=["sigint", "sigterm", "sigkill"])
+@pytest.mark.parametrize(("signum", "group"), [
+    (signal.SIGINT, False), (signal.SIGINT, True), (signal.SIGTERM, False),
+    (signal.SIGKILL, False)], ids=["sigint", "ctrl-c", "sigterm", "sigkill"])
 def test_a_stopped_or_killed_harness_leaves_no_searcher_and_no_job(
-        tmp_path: Path, signum: int) -> None:
-    """SIGINT (Ctrl-C) or SIGTERM to the harness alone, while both searchers run: it stops
-    them, each unwinds its run and writes its record, and it exits 130 or 143 with both
-    interrupted. SIGKILL: the searchers die with it and unwind their runs themselves."""
+        tmp_path: Path, signum: int, group: bool) -> None:
+    """SIGINT or SIGTERM to the harness, or Ctrl-C at its terminal (SIGINT to its process
+    group), while both searchers run: it stops them, each unwinds its run and writes its
+    record, and it exits 130 or 143 with both interrupted and each run counted once.
+    SIGKILL: the searchers die with it and unwind their runs themselves."""
     scenario = tmp_path / "job.yaml"
-    scenario.write_text(_scenario(30))
+    scenario.write_text(_scenario(6))
     out = tmp_path / "out"
     harness = subprocess.Popen(
         [sys.executable, "-m", "aftershock", "explore", str(scenario), "--seed", "9",
          "--runs", "30", "--plain", "--workers", "2", "--no-db", "--out", str(out),
          "--json", str(tmp_path / "t.json")],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True)
+        stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 120
-        while len(list(out.glob("team/*/searcher-*/runs/*/001-search/events.jsonl"))) < 2:
+        # Both searchers in their second run: each has a run to report, once.
+        while len(list(out.glob("team/*/searcher-*/runs/*/002-*/events.jsonl"))) < 2:
             assert harness.poll() is None, harness.communicate()[0][-3000:]
             assert time.monotonic() < deadline, "the searchers did not start"
             time.sleep(0.2)
-        time.sleep(1.0)  # the jobs are running
+        time.sleep(0.5)  # the jobs are running
         assert len(_mentioning(str(out))) >= 6  # two searchers, two jobs of three processes
-        harness.send_signal(signum)
+        if group:
+            os.killpg(harness.pid, signum)
+        else:
+            harness.send_signal(signum)
         said, _ = harness.communicate(timeout=120)
         if signum == signal.SIGKILL:
             assert harness.returncode == -signal.SIGKILL
@@ -135,6 +141,8 @@ def test_a_stopped_or_killed_harness_leaves_no_searcher_and_no_job(
             assert "interrupted" in said
             (team,) = json.loads((tmp_path / "t.json").read_text())
             assert [s["stopped"] for s in team["searchers"]] == ["interrupted", "interrupted"]
+            runs = [(a["searcher"], a["index"]) for a in team["attempts"]]
+            assert len(runs) == len(set(runs)), runs
         gone_by = time.monotonic() + 60
         while _mentioning(str(out)) and time.monotonic() < gone_by:
             time.sleep(0.2)

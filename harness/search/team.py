@@ -389,10 +389,14 @@ def explore_side_by_side(
                 searchers.append(subprocess.Popen(
                     [sys.executable, "-m", "aftershock.harness.search.team", str(root), str(k),
                      str(os.getpid())], stdin=subprocess.DEVNULL, stdout=output,
-                    stderr=subprocess.STDOUT))
+                    # A group of its own: a terminal's Ctrl-C reaches this harness only,
+                    # which then tells each searcher once (a second signal would land in
+                    # the searcher's unwinding).
+                    stderr=subprocess.STDOUT, process_group=0))
         _follow(searchers, root, team, observer)
     except BaseException:
         _stop(searchers)
+        team.attempts.clear()  # each searcher's record holds them all
         with contextlib.suppress(HarnessError, OSError, ValueError, KeyError, TypeError):
             gather(team, root, seeds, out=out, output_of=output_of, strict=False)
         team.stopped = "interrupted"
