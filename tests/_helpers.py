@@ -246,3 +246,32 @@ system:
 {faults}expect:
   completes: true
 {block}"""
+
+
+def check_team_found_as_alone(team: dict[str, Any], alone: dict[str, Any], *, said: str,
+                              written: Path, seed: int) -> tuple[dict[str, Any], dict[str, Any],
+                                                                  set[str], set[str]]:
+    """What a team of two searchers (``aftershock explore --workers 2``, here or on Slurm)
+    must share with a lone explore of the same seed: the same confirmed, shrunk schedule,
+    written to ``written`` and printed; the seeds; the failure shrunk by one searcher only.
+    Returns the searcher that shrank, the other, the schedules the other replayed and those
+    that failed for the first."""
+    from aftershock.harness.search.team import searcher_seeds
+
+    assert [f["status"] for f in team["findings"]] == ["confirmed"]
+    assert team["findings"][0]["schedule"] == alone["findings"][0]["schedule"]
+    assert Path(team["findings"][0]["file"]) == written
+    assert "FAILING SCHEDULE: " + alone["findings"][0]["schedule"] in said
+    searchers = team["searchers"]
+    assert [s["seed"] for s in searchers] == searcher_seeds(seed, 2)
+    (shrank,) = [s for s in searchers if s["shrank"]]
+    (other,) = [s for s in searchers if not s["shrank"]]
+    attempts = team["attempts"]
+    assert not [a for a in attempts if a["searcher"] == other["index"]
+                and a["stage"] in ("shrink", "minimize")]
+    assert [a for a in attempts if a["searcher"] == shrank["index"] and a["stage"] == "shrink"]
+    replayed = {a["schedule"] for a in attempts
+                if a["searcher"] == other["index"] and a["stage"] == "replay"}
+    failed_first = {a["schedule"] for a in attempts
+                    if a["searcher"] == shrank["index"] and a["verdict"] == "fail"}
+    return shrank, other, replayed, failed_first

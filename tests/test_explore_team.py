@@ -20,9 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from _helpers import ROOT, explore_job_scenario
-
-from aftershock.harness.search.team import searcher_seeds
+from _helpers import ROOT, check_team_found_as_alone, explore_job_scenario
 
 
 def _scenario(duration: float) -> str:
@@ -69,34 +67,20 @@ def test_two_searchers_side_by_side_shrink_what_a_lone_explore_does_and_share_it
     assert both.returncode == 1, both.stdout[-3000:] + both.stderr[-2000:]
     (lone,) = json.loads((tmp_path / "a.json").read_text())
     (team,) = json.loads((tmp_path / "t.json").read_text())
-    # The same verdict and the same shrunk schedule, written where a lone explore writes it.
-    assert [f["status"] for f in team["findings"]] == ["confirmed"]
-    assert team["findings"][0]["schedule"] == lone["findings"][0]["schedule"]
-    assert Path(team["findings"][0]["file"]) == tmp_path / "team" / "team-explore-found.yaml"
-    assert "FAILING SCHEDULE: " + lone["findings"][0]["schedule"] in both.stdout
+    # The same shrunk schedule as alone, shrunk by one searcher only.
+    _, other, replayed, failed_first = check_team_found_as_alone(
+        team, lone, said=both.stdout, written=tmp_path / "team" / "team-explore-found.yaml",
+        seed=5)
     assert "2 searchers side by side" in both.stdout
     # Every run is shown as it ends, with the searcher that ran it.
-    assert both.stdout.count("searcher 1 run ") == sum(
-        a["searcher"] == 1 for a in team["attempts"])
-    # Two searchers, the first with the user's seed; one shrank, the other did not shrink.
-    searchers = team["searchers"]
-    assert [s["seed"] for s in searchers] == searcher_seeds(5, 2)
-    (shrank,) = [s for s in searchers if s["shrank"]]
-    (other,) = [s for s in searchers if not s["shrank"]]
     attempts = team["attempts"]
-    assert not [a for a in attempts if a["searcher"] == other["index"]
-                and a["stage"] in ("shrink", "minimize")]
-    assert [a for a in attempts if a["searcher"] == shrank["index"] and a["stage"] == "shrink"]
+    assert both.stdout.count("searcher 1 run ") == sum(a["searcher"] == 1 for a in attempts)
     # Searcher 0 drew the lone explore's schedules, in its order, as far as it searched.
     mine = [a["schedule"] for a in attempts if a["searcher"] == 0 and a["stage"] == "search"]
     assert mine == [a["schedule"] for a in lone["attempts"][:len(mine)]]
     # The other searcher stopped when the failure was claimed; what it replayed from the
     # shared database, if it got there, is a schedule that failed for the first.
     assert other["stopped"] in ("replayed", "found"), other
-    replayed = {a["schedule"] for a in attempts
-                if a["searcher"] == other["index"] and a["stage"] == "replay"}
-    failed_first = {a["schedule"] for a in attempts
-                    if a["searcher"] == shrank["index"] and a["verdict"] == "fail"}
     assert replayed <= failed_first
     assert not _mentioning(str(tmp_path))
 

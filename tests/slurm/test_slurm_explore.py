@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _helpers import explore_job_scenario
+from _helpers import check_team_found_as_alone, explore_job_scenario
 from hypothesis.database import InMemoryExampleDatabase
 
 from aftershock.faults import slurm_cli as _slurm
@@ -58,21 +58,11 @@ def test_two_searchers_on_slurm_shrink_what_a_local_explore_does_and_share_it(
     assert there.returncode == 1, there.stdout[-3000:] + there.stderr[-2000:]
     (local,) = json.loads((tmp_path / "l.json").read_text())
     (team,) = json.loads((tmp_path / "s.json").read_text())
-    # The same verdict and the same shrunk schedule, written where a local explore writes it.
-    assert [f["status"] for f in team["findings"]] == ["confirmed"]
-    assert team["findings"][0]["schedule"] == local["findings"][0]["schedule"]
-    assert Path(team["findings"][0]["file"]) == tmp_path / "slurm" / "slurm-explore-found.yaml"
-    assert "FAILING SCHEDULE: " + local["findings"][0]["schedule"] in there.stdout
+    # The same shrunk schedule as a local explore, shrunk by one searcher only.
+    shrank, other, replayed, failed_first = check_team_found_as_alone(
+        team, local, said=there.stdout, written=tmp_path / "slurm" / "slurm-explore-found.yaml",
+        seed=5)
     assert "array job" in there.stdout
-    # Two searchers, the first with the user's seed; one shrank, the other did not shrink.
-    searchers = team["searchers"]
-    assert [s["seed"] for s in searchers] == searcher_seeds(5, 2)
-    (shrank,) = [s for s in searchers if s["shrank"]]
-    (other,) = [s for s in searchers if not s["shrank"]]
-    attempts = team["attempts"]
-    assert not [a for a in attempts if a["searcher"] == other["index"]
-                and a["stage"] in ("shrink", "minimize")]
-    assert [a for a in attempts if a["searcher"] == shrank["index"] and a["stage"] == "shrink"]
     # The other searcher replayed, from the shared database, a value the first one saved
     # there: a schedule that failed for the first, and failed on the other's node too.
     assert other["stopped"] == "replayed", other
@@ -81,10 +71,6 @@ def test_two_searchers_on_slurm_shrink_what_a_local_explore_does_and_share_it(
     assert shared, (other["read"], shrank["saved"])
     kept = {p.name for p in (tmp_path / "db").rglob("*") if p.is_file()}
     assert shared <= kept
-    replayed = {a["schedule"] for a in attempts
-                if a["searcher"] == other["index"] and a["stage"] == "replay"}
-    failed_first = {a["schedule"] for a in attempts
-                    if a["searcher"] == shrank["index"] and a["verdict"] == "fail"}
     assert replayed
     assert replayed <= failed_first
     # The array job is gone from the queue.
