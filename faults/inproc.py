@@ -177,6 +177,7 @@ class Engine:
         self.phase: str | None = None
         self.armed: dict[str, dict[str, Any]] = {}
         self.released: set[str] = set()
+        self.fired: set[tuple[str, Any]] = set()  # (command id, rank) fired in this run
         self.calls: Counter[str] = Counter()
         self.tensors: dict[str, Callable[[], Any]] = {}
         self._lock = threading.RLock()
@@ -190,9 +191,13 @@ class Engine:
                 elif command.get("op") == "release":
                     self.released.add(str(command.get("id")))
                     self.armed.pop(str(command.get("id")), None)
-                elif command.get("op") == "fired" and command.get("rank") == self.rank():
-                    # Fired once per rank per run: a restarted process re-reads the file.
-                    self.armed.pop(str(command.get("id")), None)
+                elif command.get("op") == "fired":
+                    # Fired once per rank per run: a restarted process re-reads the file,
+                    # and a spare read it before it took over the rank (kept until then).
+                    self.fired.add((str(command.get("id")), command.get("rank")))
+            rank = self.rank()
+            for key in [k for k in self.armed if (k, rank) in self.fired]:
+                del self.armed[key]
 
     def _mine(self, command: dict[str, Any]) -> bool:
         want = command["params"].get("rank")

@@ -70,6 +70,30 @@ def test_a_kill_at_a_phase_lands_exactly_there_and_only_once(tmp_path: Path) -> 
     assert [e["event"] for e in events] == ["passed"] * 4
 
 
+def test_a_spare_that_takes_the_rank_over_later_does_not_fire_its_fault_again(
+    tmp_path: Path,
+) -> None:
+    """A warm spare reads the command file while it has no rank yet, then takes over the
+    rank whose fault already fired. That fault fired once per rank per run: the spare must
+    not fire it again. (A fault point reached before the spare had a rank consumed the
+    'fired' line unread, and the spare hung rank 1's collective a second time.)"""
+    torch = pytest.importorskip("torch")
+    path = str(tmp_path / "commands.jsonl")
+    inproc.send(path, {"op": "arm", "id": "h1", "kind": "collective.error",
+                       "params": {"rank": 1, "at_step": 5, "op": "all_reduce", "fault": 0}})
+    inproc.send(path, {"op": "fired", "id": "h1", "rank": 1})  # the first rank 1's
+    rank: list[int | None] = [None]
+    events: list[dict[str, Any]] = []
+    spare = inproc.Engine(inproc.Inbox(path), rank=lambda: rank[0],
+                          emit=lambda event, **f: events.append({"event": event, **f}))
+    spare.at_point(0, "join")  # before it has a rank: the command file is read here
+
+    rank[0] = 1  # it took rank 1 over
+    spare.at_point(7, "backward")
+    spare.around("all_reduce", lambda tensor: None, (torch.ones(2),), {})
+    assert not events
+
+
 def test_a_collective_fault_with_a_phase_counts_only_calls_after_that_point(
     tmp_path: Path,
 ) -> None:
