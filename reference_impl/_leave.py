@@ -21,6 +21,10 @@ still inside it has nothing left to wait for. Here it stops waiting:
   Gloo's feet: its op is abandoned, and the group is destroyed later, off the way.
 - The vote's star runs over our own sockets, which close cleanly: they are shut down
   (``Star.interrupt``), so a rank blocked in the vote fails at once, and so do its peers.
+- A generation's groups are built on a thread of their own (``build``): Gloo's group
+  constructor waits for every member's address until its timeout, and nothing interrupts
+  it, so a member killed after the start line held the others there for the whole
+  collective timeout. The build is given up like a wait; the thread ends on its own.
 
 ``Leave`` is told of every plan that does not wait for a step boundary (a lost member, a
 fenced one, collectives failing with every member alive) by the plan watcher thread. A
@@ -31,12 +35,16 @@ switch together.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 #: How often a wait on a collective looks whether its generation was superseded: the most
 #: a member waits on after the plan came.
 SLICE_S = 0.02
+
+
+T = TypeVar("T")
 
 
 class Left(RuntimeError):
@@ -148,3 +156,42 @@ class Abandonable:
             return out
 
         return call
+
+
+def build(make: Callable[[], T], leave: Leave, gen: int) -> T:
+    """``make()`` (generation ``gen``'s groups), on a thread of its own: what it returns, or
+    the error it raises; ``Left`` once ``gen`` is superseded. An abandoned build runs on until
+    it completes or fails at its timeout, and drops what it built there, off the way. It
+    may hold the store connection it builds through until then (a TCPStore connection runs
+    one call at a time): after a ``Left`` the caller leaves it that one and takes a new
+    one."""
+    if leave.superseded(gen):
+        raise Left(f"left generation {gen}: a newer plan superseded it before its build")
+    done = threading.Event()
+    lock = threading.Lock()
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out: Any = make()
+            error = None
+        except Exception as exc:  # returned to the caller, or dropped with the build
+            out, error = None, exc
+        with lock:
+            if not box.get("abandoned"):
+                box["out"], box["error"] = out, error
+        del out  # abandoned: what it built is destroyed here, not in the caller's way
+        done.set()
+
+    threading.Thread(target=run, daemon=True, name=f"build_gen{gen}").start()
+    while not done.wait(SLICE_S):
+        if leave.superseded(gen):
+            with lock:
+                if "out" not in box:
+                    box["abandoned"] = True
+                    raise Left(f"left generation {gen}: a newer plan superseded it during "
+                               "its build")
+            break
+    if box["error"] is not None:
+        raise box["error"]
+    return box["out"]

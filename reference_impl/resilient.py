@@ -508,10 +508,12 @@ class Worker:
         self.waiter.wait([f"arrived/{gen}"])
         if self.store.add(f"arrive/{gen}", 0) < len(members):
             raise Superseded
+        probe.fault_point("join", self.steps_done)  # every member is in; no group built yet
         timeout = timedelta(seconds=self.cfg.collective_timeout)
+        store = self.store
 
         def group(name: str, ranks: list[int]) -> Any:
-            prefixed = dist.PrefixStore(f"gen{gen}/{name}/", self.store)
+            prefixed = dist.PrefixStore(f"gen{gen}/{name}/", store)
             # Called directly, never through torch.distributed's functions: opted in to
             # Aftershock's collective faults here (the group itself outside the harness).
             # Its waits give up once a newer plan supersedes this generation.
@@ -522,11 +524,26 @@ class Worker:
         shards = self.cfg.shards
         replica, shard = divmod(rank, shards)
         dp_ranks = [r * shards + shard for r in plan["replicas"]]
-        world = group("world", members)
-        tp = group(f"tp{replica}", [replica * shards + s for s in range(shards)])
-        dp = group(f"dp{shard}", dp_ranks)
-        star = Star.connect(dist.PrefixStore(f"gen{gen}/", self.store), members.index(rank),
-                            len(members), self.cfg.collective_timeout)
+
+        def make() -> tuple[Any, Any, Any, Star]:
+            return (group("world", members),
+                    group(f"tp{replica}", [replica * shards + s for s in range(shards)]),
+                    group(f"dp{shard}", dp_ranks),
+                    Star.connect(dist.PrefixStore(f"gen{gen}/", store), members.index(rank),
+                                 len(members), self.cfg.collective_timeout))
+
+        # Each constructor waits for every member until the collective timeout, and nothing
+        # interrupts it: a member killed after the start line would hold us here that long.
+        try:
+            world, tp, dp, star = _leave.build(make, self.leave, gen)
+        except _leave.Left:
+            # The abandoned build may block on our store connection until its timeout (a
+            # TCPStore connection runs one call at a time): it keeps that one, we take a
+            # new one. Not one of our own beside it from the start: each connection costs
+            # the store's host a reverse DNS lookup of our address, and where a burst of
+            # them is dropped (seen in this sandbox) every connect of the burst waits 5 s.
+            self.store = _store.connect(self.host, self.port)
+            raise
         self.leave.enter(gen, star)
         return Groups(gen, rank, members, plan["replicas"], world, tp, dp, dp_ranks, star)
 

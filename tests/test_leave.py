@@ -24,7 +24,7 @@ from tests._helpers import on_threads
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
-from aftershock.reference_impl._leave import SLICE_S, Abandonable, Leave, Left  # noqa: E402
+from aftershock.reference_impl._leave import SLICE_S, Abandonable, Leave, Left, build  # noqa: E402
 
 TIMEOUT_S = 30.0  # what a wait would last without leaving
 
@@ -223,3 +223,41 @@ def test_a_plan_that_came_while_the_generation_was_built_shuts_its_vote_at_once(
     assert leave.superseded(0)
     for star in stars:
         star.close()
+
+
+def test_a_build_waiting_for_a_dead_member_gives_up_once_the_generation_is_superseded() -> None:
+    """Gloo's group constructor waits for every member's address until its timeout, and
+    nothing interrupts it: a member killed after the start line held the others there for
+    the whole collective timeout (kill_rank_while_joining_hot_spare). Built through
+    ``build``, the wait ends within a slice of the next plan."""
+    leave = Leave()
+    store = dist.HashStore()
+    # Rank 1 of the pair never comes: the constructor would wait 30 s.
+    make = lambda: dist.ProcessGroupGloo(  # noqa: E731
+        dist.PrefixStore("dead/", store), 0, 2, timedelta(seconds=TIMEOUT_S))
+    thread, outcome = _blocked(lambda: build(make, leave, 2))
+
+    leave.supersede(3)
+
+    _ended(thread, outcome, Left, "the build")
+    assert outcome["waited_s"] < 0.3 + 10 * SLICE_S + 1, outcome
+
+
+def test_a_build_returns_what_it_built_or_fails_as_itself() -> None:
+    leave = Leave()
+    store = dist.HashStore()
+    groups = on_threads(2, lambda rank: build(lambda: dist.ProcessGroupGloo(
+        dist.PrefixStore("built/", store), rank, 2, timedelta(seconds=TIMEOUT_S)), leave, 0))
+    assert all(isinstance(g, dist.ProcessGroupGloo) for g in groups), groups
+    assert groups[0].size() == 2
+
+    def broken() -> Any:
+        raise RuntimeError("Connection refused")
+
+    with pytest.raises(RuntimeError, match="Connection refused"):
+        build(broken, leave, 0)
+    leave.supersede(1)  # superseded before the build: given up at once, not built
+    started = time.monotonic()
+    with pytest.raises(Left):
+        build(lambda: time.sleep(5), leave, 0)
+    assert time.monotonic() - started < 1

@@ -133,16 +133,18 @@ class Target(_Strict):
 
 
 #: Fault points of the reference systems (``harness.probe.fault_point``): a training step's
-#: forward, backward and optimizer; ``save``: every rank's checkpoint shard is durable and the
-#: step is not committed yet; ``restore``: a rank rejoining after a failure, before it trains
-#: again (the step it restores); ``finish``: the last step is committed and the rank has not
-#: reported its final parameters yet; ``exit``: the rank has reported them and left the job,
-#: on its way out; ``decode``: a serving engine step. The serving router's durability path,
-#: in order, its step being the count of token records: ``token_produced`` (a worker's tokens
-#: accepted, not yet journaled), ``journal_appended`` (written, not fsynced),
-#: ``journal_synced`` (durable, not yet sent), ``token_sent`` (sent to clients).
-Phase = Literal["forward", "backward", "optimizer", "save", "restore", "finish", "exit", "decode",
-                "token_produced", "journal_appended", "journal_synced", "token_sent"]
+#: forward, backward and optimizer; ``save``: every rank's checkpoint shard is durable and the step
+#: is not committed yet; ``join``: a member of a new membership generation that passed its start
+#: line, before it builds the generation's groups (hot_spare and elastic; the step and rank it
+#: holds: a spare taking a rank over is no rank yet); ``restore``: a rank rejoining after a
+#: failure, before it trains again (the step it restores); ``finish``: the last step is committed
+#: and the rank has not reported its final parameters yet; ``exit``: the rank has reported them and
+#: left the job, on its way out; ``decode``: a serving engine step. The serving router's durability
+#: path, in order, its step being the count of token records: ``token_produced`` (a worker's tokens
+#: accepted, not yet journaled), ``journal_appended`` (written, not fsynced), ``journal_synced``
+#: (durable, not yet sent), ``token_sent`` (sent to clients).
+Phase = Literal["forward", "backward", "optimizer", "save", "join", "restore", "finish", "exit",
+                "decode", "token_produced", "journal_appended", "journal_synced", "token_sent"]
 
 
 FileWhen = Literal["created", "opened", "modified", "closed", "deleted"]
@@ -186,7 +188,7 @@ class At(_Strict):
     step: int | None = Field(None, ge=0, le=MAX_STEPS)
     phase: Phase | None = Field(
         None, description="with `step`: the fault point (forward, backward, optimizer, save, "
-        "restore, finish, exit, decode; the serving router's token_produced, "
+        "join, restore, finish, exit, decode; the serving router's token_produced, "
         "journal_appended, journal_synced, token_sent) of that step or a later one "
         "(in-process faults only)"
     )
